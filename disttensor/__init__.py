@@ -1,0 +1,30 @@
+"""disttensor: distributed N-D arrays over MPI, with halos and redistribution."""
+
+from . import random
+from .array import DistArray
+from .creation import arange, asarray, empty, full, make_distribution, ones, zeros
+from .distribution import Distribution, block_boundaries
+from .grid import ProcessGrid
+from .runtime import abort_on_exception
+
+__all__ = [
+    "DistArray",
+    "Distribution",
+    "ProcessGrid",
+    "abort_on_exception",
+    "arange",
+    "asarray",
+    "block_boundaries",
+    "empty",
+    "full",
+    "make_distribution",
+    "ones",
+    "random",
+    "zeros",
+]
+__version__ = "0.1.0"
+
+from .runtime import _install_default as _install  # noqa: E402
+
+_install()
+del _install

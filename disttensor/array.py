@@ -1,0 +1,283 @@
+"""DistArray: a Distribution plus this rank's block, stored with optional halo margins."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import array_namespace, is_numpy, to_numpy
+from .distribution import Distribution
+from .grid import ProcessGrid
+
+__all__ = ["DistArray"]
+
+Margins = tuple[tuple[int, int], ...]
+
+
+def _check_dist(dist: Distribution) -> None:
+    if not isinstance(dist, Distribution):
+        raise TypeError(f"expected a Distribution, got {type(dist).__name__}")
+    if dist.grid is None:
+        raise ValueError("a DistArray needs a Distribution built on a ProcessGrid, not a shape")
+
+
+def root_distribution(shape: tuple[int, ...], grid: ProcessGrid, root: int) -> Distribution:
+    """A Distribution in which rank ``root`` holds the whole array and others nothing."""
+    if not 0 <= root < grid.size:
+        raise ValueError(f"root {root} is not a rank of {grid}")
+    if not shape:
+        return Distribution(shape, grid, ())
+    n, p = shape[0], grid.size
+    cuts = [0] * root + [n] * (p - 1 - root)
+    axes = (tuple(range(grid.ndim)),) + (None,) * (len(shape) - 1)
+    return Distribution(shape, grid, axes, [cuts] + [None] * (len(shape) - 1))
+
+
+class DistArray:
+    """A global N-D array split into blocks over a process grid.
+
+    Each rank stores its block of the global array (:attr:`local`) inside a
+    buffer that may carry halo margins around it; :meth:`exchange_halo` fills
+    those margins from neighbouring blocks. Replicas (ranks that hold the same
+    block) are expected to hold identical values.
+
+    Use the creation functions (:func:`disttensor.zeros`, :meth:`from_global`,
+    :meth:`from_local`, ...) rather than the constructor.
+
+    Parameters
+    ----------
+    buffer : array
+        C-contiguous buffer of shape ``local_shape + lo + hi`` per dimension.
+    dist : Distribution
+        The distribution; its grid gives the communicator.
+    margins : sequence of (int, int), optional
+        Halo margin of the buffer before and after the block, per dimension.
+    """
+
+    __array_priority__ = 100
+
+    def __init__(self, buffer: Any, dist: Distribution, margins: Margins | None = None):
+        _check_dist(dist)
+        margins = margins or ((0, 0),) * dist.ndim
+        local_shape = dist.local_shape()
+        want = tuple(n + lo + hi for n, (lo, hi) in zip(local_shape, margins))
+        if tuple(buffer.shape) != want:
+            raise ValueError(f"buffer shape {tuple(buffer.shape)} does not match {want}")
+        self._buffer = buffer
+        self._margins = tuple((int(lo), int(hi)) for lo, hi in margins)
+        self.dist = dist
+        self.xp: ModuleType = array_namespace(buffer)
+
+    # ----------------------------------------------------------- creation
+    @classmethod
+    def empty(
+        cls,
+        dist: Distribution,
+        dtype: Any = np.float64,
+        *,
+        xp: ModuleType | None = None,
+        margins: Margins | None = None,
+    ) -> DistArray:
+        """Uninitialised array with distribution ``dist`` (local buffers from ``xp``)."""
+        _check_dist(dist)
+        xp = np if xp is None else xp
+        margins = margins or ((0, 0),) * dist.ndim
+        shape = tuple(n + lo + hi for n, (lo, hi) in zip(dist.local_shape(), margins))
+        return cls(xp.empty(shape, dtype=dtype), dist, margins)
+
+    @classmethod
+    def zeros(cls, dist: Distribution, dtype: Any = np.float64, *, xp: ModuleType | None = None,
+              margins: Margins | None = None) -> DistArray:
+        """Array of zeros with distribution ``dist``."""
+        out = cls.empty(dist, dtype, xp=xp, margins=margins)
+        out._buffer[...] = 0
+        return out
+
+    @classmethod
+    def from_local(cls, local: Any, dist: Distribution) -> DistArray:
+        """Wrap this rank's block ``local`` (copied into a contiguous buffer).
+
+        ``local.shape`` must equal ``dist.local_shape()``; it is checked on this
+        rank only (the call makes no communication).
+        """
+        _check_dist(dist)
+        if tuple(local.shape) != dist.local_shape():
+            raise ValueError(
+                f"local block has shape {tuple(local.shape)} but {dist} gives rank "
+                f"{dist.grid.rank} the shape {dist.local_shape()}"
+            )
+        xp = array_namespace(local)
+        return cls(xp.asarray(local, copy=True), dist)
+
+    @classmethod
+    def from_global(cls, array: Any, dist: Distribution, root: int | None = None) -> DistArray:
+        """Distribute a global array.
+
+        Parameters
+        ----------
+        array : array_like
+            The global array. Without ``root`` every rank passes the same array
+            and keeps its block (no communication). With ``root`` only that
+            rank's argument is read (others may pass None) and the blocks are
+            scattered in one collective.
+        dist : Distribution
+            Target distribution; ``array.shape`` must equal its global shape.
+        root : int, optional
+            Rank that holds the data.
+
+        Raises
+        ------
+        ValueError
+            On every rank (with ``root``, after a small broadcast of the shape
+            and dtype) when the shape does not match ``dist``.
+        """
+        _check_dist(dist)
+        if root is None:
+            xp = array_namespace(array)
+            array = xp.asarray(array)
+            if tuple(array.shape) != dist.global_shape:
+                raise ValueError(
+                    f"array of shape {tuple(array.shape)} does not match {dist}"
+                )
+            return cls(xp.asarray(array[dist.local_slices()], copy=True), dist)
+        grid = dist.grid
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < grid.size:
+            raise ValueError(f"root must be a rank of {grid}, got {root!r}")
+        if grid.rank == root:
+            xp = array_namespace(array)
+            array = xp.asarray(array)
+            meta = (tuple(array.shape), np.dtype(array.dtype).str)
+        else:
+            meta = None
+        shape, dtype = grid.comm.bcast(meta, root=root)
+        if shape != dist.global_shape:
+            raise ValueError(f"array of shape {shape} on root {root} does not match {dist}")
+        holder = root_distribution(shape, grid, root)
+        if grid.rank == root:
+            src = cls(xp.asarray(array, copy=True), holder)
+        else:
+            src = cls.empty(holder, np.dtype(dtype))
+        return src.redistribute(dist)
+
+    # ----------------------------------------------------------- properties
+    @property
+    def local(self) -> Any:
+        """This rank's block, a view into the buffer (halo margins excluded)."""
+        if not any(lo or hi for lo, hi in self._margins):
+            return self._buffer
+        return self._buffer[
+            tuple(slice(lo, lo + n) for (lo, _), n in zip(self._margins, self.local_shape))
+        ]
+
+    @property
+    def margins(self) -> Margins:
+        """Halo margin (before, after) of the local buffer, per dimension."""
+        return self._margins
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Global shape."""
+        return self.dist.global_shape
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's block."""
+        return self.dist.local_shape()
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return self.dist.ndim
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the global array."""
+        return math.prod(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Element type."""
+        return np.dtype(self._buffer.dtype)
+
+    @property
+    def grid(self) -> ProcessGrid:
+        """The process grid."""
+        return self.dist.grid
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The grid's communicator."""
+        return self.dist.grid.comm
+
+    # ----------------------------------------------------------- conversions
+    def to_global(self, root: int | None = None) -> Any:
+        """Gather the global array.
+
+        Without ``root`` every rank gets the whole array; with ``root`` only that
+        rank does and the others get None. One collective either way.
+        """
+        if root is None:
+            return self.redistribute(self.dist.replicated()).local
+        target = root_distribution(self.shape, self.grid, root)
+        out = self.redistribute(target).local
+        return out if self.grid.rank == root else None
+
+    def redistribute(self, dist: Distribution) -> DistArray:
+        """This array moved to another Distribution of the same global shape.
+
+        Collective. The plan is computed from the two distributions alone and
+        cached; the data moves in one ``MPI_Alltoallw``.
+        """
+        from .redistribute import redistribution_plan
+
+        _check_dist(dist)
+        return redistribution_plan(self.dist, dist)(self)
+
+    def astype(self, dtype: Any, copy: bool = True) -> DistArray:
+        """Copy with elements cast to ``dtype`` (same distribution)."""
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return DistArray(self.local.astype(dtype, order="C"), self.dist)
+
+    def copy(self) -> DistArray:
+        """Deep copy (same distribution, margins dropped)."""
+        return DistArray(self.local.copy(), self.dist)
+
+    def with_margins(self, margins: Sequence[tuple[int, int]]) -> DistArray:
+        """This array in a buffer with at least ``margins`` of halo room (copies if needed)."""
+        margins = tuple((int(lo), int(hi)) for lo, hi in margins)
+        if all(a >= lo and b >= hi for (a, b), (lo, hi) in zip(self._margins, margins)):
+            return self
+        grown = tuple((max(a, lo), max(b, hi)) for (a, b), (lo, hi) in zip(self._margins, margins))
+        out = DistArray.empty(self.dist, self.dtype, xp=self.xp, margins=grown)
+        out.local[...] = self.local
+        return out
+
+    # ----------------------------------------------------------- host staging
+    def _host_buffer(self) -> np.ndarray:
+        """The buffer as NumPy memory that MPI can read and write."""
+        return self._buffer if is_numpy(self.xp) else np.ascontiguousarray(to_numpy(self._buffer))
+
+    def _host_local(self, host: np.ndarray) -> np.ndarray:
+        return host[tuple(slice(lo, lo + n) for (lo, _), n in zip(self._margins, self.local_shape))]
+
+    def _from_host_buffer(self, host: np.ndarray) -> None:
+        if host is not self._buffer:
+            self._buffer[...] = self.xp.asarray(host)
+
+    # ----------------------------------------------------------- display
+    def __repr__(self) -> str:
+        return (
+            f"DistArray(shape={self.shape}, dtype={self.dtype}, grid={self.dist.grid_shape}, "
+            f"axes={self.dist.axes})"
+        )
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DistArray")
+        return self.shape[0]

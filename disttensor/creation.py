@@ -1,0 +1,131 @@
+"""Array creation: DistArrays filled with constants, ranges or copies of NumPy data."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .array import DistArray
+from .distribution import Distribution
+from .grid import ProcessGrid
+
+__all__ = ["make_distribution", "empty", "zeros", "ones", "full", "arange", "asarray"]
+
+_default_grid: ProcessGrid | None = None
+
+
+def default_grid() -> ProcessGrid:
+    """A 1-D grid over ``MPI.COMM_WORLD`` (created on first use; collective then)."""
+    global _default_grid
+    if _default_grid is None:
+        _default_grid = ProcessGrid.create(1)
+    return _default_grid
+
+
+def make_distribution(
+    shape: int | Sequence[int] | Distribution,
+    *,
+    dist: Distribution | None = None,
+    grid: ProcessGrid | None = None,
+    axes: Sequence[Any] | None = None,
+    splits: Sequence[Any] | None = None,
+) -> Distribution:
+    """The Distribution that creation functions use.
+
+    ``shape`` may itself be a Distribution. Otherwise a Distribution of
+    ``shape`` is built over ``grid`` (a 1-D grid over ``COMM_WORLD`` when
+    omitted) with ``axes`` and ``splits``; with the default grid and no
+    ``axes`` the first dimension is split.
+    """
+    if isinstance(shape, Distribution):
+        dist, shape = shape, None
+    if dist is not None:
+        if shape is not None:
+            shp = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+            if shp != dist.global_shape:
+                raise ValueError(f"shape {shp} does not match {dist}")
+        if grid is not None or axes is not None or splits is not None:
+            raise ValueError("give either dist= or grid/axes/splits, not both")
+        return dist
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    shape = tuple(shape)
+    if grid is None:
+        grid = default_grid()
+        if axes is None:
+            axes = tuple(0 if i == 0 else None for i in range(len(shape)))
+    return Distribution(shape, grid, axes, splits)
+
+
+def empty(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
+          **dist_kw: Any) -> DistArray:
+    """Uninitialised DistArray (see :func:`make_distribution` for the layout keywords)."""
+    return DistArray.empty(make_distribution(shape, **dist_kw), np.dtype(dtype), xp=xp)
+
+
+def zeros(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
+          **dist_kw: Any) -> DistArray:
+    """DistArray of zeros, like :func:`numpy.zeros`.
+
+    Examples
+    --------
+    >>> x = zeros((8, 6), grid=ProcessGrid((2, 1)), axes=(0, None))  # doctest: +SKIP
+    """
+    return full(shape, 0, dtype, xp=xp, **dist_kw)
+
+
+def ones(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
+         **dist_kw: Any) -> DistArray:
+    """DistArray of ones, like :func:`numpy.ones`."""
+    return full(shape, 1, dtype, xp=xp, **dist_kw)
+
+
+def full(shape: Any, fill_value: Any, dtype: Any = None, *, xp: ModuleType | None = None,
+         **dist_kw: Any) -> DistArray:
+    """DistArray filled with ``fill_value``, like :func:`numpy.full`."""
+    dtype = np.asarray(fill_value).dtype if dtype is None else np.dtype(dtype)
+    out = DistArray.empty(make_distribution(shape, **dist_kw), dtype, xp=xp)
+    out.local[...] = fill_value
+    return out
+
+
+def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any = None, *,
+           xp: ModuleType | None = None, **dist_kw: Any) -> DistArray:
+    """1-D DistArray of evenly spaced values, like :func:`numpy.arange`."""
+    if stop is None:
+        start, stop = 0, start
+    if step == 0:
+        raise ValueError("arange: step must not be zero")
+    n = max(0, int(np.ceil((stop - start) / step)))
+    if dtype is None:
+        dtype = np.arange(start, start + step, step).dtype
+    dist = make_distribution((n,), **dist_kw)
+    out = DistArray.empty(dist, dtype, xp=xp)
+    sl = dist.local_slices()[0]
+    local_index = out.xp.arange(sl.start, sl.stop)
+    out.local[...] = start + step * local_index
+    return out
+
+
+def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = None,
+            **dist_kw: Any) -> DistArray:
+    """Distribute ``array`` (every rank passes the same one, or only ``root``).
+
+    A DistArray is returned as it is when it already has the distribution, and
+    redistributed when it has another.
+    """
+    if isinstance(array, DistArray):
+        if dist is None or array.dist == dist:
+            return array
+        return array.redistribute(dist)
+    if dist is None:
+        if root is None:
+            shape = np.shape(array)
+        else:
+            comm = (dist_kw.get("grid") or default_grid()).comm
+            shape = comm.bcast(np.shape(array) if comm.Get_rank() == root else None, root=root)
+        dist = make_distribution(shape, **dist_kw)
+    return DistArray.from_global(array, dist, root=root)

@@ -1,0 +1,155 @@
+"""Process grids: a Cartesian arrangement of the ranks of a communicator."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from mpi4py import MPI
+
+__all__ = ["ProcessGrid", "coords_of", "rank_of"]
+
+
+def coords_of(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """Grid coordinates of ``rank`` in a row-major grid of ``shape`` (pure)."""
+    coords = []
+    for extent in reversed(shape):
+        coords.append(rank % extent)
+        rank //= extent
+    return tuple(reversed(coords))
+
+
+def rank_of(coords: Sequence[int], shape: Sequence[int]) -> int:
+    """Rank at ``coords`` in a row-major grid of ``shape`` (pure)."""
+    rank = 0
+    for c, extent in zip(coords, shape):
+        rank = rank * extent + c
+    return rank
+
+
+def _normalize_shape(shape: int | Iterable[int]) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError as exc:
+        raise TypeError(f"grid shape must be a sequence of ints, got {shape!r}") from exc
+    if len(shape) == 0:
+        raise ValueError("grid shape must have at least one axis")
+    if any(s < 1 for s in shape):
+        raise ValueError(f"grid shape entries must be >= 1, got {shape}")
+    return shape
+
+
+class ProcessGrid:
+    """A Cartesian grid of the ranks of a communicator.
+
+    Ranks are laid out in row-major (C) order: the rank of a process in the
+    grid equals its rank in ``comm``, and its coordinates are
+    ``numpy.unravel_index(rank, shape)``.
+
+    Parameters
+    ----------
+    shape : int or sequence of int
+        Number of processes along each grid axis. Its product must equal the
+        size of ``comm``.
+    comm : mpi4py.MPI.Intracomm, optional
+        The communicator to arrange; ``MPI.COMM_WORLD`` by default.
+
+    Raises
+    ------
+    ValueError
+        On every rank, before any communication, if the product of ``shape``
+        differs from the communicator size.
+
+    Examples
+    --------
+    >>> grid = ProcessGrid((2, 2))          # doctest: +SKIP
+    >>> grid.coords, grid.neighbor(0, +1)   # doctest: +SKIP
+    """
+
+    def __init__(self, shape: int | Iterable[int], comm: MPI.Intracomm | None = None):
+        self.shape = _normalize_shape(shape)
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        if math.prod(self.shape) != self.comm.Get_size():
+            raise ValueError(
+                f"process grid {self.shape} has {math.prod(self.shape)} processes but "
+                f"the communicator has {self.comm.Get_size()}"
+            )
+        self.rank = self.comm.Get_rank()
+        self.coords = coords_of(self.rank, self.shape)
+        self._subcomms: dict[tuple[int, ...], MPI.Intracomm] = {}
+
+    @classmethod
+    def create(cls, ndim: int = 1, comm: MPI.Intracomm | None = None) -> ProcessGrid:
+        """A balanced ``ndim``-axis grid over ``comm`` (``MPI.Compute_dims``)."""
+        comm = MPI.COMM_WORLD if comm is None else comm
+        return cls(MPI.Compute_dims(comm.Get_size(), ndim), comm)
+
+    @property
+    def ndim(self) -> int:
+        """Number of grid axes."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of processes in the grid."""
+        return math.prod(self.shape)
+
+    def coords_of(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of ``rank``."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not in a grid of {self.size} processes")
+        return coords_of(rank, self.shape)
+
+    def rank_of(self, coords: Sequence[int]) -> int:
+        """Rank at ``coords``; each coordinate must lie inside the grid."""
+        if len(coords) != self.ndim or any(
+            not 0 <= c < s for c, s in zip(coords, self.shape)
+        ):
+            raise ValueError(f"coordinates {tuple(coords)} are outside grid {self.shape}")
+        return rank_of(coords, self.shape)
+
+    def neighbor(self, axis: int, offset: int, periodic: bool = False) -> int | None:
+        """Rank ``offset`` steps away along ``axis``; None off the edge unless ``periodic``."""
+        c = list(self.coords)
+        c[axis] += offset
+        if periodic:
+            c[axis] %= self.shape[axis]
+        elif not 0 <= c[axis] < self.shape[axis]:
+            return None
+        return rank_of(c, self.shape)
+
+    def subcomm(self, axes: int | Iterable[int]) -> MPI.Intracomm:
+        """Communicator of the ranks that differ only along ``axes``.
+
+        This is collective over the grid the first time a given set of axes is
+        requested; the communicator is cached afterwards. With ``axes=()`` each
+        rank gets a communicator of its own (``MPI.COMM_SELF``).
+        """
+        if isinstance(axes, int):
+            axes = (axes,)
+        key = tuple(sorted({int(a) % self.ndim for a in axes}))
+        if key not in self._subcomms:
+            if not key:
+                self._subcomms[key] = MPI.COMM_SELF
+            else:
+                color = rank_of(
+                    [0 if a in key else c for a, c in enumerate(self.coords)], self.shape
+                )
+                self._subcomms[key] = self.comm.Split(color, self.rank)
+        return self._subcomms[key]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ProcessGrid):
+            return NotImplemented
+        return self is other or (
+            self.shape == other.shape
+            and MPI.Comm.Compare(self.comm, other.comm) in (MPI.IDENT, MPI.CONGRUENT)
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.shape)
+
+    def __repr__(self) -> str:
+        return f"ProcessGrid(shape={self.shape}, size={self.size})"
