@@ -5,6 +5,8 @@ from .array import DistArray
 from .creation import arange, asarray, empty, full, make_distribution, ones, zeros
 from .distribution import Distribution, block_boundaries
 from .grid import ProcessGrid
+from .halo import halo_accumulate, halo_plan
+from .redistribute import redistribution_plan
 from .runtime import abort_on_exception
 
 __all__ = [
@@ -17,9 +19,12 @@ __all__ = [
     "block_boundaries",
     "empty",
     "full",
+    "halo_accumulate",
+    "halo_plan",
     "make_distribution",
     "ones",
     "random",
+    "redistribution_plan",
     "zeros",
 ]
 __version__ = "0.1.0"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -248,15 +247,74 @@ class DistArray:
         """Deep copy (same distribution, margins dropped)."""
         return DistArray(self.local.copy(), self.dist)
 
-    def with_margins(self, margins: Sequence[tuple[int, int]]) -> DistArray:
-        """This array in a buffer with at least ``margins`` of halo room (copies if needed)."""
-        margins = tuple((int(lo), int(hi)) for lo, hi in margins)
-        if all(a >= lo and b >= hi for (a, b), (lo, hi) in zip(self._margins, margins)):
-            return self
-        grown = tuple((max(a, lo), max(b, hi)) for (a, b), (lo, hi) in zip(self._margins, margins))
-        out = DistArray.empty(self.dist, self.dtype, xp=self.xp, margins=grown)
-        out.local[...] = self.local
-        return out
+    # ----------------------------------------------------------- halos
+    def reserve_halo(self, widths: Any) -> None:
+        """Grow the buffer's margins to at least ``widths`` (one copy, only if needed).
+
+        After this, :meth:`exchange_halo` with these widths copies no interior
+        data. Views of :attr:`local` taken before a growth no longer alias the
+        array.
+        """
+        from .halo import normalize_widths
+
+        self._reserve(normalize_widths(widths, self.ndim))
+
+    def _reserve(self, widths: Margins) -> None:
+        if all(a >= lo and b >= hi for (a, b), (lo, hi) in zip(self._margins, widths)):
+            return
+        grown = tuple((max(a, lo), max(b, hi)) for (a, b), (lo, hi) in zip(self._margins, widths))
+        shape = tuple(n + lo + hi for n, (lo, hi) in zip(self.local_shape, grown))
+        buffer = self.xp.empty(shape, dtype=self.dtype)
+        buffer[tuple(slice(lo, lo + n) for (lo, _), n in zip(grown, self.local_shape))] = (
+            self.local
+        )
+        self._buffer, self._margins = buffer, grown
+
+    def _extended(self, widths: Margins) -> Any:
+        """View of the buffer: the block extended by ``widths`` (within the margins)."""
+        return self._buffer[
+            tuple(
+                slice(m - lo, m + n + hi)
+                for (m, _), (lo, hi), n in zip(self._margins, widths, self.local_shape)
+            )
+        ]
+
+    def exchange_halo(self, widths: Any, mode: str = "constant", constant_values: Any = 0,
+                      *, copy: bool = False) -> Any:
+        """This rank's block extended by ``widths``, filled as :func:`numpy.pad` would.
+
+        Collective over the grid. The result holds exactly the values that
+        ``numpy.pad(global_array, widths, mode, constant_values=...)`` has at
+        the positions of this block extended by ``widths``.
+
+        Parameters
+        ----------
+        widths : int, (int, int) or sequence of (int, int)
+            Halo width before and after the block per dimension, read like
+            ``numpy.pad``'s ``pad_width``. Widths may exceed a neighbour's block.
+        mode : {'constant', 'wrap', 'reflect', 'symmetric', 'edge'}
+            Values beyond the global edges, with ``numpy.pad``'s meaning.
+        constant_values : scalar or pairs
+            Fill value(s) for ``mode='constant'``, as in ``numpy.pad``.
+        copy : bool
+            Return a copy instead of a view.
+
+        Returns
+        -------
+        array
+            By default a view into this array's storage (its halo margins, grown
+            once if too small): it stays valid until the next exchange.
+
+        See Also
+        --------
+        disttensor.halo.HaloPlan : the reusable plan, with a non-blocking form.
+        disttensor.halo_accumulate : the adjoint.
+        """
+        from .halo import halo_plan, normalize_widths
+
+        plan = halo_plan(self.dist, normalize_widths(widths, self.ndim), mode)
+        ext = plan.exchange(self, constant_values)
+        return ext.copy() if copy else ext
 
     # ----------------------------------------------------------- host staging
     def _host_buffer(self) -> np.ndarray:

@@ -79,12 +79,24 @@ class ProcessGrid:
         self.rank = self.comm.Get_rank()
         self.coords = coords_of(self.rank, self.shape)
         self._subcomms: dict[tuple[int, ...], MPI.Intracomm] = {}
+        self._p2p: MPI.Intracomm | None = None
 
     @classmethod
     def create(cls, ndim: int = 1, comm: MPI.Intracomm | None = None) -> ProcessGrid:
         """A balanced ``ndim``-axis grid over ``comm`` (``MPI.Compute_dims``)."""
         comm = MPI.COMM_WORLD if comm is None else comm
         return cls(MPI.Compute_dims(comm.Get_size(), ndim), comm)
+
+    @property
+    def p2p_comm(self) -> MPI.Intracomm:
+        """A duplicate of ``comm`` reserved for the library's point-to-point messages.
+
+        Created (collectively) on first use, so that halo traffic never matches
+        a user's own messages on ``comm``.
+        """
+        if self._p2p is None:
+            self._p2p = self.comm.Dup()
+        return self._p2p
 
     @property
     def ndim(self) -> int:
