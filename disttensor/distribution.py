@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 
@@ -84,7 +85,7 @@ class Distribution:
         axes: Sequence[AxisSpec] | None = None,
         splits: Sequence[Sequence[int] | None] | None = None,
     ):
-        if isinstance(global_shape, int):
+        if isinstance(global_shape, numbers.Integral):  # a single int, NumPy ints included
             global_shape = (global_shape,)
         shape = tuple(_as_int(s, "a global shape entry") for s in global_shape)
         if any(s < 0 for s in shape):

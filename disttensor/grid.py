@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
@@ -28,10 +30,11 @@ def rank_of(coords: Sequence[int], shape: Sequence[int]) -> int:
 
 
 def _normalize_shape(shape: int | Iterable[int]) -> tuple[int, ...]:
-    if isinstance(shape, int):
+    if isinstance(shape, numbers.Integral):  # a single int, NumPy integers included
         shape = (shape,)
     try:
-        shape = tuple(int(s) for s in shape)
+        # operator.index, not int: 2.5 or "2" must not pass for a grid extent
+        shape = tuple(operator.index(s) for s in shape)
     except TypeError as exc:
         raise TypeError(f"grid shape must be a sequence of ints, got {shape!r}") from exc
     if len(shape) == 0:
