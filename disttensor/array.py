@@ -226,16 +226,17 @@ class DistArray:
         out = self.redistribute(target).local
         return out if self.grid.rank == root else None
 
-    def redistribute(self, dist: Distribution) -> DistArray:
+    def redistribute(self, dist: Distribution, out: DistArray | None = None) -> DistArray:
         """This array moved to another Distribution of the same global shape.
 
         Collective. The plan is computed from the two distributions alone and
-        cached; the data moves in one ``MPI_Alltoallw``.
+        cached; the data moves in one collective. ``out`` (with ``dist`` and this
+        dtype) receives the result when given.
         """
         from .redistribute import redistribution_plan
 
         _check_dist(dist)
-        return redistribution_plan(self.dist, dist)(self)
+        return redistribution_plan(self.dist, dist)(self, out)
 
     def astype(self, dtype: Any, copy: bool = True) -> DistArray:
         """Copy with elements cast to ``dtype`` (same distribution)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,9 @@ class RedistributionPlan:
     Every rank derives every message from the two Distributions alone: no
     metadata is exchanged. Running the plan costs one ``MPI_Alltoallw`` whose
     datatypes select each piece straight out of the local buffers (no packing
-    copies); peers that exchange nothing get zero counts.
+    copies); peers that exchange nothing get zero counts, the piece a rank
+    keeps is copied locally, and when no rank needs data from another the
+    collective is skipped altogether (every rank can tell from the metadata).
 
     Parameters
     ----------
@@ -87,37 +90,58 @@ class RedistributionPlan:
             inter = src.intersection(dst, s, me)
             if inter is not None:
                 recvs.append((s, _local(inter, dst_start)))
-        self.sends, self.recvs = sends, recvs
-        self.local_only = src.dim_axes == dst.dim_axes and src.boundaries == dst.boundaries
+        # The piece this rank keeps is copied locally, outside the collective.
+        self.keep: tuple[tuple[slice, ...], tuple[slice, ...]] | None = None
+        for (r, s_sl), (q, d_sl) in itertools.product(sends, recvs):
+            if r == me and q == me:
+                self.keep = (s_sl, d_sl)
+        self.sends = [pc for pc in sends if pc[0] != me]
+        self.recvs = [pc for pc in recvs if pc[0] != me]
+        # When every rank's new block lies inside its old one, no rank sends anything.
+        self.local_only = all(
+            all(a.start <= b.start and b.stop <= a.stop or b.start >= b.stop
+                for a, b in zip(src.local_slices(r), dst.local_slices(r)))
+            for r in range(nprocs)
+        )
 
     # ------------------------------------------------------------ execution
-    def _types(self, base: np.ndarray, local: np.ndarray, pieces: list[Piece]):
+    def _alltoallw(self, sbase: np.ndarray, sends: list, rbase: np.ndarray, recvs: list) -> None:
+        """One ``Alltoallw``; ``sends``/``recvs`` are (peer, view into the base) pairs."""
         n = self.comm.Get_size()
-        counts, types = [0] * n, [MPI.BYTE] * n
-        for peer, sl in pieces:
-            view = local[sl]
-            if view.size:
-                counts[peer], types[peer] = 1, view_datatype(base, view)
-        return counts, types
+        zeros = [0] * n
+        spec = []
+        for base, pairs in ((sbase, sends), (rbase, recvs)):
+            counts, types = [0] * n, [MPI.BYTE] * n
+            for peer, view in pairs:
+                if view.size:
+                    counts[peer], types[peer] = 1, view_datatype(base, view)
+            spec.append([base, (counts, zeros), types])
+        self.comm.Alltoallw(*spec)
 
-    def _exchange(self, sbase, slocal, spieces, rbase, rlocal, rpieces) -> None:
-        scounts, stypes = self._types(sbase, slocal, spieces)
-        rcounts, rtypes = self._types(rbase, rlocal, rpieces)
-        zeros = [0] * len(scounts)
-        self.comm.Alltoallw([sbase, (scounts, zeros), stypes], [rbase, (rcounts, zeros), rtypes])
+    def __call__(self, x: DistArray, out: DistArray | None = None) -> DistArray:
+        """Return ``x`` redistributed to ``dst``, in ``out`` if given (else a new array).
 
-    def __call__(self, x: DistArray) -> DistArray:
-        """Return ``x`` redistributed to ``dst`` (a new array)."""
+        ``out`` must have distribution ``dst`` and the dtype of ``x``; reusing it
+        across calls saves an allocation per call.
+        """
         from .array import DistArray
 
         if x.dist != self.src:
             raise ValueError(f"plan is for {self.src}, got an array with {x.dist}")
-        out = DistArray.empty(self.dst, dtype=x.dtype, xp=x.xp)
+        if out is None:
+            out = DistArray.empty(self.dst, dtype=x.dtype, xp=x.xp)
+        elif out.dist != self.dst or out.dtype != x.dtype:
+            raise ValueError(
+                f"out must have {self.dst} and dtype {x.dtype}, got {out.dist} and {out.dtype}"
+            )
+        if self.keep is not None:
+            out.local[self.keep[1]] = x.local[self.keep[0]]
         if self.local_only:
-            out.local[...] = x.local
             return out
         xb, ob = x._host_buffer(), out._host_buffer()
-        self._exchange(xb, x._host_local(xb), self.sends, ob, out._host_local(ob), self.recvs)
+        xl, ol = x._host_local(xb), out._host_local(ob)
+        self._alltoallw(xb, [(p, xl[sl]) for p, sl in self.sends],
+                        ob, [(p, ol[sl]) for p, sl in self.recvs])
         out._from_host_buffer(ob)
         return out
 
@@ -134,28 +158,21 @@ class RedistributionPlan:
         if y.dist != self.dst:
             raise ValueError(f"plan maps to {self.dst}, got an array with {y.dist}")
         out = DistArray.zeros(self.src, dtype=y.dtype, xp=y.xp)
+        if self.keep is not None:
+            out.local[self.keep[0]] += y.local[self.keep[1]]
         if self.local_only:
-            out.local[...] = y.local
             return out
+        # Receive each returning piece into its own slot of one temporary buffer.
         shapes = [tuple(s.stop - s.start for s in sl) for _, sl in self.sends]
-        total = sum(int(np.prod(s)) for s in shapes)
-        tmp = np.empty(total, dtype=y.dtype)
-        pieces, views, off = [], [], 0
-        for (peer, _), shp in zip(self.sends, shapes):
-            size = int(np.prod(shp))
-            views.append(tmp[off : off + size].reshape(shp))
-            pieces.append((peer, tuple(slice(None) for _ in shp)))
-            off += size
+        tmp = np.empty(sum(math.prod(shp) for shp in shapes), dtype=y.dtype)
+        views, off = [], 0
+        for shp in shapes:
+            views.append(tmp[off : off + math.prod(shp)].reshape(shp))
+            off += math.prod(shp)
         yb = y._host_buffer()
-        ylocal = y._host_local(yb)
-        scounts, stypes = self._types(yb, ylocal, self.recvs)
-        n = self.comm.Get_size()
-        rcounts, rtypes = [0] * n, [MPI.BYTE] * n
-        for (peer, _), v in zip(self.sends, views):
-            if v.size:
-                rcounts[peer], rtypes[peer] = 1, view_datatype(tmp, v)
-        zeros = [0] * n
-        self.comm.Alltoallw([yb, (scounts, zeros), stypes], [tmp, (rcounts, zeros), rtypes])
+        yl = y._host_local(yb)
+        self._alltoallw(yb, [(p, yl[sl]) for p, sl in self.recvs],
+                        tmp, [(p, v) for (p, _), v in zip(self.sends, views)])
         ob = out._host_buffer()
         olocal = out._host_local(ob)
         for (_, sl), v in zip(self.sends, views):

@@ -1,0 +1,74 @@
+"""Shared helpers for the benchmark scripts: timing, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpi4py import MPI
+
+
+def time_collective(fn: Callable[[], Any], comm: MPI.Comm, reps: int, warmup: int = 2) -> float:
+    """Median over ``reps`` of the slowest rank's wall time of ``fn()`` (seconds)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(comm.allreduce(dt, op=MPI.MAX))
+    return statistics.median(times)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], comm: MPI.Comm, reps: int) -> dict[str, float]:
+    """Median times of several functions measured in alternation (fair under noise)."""
+    for fn in fns.values():
+        fn()
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            samples[k].append(comm.allreduce(dt, op=MPI.MAX))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Print ``rows`` as an aligned text table."""
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(fmt(r[c]).ljust(w) for c, w in zip(columns, widths)))
+
+
+def write_json(name: str, rows: list[dict[str, Any]], **meta: Any) -> str:
+    """Write ``rows`` and run metadata to ``benchmarks/results/NAME.json``; return the path."""
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    info = {
+        "benchmark": name,
+        "ranks": MPI.COMM_WORLD.Get_size(),
+        "mpi": MPI.Get_library_version().splitlines()[0],
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **meta,
+    }
+    with open(path, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=2)
+    return path
