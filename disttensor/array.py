@@ -12,6 +12,7 @@ from mpi4py import MPI
 from .backend import array_namespace, is_numpy, to_numpy
 from .distribution import Distribution
 from .grid import ProcessGrid
+from .ops import ArrayOperators
 
 __all__ = ["DistArray"]
 
@@ -37,7 +38,7 @@ def root_distribution(shape: tuple[int, ...], grid: ProcessGrid, root: int) -> D
     return Distribution(shape, grid, axes, [cuts] + [None] * (len(shape) - 1))
 
 
-class DistArray:
+class DistArray(ArrayOperators):
     """A global N-D array split into blocks over a process grid.
 
     Each rank stores its block of the global array (:attr:`local`) inside a
