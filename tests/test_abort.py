@@ -1,0 +1,79 @@
+"""An exception on one rank must end the whole MPI job instead of leaving the others hanging.
+
+``import disttensor`` installs an excepthook that calls ``MPI_Abort`` when the
+job has more than one rank. This serial test starts a 3-rank job in which rank
+1 raises while ranks 0 and 2 wait in a barrier that rank 1 never reaches.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    from mpi4py import MPI
+
+    import disttensor  # noqa: F401  (installs the abort-on-exception hook)
+
+    comm = MPI.COMM_WORLD
+    assert comm.Get_size() == 3, comm.Get_size()
+    comm.Barrier()  # everybody is up
+    if comm.Get_rank() == 1:
+        raise RuntimeError("deliberate failure on rank 1 (disttensor abort test)")
+    comm.Barrier()  # ranks 0 and 2 wait here for rank 1 forever, unless the job aborts
+    print(f"rank {comm.Get_rank()} passed the barrier", flush=True)
+    """
+)
+
+TIMEOUT = 30.0
+
+
+def _mpiexec():
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return here
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec found")
+    return found
+
+
+def _clean_env():
+    """The environment without the variables of an enclosing MPI job (if any)."""
+    drop = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "OMPI_", "_PYTEST_MPI")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MPIEXEC_TIMEOUT"] = str(int(3 * TIMEOUT))  # a last resort if everything else fails
+    return env
+
+
+def test_exception_on_one_rank_aborts_the_job(tmp_path):
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text(SCRIPT)
+    cmd = [_mpiexec(), "-n", "3", sys.executable, str(script)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=_clean_env(), start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"the job did not end within {TIMEOUT} s: the ranks waiting in the barrier hang\n"
+            f"stdout:\n{out}\nstderr:\n{err}"
+        )
+    elapsed = time.monotonic() - t0
+    report = f"exit {proc.returncode} after {elapsed:.1f} s\nstdout:\n{out}\nstderr:\n{err}"
+    assert proc.returncode != 0, report
+    assert "RuntimeError: deliberate failure on rank 1" in err, report
+    assert "uncaught RuntimeError on rank 1" in err, report
+    assert "passed the barrier" not in out, report
