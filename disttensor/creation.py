@@ -101,7 +101,7 @@ def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any 
         raise ValueError("arange: step must not be zero")
     n = max(0, int(np.ceil((stop - start) / step)))
     if dtype is None:
-        dtype = np.arange(start, start + step, step).dtype
+        dtype = np.result_type(np.asarray(start), np.asarray(stop), np.asarray(step))
     dist = make_distribution((n,), **dist_kw)
     out = DistArray.empty(dist, dtype, xp=xp)
     sl = dist.local_slices()[0]

@@ -19,12 +19,13 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 def _mix(x: Any, key: np.uint64) -> Any:
     """SplitMix64 finaliser of ``x * golden + key``: a stateless 64-bit hash."""
-    z = x * _GOLDEN + key
-    z ^= z >> np.uint64(30)
-    z *= _M1
-    z ^= z >> np.uint64(27)
-    z *= _M2
-    z ^= z >> np.uint64(31)
+    with np.errstate(over="ignore"):  # wrapping multiplication is the point
+        z = x * _GOLDEN + key
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
     return z
 
 
