@@ -72,6 +72,7 @@ class DistArray(ArrayOperators):
         self._margins = tuple((int(lo), int(hi)) for lo, hi in margins)
         self.dist = dist
         self.xp: ModuleType = array_namespace(buffer)
+        self._halo_key: object | None = None  # identifies the last halo fill
 
     # ----------------------------------------------------------- creation
     @classmethod
@@ -271,6 +272,7 @@ class DistArray(ArrayOperators):
             self.local
         )
         self._buffer, self._margins = buffer, grown
+        self._halo_key = None
 
     def _extended(self, widths: Margins) -> Any:
         """View of the buffer: the block extended by ``widths`` (within the margins)."""

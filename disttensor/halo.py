@@ -302,6 +302,7 @@ class HaloRequest:
 
     def _post(self) -> None:
         if self._next >= len(self.plan.dims):
+            self.x._halo_key = object()  # a new fill: layers compare it to detect overwrites
             return
         plan, ext = self.plan, self.ext
         dp = plan.dims[self._next]

@@ -1,0 +1,1 @@
+"""Local compute kernels, one module per array backend."""

@@ -1,0 +1,130 @@
+"""Distributed N-D convolution (Conv1d, Conv2d, Conv3d) over sample and spatial splits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from disttensor import DistArray
+
+from ..kernels import numpy_kernels as K
+from ..module import Parameter, allreduce_, check_input, split_axes_comm
+from ..window import WindowSpec
+from .window_layer import PADDING_MODES, WindowLayer
+
+__all__ = ["ConvNd", "Conv1d", "Conv2d", "Conv3d"]
+
+
+class ConvNd(WindowLayer):
+    """N-D convolution (cross-correlation) of a DistArray split over N and spatial dims.
+
+    Arguments follow ``torch.nn.ConvNd``. Any kernel size (odd or even), stride,
+    padding (an int, a ``(before, after)`` pair per dimension, ``'same'`` or
+    ``'valid'``), dilation and groups are supported on any split of the
+    sample and spatial dimensions; the channel dimension must not be split.
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+    kernel_size, stride, padding, dilation : int or tuple
+    groups : int
+    bias : bool
+    padding_mode : {'zeros', 'reflect', 'circular', 'replicate'}
+        Values beyond the global edges, applied by the halo exchange.
+    overlap : bool
+        Overlap the forward halo exchange with the interior computation.
+    dtype : dtype
+        Parameter dtype; inputs must match it.
+    seed : int
+        Seed of the weight initialisation (PyTorch's default uniform bounds);
+        identical on every rank.
+    """
+
+    nd = 0
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
+                 padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
+                 padding_mode: str = "zeros", *, overlap: bool = False,
+                 dtype: Any = np.float32, seed: int = 0):
+        if groups < 1 or in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"in_channels ({in_channels}) and out_channels ({out_channels}) must be "
+                f"divisible by groups ({groups})"
+            )
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"padding_mode must be one of {list(PADDING_MODES)}, "
+                             f"got {padding_mode!r}")
+        self.spec = WindowSpec.make(self.nd, kernel_size, stride, padding, dilation)
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.mode = PADDING_MODES[padding_mode]
+        self.padding_mode = padding_mode
+        self.overlap = overlap
+        self.dtype = np.dtype(dtype)
+        fan_in = in_channels // groups * int(np.prod(self.spec.kernel))
+        bound = 1.0 / np.sqrt(fan_in)
+        rng = np.random.default_rng(seed)
+        shape = (out_channels, in_channels // groups, *self.spec.kernel)
+        self.weight = Parameter(rng.uniform(-bound, bound, shape).astype(self.dtype))
+        self.bias = Parameter(rng.uniform(-bound, bound, out_channels).astype(self.dtype)) \
+            if bias else None
+
+    def own_parameters(self) -> list[Parameter]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def _check(self, x: DistArray) -> None:
+        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype)
+
+    def _channels_out(self, c_in: int) -> int:
+        return self.out_channels
+
+    def _kernel_forward(self, xwin: np.ndarray) -> np.ndarray:
+        b = self.bias.data if self.bias is not None else None
+        return K.conv_forward(xwin, self.weight.data, b, self.spec.stride, self.spec.dilation,
+                              self.groups)
+
+    def _kernel_backward(self, dy: np.ndarray, xwin: np.ndarray) -> np.ndarray:
+        dx, dw, db = K.conv_backward(dy, xwin, self.weight.data, self.spec.stride,
+                                     self.spec.dilation, self.groups)
+        self._local_grads = (dw, db)
+        return dx
+
+    def backward(self, dy: DistArray) -> DistArray:
+        self._local_grads = (np.zeros_like(self.weight.data),
+                             np.zeros(self.out_channels, self.dtype))
+        return super().backward(dy)
+
+    def _after_backward(self, dy: DistArray) -> None:
+        # Every rank that splits the input over N or space holds part of the sum.
+        dw, db = self._local_grads
+        comm = split_axes_comm(dy.dist)
+        flat = np.concatenate([dw.ravel(), db.ravel()])
+        allreduce_(flat, comm)
+        self.weight.grad += flat[:dw.size].reshape(dw.shape).astype(self.dtype, copy=False)
+        if self.bias is not None:
+            self.bias.grad += flat[dw.size:].astype(self.dtype, copy=False)
+        self._local_grads = None
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"{type(self).__name__}({self.in_channels}, {self.out_channels}, "
+                f"kernel_size={s.kernel}, stride={s.stride}, padding={s.padding}, "
+                f"dilation={s.dilation}, groups={self.groups})")
+
+
+class Conv1d(ConvNd):
+    """1-D convolution of (N, C, L) DistArrays; see :class:`ConvNd`."""
+
+    nd = 1
+
+
+class Conv2d(ConvNd):
+    """2-D convolution of (N, C, H, W) DistArrays; see :class:`ConvNd`."""
+
+    nd = 2
+
+
+class Conv3d(ConvNd):
+    """3-D convolution of (N, C, D, H, W) DistArrays; see :class:`ConvNd`."""
+
+    nd = 3

@@ -1,0 +1,108 @@
+"""The shared machinery of convolution and pooling: halo in, local kernel on boxes, halo adjoint out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from disttensor import DistArray, halo_plan
+from disttensor.halo import halo_accumulate
+
+from ..module import Layer, check_input
+from ..window import WindowGeometry, WindowSpec, geometry
+
+__all__ = ["WindowLayer", "PADDING_MODES"]
+
+# PyTorch's padding_mode names -> numpy.pad / halo exchange modes
+PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "circular": "wrap",
+                 "replicate": "edge"}
+
+
+class WindowLayer(Layer):
+    """A layer that applies a local kernel to every window of a spatially split input.
+
+    Forward: exchange the halo (its widths derived from the output side),
+    then run the local kernel on this rank's output box; with ``overlap`` the
+    exchange runs while the kernel computes the outputs that need no halo,
+    and the boundary slabs follow. Backward: the local backward kernel gives
+    the gradient over the extended block, and the halo adjoint sums its halo
+    cells back into their owners.
+
+    Subclasses define ``_kernel_forward(xwin) -> y`` and
+    ``_kernel_backward(dy, xwin) -> dxwin`` on local arrays, ``_channels_out``
+    and ``_pad_value``.
+    """
+
+    nd: int
+    spec: WindowSpec
+    mode: str = "constant"
+    overlap: bool = False
+
+    def _pad_value(self) -> float:
+        return 0.0
+
+    def _channels_out(self, c_in: int) -> int:
+        return c_in
+
+    def _check(self, x: DistArray) -> None:
+        check_input(x, self.nd + 2, type(self).__name__)
+
+    def output_distribution(self, in_dist):
+        """Distribution of the output for an input distributed as ``in_dist``."""
+        geo = geometry(self.spec, in_dist)
+        shape = list(geo.out_dist.global_shape)
+        shape[1] = self._channels_out(shape[1])
+        d = geo.out_dist
+        splits = [None if len(b) == 2 else list(b[1:-1]) for b in d.boundaries]
+        return type(d)(tuple(shape), d._grid_arg, d.dim_axes, splits)
+
+    # ------------------------------------------------------------ forward
+    def forward(self, x: DistArray) -> DistArray:
+        self._check(x)
+        geo = geometry(self.spec, x.dist)
+        plan = halo_plan(x.dist, geo.widths, self.mode)
+        out = DistArray.empty(self.output_distribution(x.dist), self._out_dtype(x))
+        y = out.local
+        boxes = [geo.out_box]
+        if self.overlap:
+            request = plan.start(x, self._pad_value())
+            inner = geo.interior_box()
+            if all(b > a for a, b in inner):
+                self._run_box(request.ext, geo, inner, y)
+            ext = request.finish()
+            boxes = geo.boundary_boxes()
+        else:
+            ext = plan.exchange(x, self._pad_value())
+        for box in boxes:
+            self._run_box(ext, geo, box, y)
+        self._saved = (x, geo, plan, x._halo_key)
+        return out
+
+    def _out_dtype(self, x: DistArray) -> np.dtype:
+        return x.dtype
+
+    def _run_box(self, ext: np.ndarray, geo: WindowGeometry, box, y: np.ndarray) -> None:
+        if not all(b > a for a, b in box):
+            return
+        local = tuple(slice(a - o0, b - o0) for (a, b), (o0, _) in zip(box, geo.out_box))
+        y[(slice(None), slice(None)) + local] = self._kernel_forward(ext[geo.input_slices(box)])
+
+    # ------------------------------------------------------------ backward
+    def _extended_input(self) -> tuple[DistArray, WindowGeometry, Any, np.ndarray]:
+        x, geo, plan, key = self._saved
+        if x._halo_key != key or key is None:  # the halo was overwritten since forward
+            plan.exchange(x, self._pad_value())
+        return x, geo, plan, x._extended(geo.widths)
+
+    def backward(self, dy: DistArray) -> DistArray:
+        x, geo, plan, ext = self._extended_input()
+        sl = geo.input_slices(geo.out_box)
+        dext = np.zeros(ext.shape, dtype=dy.dtype)
+        if all(b > a for a, b in geo.out_box):
+            dext[sl] = self._kernel_backward(dy.local, ext[sl])
+        self._after_backward(dy)
+        return halo_accumulate(dext, x.dist, geo.widths, self.mode, overwrite_input=True)
+
+    def _after_backward(self, dy: DistArray) -> None:
+        """Hook for reductions of parameter gradients (after the local kernels)."""

@@ -1,0 +1,186 @@
+"""Sliding-window geometry on distributed arrays: output distribution, halo widths, local boxes.
+
+For one spatial dimension with kernel ``k``, stride ``s``, padding
+``(p_lo, p_hi)`` and dilation ``d`` over a global input of length ``n``, the
+output has ``m = (n + p_lo + p_hi - d*(k-1) - 1) // s + 1`` positions and
+output ``j`` reads inputs ``s*j - p_lo + d*i`` for ``i < k``.
+
+Output ``j`` is placed on the rank that owns the centre of its window
+(``s*j - p_lo + (d*(k-1))//2``, clipped to the array), so stride-1 'same'
+layers keep their input's distribution and strided layers get derived
+boundaries. A rank needs the inputs of its outputs' windows; the halo width
+on each side is the largest need over all ranks (every rank can compute it),
+and each rank reads its own window out of the extended block. Padding is not
+a special case: the halo exchange fills cells beyond the global edges with
+the padding mode's values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from disttensor import Distribution
+
+__all__ = ["WindowSpec", "WindowGeometry", "geometry", "normalize_tuple"]
+
+
+def normalize_tuple(value: int | Sequence[int], nd: int, name: str) -> tuple[int, ...]:
+    """An int or an ``nd``-sequence of ints, as a tuple of ``nd`` ints."""
+    if isinstance(value, (int,)) or hasattr(value, "__index__"):
+        return (int(value),) * nd
+    value = tuple(int(v) for v in value)
+    if len(value) != nd:
+        raise ValueError(f"{name} must be an int or {nd} ints, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """Kernel, stride, padding (before, after) and dilation per spatial dimension."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    dilation: tuple[int, ...]
+
+    @classmethod
+    def make(cls, nd: int, kernel, stride, padding, dilation) -> WindowSpec:
+        """Validate and normalise PyTorch-style arguments (``padding`` may be 'valid')."""
+        kernel = normalize_tuple(kernel, nd, "kernel_size")
+        stride = normalize_tuple(stride, nd, "stride")
+        dilation = normalize_tuple(dilation, nd, "dilation")
+        if padding == "valid":
+            pads = ((0, 0),) * nd
+        elif padding == "same":
+            if any(s != 1 for s in stride):
+                raise ValueError("padding='same' needs stride 1 (as in PyTorch)")
+            pads = tuple(
+                ((d * (k - 1)) // 2, d * (k - 1) - (d * (k - 1)) // 2)
+                for k, d in zip(kernel, dilation)
+            )
+        elif isinstance(padding, str):
+            raise ValueError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
+        else:
+            if isinstance(padding, int) or hasattr(padding, "__index__"):
+                padding = (int(padding),) * nd
+            padding = tuple(padding)
+            if len(padding) != nd:
+                raise ValueError(f"padding must be an int or {nd} entries, got {padding}")
+            pads = tuple((p, p) if isinstance(p, int) else tuple(int(q) for q in p)
+                         for p in padding)
+        for name, vals, low in (("kernel_size", kernel, 1), ("stride", stride, 1),
+                                ("dilation", dilation, 1)):
+            if any(v < low for v in vals):
+                raise ValueError(f"{name} entries must be >= {low}, got {vals}")
+        if any(p < 0 for pair in pads for p in pair):
+            raise ValueError(f"padding must be non-negative, got {pads}")
+        return cls(kernel, stride, pads, dilation)
+
+    def out_length(self, i: int, n: int) -> int:
+        """Output length along spatial dimension ``i`` for input length ``n``."""
+        lo, hi = self.padding[i]
+        span = self.dilation[i] * (self.kernel[i] - 1) + 1
+        return max(0, (n + lo + hi - span) // self.stride[i] + 1) if n + lo + hi >= span else 0
+
+    def out_shape(self, in_shape: Sequence[int]) -> tuple[int, ...]:
+        """Global output shape (N, C, *S) -> (N, C, *O); channels are left to the caller."""
+        return tuple(in_shape[:2]) + tuple(
+            self.out_length(i, n) for i, n in enumerate(in_shape[2:])
+        )
+
+
+@dataclass(frozen=True)
+class WindowGeometry:
+    """Everything a rank needs to run a window layer on one input distribution."""
+
+    spec: WindowSpec
+    in_dist: Distribution
+    out_dist: Distribution  # channels as the input's; layers substitute their own
+    widths: tuple[tuple[int, int], ...]  # halo per dimension (0 for N and C)
+    out_box: tuple[tuple[int, int], ...]  # this rank's global output range per spatial dim
+    origin: tuple[int, ...]  # global input index of the extended block's first cell
+
+    def input_slices(self, box: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
+        """Slices of the extended block that an output ``box`` (global ranges) reads."""
+        out = [slice(None), slice(None)]
+        for i, (a, b) in enumerate(box):
+            s, d, k = self.spec.stride[i], self.spec.dilation[i], self.spec.kernel[i]
+            if b <= a:
+                out.append(slice(0, 0))
+                continue
+            start = s * a - self.spec.padding[i][0] - self.origin[i]
+            out.append(slice(start, start + s * (b - a - 1) + d * (k - 1) + 1))
+        return tuple(out)
+
+    def interior_box(self) -> tuple[tuple[int, int], ...]:
+        """Outputs whose window lies inside this rank's own block (no halo needed)."""
+        box = []
+        for i, (j0, j1) in enumerate(self.out_box):
+            sl = self.in_dist.local_slices()[2 + i]
+            s, d, k = self.spec.stride[i], self.spec.dilation[i], self.spec.kernel[i]
+            p = self.spec.padding[i][0]
+            a = min(j1, max(j0, -(-(sl.start + p) // s)))
+            b = max(a, min(j1, (sl.stop - 1 + p - d * (k - 1)) // s + 1))
+            box.append((a, b))
+        return tuple(box)
+
+    def boundary_boxes(self) -> list[tuple[tuple[int, int], ...]]:
+        """The output box minus the interior box, as disjoint boxes (slabs per dimension)."""
+        inner = self.interior_box()
+        boxes = []
+        current = list(self.out_box)
+        for i, ((a, b), (ia, ib)) in enumerate(zip(self.out_box, inner)):
+            for lo, hi in ((a, ia), (ib, b)):
+                if hi > lo:
+                    boxes.append(tuple(current[:i]) + ((lo, hi),) + tuple(current[i + 1:]))
+            current[i] = (ia, ib)
+            if ib <= ia:
+                break
+        return [bx for bx in boxes if all(h > l for l, h in bx)]
+
+
+def _out_boundaries(spec: WindowSpec, i: int, bounds: tuple[int, ...], n: int) -> list[int]:
+    """Output block boundaries along spatial dim ``i``: outputs go where their centre lives."""
+    m = spec.out_length(i, n)
+    s, d, k = spec.stride[i], spec.dilation[i], spec.kernel[i]
+    c0 = -spec.padding[i][0] + (d * (k - 1)) // 2  # centre of output 0
+    cuts = [min(m, max(0, -(-(b - c0) // s))) for b in bounds[1:-1]]
+    return [0, *cuts, m]
+
+
+@lru_cache(maxsize=512)
+def geometry(spec: WindowSpec, in_dist: Distribution) -> WindowGeometry:
+    """The :class:`WindowGeometry` of ``spec`` on ``in_dist`` for this rank (cached)."""
+    nd = len(spec.kernel)
+    shape = in_dist.global_shape
+    out_shape = spec.out_shape(shape)
+    splits: list = [None if in_dist.nblocks[0] == 1 else list(in_dist.boundaries[0][1:-1]),
+                    None]
+    out_bounds = []
+    for i in range(nd):
+        ob = _out_boundaries(spec, i, in_dist.boundaries[2 + i], shape[2 + i])
+        out_bounds.append(ob)
+        splits.append(ob[1:-1] if len(ob) > 2 else None)
+    out_dist = Distribution(out_shape, in_dist._grid_arg, in_dist.dim_axes, splits)
+    widths = [(0, 0), (0, 0)]
+    for i in range(nd):
+        s, d, k = spec.stride[i], spec.dilation[i], spec.kernel[i]
+        ib, ob = in_dist.boundaries[2 + i], out_bounds[i]
+        lo = hi = 0
+        for blk in range(len(ib) - 1):
+            j0, j1 = ob[blk], ob[blk + 1]
+            if j1 <= j0:
+                continue
+            first = s * j0 - spec.padding[i][0]
+            last = s * (j1 - 1) - spec.padding[i][0] + d * (k - 1)
+            lo = max(lo, ib[blk] - first)
+            hi = max(hi, last + 1 - ib[blk + 1])
+        widths.append((lo, hi))
+    block = in_dist.block_index()
+    out_box = tuple((out_bounds[i][block[2 + i]], out_bounds[i][block[2 + i] + 1])
+                    for i in range(nd))
+    start = in_dist.local_start()
+    origin = tuple(start[2 + i] - widths[2 + i][0] for i in range(nd))
+    return WindowGeometry(spec, in_dist, out_dist, tuple(widths), out_box, origin)
