@@ -263,7 +263,12 @@ class HaloPlan:
         want = tuple(n + lo + hi for n, (lo, hi) in zip(lshape, self.widths))
         if tuple(extended.shape) != want:
             raise ValueError(f"extended block has shape {tuple(extended.shape)}, expected {want}")
-        work = np.array(extended, copy=not overwrite_input, order="C")
+        # overwrite_input permits, not requires, working in place: copy when the input is not
+        # C-contiguous (NumPy 2 raises for copy=False when a copy is needed)
+        if overwrite_input:
+            work = np.asarray(extended, order="C")
+        else:
+            work = np.array(extended, order="C")
         comm = self.dist.grid.p2p_comm
         for dp in reversed(self.dims):
             d = dp.dim
