@@ -1,4 +1,4 @@
-"""The shared machinery of convolution and pooling: halo in, local kernel on boxes, halo adjoint out."""
+"""Shared machinery of convolution and pooling: halo in, local kernel, halo adjoint out."""
 
 from __future__ import annotations
 

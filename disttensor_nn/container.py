@@ -1,0 +1,100 @@
+"""Containers that chain layers and insert redistributions between their layouts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from disttensor import DistArray
+
+from .layers.elementwise import Add
+from .module import Layer, Layout
+
+__all__ = ["Sequential", "Residual"]
+
+
+class Sequential(Layer):
+    """Layers applied in order; each may ask for its input in a :class:`Layout`.
+
+    When a layer has ``layout`` set and the incoming activation is laid out
+    differently, the activation is redistributed first; the backward pass
+    moves the gradient back (the reverse redistribution).
+    """
+
+    def __init__(self, *layers: Layer):
+        self.layers = list(layers)
+
+    def children(self) -> Iterator[Layer]:
+        return iter(self.layers)
+
+    def __getitem__(self, i: int) -> Layer:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def forward(self, x: DistArray) -> DistArray:
+        self._moves = []
+        for layer in self.layers:
+            x, moved_from = _to_layout(x, layer.layout)
+            self._moves.append(moved_from)
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dy: DistArray) -> DistArray:
+        for layer, moved_from in zip(reversed(self.layers), reversed(self._moves)):
+            dy = layer.backward(dy)
+            if moved_from is not None:
+                dy = dy.redistribute(moved_from)
+        return dy
+
+    def set_layouts(self, layouts: Iterable[Layout | None]) -> None:
+        """Give every layer its input layout (None: take the input as it comes)."""
+        for layer, layout in zip(self.layers, layouts, strict=True):
+            layer.layout = layout
+
+    def __repr__(self) -> str:
+        inner = "\n".join(f"  ({i}) {layer!r}" for i, layer in enumerate(self.layers))
+        return f"Sequential(\n{inner}\n)"
+
+
+def _to_layout(x: DistArray, layout: Layout | None):
+    if layout is None:
+        return x, None
+    target = layout.distribution(x.shape)
+    if target == x.dist:
+        return x, None
+    return x.redistribute(target), x.dist
+
+
+class Residual(Layer):
+    """``branch(x) + shortcut(x)`` (identity shortcut when None), as in ResNet blocks.
+
+    The shortcut's output is redistributed to the branch's distribution when
+    they differ; the input gradient is the sum of both paths' gradients.
+    """
+
+    def __init__(self, branch: Layer, shortcut: Layer | None = None, post: Layer | None = None):
+        self.branch, self.shortcut, self.post = branch, shortcut, post
+        self._add = Add()
+
+    def children(self) -> Iterator[Layer]:
+        return iter([m for m in (self.branch, self.shortcut, self.post) if m is not None])
+
+    def forward(self, x: DistArray) -> DistArray:
+        x, self._moved = _to_layout(x, self.layout)
+        a = self.branch.forward(x)
+        b = self.shortcut.forward(x) if self.shortcut is not None else x
+        y = self._add(a, b)
+        return self.post.forward(y) if self.post is not None else y
+
+    def backward(self, dy: DistArray) -> DistArray:
+        if self.post is not None:
+            dy = self.post.backward(dy)
+        da, db = self._add.backward(dy)
+        dx = self.branch.backward(da)
+        if self.shortcut is not None:
+            db = self.shortcut.backward(db)
+        if db.dist != dx.dist:
+            db = db.redistribute(dx.dist)
+        dx = DistArray(dx.local + db.local, dx.dist)
+        return dx if self._moved is None else dx.redistribute(self._moved)

@@ -1,0 +1,102 @@
+"""Flatten and the fully connected layer, which work on sample-parallel data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from disttensor import DistArray, Distribution
+
+from ..module import Layer, Parameter, allreduce_, split_axes_comm
+
+__all__ = ["Flatten", "Linear"]
+
+
+def sample_parallel(dist: Distribution) -> Distribution:
+    """``dist`` with only the sample dimension split (as before); other grid axes hold replicas."""
+    axes = (dist.axes[0],) + (None,) * (dist.ndim - 1)
+    splits = [None if len(dist.boundaries[0]) == 2 else list(dist.boundaries[0][1:-1])]
+    return Distribution(dist.global_shape, dist.grid, axes, splits + [None] * (dist.ndim - 1))
+
+
+class Flatten(Layer):
+    """(N, C, *S) -> (N, C * prod(S)), after gathering whole samples on each rank.
+
+    Spatially split inputs are first redistributed so that only N stays split
+    (the grid axes that split space then hold replicas).
+    """
+
+    def forward(self, x: DistArray) -> DistArray:
+        if not isinstance(x, DistArray) or x.ndim < 2:
+            raise ValueError("Flatten expects an (N, ...) DistArray")
+        self._dist = x.dist
+        target = sample_parallel(x.dist)
+        xs = x if target == x.dist else x.redistribute(target)
+        self._mid = target
+        n = x.shape[0]
+        features = int(np.prod(x.shape[1:]))
+        out = Distribution((n, features), x.grid, (x.dist.axes[0], None),
+                           [target.boundaries[0][1:-1] or None, None])
+        return DistArray(xs.local.reshape(xs.local_shape[0], features), out)
+
+    def backward(self, dy: DistArray) -> DistArray:
+        local = dy.local.reshape(self._mid.local_shape())
+        g = DistArray(np.ascontiguousarray(local), self._mid)
+        return g if self._mid == self._dist else g.redistribute(self._dist)
+
+
+class Linear(Layer):
+    """``y = x W^T + b`` on (N, in_features) DistArrays split over N (replicas allowed).
+
+    The weight gradient is summed over the grid axes that split N.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool
+    dtype : dtype
+    seed : int
+        Initialisation seed (PyTorch's default uniform bounds), same on every rank.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 dtype: Any = np.float32, seed: int = 0):
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = np.dtype(dtype)
+        bound = 1.0 / np.sqrt(in_features)
+        rng = np.random.default_rng(seed)
+        self.weight = Parameter(rng.uniform(-bound, bound, (out_features, in_features))
+                                .astype(self.dtype))
+        self.bias = Parameter(rng.uniform(-bound, bound, out_features).astype(self.dtype)) \
+            if bias else None
+
+    def own_parameters(self) -> list[Parameter]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def forward(self, x: DistArray) -> DistArray:
+        if not isinstance(x, DistArray) or x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"Linear expects an (N, {self.in_features}) DistArray, "
+                             f"got {getattr(x, 'shape', type(x))}")
+        if x.dist.nblocks[1] > 1:
+            x = x.redistribute(sample_parallel(x.dist))
+        if x.dtype != self.dtype:
+            raise TypeError(f"Linear has {self.dtype} parameters but the input is {x.dtype}")
+        self._x = x
+        y = x.local @ self.weight.data.T
+        if self.bias is not None:
+            y = y + self.bias.data
+        out = Distribution((x.shape[0], self.out_features), x.grid, (x.dist.axes[0], None),
+                           [x.dist.boundaries[0][1:-1] or None, None])
+        return DistArray(np.ascontiguousarray(y), out)
+
+    def backward(self, dy: DistArray) -> DistArray:
+        x = self._x
+        g = dy.local
+        grads = [(g.T @ x.local).ravel()] + ([g.sum(axis=0)] if self.bias is not None else [])
+        flat = allreduce_(np.concatenate(grads).astype(np.float64), split_axes_comm(x.dist, (0,)))
+        self.weight.grad += flat[:self.weight.data.size].reshape(self.weight.shape).astype(
+            self.dtype)
+        if self.bias is not None:
+            self.bias.grad += flat[self.weight.data.size:].astype(self.dtype)
+        return DistArray(np.ascontiguousarray(g @ self.weight.data), x.dist)

@@ -1,0 +1,75 @@
+"""Element-wise layers (ReLU, LeakyReLU, Sigmoid) and the residual Add: local, no communication."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from disttensor import DistArray
+
+from ..module import Layer
+
+__all__ = ["ReLU", "LeakyReLU", "Sigmoid", "Add"]
+
+
+class LeakyReLU(Layer):
+    """``max(x, 0) + negative_slope * min(x, 0)``, applied to each local element."""
+
+    def __init__(self, negative_slope: float = 0.01):
+        self.negative_slope = negative_slope
+
+    def forward(self, x: DistArray) -> DistArray:
+        if not isinstance(x, DistArray):
+            raise TypeError(f"{type(self).__name__} expects a DistArray")
+        self._mask = x.local > 0
+        y = np.where(self._mask, x.local, x.local * x.dtype.type(self.negative_slope))
+        return DistArray(y, x.dist)
+
+    def backward(self, dy: DistArray) -> DistArray:
+        g = dy.local
+        return DistArray(np.where(self._mask, g, g * dy.dtype.type(self.negative_slope)),
+                         dy.dist)
+
+
+class ReLU(LeakyReLU):
+    """``max(x, 0)`` element-wise."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+
+
+class Sigmoid(Layer):
+    """``1 / (1 + exp(-x))`` element-wise (computed without overflow)."""
+
+    def forward(self, x: DistArray) -> DistArray:
+        if not isinstance(x, DistArray):
+            raise TypeError("Sigmoid expects a DistArray")
+        z = np.exp(-np.abs(x.local))
+        y = np.where(x.local >= 0, 1 / (1 + z), z / (1 + z)).astype(x.dtype, copy=False)
+        self._y = y
+        return DistArray(y, x.dist)
+
+    def backward(self, dy: DistArray) -> DistArray:
+        return DistArray(dy.local * self._y * (1 - self._y), dy.dist)
+
+
+class Add:
+    """Residual addition ``a + b``: local when both share a distribution.
+
+    Otherwise ``b`` is redistributed to ``a``'s distribution first, and its
+    gradient redistributed back in :meth:`backward`.
+    """
+
+    def forward(self, a: DistArray, b: DistArray) -> DistArray:
+        if a.shape != b.shape:
+            raise ValueError(f"Add needs equal shapes, got {a.shape} and {b.shape}")
+        self._b_dist = b.dist
+        if b.dist != a.dist:
+            b = b.redistribute(a.dist)
+        return DistArray(a.local + b.local, a.dist)
+
+    __call__ = forward
+
+    def backward(self, dy: DistArray) -> tuple[DistArray, DistArray]:
+        """Gradients with respect to ``a`` and ``b`` (each in its own distribution)."""
+        db = dy if self._b_dist == dy.dist else dy.redistribute(self._b_dist)
+        return dy, db.copy() if db is dy else db

@@ -1,0 +1,108 @@
+"""Losses: softmax cross-entropy on sample-parallel logits, and per-pixel losses that stay spatial.
+
+Each loss returns the mean over all (global) elements as a Python float,
+identical on every rank, and :meth:`backward` returns the gradient with
+respect to the prediction in the prediction's distribution. Partial sums are
+reduced over the grid axes that split the data, never over replica axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from disttensor import DistArray, Distribution
+
+from ..module import allreduce_, split_axes_comm
+
+__all__ = ["SoftmaxCrossEntropy", "MSELoss", "BCEWithLogitsLoss"]
+
+
+def _local_target(target: Any, dist) -> np.ndarray:
+    """This rank's block of ``target`` (a DistArray, redistributed if needed, or a global array)."""
+    if isinstance(target, DistArray):
+        if target.shape != dist.global_shape:
+            raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
+        return (target if target.dist == dist else target.redistribute(dist)).local
+    target = np.asarray(target)
+    if target.shape != dist.global_shape:
+        raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
+    return target[dist.local_slices()]
+
+
+def _global_sum(value: float, dist) -> float:
+    return float(allreduce_(np.array([value], np.float64), split_axes_comm(dist))[0])
+
+
+class SoftmaxCrossEntropy:
+    """Mean cross-entropy of softmax(logits) for integer class labels.
+
+    ``forward(logits, labels)``: logits an (N, K) DistArray split over N;
+    labels an (N,) DistArray or global integer array.
+    """
+
+    def forward(self, logits: DistArray, labels: Any) -> float:
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be (N, K), got {logits.shape}")
+        if logits.dist.nblocks[1] > 1:
+            raise ValueError("the class dimension of the logits must not be split")
+        ldist = Distribution((logits.shape[0],), logits.grid, (logits.dist.axes[0],),
+                             [logits.dist.boundaries[0][1:-1] or None])
+        y = _local_target(labels, ldist).astype(np.int64)
+        if y.size and (y.min() < 0 or y.max() >= logits.shape[1]):
+            raise ValueError("labels out of range")
+        z = logits.local.astype(np.float64)
+        z = z - z.max(axis=1, keepdims=True) if z.size else z
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        local = -logp[np.arange(len(y)), y].sum() if y.size else 0.0
+        n = logits.shape[0]
+        self._saved = (logits, np.exp(logp), y, n)
+        return _global_sum(local, ldist) / n
+
+    __call__ = forward
+
+    def backward(self) -> DistArray:
+        """Gradient of the mean loss with respect to the logits."""
+        logits, p, y, n = self._saved
+        g = p.copy()
+        g[np.arange(len(y)), y] -= 1
+        return DistArray((g / n).astype(logits.dtype), logits.dist)
+
+
+class _Pointwise:
+    def forward(self, pred: DistArray, target: Any) -> float:
+        if not isinstance(pred, DistArray):
+            raise TypeError("the prediction must be a DistArray")
+        t = _local_target(target, pred.dist).astype(np.float64)
+        p = pred.local.astype(np.float64)
+        count = pred.size
+        loss, grad = self._local(p, t)
+        self._saved = (pred, grad / count)
+        return _global_sum(loss, pred.dist) / count
+
+    __call__ = forward
+
+    def backward(self) -> DistArray:
+        """Gradient of the mean loss with respect to the prediction."""
+        pred, grad = self._saved
+        return DistArray(grad.astype(pred.dtype), pred.dist)
+
+
+class MSELoss(_Pointwise):
+    """Mean squared error over every element; stays in the prediction's distribution."""
+
+    @staticmethod
+    def _local(p: np.ndarray, t: np.ndarray) -> tuple[float, np.ndarray]:
+        d = p - t
+        return float(np.square(d).sum()), 2 * d
+
+
+class BCEWithLogitsLoss(_Pointwise):
+    """Mean binary cross-entropy of sigmoid(logits) against targets in [0, 1]."""
+
+    @staticmethod
+    def _local(p: np.ndarray, t: np.ndarray) -> tuple[float, np.ndarray]:
+        loss = np.maximum(p, 0) - p * t + np.log1p(np.exp(-np.abs(p)))
+        sig = np.where(p >= 0, 1 / (1 + np.exp(-p)), np.exp(p) / (1 + np.exp(p)))
+        return float(loss.sum()), sig - t

@@ -1,0 +1,145 @@
+"""Distributed batch normalisation with global or per-sample-group statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from disttensor import DistArray
+
+from ..module import Layer, Parameter, allreduce_, check_input, split_axes_comm
+
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
+
+
+class BatchNormNd(Layer):
+    """Batch normalisation over (N, C, *S) DistArrays split over N and space.
+
+    Per-channel sums and sums of squares are computed locally (in float64)
+    and summed with one allreduce over the ranks that share the statistics:
+
+    * ``stats="global"``: all ranks that split N or space, i.e. the statistics
+      of the whole mini-batch, exactly as on one process;
+    * ``stats="group"``: only the ranks that split space, i.e. each group of
+      ranks that holds whole samples normalises over its own samples.
+      Running statistics are then averaged over the groups so that every rank
+      keeps the same ones.
+
+    Backward allreduces the two per-channel sums the input gradient needs over
+    the same ranks; the scale and shift gradients are summed over all ranks.
+
+    Parameters
+    ----------
+    num_features : int
+        Number of channels C.
+    eps, momentum, affine, track_running_stats
+        As ``torch.nn.BatchNorm2d``.
+    stats : {'global', 'group'}
+    dtype : dtype
+        Parameter dtype; inputs must match it.
+    """
+
+    nd = 0
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, *,
+                 stats: str = "global", dtype: Any = np.float32):
+        if stats not in ("global", "group"):
+            raise ValueError(f"stats must be 'global' or 'group', got {stats!r}")
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.stats, self.dtype = stats, np.dtype(dtype)
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight = Parameter(np.ones(num_features, self.dtype)) if affine else None
+        self.bias = Parameter(np.zeros(num_features, self.dtype)) if affine else None
+        self.running_mean = np.zeros(num_features, np.float64)
+        self.running_var = np.ones(num_features, np.float64)
+
+    def own_parameters(self) -> list[Parameter]:
+        return [self.weight, self.bias] if self.affine else []
+
+    def _shape(self, x: DistArray) -> tuple[int, ...]:
+        return (1, self.num_features) + (1,) * (x.ndim - 2)
+
+    def forward(self, x: DistArray) -> DistArray:
+        check_input(x, self.nd + 2, type(self).__name__, self.num_features, self.dtype)
+        axes = (0, *range(2, x.ndim))
+        shape = self._shape(x)
+        xl = x.local
+        if self.training or not self.track_running_stats:
+            spatial = tuple(range(2, x.ndim))
+            comm = split_axes_comm(x.dist, axes if self.stats == "global" else spatial)
+            count = np.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
+                x.local_shape[0] * np.prod(x.shape[2:]))
+            sums = np.concatenate([xl.sum(axis=axes, dtype=np.float64),
+                                   np.square(xl, dtype=np.float64).sum(axis=axes)])
+            allreduce_(sums, comm)
+            mean = sums[:self.num_features] / max(count, 1)
+            var = np.maximum(sums[self.num_features:] / max(count, 1) - mean**2, 0.0)
+            if self.training and self.track_running_stats:
+                self._update_running(x, mean, var, count)
+        else:
+            mean, var, count = self.running_mean, self.running_var, None
+        inv = 1.0 / np.sqrt(var + self.eps)
+        xhat = (xl - mean.reshape(shape).astype(xl.dtype)) * inv.reshape(shape).astype(xl.dtype)
+        y = xhat * self.weight.data.reshape(shape) + self.bias.data.reshape(shape) \
+            if self.affine else xhat
+        self._saved = (x.dist, xhat, inv, count, self.training)
+        return DistArray.from_local(y.astype(x.dtype, copy=False), x.dist)
+
+    def _update_running(self, x: DistArray, mean: np.ndarray, var: np.ndarray,
+                        count: int) -> None:
+        unbiased = var * count / max(count - 1, 1)
+        stats = np.concatenate([mean, unbiased])
+        if self.stats == "group":  # average the groups' estimates so all ranks agree
+            comm = split_axes_comm(x.dist, (0,))
+            allreduce_(stats, comm)
+            stats /= comm.Get_size()
+        m = self.momentum
+        self.running_mean = (1 - m) * self.running_mean + m * stats[:self.num_features]
+        self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
+
+    def backward(self, dy: DistArray) -> DistArray:
+        dist, xhat, inv, count, training = self._saved
+        axes = (0, *range(2, dy.ndim))
+        shape = self._shape(dy)
+        g = dy.local
+        sums = np.concatenate([g.sum(axis=axes, dtype=np.float64),
+                               (g * xhat).sum(axis=axes, dtype=np.float64)])
+        c = self.num_features
+        if self.stats == "group":
+            allreduce_(sums, split_axes_comm(dist, tuple(range(2, dy.ndim))))
+            param_sums = allreduce_(sums.copy(), split_axes_comm(dist, (0,)))
+        else:
+            allreduce_(sums, split_axes_comm(dist, axes))
+            param_sums = sums
+        if self.affine:
+            self.bias.grad += param_sums[:c].astype(self.dtype)
+            self.weight.grad += param_sums[c:].astype(self.dtype)
+        gamma = self.weight.data.astype(np.float64) if self.affine else np.ones(c)
+        scale = (gamma * inv).reshape(shape).astype(g.dtype)
+        if training:
+            dmean = (sums[:c] / count).reshape(shape).astype(g.dtype)
+            dvar = (sums[c:] / count).reshape(shape).astype(g.dtype)
+            dx = scale * (g - dmean - xhat * dvar)
+        else:
+            dx = scale * g
+        return DistArray.from_local(dx.astype(dy.dtype, copy=False), dist)
+
+
+class BatchNorm1d(BatchNormNd):
+    """Batch normalisation of (N, C, L); see :class:`BatchNormNd`."""
+
+    nd = 1
+
+
+class BatchNorm2d(BatchNormNd):
+    """Batch normalisation of (N, C, H, W); see :class:`BatchNormNd`."""
+
+    nd = 2
+
+
+class BatchNorm3d(BatchNormNd):
+    """Batch normalisation of (N, C, D, H, W); see :class:`BatchNormNd`."""
+
+    nd = 3

@@ -1,0 +1,125 @@
+"""Distributed max and average pooling (1-D, 2-D, 3-D) and global average pooling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from disttensor import DistArray, Distribution
+
+from ..kernels import numpy_kernels as K
+from ..module import Layer, check_input, split_axes_comm
+from ..window import WindowSpec
+from .window_layer import WindowLayer
+
+__all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+           "GlobalAvgPool"]
+
+
+class _Pool(WindowLayer):
+    """Pooling over windows; see :class:`MaxPool2d` and :class:`AvgPool2d`."""
+
+    nd = 0
+    op = "max"
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0,
+                 dilation: Any = 1, *, overlap: bool = False):
+        stride = kernel_size if stride is None else stride
+        self.spec = WindowSpec.make(self.nd, kernel_size, stride, padding, dilation)
+        if any(2 * p > k for (p, _), k in zip(self.spec.padding, self.spec.kernel)):
+            raise ValueError(
+                f"padding {self.spec.padding} must be at most half the kernel {self.spec.kernel}"
+            )
+        self.overlap = overlap
+
+    def _pad_value(self) -> float:
+        return -np.inf if self.op == "max" else 0.0
+
+    def _kernel_forward(self, xwin: np.ndarray) -> np.ndarray:
+        y, _ = K.pool_forward(xwin, self.spec.kernel, self.spec.stride, self.spec.dilation,
+                              self.op)
+        return y
+
+    def _kernel_backward(self, dy: np.ndarray, xwin: np.ndarray) -> np.ndarray:
+        _, arg = K.pool_forward(xwin, self.spec.kernel, self.spec.stride, self.spec.dilation,
+                                self.op)
+        return K.pool_backward(dy, xwin.shape, self.spec.kernel, self.spec.stride,
+                               self.spec.dilation, self.op, arg)
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return f"{type(self).__name__}(kernel_size={s.kernel}, stride={s.stride}, " \
+               f"padding={s.padding})"
+
+
+class MaxPool1d(_Pool):
+    """Max pooling of (N, C, L); arguments as ``torch.nn.MaxPool1d`` (padding is -inf)."""
+
+    nd, op = 1, "max"
+
+
+class MaxPool2d(_Pool):
+    """Max pooling of (N, C, H, W); arguments as ``torch.nn.MaxPool2d`` (padding is -inf).
+
+    The gradient goes to the first maximum of each window; halo cells'
+    gradients are summed back into their owners.
+    """
+
+    nd, op = 2, "max"
+
+
+class MaxPool3d(_Pool):
+    """Max pooling of (N, C, D, H, W); arguments as ``torch.nn.MaxPool3d``."""
+
+    nd, op = 3, "max"
+
+
+class AvgPool1d(_Pool):
+    """Average pooling of (N, C, L); zero padding counts (``count_include_pad=True``)."""
+
+    nd, op = 1, "avg"
+
+
+class AvgPool2d(_Pool):
+    """Average pooling of (N, C, H, W); zero padding counts (``count_include_pad=True``)."""
+
+    nd, op = 2, "avg"
+
+
+class AvgPool3d(_Pool):
+    """Average pooling of (N, C, D, H, W); zero padding counts (``count_include_pad=True``)."""
+
+    nd, op = 3, "avg"
+
+
+class GlobalAvgPool(Layer):
+    """Mean over all spatial dimensions: (N, C, *S) -> (N, C).
+
+    Partial sums are reduced along the grid axes that split the spatial
+    dimensions; the output keeps the input's sample split and those grid axes
+    hold replicas of it.
+    """
+
+    def forward(self, x: DistArray) -> DistArray:
+        if not isinstance(x, DistArray) or x.ndim < 3:
+            raise ValueError("GlobalAvgPool expects an (N, C, *S) DistArray")
+        check_input(x, x.ndim, "GlobalAvgPool")
+        spatial = tuple(range(2, x.ndim))
+        count = int(np.prod(x.shape[2:]))
+        sums = np.ascontiguousarray(x.local.sum(axis=spatial, dtype=np.float64))
+        comm = split_axes_comm(x.dist, spatial)
+        if comm.Get_size() > 1:
+            from mpi4py import MPI
+
+            comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        n_splits = [None if len(x.dist.boundaries[0]) == 2 else list(x.dist.boundaries[0][1:-1]),
+                    None]
+        out_dist = Distribution(x.shape[:2], x.grid, (x.dist.axes[0], None), n_splits)
+        self._in = (x.dist, x.local_shape, count)
+        return DistArray.from_local((sums / count).astype(x.dtype), out_dist)
+
+    def backward(self, dy: DistArray) -> DistArray:
+        dist, shape, count = self._in
+        grad = np.broadcast_to((dy.local / count)[(...,) + (None,) * (len(shape) - 2)], shape)
+        return DistArray.from_local(np.ascontiguousarray(grad), dist)

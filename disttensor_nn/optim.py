@@ -1,0 +1,69 @@
+"""SGD with momentum, weight decay and Nesterov, identical on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .module import Parameter
+
+__all__ = ["SGD"]
+
+
+class SGD:
+    """Stochastic gradient descent, as ``torch.optim.SGD``.
+
+    Gradients of replicated parameters are already summed over ranks by the
+    layers' backward passes, so every rank applies the same update and the
+    parameters stay identical without further communication.
+
+    Parameters
+    ----------
+    params : iterable of Parameter
+    lr : float
+    momentum, dampening, weight_decay : float
+    nesterov : bool
+    """
+
+    def __init__(self, params: Iterable[Parameter], lr: float, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False):
+        self.params = list(params)
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
+        self.lr, self.momentum, self.dampening = lr, momentum, dampening
+        self.weight_decay, self.nesterov = weight_decay, nesterov
+        self.state: list[np.ndarray | None] = [None] * len(self.params)
+
+    def step(self) -> None:
+        """Update every parameter from its gradient."""
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if self.weight_decay:
+                g = g + self.weight_decay * p.data
+            if self.momentum:
+                buf = self.state[i]
+                if buf is None:
+                    buf = self.state[i] = g.copy()
+                else:
+                    buf *= self.momentum
+                    buf += (1 - self.dampening) * g
+                g = g + self.momentum * buf if self.nesterov else buf
+            p.data -= (self.lr * g).astype(p.data.dtype, copy=False)
+
+    def zero_grad(self) -> None:
+        """Zero every parameter's gradient."""
+        for p in self.params:
+            p.zero_grad()
+
+    def state_dict(self) -> dict:
+        """Momentum buffers and hyper-parameters (for checkpoints)."""
+        return {"state": [None if b is None else b.copy() for b in self.state],
+                "lr": self.lr, "momentum": self.momentum}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.state = [None if b is None else np.array(b) for b in state["state"]]
+        self.lr, self.momentum = state["lr"], state["momentum"]
