@@ -185,6 +185,20 @@ def test_nonblocking_equals_blocking(case):
 
 
 @pytest.mark.parallel(SIZES)
+@settings(max_examples=15)
+@given(case=halo_cases())
+def test_several_exchanges_in_flight(case):
+    # three arrays on one plan, started together and finished (by every rank) in another order
+    dist, widths, pairs, mode, cv = case
+    arrays = [(k + 1.0) * global_array(dist.shape) for k in range(3)]
+    plan = dt.halo_plan(dist, pairs, mode)
+    reqs = [plan.start(dt.DistArray.from_global(a, dist), cv) for a in arrays]
+    done = {k: reqs[k].finish().copy() for k in (2, 0, 1)}
+    for k, a in enumerate(arrays):
+        assert_equal(done[k], expected_extended(a, dist, pairs, mode, cv))
+
+
+@pytest.mark.parallel(SIZES)
 @settings(max_examples=20)
 @given(case=halo_cases())
 def test_repeated_exchange_reuses_buffer(case):
