@@ -302,6 +302,30 @@ def test_roundtrip_dtypes(dtype):
 
 
 @parallel
+def test_from_global_accepts_any_memory_layout():
+    comm = MPI.COMM_WORLD
+    P = comm.size
+    base = unique_values((8, 6))
+    inputs = {
+        "fortran": base.T,  # F-contiguous
+        "strided": base[::2, ::-1],  # neither C- nor F-contiguous, negative stride
+        "list": base[:3].tolist(),
+        "int-list": [[1, 2, 3], [4, 5, 6]],
+    }
+    chk = Check()
+    for name, arr in inputs.items():
+        want = np.array(arr)
+        dist = Distribution(want.shape, ProcessGrid((1, P)), (1, 0))
+        x = DistArray.from_global(arr, dist)
+        chk.equal(x.to_global(), want, f"{name} without root")
+        root = P - 1
+        y = DistArray.from_global(arr if comm.rank == root else None, dist, root=root)
+        chk.equal(y.local, want[dist.local_slices()], f"{name} with root")
+        chk.equal(y.to_global(), want, f"{name} with root, gathered")
+    chk.done()
+
+
+@parallel
 def test_zero_dim_array_without_root():
     comm = MPI.COMM_WORLD
     a = np.array(2.5)
