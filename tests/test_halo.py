@@ -143,7 +143,7 @@ def halo_cases(draw, modes=MODES, constant_values=True):
 
 # --------------------------------------------------------------------------- forward
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=60)
+@settings(max_examples=45)
 @given(case=halo_cases(), dtype=st.sampled_from([np.float64, np.float32, np.int32,
                                                   np.complex128]))
 def test_exchange_matches_numpy_pad(case, dtype):
@@ -156,7 +156,7 @@ def test_exchange_matches_numpy_pad(case, dtype):
 
 
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=25)
+@settings(max_examples=20)
 @given(case=halo_cases())
 def test_nonblocking_equals_blocking(case):
     dist, widths, pairs, mode, cv = case
@@ -199,7 +199,7 @@ def test_several_exchanges_in_flight(case):
 
 
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=20)
+@settings(max_examples=15)
 @given(case=halo_cases())
 def test_repeated_exchange_reuses_buffer(case):
     dist, widths, pairs, mode, cv = case
@@ -236,7 +236,7 @@ def exchange_sequences(draw):
 
 
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=20)
+@settings(max_examples=15)
 @given(seq=exchange_sequences())
 def test_exchanges_with_changing_widths(seq):
     # margins grow as needed and narrower exchanges use a part of wider margins
@@ -255,7 +255,7 @@ def test_exchanges_with_changing_widths(seq):
 
 
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=20)
+@settings(max_examples=15)
 @given(case=halo_cases())
 def test_reserve_halo_then_exchange_in_place(case):
     dist, widths, pairs, mode, cv = case
@@ -355,7 +355,7 @@ def test_empty_dimension_unpadded_with_reflect():
 
 # --------------------------------------------------------------------------- adjoint
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=40)
+@settings(max_examples=30)
 @given(case=halo_cases(constant_values=False), seed=st.integers(0, 2**16),
        dtype=st.sampled_from([np.float64, np.complex128]))
 def test_accumulate_is_adjoint(case, seed, dtype):

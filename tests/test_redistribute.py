@@ -86,7 +86,7 @@ def dist_pairs(draw, min_dims=0):
 
 # --------------------------------------------------------------------------- forward
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=60)
+@settings(max_examples=45)
 @given(pair=dist_pairs(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_redistribute_round_trip(pair, dtype, seed):
     src, dst = pair
@@ -163,7 +163,7 @@ def test_redistribute_explicit_pairs():
 
 # --------------------------------------------------------------------------- adjoint
 @pytest.mark.parallel(SIZES)
-@settings(max_examples=50)
+@settings(max_examples=40)
 @given(pair=dist_pairs(), dtype=st.sampled_from([np.float64, np.complex128]),
        seed=st.integers(0, 2**16))
 def test_adjoint(pair, dtype, seed):
