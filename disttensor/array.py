@@ -38,6 +38,14 @@ def root_distribution(shape: tuple[int, ...], grid: ProcessGrid, root: int) -> D
     return Distribution(shape, grid, axes, [cuts] + [None] * (len(shape) - 1))
 
 
+def _native(a: Any) -> Any:
+    """``a`` in native byte order (MPI moves native data only)."""
+    dt = getattr(a, "dtype", None)
+    if isinstance(dt, np.dtype) and not dt.isnative:
+        return a.astype(dt.newbyteorder("="))
+    return a
+
+
 class DistArray(ArrayOperators):
     """A global N-D array split into blocks over a process grid.
 
@@ -89,6 +97,7 @@ class DistArray(ArrayOperators):
         xp = np if xp is None else xp
         margins = margins or ((0, 0),) * dist.ndim
         shape = tuple(n + lo + hi for n, (lo, hi) in zip(dist.local_shape(), margins))
+        dtype = np.dtype(dtype).newbyteorder("=")
         return cls(xp.empty(shape, dtype=dtype), dist, margins)
 
     @classmethod
@@ -113,7 +122,7 @@ class DistArray(ArrayOperators):
                 f"{dist.grid.rank} the shape {dist.local_shape()}"
             )
         xp = array_namespace(local)
-        return cls(xp.asarray(local, copy=True), dist)
+        return cls(_native(xp.asarray(local, copy=True)), dist)
 
     @classmethod
     def from_global(cls, array: Any, dist: Distribution, root: int | None = None) -> DistArray:
@@ -145,13 +154,19 @@ class DistArray(ArrayOperators):
                 raise ValueError(
                     f"array of shape {tuple(array.shape)} does not match {dist}"
                 )
-            return cls(xp.asarray(array[dist.local_slices()], copy=True), dist)
+            return cls(_native(xp.asarray(array[dist.local_slices()], copy=True)), dist)
         grid = dist.grid
         if not isinstance(root, (int, np.integer)) or not 0 <= root < grid.size:
             raise ValueError(f"root must be a rank of {grid}, got {root!r}")
+        if dist.ndim == 0:  # every rank holds the one element: broadcast it
+            value = grid.comm.bcast(np.asarray(array) if grid.rank == root else None, root=root)
+            if value.shape != ():
+                raise ValueError(f"array of shape {value.shape} on root {root} does not match "
+                                 f"{dist}")
+            return cls(_native(value).copy(), dist)
         if grid.rank == root:
             xp = array_namespace(array)
-            array = xp.asarray(array)
+            array = _native(xp.asarray(array))
             meta = (tuple(array.shape), np.dtype(array.dtype).str)
         else:
             meta = None

@@ -83,6 +83,7 @@ class ProcessGrid:
         self.coords = coords_of(self.rank, self.shape)
         self._subcomms: dict[tuple[int, ...], MPI.Intracomm] = {}
         self._p2p: MPI.Intracomm | None = None
+        self._tag_seq = -1
 
     @classmethod
     def create(cls, ndim: int = 1, comm: MPI.Intracomm | None = None) -> ProcessGrid:
@@ -100,6 +101,18 @@ class ProcessGrid:
         if self._p2p is None:
             self._p2p = self.comm.Dup()
         return self._p2p
+
+    def tag_block(self, span: int) -> int:
+        """First tag of a fresh block of ``span`` tags on :attr:`p2p_comm`.
+
+        Every rank must call this in the same order (it counts calls), so
+        operations started in the same order get the same tags everywhere and
+        several of them can be in flight without their messages matching each
+        other's receives.
+        """
+        slots = max(1, self.p2p_comm.Get_attr(MPI.TAG_UB) // span)
+        self._tag_seq = (self._tag_seq + 1) % slots
+        return self._tag_seq * span
 
     @property
     def ndim(self) -> int:

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["MODES", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate", "normalize_widths"]
 
 MODES = ("constant", "wrap", "reflect", "symmetric", "edge")
-_TAG_STRIDE = 1 << 12
+_RUNS_PER_DIM = 64  # runs from one sender to one receiver along one dimension
+_MAX_DIMS = 32
+_TAG_SPAN = _RUNS_PER_DIM * _MAX_DIMS  # tags one exchange uses; exchanges in flight differ above
 
 Widths = tuple[tuple[int, int], ...]
 
@@ -181,7 +183,12 @@ class HaloPlan:
             k = count.get(sender, 0)
             count[sender] = k + 1
             src = g - bounds[sb] + lo  # position in the sender's extended block
-            out.append(Run(sender, receiver, dst, src, length, step, d * _TAG_STRIDE + k))
+            if k >= _RUNS_PER_DIM:
+                raise ValueError(
+                    f"halo of width {self.widths[d]} needs more than {_RUNS_PER_DIM} pieces "
+                    f"from one rank along dimension {d}; use narrower halos"
+                )
+            out.append(Run(sender, receiver, dst, src, length, step, d * _RUNS_PER_DIM + k))
         return out, fills
 
     def _plan_dim(self, d: int, me: int) -> _DimPlan:
@@ -270,18 +277,19 @@ class HaloPlan:
         else:
             work = np.array(extended, order="C")
         comm = self.dist.grid.p2p_comm
+        base = self.dist.grid.tag_block(_TAG_SPAN)
         for dp in reversed(self.dims):
             d = dp.dim
             reqs, pending = [], []
             for r in dp.recvs:  # receivers of the forward send their cells back
                 view = self._view(work, d, r.dst, r.length, 1)
                 if view.size:
-                    reqs.append(comm.Isend(np.ascontiguousarray(view), r.sender, r.tag))
+                    reqs.append(comm.Isend(np.ascontiguousarray(view), r.sender, base + r.tag))
             for r in dp.sends:
                 target = self._view(work, d, r.src, r.length, r.step)
                 if target.size:
                     buf = np.empty(target.shape, work.dtype)
-                    reqs.append(comm.Irecv(buf, r.receiver, r.tag))
+                    reqs.append(comm.Irecv(buf, r.receiver, base + r.tag))
                     pending.append((target, buf))
             for r in dp.local:
                 target = self._view(work, d, r.src, r.length, r.step)
@@ -299,6 +307,7 @@ class HaloRequest:
     def __init__(self, plan: HaloPlan, x: DistArray, constants: np.ndarray):
         self.plan, self.x, self.constants = plan, x, constants
         self.ext = x._extended(plan.widths)
+        self._tag = plan.dist.grid.tag_block(_TAG_SPAN) if plan.dims else 0
         self._next = 0
         self._reqs: list[MPI.Request] = []
         self._unpack: list[tuple[np.ndarray, np.ndarray]] = []  # (face, packed copy)
@@ -318,7 +327,7 @@ class HaloRequest:
             view = plan._view(ext, d, r.dst, r.length, 1)
             if view.size:
                 target = view if view.flags.c_contiguous else plan._scratch(view)
-                reqs.append(comm.Irecv(target, r.sender, r.tag))
+                reqs.append(comm.Irecv(target, r.sender, self._tag + r.tag))
                 if target is not view:
                     self._unpack.append((view, target))
         for r in dp.sends:
@@ -327,7 +336,7 @@ class HaloRequest:
                 if not view.flags.c_contiguous:
                     view = plan._scratch(view, fill=True)
                     self._packed.append(view)
-                reqs.append(comm.Isend(view, r.receiver, r.tag))
+                reqs.append(comm.Isend(view, r.receiver, self._tag + r.tag))
         for r in dp.local:
             plan._view(ext, d, r.dst, r.length, 1)[...] = plan._view(
                 ext, d, r.src, r.length, r.step

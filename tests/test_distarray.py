@@ -343,11 +343,6 @@ def test_zero_dim_array_without_root():
 
 
 @parallel
-@pytest.mark.xfail(
-    MPI.COMM_WORLD.Get_size() > 1, strict=True,
-    reason="library bug: root_distribution() of a 0-d array claims every rank holds the value, "
-    "so from_global(root=) leaves uninitialised memory on the other ranks",
-)
 def test_zero_dim_array_from_root():
     comm = MPI.COMM_WORLD
     dist = Distribution((), ProcessGrid((comm.size,)))
@@ -801,3 +796,17 @@ def test_redistribute_to_another_shape_raises():
     with pytest.raises(ValueError, match="global shapes"):
         x.redistribute(Distribution((3, 4), grid))
     assert_equal(x, np.zeros((4, 3)))
+
+
+@parallel
+def test_non_native_byte_order_is_converted():
+    comm = MPI.COMM_WORLD
+    grid = ProcessGrid((comm.size,))
+    a = np.arange(7.0).astype(">f8")
+    empty_first = Distribution((7,), grid, splits=[[0] * (comm.size - 1)])
+    for dist in (Distribution((7,), grid), empty_first):
+        x = DistArray.from_global(a, dist)
+        g = x.to_global()
+        y = DistArray.from_global(a if comm.rank == 0 else None, dist, root=0).to_global(root=0)
+        collective_assert(x.dtype.isnative and np.array_equal(g, a)
+                          and (comm.rank != 0 or np.array_equal(y, a)), "byte-swapped input")

@@ -462,3 +462,21 @@ def test_bad_constant_values_and_extended_shape():
     assert_equal(x.exchange_halo(1, "constant", ((1.0, 2.0), (3.0, 4.0))),
                  expected_extended(global_array(dist.shape), dist, ((1, 1), (1, 1)),
                                    "constant", ((1.0, 2.0), (3.0, 4.0))))
+
+
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_exchanges_in_flight_progressed_in_different_orders():
+    comm = MPI.COMM_WORLD
+    dist = dt.Distribution((4, 4 * comm.size), dt.ProcessGrid((1, comm.size)), axes=(0, 1))
+    arrays = [s * np.arange(16.0 * comm.size).reshape(4, -1) for s in (1, -1, 2)]
+    xs = [dt.DistArray.from_global(a, dist) for a in arrays]
+    plan = dt.halo_plan(dist, ((1, 1), (1, 1)), "wrap")
+    reqs = [plan.start(x) for x in xs]
+    order = reqs if comm.rank % 2 == 0 else reqs[::-1]
+    for r in order:
+        r.test()
+    for r in order:
+        r.finish()
+    sl = tuple(slice(s.start, s.stop + 2) for s in dist.local_slices())
+    ok = all(np.array_equal(r.ext, np.pad(a, 1, "wrap")[sl]) for r, a in zip(reqs, arrays))
+    collective_assert(ok, "concurrent halo exchanges mixed up their messages")
