@@ -47,6 +47,11 @@ class Sequential(Layer):
                 dy = dy.redistribute(moved_from)
         return dy
 
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        for layer in self.layers:
+            in_shape = layer.output_shape(in_shape)
+        return tuple(in_shape)
+
     def set_layouts(self, layouts: Iterable[Layout | None]) -> None:
         """Give every layer its input layout (None: take the input as it comes)."""
         for layer, layout in zip(self.layers, layouts, strict=True):
@@ -79,6 +84,10 @@ class Residual(Layer):
 
     def children(self) -> Iterator[Layer]:
         return iter([m for m in (self.branch, self.shortcut, self.post) if m is not None])
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        out = self.branch.output_shape(in_shape)
+        return self.post.output_shape(out) if self.post is not None else out
 
     def forward(self, x: DistArray) -> DistArray:
         x, self._moved = _to_layout(x, self.layout)

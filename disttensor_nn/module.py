@@ -132,6 +132,10 @@ class Layer:
     def __call__(self, x: DistArray) -> DistArray:
         return self.forward(x)
 
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Global output shape for a global input shape (element-wise layers keep it)."""
+        return tuple(in_shape)
+
     def children(self) -> Iterator[Layer]:
         """Direct sub-layers."""
         return iter(())

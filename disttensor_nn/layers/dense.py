@@ -27,6 +27,9 @@ class Flatten(Layer):
     (the grid axes that split space then hold replicas).
     """
 
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (in_shape[0], int(np.prod(in_shape[1:])))
+
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 2:
             raise ValueError("Flatten expects an (N, ...) DistArray")
@@ -73,6 +76,9 @@ class Linear(Layer):
 
     def own_parameters(self) -> list[Parameter]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (in_shape[0], self.out_features)
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim != 2 or x.shape[1] != self.in_features:

@@ -101,6 +101,9 @@ class GlobalAvgPool(Layer):
     hold replicas of it.
     """
 
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(in_shape[:2])
+
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 3:
             raise ValueError("GlobalAvgPool expects an (N, C, *S) DistArray")

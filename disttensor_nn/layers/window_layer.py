@@ -48,6 +48,11 @@ class WindowLayer(Layer):
     def _check(self, x: DistArray) -> None:
         check_input(x, self.nd + 2, type(self).__name__)
 
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(self.spec.out_shape(in_shape))
+        shape[1] = self._channels_out(shape[1])
+        return tuple(shape)
+
     def output_distribution(self, in_dist):
         """Distribution of the output for an input distributed as ``in_dist``."""
         geo = geometry(self.spec, in_dist)
