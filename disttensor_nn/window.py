@@ -150,12 +150,14 @@ def _out_boundaries(spec: WindowSpec, i: int, bounds: tuple[int, ...], n: int) -
     return [0, *cuts, m]
 
 
-@lru_cache(maxsize=512)
-def geometry(spec: WindowSpec, in_dist: Distribution) -> WindowGeometry:
-    """The :class:`WindowGeometry` of ``spec`` on ``in_dist`` for this rank (cached)."""
+def output_layout(spec: WindowSpec, in_dist: Distribution) -> tuple[Distribution, tuple]:
+    """Output distribution and halo widths of ``spec`` on ``in_dist`` (pure: any rank's view).
+
+    ``in_dist`` may be built on a grid shape alone; the output distribution
+    then is too. Widths are per dimension (0 for N and C).
+    """
     nd = len(spec.kernel)
     shape = in_dist.global_shape
-    out_shape = spec.out_shape(shape)
     splits: list = [None if in_dist.nblocks[0] == 1 else list(in_dist.boundaries[0][1:-1]),
                     None]
     out_bounds = []
@@ -163,7 +165,7 @@ def geometry(spec: WindowSpec, in_dist: Distribution) -> WindowGeometry:
         ob = _out_boundaries(spec, i, in_dist.boundaries[2 + i], shape[2 + i])
         out_bounds.append(ob)
         splits.append(ob[1:-1] if len(ob) > 2 else None)
-    out_dist = Distribution(out_shape, in_dist._grid_arg, in_dist.dim_axes, splits)
+    out_dist = Distribution(spec.out_shape(shape), in_dist._grid_arg, in_dist.dim_axes, splits)
     widths = [(0, 0), (0, 0)]
     for i in range(nd):
         s, d, k = spec.stride[i], spec.dilation[i], spec.kernel[i]
@@ -178,9 +180,17 @@ def geometry(spec: WindowSpec, in_dist: Distribution) -> WindowGeometry:
             lo = max(lo, ib[blk] - first)
             hi = max(hi, last + 1 - ib[blk + 1])
         widths.append((lo, hi))
+    return out_dist, tuple(widths)
+
+
+@lru_cache(maxsize=512)
+def geometry(spec: WindowSpec, in_dist: Distribution) -> WindowGeometry:
+    """The :class:`WindowGeometry` of ``spec`` on ``in_dist`` for this rank (cached)."""
+    nd = len(spec.kernel)
+    out_dist, widths = output_layout(spec, in_dist)
     block = in_dist.block_index()
-    out_box = tuple((out_bounds[i][block[2 + i]], out_bounds[i][block[2 + i] + 1])
-                    for i in range(nd))
+    out_box = tuple((out_dist.boundaries[2 + i][block[2 + i]],
+                     out_dist.boundaries[2 + i][block[2 + i] + 1]) for i in range(nd))
     start = in_dist.local_start()
     origin = tuple(start[2 + i] - widths[2 + i][0] for i in range(nd))
-    return WindowGeometry(spec, in_dist, out_dist, tuple(widths), out_box, origin)
+    return WindowGeometry(spec, in_dist, out_dist, widths, out_box, origin)
