@@ -1,0 +1,8 @@
+"""The performance model and the planner that picks every layer's distribution."""
+
+from .costmodel import CostModel, KernelTimer, LayerCost, candidates
+from .machine import MachineProfile, builtin_profiles, load_profile
+from .planner import Plan, Planner, apply_plan, trace
+
+__all__ = ["CostModel", "KernelTimer", "LayerCost", "MachineProfile", "Plan", "Planner",
+           "apply_plan", "builtin_profiles", "candidates", "load_profile", "trace"]

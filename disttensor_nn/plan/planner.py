@@ -1,0 +1,405 @@
+"""The planner: choose every layer's distribution by dynamic programming over the layer graph.
+
+The network is traced into a chain of layers and residual blocks. With ``C``
+candidate distributions, each step of the chain is a ``C x C`` matrix of
+costs (input arriving in distribution ``a``, layer run in ``c``: the shuffle
+``a -> c`` plus the layer's cost in ``c``); a residual block's matrix is its
+branch's chain matrix plus the shortcut's (whose output must meet the
+branch's in one distribution, or pay the shuffle). Chaining is a min-plus
+matrix product, so the cheapest plan is exact. A per-rank memory budget is
+met by minimising ``time + lambda * memory`` with the smallest ``lambda``
+(found by bisection) whose plan fits; layers' candidates that cannot fit
+even alone are dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..container import Residual, Sequential
+from ..module import Layer, Layout
+from .costmodel import Candidate, CostModel, LayerCost, candidates, dist_for
+
+__all__ = ["Node", "Block", "trace", "Planner", "Plan", "PlanEntry", "apply_plan"]
+
+
+@dataclass
+class Node:
+    """One layer of the traced network."""
+
+    name: str
+    layer: Layer
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+
+@dataclass
+class Block:
+    """A residual block: ``post(branch(x) + shortcut(x))``."""
+
+    name: str
+    branch: list
+    shortcut: list | None
+    post: list
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+
+def trace(model: Layer, in_shape: tuple[int, ...], prefix: str = "") -> list:
+    """Flatten ``model`` into a chain of :class:`Node` and :class:`Block` items."""
+    items: list = []
+    if isinstance(model, Sequential):
+        for i, layer in enumerate(model.layers):
+            sub = trace(layer, in_shape, f"{prefix}{i}.")
+            items += sub
+            in_shape = (sub[-1].out_shape if sub else in_shape)
+        return items
+    if isinstance(model, Residual):
+        branch = trace(model.branch, in_shape, prefix + "branch.")
+        mid = model.branch.output_shape(in_shape)
+        shortcut = trace(model.shortcut, in_shape, prefix + "shortcut.") \
+            if model.shortcut is not None else None
+        post = trace(model.post, mid, prefix + "post.") if model.post is not None else []
+        return [Block(prefix.rstrip("."), branch, shortcut, post, tuple(in_shape),
+                      model.output_shape(in_shape))]
+    out = model.output_shape(in_shape)
+    return [Node(prefix.rstrip(".") or type(model).__name__, model, tuple(in_shape), out)]
+
+
+def _nodes(items: list) -> list[Node]:
+    out = []
+    for it in items:
+        if isinstance(it, Node):
+            out.append(it)
+        else:
+            out += _nodes(it.branch) + (_nodes(it.shortcut) if it.shortcut else []) + \
+                _nodes(it.post)
+    return out
+
+
+def _minplus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    s = a[:, :, None] + b[None, :, :]
+    k = s.argmin(axis=1)
+    return np.take_along_axis(s, k[:, None, :], axis=1)[:, 0, :], k
+
+
+@dataclass
+class PlanEntry:
+    """One layer of a plan."""
+
+    name: str
+    layer: str
+    grid: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    fwd: float
+    bwd: float
+    comm: float
+    shuffle_in: float
+    memory: float
+    estimated: bool
+
+
+@dataclass
+class Plan:
+    """Per-layer distributions with predicted times (seconds) and memory (bytes per rank)."""
+
+    nprocs: int
+    batch_shape: tuple[int, ...]
+    machine: str
+    entries: list[PlanEntry]
+    time: float
+    peak_memory: float
+    memory_budget: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """The plan as a readable text table."""
+        head = f"{'layer':<28} {'grid (N,S..)':<14} {'fwd ms':>8} {'bwd ms':>8} " \
+               f"{'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
+        lines = [head, "-" * len(head)]
+        for e in self.entries:
+            mark = "*" if e.estimated else " "
+            lines.append(
+                f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<14} {1e3 * e.fwd:8.2f} "
+                f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
+                f"{e.memory / 2**20:7.1f}{mark}")
+        lines.append("-" * len(head))
+        lines.append(f"predicted time per iteration: {1e3 * self.time:.2f} ms on "
+                     f"{self.nprocs} ranks ({self.machine}); peak memory per rank "
+                     f"{self.peak_memory / 2**20:.1f} MiB"
+                     + (f" of {self.memory_budget / 2**20:.0f} MiB" if self.memory_budget
+                        else ""))
+        if any(e.estimated for e in self.entries):
+            lines.append("* compute estimated from a rate model, not measured")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """Serialise (the training driver loads it with :meth:`from_json`)."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of :meth:`to_json`."""
+        d = json.loads(text)
+        d["entries"] = [PlanEntry(**{**e, "grid": tuple(e["grid"]),
+                                     "in_shape": tuple(e["in_shape"])}) for e in d["entries"]]
+        d["batch_shape"] = tuple(d["batch_shape"])
+        return cls(**d)
+
+
+class Planner:
+    """Chooses the distribution of every layer of ``model`` for one training iteration.
+
+    Parameters
+    ----------
+    model : Layer
+        A :class:`Sequential` of layers and :class:`Residual` blocks.
+    batch_shape : tuple
+        Global input shape (N, C, *S).
+    cost : CostModel
+    memory_budget : float, optional
+        Bytes per rank that the plan must fit.
+    allowed : list of candidates, optional
+        Restrict the candidate distributions (e.g. to compare uniform plans).
+    """
+
+    def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
+                 memory_budget: float | None = None, allowed: list[Candidate] | None = None):
+        self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
+        self.items = trace(model, self.batch_shape)
+        self.nodes = _nodes(self.items)
+        nsp = len(self.batch_shape) - 2
+        self.cands = list(allowed) if allowed is not None else candidates(cost.nprocs, nsp)
+        self.budget = memory_budget
+        self.base_memory = cost.params_memory(model)
+        self._layer_cost: dict[tuple[int, int], LayerCost] = {}
+        self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
+
+    # ------------------------------------------------------------ tables
+    def layer_cost(self, node: Node, c: int) -> LayerCost:
+        """Cost of ``node`` under candidate index ``c`` (cached)."""
+        key = (id(node), c)
+        if key not in self._layer_cost:
+            self._layer_cost[key] = self.cost.layer(node.layer, node.in_shape, self.cands[c])
+        return self._layer_cost[key]
+
+    def shuffle_matrix(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Seconds to move an activation of ``shape`` from candidate ``i`` to ``j``."""
+        if shape not in self._shuffle:
+            n = len(self.cands)
+            m = np.zeros((n, n))
+            for i, j in itertools.product(range(n), range(n)):
+                if i != j:
+                    m[i, j] = self.cost.shuffle(shape, dist_for(shape, self.cands[i]),
+                                                self.cands[j])
+            self._shuffle[shape] = m
+        return self._shuffle[shape]
+
+    def _vector(self, node: Node, lam: float) -> np.ndarray:
+        v = np.empty(len(self.cands))
+        for c in range(len(self.cands)):
+            lc = self.layer_cost(node, c)
+            fits = self.budget is None or lc.memory + self.base_memory <= self.budget
+            v[c] = lc.total + lam * lc.memory if fits else np.inf
+        return v
+
+    # ------------------------------------------------------------ DP
+    def _chain(self, items: list, lam: float, first_free: bool = False):
+        """Matrix M[a, c] of a chain (input in a, output in c) and its backtracking record."""
+        n = len(self.cands)
+        steps = []
+        acc = None
+        for k, it in enumerate(items):
+            if isinstance(it, Node):
+                sh = np.zeros((n, n)) if (first_free and k == 0) else \
+                    self.shuffle_matrix(it.in_shape)
+                t = sh + self._vector(it, lam)[None, :]
+                sub = None
+            else:
+                t, sub = self._block(it, lam)
+            if acc is None:
+                acc, arg = t, None
+            else:
+                acc, arg = _minplus(acc, t)
+            steps.append((it, arg, sub))
+        if acc is None:  # empty chain: identity, moving costs nothing
+            acc = np.where(np.eye(n, dtype=bool), 0.0, np.inf)
+        return acc, steps
+
+    def _block(self, blk: Block, lam: float):
+        b, bsteps = self._chain(blk.branch, lam)
+        if blk.shortcut is None:
+            s, ssteps = self.shuffle_matrix(blk.in_shape), None
+            sarg = None
+        else:
+            sm, ssteps = self._chain(blk.shortcut, lam)
+            s, sarg = _minplus(sm, self.shuffle_matrix(blk.shortcut[-1].out_shape))
+        pre = b + s
+        if blk.post:
+            p, psteps = self._chain(blk.post, lam)
+            t, parg = _minplus(pre, p)
+        else:
+            t, parg, psteps = pre, None, []
+        return t, (bsteps, ssteps, sarg, psteps, parg)
+
+    def _backtrack(self, steps: list, a: int, c: int, out: dict[int, int]) -> None:
+        """Fill ``out[id(node)] = candidate`` for a chain whose input is in a, output in c."""
+        for it, arg, sub in reversed(steps):
+            prev = arg[a, c] if arg is not None else a
+            if isinstance(it, Node):
+                out[id(it)] = c
+            else:
+                bsteps, ssteps, sarg, psteps, parg = sub
+                mid = parg[prev, c] if parg is not None else c
+                if psteps:
+                    self._backtrack(psteps, mid, c, out)
+                self._backtrack(bsteps, prev, mid, out)
+                if ssteps is not None:
+                    self._backtrack(ssteps, prev, sarg[prev, mid], out)
+            c = prev
+
+    def _solve(self, lam: float) -> dict[int, int] | None:
+        m, steps = self._chain(self.items, lam, first_free=True)
+        a, c = np.unravel_index(np.argmin(m), m.shape)
+        if not np.isfinite(m[a, c]):
+            return None
+        out: dict[int, int] = {}
+        self._backtrack(steps, int(a), int(c), out)
+        return out
+
+    # ------------------------------------------------------------ evaluation
+    def assignment_cost(self, assign: dict[int, int]) -> tuple[float, float]:
+        """(time, peak memory) of a complete assignment ``{id(node): candidate index}``.
+
+        Computed directly by walking the graph (used to check the DP).
+        """
+        time = 0.0
+        memory = self.base_memory
+
+        def walk(items: list, current: int | None) -> int | None:
+            nonlocal time, memory
+            for it in items:
+                if isinstance(it, Node):
+                    c = assign[id(it)]
+                    if current is not None and current != c:
+                        time += self.shuffle_matrix(it.in_shape)[current, c]
+                    lc = self.layer_cost(it, c)
+                    time += lc.total
+                    memory += lc.memory
+                    current = c
+                else:
+                    start = current
+                    out = walk(it.branch, start)
+                    if it.shortcut is None:
+                        s = start
+                        shape = it.in_shape
+                    else:
+                        s = walk(it.shortcut, start)
+                        shape = it.shortcut[-1].out_shape
+                    if s != out:
+                        time += self.shuffle_matrix(shape)[s, out]
+                    current = walk(it.post, out)
+            return current
+
+        walk(self.items, None)
+        return time, memory
+
+    def plan(self) -> Plan:
+        """The cheapest plan that fits the memory budget.
+
+        Raises
+        ------
+        ValueError
+            When no assignment fits the budget (with the smallest peak found).
+        """
+        assign = self._solve(0.0)
+        notes = []
+        if assign is None:
+            raise ValueError(self._nothing_fits())
+        t, mem = self.assignment_cost(assign)
+        if self.budget is not None and mem > self.budget:
+            hi = 1e-6
+            best = None
+            for _ in range(60):  # grow lambda until the plan fits
+                cand = self._solve(hi)
+                if cand is not None and self.assignment_cost(cand)[1] <= self.budget:
+                    best = cand
+                    break
+                hi *= 4
+            if best is None:
+                raise ValueError(self._nothing_fits())
+            lo = 0.0
+            for _ in range(30):  # then shrink it to the cheapest plan that still fits
+                mid = (lo + hi) / 2
+                cand = self._solve(mid)
+                if cand is not None and self.assignment_cost(cand)[1] <= self.budget:
+                    best, hi = cand, mid
+                else:
+                    lo = mid
+            assign = best
+            notes.append("memory budget active: the fastest plan did not fit")
+            t, mem = self.assignment_cost(assign)
+        return self._make_plan(assign, t, mem, notes)
+
+    def _nothing_fits(self) -> str:
+        m = self._solve(1e9) if self.budget is not None else None
+        smallest = self.assignment_cost(m)[1] if m else float("nan")
+        return (f"no distribution of this network on {self.cost.nprocs} ranks fits "
+                f"{(self.budget or 0) / 2**20:.0f} MiB per rank (the smallest plan found needs "
+                f"{smallest / 2**20:.0f} MiB)")
+
+    def _make_plan(self, assign: dict[int, int], t: float, mem: float, notes: list) -> Plan:
+        entries = []
+        prev = None
+        for node in self.nodes:
+            c = assign[id(node)]
+            lc = self.layer_cost(node, c)
+            sh = self.shuffle_matrix(node.in_shape)[prev, c] if prev is not None else 0.0
+            entries.append(PlanEntry(node.name, type(node.layer).__name__, self.cands[c],
+                                     node.in_shape, lc.fwd, lc.bwd, lc.comm, float(sh),
+                                     lc.memory, lc.estimated))
+            prev = c
+        return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
+                    self.budget, notes)
+
+    def uniform_plan(self, cand: Candidate) -> Plan:
+        """Every layer in the same distribution (for comparisons)."""
+        c = self.cands.index(tuple(cand))
+        assign = {id(n): c for n in self.nodes}
+        t, mem = self.assignment_cost(assign)
+        return self._make_plan(assign, t, mem, [f"uniform plan {tuple(cand)}"])
+
+
+def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any = None) -> None:
+    """Set every layer's ``layout`` from ``plan`` (grids built over ``comm``).
+
+    Layers are matched in traversal order; their input shapes must match the
+    plan's, so a plan is only applied to the model and batch shape it was made for.
+    """
+    from mpi4py import MPI
+
+    from disttensor import ProcessGrid
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.Get_size() != plan.nprocs:
+        raise ValueError(f"the plan is for {plan.nprocs} ranks, the job has {comm.Get_size()}")
+    nodes = _nodes(trace(model, tuple(batch_shape)))
+    if len(nodes) != len(plan.entries) or any(
+        tuple(n.in_shape) != tuple(e.in_shape) for n, e in zip(nodes, plan.entries)
+    ):
+        raise ValueError("the plan does not match this model and batch shape")
+    grids: dict[tuple[int, ...], ProcessGrid] = {}
+    for node, entry in zip(nodes, plan.entries):
+        g = tuple(entry.grid)
+        if g not in grids:
+            grids[g] = ProcessGrid(g, comm)
+        nsp = len(g) - 1
+        ndim = len(node.in_shape)
+        axes = (0, None) if ndim == 2 else (0, None, *range(1, nsp + 1))
+        node.layer.layout = Layout(grids[g], axes)
