@@ -1,0 +1,219 @@
+"""Command-line entry points: ``disttensor-plan`` (and the model registry they share)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["build_model", "parse_bytes", "parse_size", "plan_main", "make_plan"]
+
+MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mesh", "mesh-small")
+
+
+def parse_bytes(text: str) -> float:
+    """``"8GiB"``, ``"512MiB"``, ``"1.5GB"`` or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", text)
+    if not m:
+        raise ValueError(f"cannot read a memory size from {text!r}")
+    value, unit, binary = float(m.group(1)), m.group(2), m.group(3)
+    power = " KMGT".index(unit) if unit else 0
+    return value * (1024 if binary or not unit else 1000) ** power
+
+
+def parse_size(text: str) -> tuple[int, ...]:
+    """``"256x256"`` -> ``(256, 256)``."""
+    try:
+        return tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"size must look like 256x256, got {text!r}") from None
+
+
+def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
+                dtype: Any = np.float32, seed: int = 0) -> tuple[Any, tuple[int, ...]]:
+    """A model from the registry and the global batch shape it trains on."""
+    from .models import mesh_fcn, resnet
+
+    if name.startswith("resnet"):
+        depth = int(name[len("resnet"):])
+        size = size or (224, 224)
+        return resnet(depth, dtype=dtype, seed=seed), (batch, 3, *size)
+    if name == "mesh":
+        size = size or (2048, 2048)
+        return mesh_fcn(dtype=dtype, seed=seed), (batch, 18, *size)
+    if name == "mesh-small":
+        size = size or (256, 256)
+        return mesh_fcn(widths=(8, 16, 16, 24, 24, 8), dtype=dtype, seed=seed), \
+            (batch, 18, *size)
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
+              memory: float | None = None, measure: bool = True, itemsize: int = 4):
+    """Plan ``model`` for ``nprocs`` ranks on a machine profile (pure; no communication).
+
+    ``memory`` (bytes per rank) defaults to the profile's memory per rank.
+    """
+    from .plan import CostModel, KernelTimer, Planner, load_profile
+    from .plan.costmodel import machine_id
+
+    profile = load_profile(machine)
+    memory = profile.memory_per_rank if memory is None else memory
+    timer = KernelTimer(machine_id(profile), measure=measure) if profile.measured else None
+    planner = Planner(model, batch_shape, CostModel(profile, nprocs, timer, itemsize), memory)
+    try:
+        return planner.plan(), planner
+    finally:
+        if timer is not None:
+            timer.save()
+
+
+def wait_for_root(comm: MPI.Comm, root: int = 0) -> None:
+    """Non-root ranks wait for ``root`` without spinning a core (sleep-polled barrier)."""
+    req = comm.Ibarrier()
+    if comm.Get_rank() == root:
+        req.Wait()
+        return
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """``disttensor-plan MODEL --ranks P --batch N [...]``: print (and save) a plan."""
+    parser = argparse.ArgumentParser(
+        prog="disttensor-plan",
+        description="Choose every layer's distribution for a network and print the plan.")
+    parser.add_argument("model", nargs="?", choices=MODELS)
+    parser.add_argument("--ranks", type=int, help="number of ranks (default: this job's)")
+    parser.add_argument("--batch", type=int, default=None, help="global mini-batch size")
+    parser.add_argument("--size", type=parse_size, help="input spatial size, e.g. 256x256")
+    parser.add_argument("--memory-per-rank", type=parse_bytes, help="e.g. 8GiB")
+    parser.add_argument("--machine", default="this",
+                        help="'this' (calibrated), a builtin profile, or a JSON profile")
+    parser.add_argument("--json", help="write the plan as JSON to this file")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="estimate missing kernel times instead of measuring them")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's profile (run under mpiexec, >= 2 ranks)")
+    parser.add_argument("--scaling", help="comma-separated rank counts: predicted strong scaling")
+    parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
+    args = parser.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    if args.calibrate:
+        from .plan.calibrate import calibrate
+
+        profile = calibrate(comm)
+        if comm.Get_rank() == 0:
+            print(f"calibrated {profile.name}: p2p alpha {profile.p2p_alpha * 1e6:.1f} us, "
+                  f"{1e-9 / profile.p2p_beta:.2f} GB/s; allreduce alpha "
+                  f"{profile.allreduce_alpha * 1e6:.1f} us, {1e-9 / profile.allreduce_beta:.2f}"
+                  f" GB/s; GEMM {profile.peak_flops / 1e9:.1f} GFLOP/s per rank")
+        if args.model is None:
+            return 0
+    if args.model is None:
+        parser.error("a MODEL is needed (or --calibrate)")
+    if comm.Get_rank() != 0:
+        wait_for_root(comm)
+        return 0
+    try:
+        return _plan_on_root(args)
+    finally:
+        wait_for_root(comm)
+
+
+def _plan_on_root(args: argparse.Namespace) -> int:
+    batch = args.batch or (32 if args.model.startswith("resnet") else 4)
+    model, shape = build_model(args.model, args.size, batch)
+    if args.scaling:
+        return _scaling(args, model, shape)
+    nprocs = args.ranks or MPI.COMM_WORLD.Get_size()
+    try:
+        plan, _ = make_plan(model, shape, nprocs, args.machine, args.memory_per_rank,
+                            not args.no_measure)
+    except ValueError as exc:
+        print(f"disttensor-plan: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.model}, batch {shape}, {nprocs} ranks")
+    print(plan.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> int:
+    ranks = [int(v) for v in args.scaling.split(",")]
+    rows = []
+    for p in ranks:
+        try:
+            plan, planner = make_plan(model, shape, p, args.machine, args.memory_per_rank,
+                                      not args.no_measure)
+        except ValueError as exc:
+            rows.append({"ranks": p, "time_ms": None, "note": str(exc)})
+            continue
+        grids = sorted({e.grid for e in plan.entries}, key=str)
+        rows.append({"ranks": p, "time_ms": 1e3 * plan.time,
+                     "peak_MiB": plan.peak_memory / 2**20,
+                     "grids": [list(g) for g in grids],
+                     "sample_parallel_ms": _uniform_ms(planner, (p,) + (1,) * (len(shape) - 2))})
+    base = next((r["time_ms"] for r in rows if r["time_ms"]), None)
+    print(f"predicted strong scaling of {args.model}, batch {shape}, machine {args.machine}")
+    print(f"{'ranks':>6} {'ms/iter':>10} {'speedup':>8} {'sample-par ms':>14} {'peak MiB':>9}"
+          "  grids used (N, S..)")
+    for r in rows:
+        if r["time_ms"] is None:
+            print(f"{r['ranks']:>6} {'-':>10}  {r['note']}")
+            continue
+        sp = f"{r['sample_parallel_ms']:.2f}" if r["sample_parallel_ms"] else "-"
+        print(f"{r['ranks']:>6} {r['time_ms']:10.2f} {base / r['time_ms']:8.2f} {sp:>14} "
+              f"{r['peak_MiB']:9.1f}  {r['grids']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "batch_shape": shape, "machine": args.machine,
+                       "rows": rows}, f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot, f"{args.model} {shape} on {args.machine}")
+    return 0
+
+
+def _uniform_ms(planner: Any, cand: tuple[int, ...]) -> float | None:
+    if tuple(cand) not in planner.cands:
+        return None
+    plan = planner.uniform_plan(cand)
+    return 1e3 * plan.time
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["time_ms"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog([r["ranks"] for r in ok], [r["time_ms"] for r in ok], "o-", label="planned")
+    sp = [r for r in ok if r.get("sample_parallel_ms")]
+    if sp:
+        ax.loglog([r["ranks"] for r in sp], [r["sample_parallel_ms"] for r in sp], "s--",
+                  label="sample parallel only")
+    ideal = ok[0]["time_ms"] * ok[0]["ranks"]
+    ax.loglog([r["ranks"] for r in ok], [ideal / r["ranks"] for r in ok], ":", label="ideal")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted time per iteration (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(plan_main())
