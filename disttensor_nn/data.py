@@ -1,0 +1,672 @@
+"""Data sets and a loader whose batches are generated or read block by block.
+
+Every rank produces only its own block of each batch, as given by the batch
+Distribution (``dist.local_slices()``); no rank ever generates or reads a whole
+sample, and no communication is needed:
+
+* the synthetic data sets (:class:`ImageNetSynthetic`, :class:`MeshSynthetic`)
+  are closed-form functions of ``(sample index, channel, y, x)`` plus
+  counter-based hashes of the same global coordinates (SplitMix64, as in
+  :mod:`disttensor.random`), so any split of the batch gives the same values;
+* :class:`NpyDataset` memory-maps one ``.npy`` file per sample and slices out
+  the local block.
+
+A :class:`Loader` turns a data set into a deterministic sequence of batches,
+the same on every rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from disttensor import DistArray, Distribution
+from disttensor.random import _mix
+
+from .module import Layout
+
+__all__ = [
+    "Dataset",
+    "ImageNetSynthetic",
+    "MeshSynthetic",
+    "NpyDataset",
+    "Loader",
+    "save_npy_dataset",
+]
+
+Slices = tuple[slice, ...]
+
+
+# --------------------------------------------------------------------------- hashing
+def _stream_keys(seed: int, tag: int, n: int) -> list[np.uint64]:
+    """``n`` independent 64-bit keys for data set ``tag`` and ``seed``."""
+    state = np.random.SeedSequence([int(seed), int(tag)]).generate_state(n, np.uint64)
+    return [np.uint64(k) for k in state]
+
+
+def _uniform(counter: Any, key: np.uint64) -> np.ndarray:
+    """Uniform floats in ``[0, 1)`` (float64), a pure function of ``(counter, key)``."""
+    c = np.asarray(counter, dtype=np.uint64)
+    bits = _mix(_mix(c, key), key)
+    return (bits >> np.uint64(11)).astype(np.float64) * (2.0**-53)
+
+
+def _u64(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).astype(np.uint64)
+
+
+def _noise(key: np.uint64, sample: int, channels: np.ndarray, ys: np.ndarray, xs: np.ndarray,
+           shape: tuple[int, int, int]) -> np.ndarray:
+    """Uniform noise in ``[-1, 1)`` at global ``(sample, channel, y, x)``, shape (c, h, w)."""
+    c_n, h_n, w_n = (np.uint64(s) for s in shape)
+    with np.errstate(over="ignore"):
+        base = (np.uint64(sample) * c_n + _u64(channels))[:, None, None] * h_n
+        counter = ((base + _u64(ys)[None, :, None]) * w_n) + _u64(xs)[None, None, :]
+    bits = _mix(counter, key)  # one SplitMix64 round: ample for noise, and half the cost
+    return (bits >> np.uint64(11)).astype(np.float64) * (2.0**-52) - 1.0
+
+
+def _indices(indices: Any) -> np.ndarray:
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+        raise TypeError(f"indices must be a 1-D sequence of integers, got {indices!r}")
+    return idx.astype(np.int64)
+
+
+def _range(sl: slice) -> np.ndarray:
+    return np.arange(sl.start, sl.stop, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- base class
+class Dataset:
+    """A data set of ``len(self)`` samples of shape :attr:`sample_shape` = (C, H, W).
+
+    Subclasses implement :meth:`_input_block`, :meth:`_target_block` (spatial
+    targets) or :meth:`_labels` (one integer label per sample), and set
+    :attr:`sample_shape`, :attr:`target_shape` and :attr:`dtype`.
+
+    Attributes
+    ----------
+    sample_shape : tuple of int
+        (C, H, W) of one input sample.
+    target_shape : tuple of int
+        Shape of one target: ``()`` for a class label, ``(C_t, H, W)`` for a
+        spatial target that is split like the input.
+    dtype : numpy.dtype
+        Element type of the inputs.
+    """
+
+    sample_shape: tuple[int, ...]
+    target_shape: tuple[int, ...]
+    dtype: np.dtype
+    target_dtype: np.dtype
+
+    def __len__(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    # -- what subclasses provide
+    def _input_block(self, sample: int, where: Slices) -> np.ndarray:  # pragma: no cover
+        """Block ``where`` = (channels, y, x) slices of input ``sample``."""
+        raise NotImplementedError
+
+    def _target_block(self, sample: int, where: Slices) -> np.ndarray:  # pragma: no cover
+        """Block ``where`` = (channels, y, x) slices of the spatial target of ``sample``."""
+        raise NotImplementedError
+
+    def _labels(self, samples: np.ndarray) -> np.ndarray:  # pragma: no cover
+        """Integer labels of ``samples``."""
+        raise NotImplementedError
+
+    # -- public API
+    @property
+    def has_spatial_target(self) -> bool:
+        """Whether targets are (C_t, H, W) arrays (True) or integer labels (False)."""
+        return len(self.target_shape) > 0
+
+    def _check_index(self, idx: np.ndarray) -> None:
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"sample indices must lie in [0, {len(self)}), got "
+                             f"[{idx.min()}, {idx.max()}]")
+
+    def target_distribution(self, dist_x: Distribution) -> Distribution | None:
+        """Default Distribution of the targets of a batch laid out as ``dist_x``.
+
+        Spatial targets (N, C_t, H, W) are split exactly like the input in N,
+        H and W (same grid axes, same block boundaries; the channel dimension
+        is not split). Labels return None: they come as a NumPy array that
+        every rank holds whole.
+        """
+        if not self.has_spatial_target:
+            return None
+        shape = (dist_x.global_shape[0], *self.target_shape)
+        axes = list(dist_x.axes)
+        axes[1] = None
+        splits: list[Any] = [list(b[1:-1]) for b in dist_x.boundaries]
+        splits[1] = None
+        return Distribution(shape, dist_x.grid, axes, splits)
+
+    def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
+              dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
+        """The batch of samples ``indices``, laid out as ``dist_x``.
+
+        Each rank generates (or reads) only its own block of the inputs and of
+        spatial targets; no communication takes place.
+
+        Parameters
+        ----------
+        indices : sequence of int
+            Global sample indices, in batch order (the same on every rank).
+        dist_x : Distribution
+            Distribution of the (len(indices), C, H, W) input batch, over a
+            ProcessGrid; any dimension may be split.
+        dist_y : Distribution, optional
+            Distribution of the targets: (N, C_t, H, W) for spatial targets
+            (default: :meth:`target_distribution`), or (N,) for labels (default:
+            labels come as a NumPy int64 array of shape (N,) on every rank).
+
+        Returns
+        -------
+        x : DistArray
+            The inputs.
+        y : DistArray or numpy.ndarray
+            The targets.
+
+        Raises
+        ------
+        ValueError
+            When a distribution's shape does not match (identically on every rank).
+        IndexError
+            For a sample index outside the data set.
+        """
+        idx = _indices(indices)
+        self._check_index(idx)
+        want = (len(idx), *self.sample_shape)
+        if tuple(dist_x.global_shape) != want:
+            raise ValueError(f"dist_x has shape {dist_x.global_shape}, the batch is {want}")
+        x = DistArray.empty(dist_x, self.dtype)
+        sn, *where = dist_x.local_slices()
+        for j, i in enumerate(idx[sn]):
+            x.local[j] = self._input_block(int(i), tuple(where))
+        if not self.has_spatial_target:
+            labels = self._labels(idx)
+            if dist_y is None:
+                return x, labels
+            if tuple(dist_y.global_shape) != (len(idx),):
+                raise ValueError(f"dist_y has shape {dist_y.global_shape}, the labels are "
+                                 f"{(len(idx),)}")
+            return x, DistArray.from_local(labels[dist_y.local_slices()], dist_y)
+        if dist_y is None:
+            dist_y = self.target_distribution(dist_x)
+        want_y = (len(idx), *self.target_shape)
+        if tuple(dist_y.global_shape) != want_y:
+            raise ValueError(f"dist_y has shape {dist_y.global_shape}, the targets are {want_y}")
+        y = DistArray.empty(dist_y, self.target_dtype)
+        sn, *where = dist_y.local_slices()
+        for j, i in enumerate(idx[sn]):
+            y.local[j] = self._target_block(int(i), tuple(where))
+        return x, y
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """One whole sample ``(x, y)`` as NumPy arrays, on this rank alone.
+
+        Meant for writing data sets to disk and for tests; training uses
+        :meth:`batch`, which never builds a whole sample.
+        """
+        idx = np.array([index], dtype=np.int64)
+        self._check_index(idx)
+        full = tuple(slice(0, n) for n in self.sample_shape)
+        x = self._input_block(int(index), full)
+        if not self.has_spatial_target:
+            return x, np.asarray(self._labels(idx)[0])
+        return x, self._target_block(int(index), tuple(slice(0, n) for n in self.target_shape))
+
+
+# --------------------------------------------------------------------------- synthetic
+class ImageNetSynthetic(Dataset):
+    """ImageNet-shaped synthetic images: (3, H, W) float inputs and integer labels.
+
+    Sample ``i`` has label ``hash(seed, i) mod num_classes``; each channel of
+    its image is a plane wave whose frequency and phase depend on the label
+    and the channel, plus uniform noise hashed from the global coordinates
+    ``(i, c, y, x)``::
+
+        x[c, y, x] = 0.5 sin(2 pi (fy y / H + fx x / W) + phi) + 0.5 u,   u in [-1, 1)
+
+    so a network can learn the labels, and every element is a closed-form
+    function of its global index.
+
+    Parameters
+    ----------
+    num_samples : int
+        Size of the data set.
+    image_size : int or (int, int)
+        H and W (224 as ImageNet by default).
+    num_classes : int
+        Number of classes (1000 by default).
+    seed : int
+        Selects the data set; every rank must use the same.
+    dtype : dtype
+        Input element type (float32 by default).
+    """
+
+    channels = 3
+
+    def __init__(self, num_samples: int, image_size: int | tuple[int, int] = 224,
+                 num_classes: int = 1000, seed: int = 0, dtype: Any = np.float32):
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        if not 0 < num_classes <= 2**32:
+            raise ValueError(f"num_classes must lie in [1, 2**32], got {num_classes}")
+        h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+        self.num_samples, self.num_classes, self.seed = int(num_samples), int(num_classes), seed
+        self.sample_shape = (self.channels, int(h), int(w))
+        self.target_shape = ()
+        self.dtype = np.dtype(dtype)
+        self.target_dtype = np.dtype(np.int64)
+        self._k_label, self._k_wave, self._k_noise = _stream_keys(seed, 1, 3)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _labels(self, samples: np.ndarray) -> np.ndarray:
+        bits = _mix(_mix(_u64(samples), self._k_label), self._k_label)
+        with np.errstate(over="ignore"):
+            val = ((bits >> np.uint64(32)) * np.uint64(self.num_classes)) >> np.uint64(32)
+        return val.astype(np.int64)
+
+    def _input_block(self, sample: int, where: Slices) -> np.ndarray:
+        sc, sh, sw = where
+        cs, ys, xs = _range(sc), _range(sh), _range(sw)
+        _, h, w = self.sample_shape
+        label = int(self._labels(np.array([sample]))[0])
+        # per (label, channel): fy, fx in +-[0.5, 4) cycles per image, phase in [0, 2 pi)
+        counter = (np.uint64(label) * np.uint64(self.channels) + _u64(cs))[:, None] * \
+            np.uint64(4) + np.arange(4, dtype=np.uint64)[None, :]
+        u = _uniform(counter, self._k_wave)
+        sign = np.where(u[:, 3] < 0.5, -1.0, 1.0)
+        fy, fx, phi = 0.5 + 3.5 * u[:, 0], sign * (0.5 + 3.5 * u[:, 1]), 2 * np.pi * u[:, 2]
+        ay = 2 * np.pi * fy[:, None] * ys[None, :] / h                     # (c, h)
+        bx = 2 * np.pi * fx[:, None] * xs[None, :] / w + phi[:, None]      # (c, w)
+        wave = (np.sin(ay)[:, :, None] * np.cos(bx)[:, None, :]
+                + np.cos(ay)[:, :, None] * np.sin(bx)[:, None, :])
+        noise = _noise(self._k_noise, sample, cs, ys, xs, self.sample_shape)
+        return (0.5 * wave + 0.5 * noise).astype(self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"ImageNetSynthetic({self.num_samples}, image_size={self.sample_shape[1:]}, "
+                f"num_classes={self.num_classes}, seed={self.seed})")
+
+
+class MeshSynthetic(Dataset):
+    """Mesh-like synthetic fields: (C, H, W) inputs and a (1, H, W) mask learnable from them.
+
+    Every channel of sample ``i`` is a random mix of a few smooth plane waves
+    shared by the channels of that sample (``modes`` waves with wave numbers
+    of up to 3 cycles per image), scaled to unit variance, plus a little
+    uniform noise hashed from ``(i, c, y, x)``. The target is the majority
+    vote of ``x[0] + x[1] > 0`` over the 3x3 neighbourhood of each pixel (the
+    image edge replicated), i.e. a blurred and re-thresholded sign of the sum
+    of the first two channels, computed in the input dtype from the very
+    values of the input, so a small CNN can learn it exactly.
+
+    The mask of a block needs the two channels over the block plus a one-pixel
+    margin; that margin is generated from its global coordinates too, so no
+    communication is needed.
+
+    Parameters
+    ----------
+    num_samples : int
+        Size of the data set.
+    size : (int, int)
+        H and W.
+    channels : int
+        Number of input channels C (at least 2).
+    seed : int
+        Selects the data set; every rank must use the same.
+    modes : int
+        Number of plane waves per sample.
+    noise : float
+        Amplitude of the uniform noise.
+    dtype : dtype
+        Element type of inputs and mask (float32 by default).
+    """
+
+    def __init__(self, num_samples: int, size: tuple[int, int] = (256, 256), channels: int = 18,
+                 seed: int = 0, *, modes: int = 4, noise: float = 0.05,
+                 dtype: Any = np.float32):
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        if channels < 2:
+            raise ValueError(f"the mask needs at least 2 channels, got {channels}")
+        if modes < 1:
+            raise ValueError(f"modes must be >= 1, got {modes}")
+        h, w = (size, size) if isinstance(size, int) else size
+        self.num_samples, self.seed, self.modes, self.noise = int(num_samples), seed, modes, noise
+        self.sample_shape = (int(channels), int(h), int(w))
+        self.target_shape = (1, int(h), int(w))
+        self.dtype = self.target_dtype = np.dtype(dtype)
+        self._k_params, self._k_noise = _stream_keys(seed, 2, 2)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _params(self, sample: int) -> tuple[np.ndarray, ...]:
+        """Wave numbers (K,), (K,) and per-channel amplitudes and phases (C, K), (C, K)."""
+        c, k = self.sample_shape[0], self.modes
+        n = 2 * k + 2 * c * k
+        u = _uniform(np.uint64(sample) * np.uint64(n) + np.arange(n, dtype=np.uint64),
+                     self._k_params)
+        fy, fx = 6.0 * u[:k] - 3.0, 6.0 * u[k:2 * k] - 3.0
+        amp = (2.0 * u[2 * k:2 * k + c * k] - 1.0).reshape(c, k) * math.sqrt(6.0 / k)
+        phase = 2 * np.pi * u[2 * k + c * k:].reshape(c, k)
+        return fy, fx, amp, phase
+
+    def _fields(self, sample: int, cs: np.ndarray, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+        """Input values at the global coordinates ``cs x ys x xs`` (any integer arrays)."""
+        _, h, w = self.sample_shape
+        fy, fx, amp, phase = self._params(sample)
+        amp, phase = amp[cs], phase[cs]
+        out = np.zeros((len(cs), len(ys), len(xs)))
+        for k in range(self.modes):  # a fixed summation order: values independent of the block
+            ay = 2 * np.pi * fy[k] * ys / h                                   # (h,)
+            bx = 2 * np.pi * fx[k] * xs[None, :] / w + phase[:, k, None]      # (c, w)
+            out += amp[:, k, None, None] * (np.sin(ay)[None, :, None] * np.cos(bx)[:, None, :]
+                                            + np.cos(ay)[None, :, None] * np.sin(bx)[:, None, :])
+        if self.noise:
+            out += self.noise * _noise(self._k_noise, sample, cs, ys, xs, self.sample_shape)
+        return out.astype(self.dtype)
+
+    def _input_block(self, sample: int, where: Slices) -> np.ndarray:
+        sc, sh, sw = where
+        return self._fields(sample, _range(sc), _range(sh), _range(sw))
+
+    def _target_block(self, sample: int, where: Slices) -> np.ndarray:
+        _, sh, sw = where
+        _, h, w = self.sample_shape
+        ys = np.clip(np.arange(sh.start - 1, sh.stop + 1), 0, h - 1)  # block + 1-pixel halo,
+        xs = np.clip(np.arange(sw.start - 1, sw.stop + 1), 0, w - 1)  # edge replicated
+        f = self._fields(sample, np.array([0, 1]), ys, xs)
+        s = (f[0] + f[1] > 0).astype(np.int8)
+        bh, bw = sh.stop - sh.start, sw.stop - sw.start
+        votes = sum(s[dy:dy + bh, dx:dx + bw].astype(np.int16)
+                    for dy in range(3) for dx in range(3))
+        return (votes >= 5).astype(self.dtype)[None]
+
+    def __repr__(self) -> str:
+        return (f"MeshSynthetic({self.num_samples}, size={self.sample_shape[1:]}, "
+                f"channels={self.sample_shape[0]}, seed={self.seed})")
+
+
+# --------------------------------------------------------------------------- .npy files
+def _npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) from the header of a .npy file, reading nothing else."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            return np.lib.format.read_array_header_1_0(f)
+        if version == (2, 0):
+            return np.lib.format.read_array_header_2_0(f)
+        raise ValueError(f"{path}: unsupported .npy format version {version}")
+
+
+class NpyDataset(Dataset):
+    """Samples stored as one ``.npy`` file each, read block by block through memory maps.
+
+    Every input file holds one (C, H, W) sample; an optional target file per
+    sample holds either a (C_t, H, W) spatial target (read block by block too)
+    or a 0-d integer label. :meth:`batch` opens each file of a local sample
+    with ``numpy.load(mmap_mode="r")`` and copies out only this rank's block.
+
+    Parameters
+    ----------
+    directory_or_files : path or sequence of paths
+        A directory written by :func:`save_npy_dataset` (files
+        ``sample_*.npy`` and, if present, ``target_*.npy``, in sorted order),
+        or the list of input files.
+    target_files : sequence of paths, optional
+        With a list of input files: one target file per sample.
+    validate : bool
+        Read every file's header now and check that shapes and dtypes agree
+        (only the headers are read). Errors are raised identically on every
+        rank when all ranks see the same files.
+
+    Raises
+    ------
+    FileNotFoundError
+        When the directory holds no samples.
+    ValueError
+        For mismatched shapes, dtypes or file counts.
+    """
+
+    def __init__(self, directory_or_files: str | os.PathLike | Sequence[str | os.PathLike],
+                 target_files: Sequence[str | os.PathLike] | None = None, *,
+                 validate: bool = True):
+        if isinstance(directory_or_files, (str, os.PathLike)):
+            directory = os.fspath(directory_or_files)
+            files = sorted(glob.glob(os.path.join(glob.escape(directory), "sample_*.npy")))
+            if not files:
+                raise FileNotFoundError(f"no sample_*.npy files in {directory}")
+            if target_files is None:
+                targets = [os.path.join(directory, "target_" + os.path.basename(f)[7:])
+                           for f in files]
+                present = [os.path.exists(t) for t in targets]
+                if any(present) and not all(present):
+                    missing = [t for t, p in zip(targets, present) if not p]
+                    raise ValueError(f"{len(missing)} target files are missing, e.g. "
+                                     f"{missing[0]}")
+                target_files = targets if all(present) else None
+        else:
+            files = [os.fspath(f) for f in directory_or_files]
+        self.files = files
+        self.target_files = None if target_files is None else [os.fspath(t) for t in target_files]
+        if self.target_files is not None and len(self.target_files) != len(files):
+            raise ValueError(f"{len(files)} input files but {len(self.target_files)} targets")
+        if not files:
+            raise ValueError("a NpyDataset needs at least one sample")
+        shape, _, dtype = _npy_header(files[0])
+        if len(shape) != 3:
+            raise ValueError(f"{files[0]}: samples must be (C, H, W), got shape {shape}")
+        self.sample_shape, self.dtype = tuple(shape), np.dtype(dtype).newbyteorder("=")
+        self.target_shape, self.target_dtype = (), np.dtype(np.int64)
+        if self.target_files is not None:
+            tshape, _, tdtype = _npy_header(self.target_files[0])
+            if tshape and (len(tshape) != 3 or tuple(tshape[1:]) != self.sample_shape[1:]):
+                raise ValueError(f"{self.target_files[0]}: targets must be labels (0-d) or "
+                                 f"(C_t, {shape[1]}, {shape[2]}), got {tshape}")
+            self.target_shape, self.target_dtype = tuple(tshape), np.dtype(tdtype).newbyteorder(
+                "=")
+        if validate:
+            self._validate()
+
+    def _validate(self) -> None:
+        checks = [(self.files, self.sample_shape, self.dtype)]
+        if self.target_files is not None:
+            checks.append((self.target_files, self.target_shape, self.target_dtype))
+        for files, shape, dtype in checks:
+            for f in files:
+                s, _, d = _npy_header(f)
+                if tuple(s) != shape or np.dtype(d).newbyteorder("=") != dtype:
+                    raise ValueError(f"{f} holds {np.dtype(d)} {tuple(s)}, expected {dtype} "
+                                     f"{shape} like {files[0]}")
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _input_block(self, sample: int, where: Slices) -> np.ndarray:
+        return np.load(self.files[sample], mmap_mode="r")[where]
+
+    def _target_block(self, sample: int, where: Slices) -> np.ndarray:
+        return np.load(self.target_files[sample], mmap_mode="r")[where]
+
+    def _labels(self, samples: np.ndarray) -> np.ndarray:
+        if self.target_files is None:
+            raise ValueError("this NpyDataset has no target files")
+        return np.array([np.load(self.target_files[i], mmap_mode="r")[()] for i in samples],
+                        dtype=np.int64).reshape(len(samples))
+
+    def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
+              dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
+        """As :meth:`Dataset.batch`; ``y`` is None when there are no target files."""
+        if self.target_files is not None:
+            return super().batch(indices, dist_x, dist_y)
+        idx = _indices(indices)
+        self._check_index(idx)
+        want = (len(idx), *self.sample_shape)
+        if tuple(dist_x.global_shape) != want:
+            raise ValueError(f"dist_x has shape {dist_x.global_shape}, the batch is {want}")
+        x = DistArray.empty(dist_x, self.dtype)
+        sn, *where = dist_x.local_slices()
+        for j, i in enumerate(idx[sn]):
+            x.local[j] = self._input_block(int(i), tuple(where))
+        return x, None
+
+    def __repr__(self) -> str:
+        return f"NpyDataset({len(self)} samples of {self.dtype} {self.sample_shape})"
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    """``numpy.save`` to a temporary file next to ``path``, then renamed into place."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.save(f, np.asarray(array), allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def save_npy_dataset(directory: str | os.PathLike, dataset: Dataset,
+                     indices: Sequence[int] | np.ndarray | None = None,
+                     comm: MPI.Comm | None = None) -> list[str]:
+    """Write samples of ``dataset`` as one ``.npy`` file each, for :class:`NpyDataset`.
+
+    Sample ``indices[k]`` goes to ``sample_{k:06d}.npy`` and its target to
+    ``target_{k:06d}.npy``. Collective over ``comm``: rank ``r`` writes the
+    samples ``k`` with ``k % size == r`` (each a whole sample, built on that
+    rank), then all ranks wait for each other. Files are written under a
+    temporary name and renamed, so a file that exists is complete.
+
+    Parameters
+    ----------
+    directory : path
+        Created if missing.
+    dataset : Dataset
+        The data set to write (its :meth:`Dataset.sample`).
+    indices : sequence of int, optional
+        The samples to write, all by default.
+    comm : mpi4py.MPI.Comm, optional
+        ``MPI.COMM_WORLD`` by default.
+
+    Returns
+    -------
+    list of str
+        The sample files, in order.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    directory = os.fspath(directory)
+    idx = _indices(np.arange(len(dataset)) if indices is None else indices)
+    paths = [os.path.join(directory, f"sample_{k:06d}.npy") for k in range(len(idx))]
+    error = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for k in range(comm.Get_rank(), len(idx), comm.Get_size()):
+            x, y = dataset.sample(int(idx[k]))
+            _save_npy(paths[k], x)
+            _save_npy(os.path.join(directory, f"target_{k:06d}.npy"), y)
+    except Exception as exc:  # agree on failure so no rank waits forever
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [(r, e) for r, e in enumerate(comm.allgather(error)) if e is not None]
+    if errors:
+        raise OSError("save_npy_dataset failed: " + "; ".join(f"rank {r}: {e}" for r, e in errors))
+    return paths
+
+
+# --------------------------------------------------------------------------- loader
+class Loader:
+    """Deterministic batches of a data set, identical on every rank.
+
+    Iterating yields ``(x, y)`` for each remaining batch of the current epoch
+    (see :meth:`Dataset.batch`) and then moves to the next epoch (so does a
+    new iteration that finds the current epoch consumed). The order of
+    epoch ``e`` is a permutation drawn from ``numpy.random.default_rng([seed,
+    e])`` (or ``0..n-1`` without shuffling), so every rank, and every rerun,
+    sees the same batches. :meth:`state_dict` / :meth:`load_state_dict` save
+    and restore the position, e.g. in a checkpoint's ``extra``.
+
+    Parameters
+    ----------
+    dataset : Dataset
+    batch_size : int
+    layout : Layout
+        How the (N, C, H, W) input batches are split; the targets follow
+        ``target_layout`` or the data set's default.
+    shuffle : bool
+    seed : int
+    drop_last : bool
+        Drop the last, smaller batch of each epoch.
+    target_layout : Layout, optional
+        How targets are split (a 4-D layout for spatial targets, a 1-D one
+        for labels).
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, layout: Layout, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = True, *, target_layout: Layout | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset, self.batch_size, self.layout = dataset, int(batch_size), layout
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.target_layout = target_layout
+        self.epoch = 0
+        self.position = 0  # batches of the current epoch already yielded
+
+    def __len__(self) -> int:
+        """Number of batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch``."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        return np.random.default_rng([int(self.seed), int(epoch)]).permutation(n).astype(np.int64)
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """The sample indices of every batch of ``epoch``."""
+        order = self.order(epoch)
+        b = self.batch_size
+        return [order[i * b:(i + 1) * b] for i in range(len(self))]
+
+    def load(self, indices: np.ndarray) -> tuple[DistArray, DistArray | np.ndarray]:
+        """The batch of samples ``indices`` in this loader's layouts."""
+        dist_x = self.layout.distribution((len(indices), *self.dataset.sample_shape))
+        dist_y = None
+        if self.target_layout is not None:
+            tshape = (len(indices), *self.dataset.target_shape)
+            dist_y = self.target_layout.distribution(tshape)
+        return self.dataset.batch(indices, dist_x, dist_y)
+
+    def __iter__(self) -> Iterator[tuple[DistArray, DistArray | np.ndarray]]:
+        if self.position >= len(self):  # the epoch was consumed without exhausting the iterator
+            self.epoch, self.position = self.epoch + 1, 0
+        batches = self.batches(self.epoch)
+        while self.position < len(batches):
+            indices = batches[self.position]
+            self.position += 1
+            yield self.load(indices)
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch": ..., "position": ...}``."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a position from :meth:`state_dict`."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def __repr__(self) -> str:
+        return (f"Loader({self.dataset!r}, batch_size={self.batch_size}, layout={self.layout}, "
+                f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last})")

@@ -1,0 +1,343 @@
+"""disttensor_nn.checkpoint: round trips, refusal of bad checkpoints, atomic saves.
+
+Every refusal must raise the same CheckpointError (type and message) on every
+rank and leave the model untouched; a failed save must leave the target as it
+was and no temporary directory behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor.testing import assert_equal, collective_assert
+from disttensor_nn import checkpoint as ckpt
+from disttensor_nn.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+comm = MPI.COMM_WORLD
+SIZES = [1, 2, 3, 4]
+X_SHAPE = (4, 2, 9, 7)
+
+
+@functools.cache
+def grid(shape: tuple[int, ...]) -> dt.ProcessGrid:
+    return dt.ProcessGrid(shape)
+
+
+def grid2_shape(p: int) -> tuple[int, int]:
+    return {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}[p]
+
+
+@pytest.fixture
+def shared_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    """Rank 0's tmp_path, on every rank."""
+    return pathlib.Path(comm.bcast(str(tmp_path) if comm.Get_rank() == 0 else None, root=0))
+
+
+def make_model(seed: int = 0, width: int = 4) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(2, width, 3, padding=1, seed=seed),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.Residual(nn.Conv2d(width, width, 3, padding=1, seed=seed + 1)),
+        nn.Conv2d(width, 1, 1, seed=seed + 2),
+    )
+
+
+def batch(seed: int) -> tuple[dt.DistArray, np.ndarray]:
+    """An input split over H (every rank holds a block) and a global target."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(X_SHAPE).astype(np.float32)
+    t = rng.standard_normal((X_SHAPE[0], 1, *X_SHAPE[2:])).astype(np.float32)
+    dist = dt.Distribution(X_SHAPE, grid((comm.Get_size(),)), (None, None, 0, None))
+    return dt.DistArray.from_global(x, dist), t
+
+
+def train(model: nn.Layer, opt: nn.SGD, steps: int, seed: int = 0) -> None:
+    loss = nn.MSELoss()
+    for s in range(steps):
+        x, t = batch(seed + s)
+        opt.zero_grad()
+        loss(model(x), t)
+        model.backward(loss.backward())
+        opt.step()
+
+
+def trained(seed: int = 0) -> tuple[nn.Sequential, nn.SGD]:
+    model = make_model(seed)
+    opt = nn.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train(model, opt, 2)
+    return model, opt
+
+
+def untrained(seed: int = 0) -> tuple[nn.Sequential, nn.SGD]:
+    """A model and an SGD with momentum buffers, without the cost of training."""
+    model = make_model(seed)
+    opt = nn.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for i, p in enumerate(model.parameters()):
+        p.grad[...] = np.cos(np.arange(p.data.size) + i).reshape(p.data.shape)
+    opt.step()
+    return model, opt
+
+
+def snapshot(model: nn.Layer, opt: nn.SGD) -> list[np.ndarray]:
+    out = [p.data.copy() for p in model.parameters()]
+    out += [getattr(layer, a).copy() for _, layer, a in ckpt.named_buffers(model)]
+    return out + [b.copy() for b in opt.state if b is not None]
+
+
+def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(
+        u.dtype == v.dtype and np.array_equal(u, v) for u, v in zip(a, b))
+
+
+def dist_arrays() -> dict[str, dt.DistArray]:
+    """A sample x H split array, a fully replicated one and one with replicas on a grid axis."""
+    p = comm.Get_size()
+    g2 = grid(grid2_shape(p))
+    a = np.arange(np.prod(X_SHAPE), dtype=np.float32).reshape(X_SHAPE) / 7
+    b = np.arange(30, dtype=np.int64).reshape(5, 6) * 3 - 11
+    return {
+        "split": dt.DistArray.from_global(a, dt.Distribution(X_SHAPE, g2, (0, None, 1, None))),
+        "replicated": dt.DistArray.from_global(b, dt.Distribution((5, 6), g2, (None, None))),
+        "replica axis": dt.DistArray.from_global(a[0, 0], dt.Distribution((9, 7), g2, (1, None))),
+    }
+
+
+def refusal(fn, *args, **kw) -> str:
+    """Call ``fn``, require a CheckpointError with the same message on every rank; return it."""
+    try:
+        fn(*args, **kw)
+        msg = None
+    except CheckpointError as exc:
+        msg = str(exc)
+    everyone = comm.allgather(msg)
+    collective_assert(msg is not None, "no CheckpointError was raised")
+    collective_assert(all(m == everyone[0] for m in everyone), f"messages differ: {everyone}")
+    return msg
+
+
+# --------------------------------------------------------------------------- round trip
+@pytest.mark.parallel(SIZES)
+def test_round_trip_restores_model_optimizer_rng_extra_and_arrays(shared_dir):
+    model, opt = trained()
+    rng = np.random.default_rng(42)
+    rng.random(3)
+    extra = {"loader": {"epoch": 3, "position": 1}, "name": "run-1", "pair": (1, 2.5),
+             "table": np.arange(4.0), "scalar": np.float32(1.5), "none": None, 7: [True]}
+    arrays = dist_arrays()
+    path = save_checkpoint(shared_dir / "ckpt", model, opt, step=17, rng_state=rng,
+                           extra=extra, arrays=arrays)
+    collective_assert(os.path.isfile(os.path.join(path, "manifest.json")))
+    leftovers = [f for f in os.listdir(shared_dir) if f != "ckpt"]
+    collective_assert(not leftovers, f"left behind: {leftovers}")
+
+    fresh = make_model(seed=9)
+    fresh_opt = nn.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    collective_assert(not same(snapshot(fresh, fresh_opt), snapshot(model, opt)))
+    # read the arrays into other distributions: W-split, and a new array from a Distribution
+    p = comm.Get_size()
+    w_split = dt.DistArray.zeros(dt.Distribution(X_SHAPE, grid((p,)), (None, None, None, 0)),
+                                 np.float32)
+    out = load_checkpoint(path, fresh, fresh_opt,
+                          arrays={"split": w_split,
+                                  "replicated": dt.Distribution((5, 6), grid((p,)), (0, None))})
+    collective_assert(same(snapshot(fresh, fresh_opt), snapshot(model, opt)), "state differs")
+    collective_assert(out["step"] == 17)
+    collective_assert(out["rng_state"] == rng.bit_generator.state, str(out["rng_state"]))
+    restored = np.random.default_rng()
+    restored.bit_generator.state = out["rng_state"]
+    collective_assert(np.array_equal(restored.random(5), rng.random(5)))
+    e = out["extra"]
+    collective_assert(e["loader"] == extra["loader"] and e["name"] == "run-1"
+                      and e["pair"] == (1, 2.5) and e["none"] is None and e[7] == [True]
+                      and np.array_equal(e["table"], extra["table"])
+                      and type(e["scalar"]) is np.float32 and e["scalar"] == 1.5, str(e))
+    collective_assert(out["arrays"]["split"] is w_split)
+    assert_equal(w_split, arrays["split"].to_global())
+    assert_equal(out["arrays"]["replicated"], arrays["replicated"].to_global())
+    collective_assert(out["array_names"] == ["replica axis", "replicated", "split"])
+    # every saved array is a standard .npy holding the global array
+    for name, a in arrays.items():
+        fname = {e["name"]: e["file"] for e in out["manifest"]["arrays"]}[name]
+        collective_assert(np.array_equal(np.load(os.path.join(path, fname)), a.to_global()))
+
+    # training goes on identically from the restored state
+    train(model, opt, 1, seed=5)
+    train(fresh, fresh_opt, 1, seed=5)
+    collective_assert(same(snapshot(fresh, fresh_opt), snapshot(model, opt)), "diverged")
+
+
+@pytest.mark.parallel([1, 3])
+def test_manifest_describes_the_checkpoint(shared_dir):
+    model, opt = untrained()
+    path = save_checkpoint(shared_dir / "c", model, opt, step=3, arrays=dist_arrays())
+    with open(os.path.join(path, "manifest.json")) as f:
+        m = json.load(f)
+    names = [e["name"] for e in m["parameters"]]
+    want = ["0.weight", "0.bias", "1.weight", "1.bias", "3.branch.weight", "3.branch.bias",
+            "4.weight", "4.bias"]
+    collective_assert(names == want, str(names))
+    collective_assert([e["name"] for e in m["buffers"]] == ["1.running_mean", "1.running_var"])
+    collective_assert(m["parameters"][0]["shape"] == [4, 2, 3, 3]
+                      and m["parameters"][0]["dtype"] == np.dtype(np.float32).str)
+    collective_assert(m["version"] == ckpt.VERSION and m["step"] == 3
+                      and m["optimizer"]["class"] == "SGD")
+    collective_assert(sorted(m["files"]) == ["array_000.npy", "array_001.npy", "array_002.npy",
+                                             "state.npz"]
+                      and all(len(v["sha256"]) == 64 for v in m["files"].values()))
+
+
+@pytest.mark.parallel([1, 3])
+def test_overwrite_replaces_a_checkpoint(shared_dir):
+    model, opt = untrained()
+    save_checkpoint(shared_dir / "c", model, opt, step=1)
+    opt.step()
+    save_checkpoint(shared_dir / "c", model, opt, step=2)
+    fresh = make_model(5)
+    fresh_opt = nn.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    collective_assert(load_checkpoint(shared_dir / "c", fresh, fresh_opt)["step"] == 2)
+    collective_assert(same(snapshot(fresh, fresh_opt), snapshot(model, opt)))
+    collective_assert(os.listdir(shared_dir) == ["c"], str(os.listdir(shared_dir)))
+    # a directory that is not a checkpoint is never replaced
+    if comm.Get_rank() == 0:
+        os.makedirs(shared_dir / "data")
+        (shared_dir / "data" / "keep.txt").write_text("precious")
+    comm.Barrier()
+    msg = refusal(save_checkpoint, shared_dir / "data", model, opt, step=3)
+    collective_assert("not a checkpoint" in msg, msg)
+    collective_assert((shared_dir / "data" / "keep.txt").read_text() == "precious")
+
+
+# --------------------------------------------------------------------------- refusals
+def _flip(path: pathlib.Path, where: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * where)
+    data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: pathlib.Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 9])
+
+
+DAMAGE = {
+    "flipped byte in state": (lambda d: _flip(d / "state.npz"), "corrupt"),
+    "flipped byte in array": (lambda d: _flip(d / "array_001.npy", 0.9), "corrupt"),
+    "truncated array": (lambda d: _truncate(d / "array_000.npy"), "truncated"),
+    "truncated state": (lambda d: _truncate(d / "state.npz"), "truncated"),
+    "missing array": (lambda d: os.remove(d / "array_002.npy"), "missing"),
+    "flipped byte in manifest": (lambda d: _flip(d / "manifest.json", 0.3), "corrupt"),
+    "edited manifest": (lambda d: (d / "manifest.json").write_text(
+        (d / "manifest.json").read_text().replace('"step": 11', '"step": 12')), "corrupt"),
+    "missing manifest": (lambda d: os.remove(d / "manifest.json"), "manifest.json is missing"),
+    "no checkpoint": (lambda d: os.rename(d, d.with_name("elsewhere")), "no checkpoint"),
+}
+
+
+@pytest.mark.parallel([1, 3])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_is_refused_on_every_rank(shared_dir, damage):
+    model, opt = untrained()
+    path = pathlib.Path(save_checkpoint(shared_dir / "c", model, opt, step=11,
+                                        arrays=dist_arrays()))
+    spoil, words = DAMAGE[damage]
+    if comm.Get_rank() == 0:
+        spoil(path)
+    comm.Barrier()
+    fresh = make_model(seed=4)
+    fresh_opt = nn.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    before = snapshot(fresh, fresh_opt)
+    targets = {k: dt.DistArray.zeros(a.dist, a.dtype) for k, a in dist_arrays().items()}
+    msg = refusal(load_checkpoint, path, fresh, fresh_opt, arrays=targets)
+    collective_assert(words in msg, msg)
+    collective_assert(same(snapshot(fresh, fresh_opt), before), "the model was changed")
+    collective_assert(all(not a.local.any() for a in targets.values()), "an array was changed")
+
+
+@pytest.mark.parallel([1, 3])
+def test_mismatched_model_optimizer_or_arrays_are_refused(shared_dir):
+    model, opt = untrained()
+    path = save_checkpoint(shared_dir / "c", model, opt, step=1, arrays=dist_arrays())
+
+    wider = make_model(width=5)
+    msg = refusal(load_checkpoint, path, wider, nn.SGD(wider.parameters(), lr=0.1))
+    collective_assert("different model" in msg and "0.weight" in msg, msg)
+
+    shorter = nn.Sequential(*make_model().layers[:3])
+    msg = refusal(load_checkpoint, path, shorter, None)
+    collective_assert("different model" in msg, msg)
+
+    double = make_model()
+    for p in double.parameters():
+        p.data = p.data.astype(np.float64)
+    msg = refusal(load_checkpoint, path, double, None)
+    collective_assert("float64" in msg, msg)
+
+    other = make_model()
+    msg = refusal(load_checkpoint, path, other, nn.SGD(list(other.parameters())[:3], lr=0.1))
+    collective_assert("optimizer state" in msg, msg)
+
+    p = comm.Get_size()
+    wrong = dt.DistArray.zeros(dt.Distribution((4, 2, 9, 8), grid((p,)), (0, None, None, None)),
+                               np.float32)
+    msg = refusal(load_checkpoint, path, other, None, arrays={"split": wrong})
+    collective_assert("shape" in msg and "split" in msg, msg)
+    msg = refusal(load_checkpoint, path, other, None, arrays={"absent": wrong})
+    collective_assert("absent" in msg, msg)
+
+    # without optimizer state, an optimizer cannot be restored
+    path2 = save_checkpoint(shared_dir / "c2", model, None, step=1)
+    msg = refusal(load_checkpoint, path2, other, nn.SGD(other.parameters(), lr=0.1))
+    collective_assert("no optimizer state" in msg, msg)
+    collective_assert(load_checkpoint(path2, other, None)["step"] == 1)
+
+
+# --------------------------------------------------------------------------- atomicity
+@pytest.mark.parallel([1, 3])
+@pytest.mark.parametrize("stage", ["block write", "manifest"])
+def test_failed_save_leaves_the_previous_checkpoint_and_no_debris(shared_dir, monkeypatch,
+                                                                  stage):
+    model, opt = untrained()
+    old = snapshot(model, opt)
+    save_checkpoint(shared_dir / "c", model, opt, step=1, arrays=dist_arrays())
+    opt.step()
+    failing_rank = comm.Get_size() - 1 if stage == "block write" else 0
+
+    def broken(*args, **kw):
+        raise OSError("disk full (simulated)")
+
+    if comm.Get_rank() == failing_rank:
+        monkeypatch.setattr(ckpt, "_write_block" if stage == "block write" else
+                            "_write_manifest", broken)
+    for target in ("c", "new"):  # over a previous checkpoint, and into a fresh path
+        msg = refusal(save_checkpoint, shared_dir / target, model, opt, step=2,
+                      arrays=dist_arrays())
+        collective_assert("disk full (simulated)" in msg and f"rank(s) [{failing_rank}]" in msg,
+                          msg)
+    monkeypatch.undo()
+    collective_assert(sorted(os.listdir(shared_dir)) == ["c"], str(os.listdir(shared_dir)))
+    fresh = make_model(3)
+    fresh_opt = nn.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    collective_assert(load_checkpoint(shared_dir / "c", fresh, fresh_opt)["step"] == 1)
+    collective_assert(same(snapshot(fresh, fresh_opt), old), "the old checkpoint changed")
+
+
+@pytest.mark.parallel([1, 2])
+def test_unstorable_values_are_refused_before_anything_is_written(shared_dir):
+    model, opt = untrained()
+    msg = refusal(save_checkpoint, shared_dir / "c", model, opt, step=1, extra={"f": len})
+    collective_assert("builtin_function_or_method" in msg, msg)
+    msg = refusal(save_checkpoint, shared_dir / "c", model, opt, step=1,
+                  arrays={"x": np.zeros(3)})
+    collective_assert("DistArray" in msg, msg)
+    collective_assert(os.listdir(shared_dir) == [], str(os.listdir(shared_dir)))
