@@ -1,9 +1,302 @@
-"""NumPy-style programming on DistArrays: protocols, ufuncs, reductions, indexing, shapes."""
+"""NumPy-style programming on DistArrays: protocols, ufuncs, reductions, indexing, shapes.
+
+``DistArray`` inherits :class:`ArrayOperators`, which gives it
+
+* ``__array_ufunc__``: every element-wise ufunc and the Python operators
+  (:mod:`~disttensor.ops.ufuncs`), ``ufunc.reduce``/``accumulate`` for the
+  usual reductions;
+* ``__array_function__``: the NumPy functions listed in
+  :data:`disttensor.ops.functions.HANDLED` (reductions, shape functions,
+  ``where``, ``clip``, ``dot``, ...); other NumPy functions raise NumPy's
+  ``TypeError`` on every rank;
+* ``__array_namespace__``: the Python array API namespace
+  (:mod:`~disttensor.ops.namespace`);
+* ``x[key]`` and ``x[key] = value`` (:mod:`~disttensor.ops.indexing`);
+* NumPy-style methods (``x.sum()``, ``x.reshape(...)``, ``x.T``, ...).
+
+Operands with different distributions are lined up by the rule in
+:mod:`~disttensor.ops.align`; :func:`set_implicit_redistribution` turns the
+implicit moves into errors. Rules and costs: docs/array_programming.md.
+
+The implementation modules are imported on first use, because ``DistArray``
+itself is defined after this package is imported.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
 
-class ArrayOperators:
-    """Operators and NumPy protocols that DistArray inherits."""
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from ._config import (
+    implicit_redistribution,
+    implicit_redistribution_enabled,
+    set_implicit_redistribution,
+)
+
+__all__ = [
+    "ArrayOperators",
+    "implicit_redistribution",
+    "implicit_redistribution_enabled",
+    "set_implicit_redistribution",
+    "matmul_distributions",
+]
+
+_MODULES = ("align", "elementwise", "functions", "indexing", "linalg", "namespace",
+            "reductions", "shape", "ufuncs")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "matmul_distributions":
+        from .linalg import matmul_distributions
+
+        return matmul_distributions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _r() -> Any:
+    from . import reductions
+
+    return reductions
+
+
+def _s() -> Any:
+    from . import shape
+
+    return shape
+
+
+class ArrayOperators(NDArrayOperatorsMixin):
+    """Operators, NumPy protocols and NumPy-style methods that DistArray inherits.
+
+    Arithmetic, comparison, bitwise and ``@`` operators come from
+    :class:`numpy.lib.mixins.NDArrayOperatorsMixin`, which routes them through
+    the ufuncs. ``==`` therefore returns a DistArray, and DistArrays are not
+    hashable, like NumPy arrays.
+    """
 
     __slots__ = ()
+
+    # ------------------------------------------------------------ protocols
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        from .ufuncs import array_ufunc
+
+        return array_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        from .functions import array_function
+
+        return array_function(func, types, args, kwargs)
+
+    def __array_namespace__(self, *, api_version: str | None = None) -> Any:
+        """The Python array API namespace for DistArrays (:mod:`disttensor.ops.namespace`)."""
+        if api_version is not None and api_version not in ("2022.12", "2023.12"):
+            raise ValueError(f"unsupported array API version {api_version!r}")
+        from . import namespace
+
+        return namespace
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        raise TypeError(
+            "a DistArray is not converted to a NumPy array implicitly (that would gather it "
+            "on every rank); call x.to_global() to gather it, or x.local for this rank's block"
+        )
+
+    # ------------------------------------------------------------ indexing
+    def __getitem__(self, key: Any) -> Any:
+        from .indexing import getitem
+
+        return getitem(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        from .indexing import setitem
+
+        setitem(self, key, value)
+
+    # ------------------------------------------------------------ scalars
+    def _scalar(self) -> Any:
+        if self.size != 1:  # type: ignore[attr-defined]
+            raise TypeError("only DistArrays with one element can be converted to Python "
+                            "scalars")
+        x = self if self.ndim == 0 else self.reshape(())  # type: ignore[attr-defined]
+        return x.local[()]
+
+    def item(self) -> Any:
+        """The single element as a Python scalar (collective when the array is split)."""
+        return self._scalar().item()
+
+    def __bool__(self) -> bool:
+        return bool(self._scalar())
+
+    def __int__(self) -> int:
+        return int(self._scalar())
+
+    def __float__(self) -> float:
+        return float(self._scalar())
+
+    def __complex__(self) -> complex:
+        return complex(self._scalar())
+
+    def __index__(self) -> int:
+        if self.dtype.kind not in "iu":  # type: ignore[attr-defined]
+            raise TypeError("only integer DistArrays can be used as an index")
+        return int(self._scalar())
+
+    def tolist(self) -> Any:
+        """The gathered array as nested Python lists (collective)."""
+        return self.to_global().tolist()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------ reductions
+    def sum(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False,
+            **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.sum`."""
+        return _r().sum(self, axis, dtype, out, keepdims, **kw)
+
+    def prod(self, axis: Any = None, dtype: Any = None, out: Any = None,
+             keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.prod`."""
+        return _r().prod(self, axis, dtype, out, keepdims, **kw)
+
+    def mean(self, axis: Any = None, dtype: Any = None, out: Any = None,
+             keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.mean`."""
+        return _r().mean(self, axis, dtype, out, keepdims, **kw)
+
+    def var(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0,
+            keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.var`."""
+        return _r().var(self, axis, dtype, out, ddof, keepdims, **kw)
+
+    def std(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0,
+            keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.std`."""
+        return _r().std(self, axis, dtype, out, ddof, keepdims, **kw)
+
+    def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.min`."""
+        return _r().min(self, axis, out, keepdims, **kw)
+
+    def max(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.max`."""
+        return _r().max(self, axis, out, keepdims, **kw)
+
+    def argmin(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
+        """See :func:`disttensor.ops.reductions.argmin`."""
+        return _r().argmin(self, axis, out, keepdims=keepdims)
+
+    def argmax(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
+        """See :func:`disttensor.ops.reductions.argmax`."""
+        return _r().argmax(self, axis, out, keepdims=keepdims)
+
+    def all(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.all`."""
+        return _r().all(self, axis, out, keepdims, **kw)
+
+    def any(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.reductions.any`."""
+        return _r().any(self, axis, out, keepdims, **kw)
+
+    def cumsum(self, axis: Any = None, dtype: Any = None, out: Any = None) -> Any:
+        """See :func:`disttensor.ops.reductions.cumsum`."""
+        return _r().cumsum(self, axis, dtype, out)
+
+    def cumprod(self, axis: Any = None, dtype: Any = None, out: Any = None) -> Any:
+        """See :func:`disttensor.ops.reductions.cumprod`."""
+        return _r().cumprod(self, axis, dtype, out)
+
+    # ------------------------------------------------------------ shape
+    def reshape(self, *shape: Any, order: str = "C", copy: Any = None) -> Any:
+        """See :func:`disttensor.ops.shape.reshape` (``x.reshape(2, 3)`` works too)."""
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = tuple(shape[0])
+        return _s().reshape(self, shape, order, copy=copy)
+
+    def transpose(self, *axes: Any) -> Any:
+        """See :func:`disttensor.ops.shape.transpose` (``x.transpose(1, 0)`` works too)."""
+        if len(axes) == 1 and (axes[0] is None or not isinstance(axes[0], int)):
+            axes = axes[0]
+        return _s().transpose(self, axes or None)
+
+    @property
+    def T(self) -> Any:
+        """The array with its dimensions reversed."""
+        return _s().transpose(self)
+
+    @property
+    def mT(self) -> Any:
+        """The array with its last two dimensions swapped."""
+        return _s().matrix_transpose(self)
+
+    def swapaxes(self, axis1: int, axis2: int) -> Any:
+        """See :func:`disttensor.ops.shape.swapaxes`."""
+        return _s().swapaxes(self, axis1, axis2)
+
+    def ravel(self, order: str = "C") -> Any:
+        """The flattened array (a copy)."""
+        return _s().ravel(self, order)
+
+    def flatten(self, order: str = "C") -> Any:
+        """The flattened array (a copy)."""
+        return _s().ravel(self, order)
+
+    def squeeze(self, axis: Any = None) -> Any:
+        """See :func:`disttensor.ops.shape.squeeze`."""
+        return _s().squeeze(self, axis)
+
+    # ------------------------------------------------------------ element-wise
+    def clip(self, min: Any = None, max: Any = None, out: Any = None, **kw: Any) -> Any:
+        """See :func:`disttensor.ops.elementwise.clip`."""
+        from .elementwise import clip
+
+        return clip(self, min, max, out, **kw)
+
+    def round(self, decimals: int = 0, out: Any = None) -> Any:
+        """See :func:`disttensor.ops.elementwise.round`."""
+        from .elementwise import round as round_
+
+        return round_(self, decimals, out)
+
+    def conj(self) -> Any:
+        """The complex conjugate."""
+        import numpy as np
+
+        return np.conjugate(self)
+
+    conjugate = conj
+
+    @property
+    def real(self) -> Any:
+        """The real part (a new array)."""
+        from .elementwise import real
+
+        return real(self)
+
+    @property
+    def imag(self) -> Any:
+        """The imaginary part (a new array)."""
+        from .elementwise import imag
+
+        return imag(self)
+
+    def dot(self, b: Any, out: Any = None) -> Any:
+        """See :func:`disttensor.ops.linalg.dot`."""
+        from .linalg import dot
+
+        return dot(self, b, out)
+
+    # ------------------------------------------------------------ array API attributes
+    @property
+    def device(self) -> str:
+        """``"cpu"`` (array API attribute; CuPy blocks report ``"gpu"``)."""
+        from ..backend import is_numpy
+
+        return "cpu" if is_numpy(self.xp) else "gpu"  # type: ignore[attr-defined]
+
+    def to_device(self, device: Any, /, *, stream: Any = None) -> Any:
+        """Array API ``to_device``: only the current device is supported."""
+        if device != self.device:
+            raise ValueError(f"cannot move a DistArray to {device!r}")
+        return self

@@ -1,0 +1,142 @@
+"""``__array_function__``: which NumPy functions run on DistArrays, and with what.
+
+``HANDLED`` maps NumPy functions to their DistArray implementations. A NumPy
+function that is not in it returns ``NotImplemented`` from
+``DistArray.__array_function__``, so NumPy raises its usual ``TypeError``
+("no implementation found for 'numpy.xyz' on types that implement
+__array_function__") on every rank, before any communication.
+``docs/gen_coverage.py`` lists both sets in ``docs/coverage.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import elementwise, linalg, reductions, shape
+from ._util import is_dist, wrap
+
+__all__ = ["HANDLED", "array_function", "implements"]
+
+HANDLED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def implements(*np_funcs: Callable[..., Any]) -> Callable[[Callable[..., Any]],
+                                                           Callable[..., Any]]:
+    """Register the decorated function as the DistArray version of ``np_funcs``."""
+
+    def register(impl: Callable[..., Any]) -> Callable[..., Any]:
+        for f in np_funcs:
+            HANDLED[f] = impl
+        return impl
+
+    return register
+
+
+def _register_all() -> None:
+    table: dict[Any, Callable[..., Any]] = {
+        # reductions
+        np.sum: reductions.sum, np.prod: reductions.prod, np.mean: reductions.mean,
+        np.var: reductions.var, np.std: reductions.std, np.min: reductions.min,
+        np.max: reductions.max, np.amin: reductions.min, np.amax: reductions.max,
+        np.argmin: reductions.argmin, np.argmax: reductions.argmax,
+        np.all: reductions.all, np.any: reductions.any,
+        np.cumsum: reductions.cumsum, np.cumprod: reductions.cumprod,
+        np.count_nonzero: reductions.count_nonzero,
+        # shape
+        np.transpose: shape.transpose, np.permute_dims: shape.permute_dims,
+        np.moveaxis: shape.moveaxis, np.swapaxes: shape.swapaxes,
+        np.matrix_transpose: shape.matrix_transpose,
+        np.expand_dims: shape.expand_dims, np.squeeze: shape.squeeze,
+        np.reshape: shape.reshape, np.ravel: shape.ravel,
+        np.concatenate: shape.concatenate, np.concat: shape.concatenate,
+        np.stack: shape.stack, np.broadcast_to: shape.broadcast_to,
+        np.broadcast_arrays: shape.broadcast_arrays, np.flip: shape.flip,
+        # element-wise functions that are not ufuncs
+        np.where: elementwise.where, np.clip: elementwise.clip,
+        np.round: elementwise.round, np.around: elementwise.round,
+        np.real: elementwise.real, np.imag: elementwise.imag,
+        np.isclose: elementwise.isclose, np.allclose: elementwise.allclose,
+        np.array_equal: elementwise.array_equal, np.nan_to_num: elementwise.nan_to_num,
+        np.astype: elementwise.astype,
+        # linear algebra
+        np.dot: linalg.dot, np.vdot: linalg.vdot, np.inner: linalg.inner,
+        np.outer: linalg.outer, np.linalg.matmul: linalg.matmul,
+        np.linalg.vecdot: linalg.vecdot, np.linalg.matrix_transpose: shape.matrix_transpose,
+        # metadata and copies
+        np.shape: _shape, np.ndim: _ndim, np.size: _size, np.copy: _copy,
+        np.zeros_like: _zeros_like, np.ones_like: _ones_like, np.empty_like: _empty_like,
+        np.full_like: _full_like, np.result_type: _result_type,
+    }
+    HANDLED.update(table)
+
+
+def _shape(a: Any) -> tuple[int, ...]:
+    return a.shape
+
+
+def _ndim(a: Any) -> int:
+    return a.ndim
+
+
+def _size(a: Any, axis: int | None = None) -> int:
+    return a.size if axis is None else a.shape[axis]
+
+
+def _copy(a: Any, order: str = "K", subok: bool = False) -> Any:
+    return a.copy()
+
+
+def _like(a: Any, dtype: Any, fill: Any, shape: Any) -> Any:
+    if shape is not None and tuple(np.atleast_1d(shape)) != a.shape:
+        raise ValueError("*_like of a DistArray does not support a new shape=")
+    dtype = a.dtype if dtype is None else np.dtype(dtype)
+    local = a.xp.empty(a.dist.local_shape(), dtype=dtype)
+    if fill is not None:
+        local[...] = fill
+    return wrap(local, a.dist, a.xp)
+
+
+def _zeros_like(a: Any, dtype: Any = None, order: str = "K", subok: bool = True,
+                shape: Any = None, *, device: Any = None) -> Any:
+    return _like(a, dtype, 0, shape)
+
+
+def _ones_like(a: Any, dtype: Any = None, order: str = "K", subok: bool = True,
+               shape: Any = None, *, device: Any = None) -> Any:
+    return _like(a, dtype, 1, shape)
+
+
+def _empty_like(prototype: Any, dtype: Any = None, order: str = "K", subok: bool = True,
+                shape: Any = None, *, device: Any = None) -> Any:
+    return _like(prototype, dtype, None, shape)
+
+
+def _full_like(a: Any, fill_value: Any, dtype: Any = None, order: str = "K",
+               subok: bool = True, shape: Any = None, *, device: Any = None) -> Any:
+    if dtype is None:
+        dtype = a.dtype
+    return _like(a, dtype, fill_value, shape)
+
+
+def _result_type(*arrays_and_dtypes: Any) -> np.dtype:
+    return np.result_type(*(a.dtype if is_dist(a) else a for a in arrays_and_dtypes))
+
+
+_register_all()
+
+
+def array_function(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    """The body of ``DistArray.__array_function__``."""
+    impl = HANDLED.get(func)
+    if impl is None:
+        return NotImplemented
+    from ._util import dist_array_type
+
+    dist_type = dist_array_type()
+    for t in types:
+        if not (issubclass(t, dist_type) or issubclass(t, np.ndarray)):
+            return NotImplemented
+    return impl(*args, **kwargs)

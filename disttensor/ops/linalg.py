@@ -1,0 +1,279 @@
+"""Matrix products: ``matmul`` (``@``) by SUMMA, and ``dot``, ``vdot``, ``vecdot``, ``outer``.
+
+SUMMA on the process grid: the grid's axes are split into a row group ``R``
+and a column group ``C``. ``A`` (m x k), ``B`` (k x n) and the result (m x n)
+are all laid out with rows split over ``R`` and columns over ``C`` (so A's
+``k`` is split over ``C`` and B's ``k`` over ``R``). For every panel of
+``k`` (the union of both block boundaries along ``k``) the rank that holds
+the panel of ``A`` broadcasts it along its grid row (``subcomm(C)``), the
+rank that holds the panel of ``B`` broadcasts it along its grid column
+(``subcomm(R)``), and every rank adds the product of the two panels to its
+block of the result. On a 1-D grid this is "rows of A stay, B is passed
+around"; on a square 2-D grid it is the classic SUMMA.
+
+``R`` starts with the grid axes that split A's rows and ``C`` with those that
+split B's columns; the remaining grid axes go to whichever group has fewer
+processes. Operands that are not laid out like that are redistributed first
+(an implicit move: with implicit redistribution disabled, call
+:func:`matmul_distributions` and redistribute them yourself).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..distribution import Distribution
+from ._util import (
+    bcast_array,
+    block_coords,
+    is_dist,
+    subcomm_index,
+    wrap,
+)
+from .align import aligned, as_operand, check_move
+
+if TYPE_CHECKING:
+    from ..array import DistArray
+
+__all__ = ["matmul", "matmul_distributions", "dot", "vdot", "vecdot", "outer", "inner"]
+
+
+def _groups(a: Distribution, b: Distribution) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    g = a.grid_shape
+    rows = [x for x in a.dim_axes[0] if g[x] > 1]
+    cols = [x for x in b.dim_axes[-1] if g[x] > 1 and x not in rows]
+    for x in range(len(g)):
+        if g[x] > 1 and x not in rows and x not in cols:
+            pr = math.prod(g[y] for y in rows)
+            pc = math.prod(g[y] for y in cols)
+            (rows if pr <= pc else cols).append(x)
+    return tuple(rows), tuple(cols)
+
+
+def matmul_distributions(a: Distribution, b: Distribution
+                         ) -> tuple[Distribution, Distribution, Distribution]:
+    """The layouts :func:`matmul` uses for 2-D ``a @ b``: (A's, B's, the result's).
+
+    Pure metadata. Redistribute the operands to the first two yourself to
+    avoid an implicit move (or when implicit moves are disabled).
+    """
+    rows, cols = _groups(a, b)
+    m, k = a.global_shape
+    n = b.global_shape[-1]
+    grid = a.grid if a.grid is not None else a.grid_shape
+    return (Distribution((m, k), grid, (rows, cols)),
+            Distribution((k, n), grid, (rows, cols)),
+            Distribution((m, n), grid, (rows, cols)))
+
+
+def _to_dist(v: Any, like: DistArray) -> DistArray:
+    """A NumPy operand as a replicated DistArray on ``like``'s grid (no communication)."""
+    from ..array import DistArray
+
+    a = like.xp.asarray(v)
+    return DistArray.from_global(a, Distribution(a.shape, like.grid, (None,) * a.ndim))
+
+
+def _summa(a: DistArray, b: DistArray, da: Distribution, db: Distribution, dc: Distribution,
+           dtype: np.dtype) -> DistArray:
+    move_a = check_move(a, da, "the first matmul operand")
+    move_b = check_move(b, db, "the second matmul operand")
+    al = aligned(a, da, move_a)
+    bl = aligned(b, db, move_b)
+    xp = a.xp
+    grid = dc.grid
+    rows, cols = dc.dim_axes
+    out = xp.zeros(dc.local_shape(), dtype=dtype)
+    kb = sorted(set(da.boundaries[1]) | set(db.boundaries[0]))
+    row_comm = grid.subcomm(cols) if cols else None   # ranks of one grid row: A's panels
+    col_comm = grid.subcomm(rows) if rows else None   # ranks of one grid column: B's panels
+    a_start = da.local_start()[1]
+    b_start = db.local_start()[0]
+    m_loc, n_loc = dc.local_shape()
+    for k0, k1 in zip(kb[:-1], kb[1:]):
+        if k1 <= k0:
+            continue
+        ia, ib = da.block_of(1, k0), db.block_of(0, k0)
+        if row_comm is None:
+            pa = al[:, k0:k1]
+        else:
+            root = subcomm_index(grid, cols, block_coords(da, 1, ia, grid.coords))
+            if row_comm.Get_rank() == root:
+                pa = al[:, k0 - a_start : k1 - a_start].copy()
+            else:
+                pa = xp.empty((m_loc, k1 - k0), dtype=a.dtype)
+            pa = bcast_array(pa, row_comm, root, xp)
+        if col_comm is None:
+            pb = bl[k0:k1, :]
+        else:
+            root = subcomm_index(grid, rows, block_coords(db, 0, ib, grid.coords))
+            if col_comm.Get_rank() == root:
+                pb = bl[k0 - b_start : k1 - b_start, :].copy()
+            else:
+                pb = xp.empty((k1 - k0, n_loc), dtype=b.dtype)
+            pb = bcast_array(pb, col_comm, root, xp)
+        out += xp.matmul(pa, pb)
+    return wrap(out, dc, xp)
+
+
+def matmul(a: Any, b: Any, out: Any = None) -> DistArray:
+    """Matrix product of 1-D or 2-D operands, like :func:`numpy.matmul` (SUMMA).
+
+    Parameters
+    ----------
+    a, b : DistArray or array
+        At least one DistArray; a NumPy operand must be the same on every rank.
+    out : DistArray, optional
+        Receives the result (redistributed into it if its layout differs).
+
+    Returns
+    -------
+    DistArray
+        The product, laid out as in :func:`matmul_distributions`.
+
+    Raises
+    ------
+    ValueError
+        For 0-d operands or mismatched inner dimensions (on every rank).
+    TypeError
+        For operands of more than 2 dimensions (batched products are not
+        supported).
+    """
+    a, b = as_operand(a), as_operand(b)
+    if not is_dist(a) and not is_dist(b):
+        return NotImplemented
+    like = a if is_dist(a) else b
+    if not is_dist(a):
+        a = _to_dist(a, like)
+    if not is_dist(b):
+        b = _to_dist(b, like)
+    for i, v in enumerate((a, b)):
+        if v.ndim == 0:
+            raise ValueError(
+                f"matmul: Input operand {i} does not have enough dimensions (has 0, gufunc "
+                "core with signature (n?,k),(k,m?)->(n?,m?) requires 1)"
+            )
+        if v.ndim > 2:
+            raise TypeError("matmul of DistArrays supports 1-D and 2-D operands only")
+    ka = a.shape[-1]
+    kb = b.shape[0]
+    if ka != kb:
+        raise ValueError(
+            "matmul: Input operand 1 has a mismatch in its core dimension 0, with gufunc "
+            f"signature (n?,k),(k,m?)->(n?,m?) (size {kb} is different from {ka})"
+        )
+    dtype = np.matmul(np.empty((0, 0), a.dtype), np.empty((0, 0), b.dtype)).dtype
+    from .shape import expand_dims, reshape
+
+    a2 = expand_dims(a, 0) if a.ndim == 1 else a
+    b2 = expand_dims(b, 1) if b.ndim == 1 else b
+    da, db, dc = matmul_distributions(a2.dist, b2.dist)
+    c = _summa(a2, b2, da, db, dc, dtype)
+    if a.ndim == 1 or b.ndim == 1:
+        shape = (() if a.ndim == 1 else (a.shape[0],)) + (() if b.ndim == 1 else (b.shape[1],))
+        c = reshape(c, shape)
+    if out is not None:
+        from .reductions import _store
+
+        return _store(c, out)
+    return c
+
+
+def matmul_ufunc(inputs: Any, kwargs: dict[str, Any]) -> Any:
+    """``np.matmul`` reached through ``__array_ufunc__`` (``a @ b``)."""
+    kw = dict(kwargs)
+    out = kw.pop("out", None)
+    if isinstance(out, tuple):
+        out = out[0]
+    for k in ("casting", "order", "subok"):
+        kw.pop(k, None)
+    dtype = kw.pop("dtype", None)
+    if kw:
+        raise TypeError(f"matmul on DistArrays does not take {sorted(kw)}")
+    c = matmul(*inputs)
+    if c is NotImplemented:
+        return c
+    if dtype is not None:
+        c = c.astype(dtype)
+    if out is not None:
+        from .reductions import _store
+
+        return _store(c, out)
+    return c
+
+
+def _reduce_last(prod: DistArray, keepdims: bool = False) -> DistArray:
+    from .reductions import sum as dsum
+
+    return dsum(prod, axis=-1, keepdims=keepdims)
+
+
+def dot(a: Any, b: Any, out: Any = None) -> Any:
+    """``numpy.dot`` for scalars, vectors and matrices (N-D operands are not supported)."""
+    a, b = as_operand(a), as_operand(b)
+    na, nb = np.ndim(a) if not is_dist(a) else a.ndim, np.ndim(b) if not is_dist(b) else b.ndim
+    if na == 0 or nb == 0:
+        r = np.multiply(a, b)
+    elif na <= 2 and nb <= 2:
+        r = matmul(a, b)
+    else:
+        raise TypeError("dot of DistArrays supports operands of at most 2 dimensions")
+    if out is not None:
+        from .reductions import _store
+
+        return _store(r, out)
+    return r
+
+
+def vdot(a: Any, b: Any) -> DistArray:
+    """``numpy.vdot``: the flattened, conjugated dot product (a 0-d DistArray)."""
+    from .shape import ravel
+
+    a = ravel(a) if is_dist(a) else np.ravel(a)
+    b = ravel(b) if is_dist(b) else np.ravel(b)
+    if a.shape != b.shape:
+        raise ValueError(f"vdot: the arrays have {a.shape[0]} and {b.shape[0]} elements")
+    return _reduce_last(np.multiply(np.conjugate(a), b))
+
+
+def vecdot(x1: Any, x2: Any, /, *, axis: int = -1, out: Any = None, **kwargs: Any) -> DistArray:
+    """``sum(conj(x1) * x2, axis)``, like :func:`numpy.vecdot` (broadcasting the others)."""
+    for k in ("casting", "order", "subok", "dtype", "signature", "axes"):
+        kwargs.pop(k, None)
+    if kwargs:
+        raise TypeError(f"vecdot on DistArrays does not take {sorted(kwargs)}")
+    x1, x2 = as_operand(x1), as_operand(x2)
+    n1 = x1.shape[axis] if np.ndim(x1) or is_dist(x1) else None
+    n2 = x2.shape[axis] if np.ndim(x2) or is_dist(x2) else None
+    if n1 is None or n2 is None or n1 != n2:
+        raise ValueError("vecdot: the contracted dimensions must have the same size")
+    from .reductions import _store
+    from .reductions import sum as dsum
+
+    r = dsum(np.multiply(np.conjugate(x1), x2), axis=axis)
+    return _store(r, out) if out is not None else r
+
+
+def inner(a: Any, b: Any) -> Any:
+    """``numpy.inner`` for vectors (and scalars)."""
+    if np.ndim(a) == 0 or np.ndim(b) == 0 or (is_dist(a) and a.ndim == 0) or (
+            is_dist(b) and b.ndim == 0):
+        return np.multiply(a, b)
+    if (a.ndim if is_dist(a) else np.ndim(a)) != 1 or (
+            b.ndim if is_dist(b) else np.ndim(b)) != 1:
+        raise TypeError("inner of DistArrays supports vectors only")
+    if a.shape != b.shape:
+        raise ValueError(f"shapes {a.shape} and {b.shape} not aligned")
+    return _reduce_last(np.multiply(a, b))
+
+
+def outer(a: Any, b: Any, out: Any = None) -> DistArray:
+    """``numpy.outer``: ``ravel(a)[:, None] * ravel(b)[None, :]``."""
+    from .shape import expand_dims, ravel
+
+    a = expand_dims(ravel(a), 1) if is_dist(a) else np.ravel(a)[:, None]
+    b = expand_dims(ravel(b), 0) if is_dist(b) else np.ravel(b)[None, :]
+    return np.multiply(a, b, out=out)

@@ -1,0 +1,431 @@
+"""The Python array API namespace of DistArrays: ``x.__array_namespace__()``.
+
+Array-API code written as ``xp = array_namespace(x); xp.mean(x, axis=0)``
+runs on DistArrays through this module. It covers the standard's element-wise
+functions, statistics, utility and searching functions (except ``nonzero``
+and ``searchsorted``), manipulation functions (except ``roll``, ``tile``,
+``repeat``, ``unstack``), ``matmul``/``matrix_transpose``/``vecdot``, data type
+functions, constants and creation functions; sorting, sets, ``tensordot``,
+``meshgrid``, ``from_dlpack`` and the optional extensions (linalg, fft) are
+not provided. Semantics are NumPy's (NumPy 2 follows the standard).
+
+Creation functions without an array argument (``zeros``, ``arange``,
+``asarray``, ...) build arrays on the default grid (a 1-D grid over
+``COMM_WORLD``, first dimension split); the ``*_like`` functions keep the
+distribution of their argument.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import creation
+from ..array import DistArray
+from . import elementwise, linalg, reductions, shape
+from ._util import is_dist, wrap
+
+__array_api_version__ = "2023.12"
+
+# ------------------------------------------------------------------ constants and dtypes
+e = math.e
+inf = math.inf
+nan = math.nan
+pi = math.pi
+newaxis = None
+
+bool = np.bool_  # noqa: A001 - the standard's name
+int8, int16, int32, int64 = np.int8, np.int16, np.int32, np.int64
+uint8, uint16, uint32, uint64 = np.uint8, np.uint16, np.uint32, np.uint64
+float32, float64 = np.float32, np.float64
+complex64, complex128 = np.complex64, np.complex128
+
+# ------------------------------------------------------------------ element-wise functions
+_UFUNCS = {
+    "abs": np.absolute, "acos": np.arccos, "acosh": np.arccosh, "add": np.add,
+    "asin": np.arcsin, "asinh": np.arcsinh, "atan": np.arctan, "atan2": np.arctan2,
+    "atanh": np.arctanh, "bitwise_and": np.bitwise_and, "bitwise_left_shift": np.left_shift,
+    "bitwise_invert": np.invert, "bitwise_or": np.bitwise_or,
+    "bitwise_right_shift": np.right_shift, "bitwise_xor": np.bitwise_xor, "ceil": np.ceil,
+    "conj": np.conjugate, "copysign": np.copysign, "cos": np.cos, "cosh": np.cosh,
+    "divide": np.divide, "equal": np.equal, "exp": np.exp, "expm1": np.expm1,
+    "floor": np.floor, "floor_divide": np.floor_divide, "greater": np.greater,
+    "greater_equal": np.greater_equal, "hypot": np.hypot, "isfinite": np.isfinite,
+    "isinf": np.isinf, "isnan": np.isnan, "less": np.less, "less_equal": np.less_equal,
+    "log": np.log, "log1p": np.log1p, "log2": np.log2, "log10": np.log10,
+    "logaddexp": np.logaddexp, "logical_and": np.logical_and, "logical_not": np.logical_not,
+    "logical_or": np.logical_or, "logical_xor": np.logical_xor, "maximum": np.maximum,
+    "minimum": np.minimum, "multiply": np.multiply, "negative": np.negative,
+    "nextafter": np.nextafter, "not_equal": np.not_equal, "positive": np.positive,
+    "pow": np.power, "reciprocal": np.reciprocal, "remainder": np.remainder,
+    "sign": np.sign, "signbit": np.signbit, "sin": np.sin, "sinh": np.sinh,
+    "square": np.square, "sqrt": np.sqrt, "subtract": np.subtract, "tan": np.tan,
+    "tanh": np.tanh, "trunc": np.trunc,
+}
+
+
+def _make(name: str, uf: np.ufunc) -> Any:
+    if uf.nin == 1:
+        def f(x: Any, /) -> DistArray:
+            return uf(x)
+    else:
+        def f(x1: Any, x2: Any, /) -> DistArray:  # type: ignore[misc]
+            return uf(x1, x2)
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = f"Array API ``{name}``: :data:`numpy.{uf.__name__}` on DistArrays."
+    return f
+
+
+for _name, _uf in _UFUNCS.items():
+    globals()[_name] = _make(_name, _uf)
+del _name, _uf
+
+
+def real(x: Any, /) -> DistArray:
+    """The real part."""
+    return elementwise.real(x)
+
+
+def imag(x: Any, /) -> DistArray:
+    """The imaginary part."""
+    return elementwise.imag(x)
+
+
+def round(x: Any, /) -> DistArray:  # noqa: A001
+    """Round half to even."""
+    return elementwise.round(x)
+
+
+def clip(x: Any, /, min: Any = None, max: Any = None) -> DistArray:  # noqa: A002
+    """Clamp to ``[min, max]``."""
+    return elementwise.clip(x, min, max)
+
+
+# ------------------------------------------------------------------ statistics and utility
+
+
+def sum(x: DistArray, /, *, axis: Any = None, dtype: Any = None,  # noqa: A001
+        keepdims: bool = False) -> DistArray:
+    """Sum (see :func:`disttensor.ops.reductions.sum`)."""
+    return reductions.sum(x, axis=axis, dtype=dtype, keepdims=keepdims)
+
+
+def prod(x: DistArray, /, *, axis: Any = None, dtype: Any = None,
+         keepdims: bool = False) -> DistArray:
+    """Product."""
+    return reductions.prod(x, axis=axis, dtype=dtype, keepdims=keepdims)
+
+
+def mean(x: DistArray, /, *, axis: Any = None, keepdims: bool = False) -> DistArray:
+    """Arithmetic mean."""
+    return reductions.mean(x, axis=axis, keepdims=keepdims)
+
+
+def var(x: DistArray, /, *, axis: Any = None, correction: float = 0.0,
+        keepdims: bool = False) -> DistArray:
+    """Variance with ``correction`` degrees of freedom removed."""
+    return reductions.var(x, axis=axis, ddof=correction, keepdims=keepdims)
+
+
+def std(x: DistArray, /, *, axis: Any = None, correction: float = 0.0,
+        keepdims: bool = False) -> DistArray:
+    """Standard deviation."""
+    return reductions.std(x, axis=axis, ddof=correction, keepdims=keepdims)
+
+
+def max(x: DistArray, /, *, axis: Any = None, keepdims: bool = False) -> DistArray:  # noqa: A001
+    """Maximum."""
+    return reductions.max(x, axis=axis, keepdims=keepdims)
+
+
+def min(x: DistArray, /, *, axis: Any = None, keepdims: bool = False) -> DistArray:  # noqa: A001
+    """Minimum."""
+    return reductions.min(x, axis=axis, keepdims=keepdims)
+
+
+def all(x: DistArray, /, *, axis: Any = None, keepdims: bool = False) -> DistArray:  # noqa: A001
+    """Logical AND reduction."""
+    return reductions.all(x, axis=axis, keepdims=keepdims)
+
+
+def any(x: DistArray, /, *, axis: Any = None, keepdims: bool = False) -> DistArray:  # noqa: A001
+    """Logical OR reduction."""
+    return reductions.any(x, axis=axis, keepdims=keepdims)
+
+
+def argmax(x: DistArray, /, *, axis: int | None = None, keepdims: bool = False) -> DistArray:
+    """Index of the maximum."""
+    return reductions.argmax(x, axis=axis, keepdims=keepdims)
+
+
+def argmin(x: DistArray, /, *, axis: int | None = None, keepdims: bool = False) -> DistArray:
+    """Index of the minimum."""
+    return reductions.argmin(x, axis=axis, keepdims=keepdims)
+
+
+def count_nonzero(x: DistArray, /, *, axis: Any = None, keepdims: bool = False) -> DistArray:
+    """Number of non-zero elements."""
+    return reductions.count_nonzero(x, axis=axis, keepdims=keepdims)
+
+
+def cumulative_sum(x: DistArray, /, *, axis: int | None = None, dtype: Any = None,
+                   include_initial: bool = False) -> DistArray:
+    """Cumulative sum (``include_initial=True`` is not supported)."""
+    if include_initial:
+        raise NotImplementedError("cumulative_sum(include_initial=True) on DistArrays")
+    if axis is None:
+        if x.ndim != 1:
+            raise ValueError("axis must be given for arrays of more than one dimension")
+        axis = 0
+    return reductions.cumsum(x, axis=axis, dtype=dtype)
+
+
+def where(condition: Any, x1: Any, x2: Any, /) -> DistArray:
+    """Select from ``x1`` where ``condition`` is true, else from ``x2``."""
+    return elementwise.where(condition, x1, x2)
+
+
+# ------------------------------------------------------------------ manipulation
+
+
+def concat(arrays: Any, /, *, axis: int | None = 0) -> DistArray:
+    """Join along an existing axis."""
+    return shape.concatenate(arrays, axis=axis)
+
+
+def stack(arrays: Any, /, *, axis: int = 0) -> DistArray:
+    """Join along a new axis."""
+    return shape.stack(arrays, axis=axis)
+
+
+def reshape(x: DistArray, /, shape_: Any = None, *, copy: Any = None,
+            **kw: Any) -> DistArray:
+    """New shape (always a copy)."""
+    return shape.reshape(x, kw.pop("shape", shape_), copy=copy)
+
+
+def permute_dims(x: DistArray, /, axes: Any) -> DistArray:
+    """Permute the dimensions."""
+    return shape.transpose(x, axes)
+
+
+def matrix_transpose(x: DistArray, /) -> DistArray:
+    """Swap the last two dimensions."""
+    return shape.matrix_transpose(x)
+
+
+def expand_dims(x: DistArray, /, *, axis: int = 0) -> DistArray:
+    """Insert a dimension of size 1."""
+    return shape.expand_dims(x, axis)
+
+
+def squeeze(x: DistArray, /, axis: Any) -> DistArray:
+    """Remove dimensions of size 1."""
+    return shape.squeeze(x, axis)
+
+
+def flip(x: DistArray, /, *, axis: Any = None) -> DistArray:
+    """Reverse along ``axis``."""
+    return shape.flip(x, axis)
+
+
+def moveaxis(x: DistArray, source: Any, destination: Any, /) -> DistArray:
+    """Move dimensions."""
+    return shape.moveaxis(x, source, destination)
+
+
+def broadcast_to(x: DistArray, /, shape_: Any = None, **kw: Any) -> DistArray:
+    """Broadcast to a shape."""
+    return shape.broadcast_to(x, kw.pop("shape", shape_))
+
+
+def broadcast_arrays(*arrays: Any) -> list[DistArray]:
+    """Broadcast against each other."""
+    return shape.broadcast_arrays(*arrays)
+
+
+# ------------------------------------------------------------------ linear algebra
+
+
+def matmul(x1: Any, x2: Any, /) -> DistArray:
+    """Matrix product (SUMMA, see :mod:`disttensor.ops.linalg`)."""
+    return linalg.matmul(x1, x2)
+
+
+def vecdot(x1: Any, x2: Any, /, *, axis: int = -1) -> DistArray:
+    """Conjugated dot product along ``axis``."""
+    return linalg.vecdot(x1, x2, axis=axis)
+
+
+# ------------------------------------------------------------------ data types
+
+
+def astype(x: DistArray, dtype: Any, /, *, copy: bool = True, device: Any = None) -> DistArray:
+    """Cast to ``dtype``."""
+    return elementwise.astype(x, dtype, copy=copy)
+
+
+def can_cast(from_: Any, to: Any, /) -> bool:
+    """Whether ``from_`` casts safely to ``to``."""
+    return np.can_cast(from_.dtype if is_dist(from_) else from_, to)
+
+
+def result_type(*arrays_and_dtypes: Any) -> np.dtype:
+    """Type promotion."""
+    return np.result_type(*(a.dtype if is_dist(a) else a for a in arrays_and_dtypes))
+
+
+finfo = np.finfo
+iinfo = np.iinfo
+isdtype = np.isdtype
+
+
+# ------------------------------------------------------------------ creation
+
+
+def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = None,
+            **dist_kw: Any) -> DistArray:
+    """A DistArray from ``obj`` (the same on every rank), on the default grid."""
+    if is_dist(obj):
+        if dtype is not None and np.dtype(dtype) != obj.dtype:
+            return obj.astype(dtype)
+        return obj.copy() if copy else obj
+    return creation.asarray(np.asarray(obj, dtype=dtype), **dist_kw)
+
+
+def _default_dtype(dtype: Any) -> Any:
+    return np.float64 if dtype is None else dtype
+
+
+def zeros(shape: Any, *, dtype: Any = None, device: Any = None, **dist_kw: Any) -> DistArray:
+    """Zeros on the default grid (or ``grid=``, ``axes=``, ``dist=``)."""
+    return creation.zeros(shape, _default_dtype(dtype), **dist_kw)
+
+
+def ones(shape: Any, *, dtype: Any = None, device: Any = None, **dist_kw: Any) -> DistArray:
+    """Ones."""
+    return creation.ones(shape, _default_dtype(dtype), **dist_kw)
+
+
+def empty(shape: Any, *, dtype: Any = None, device: Any = None, **dist_kw: Any) -> DistArray:
+    """Uninitialised."""
+    return creation.empty(shape, _default_dtype(dtype), **dist_kw)
+
+
+def full(shape: Any, fill_value: Any, *, dtype: Any = None, device: Any = None,
+         **dist_kw: Any) -> DistArray:
+    """Filled with ``fill_value``."""
+    if dtype is None:
+        dtype = np.result_type(fill_value) if not isinstance(fill_value, float) else np.float64
+    return creation.full(shape, fill_value, dtype, **dist_kw)
+
+
+def arange(start: Any, /, stop: Any = None, step: Any = 1, *, dtype: Any = None,
+           device: Any = None, **dist_kw: Any) -> DistArray:
+    """Evenly spaced values."""
+    return creation.arange(start, stop, step, dtype, **dist_kw)
+
+
+def linspace(start: Any, stop: Any, /, num: int, *, dtype: Any = None, device: Any = None,
+             endpoint: bool = True, **dist_kw: Any) -> DistArray:
+    """``num`` evenly spaced values from ``start`` to ``stop``, like :func:`numpy.linspace`."""
+    ref = np.linspace(start, stop, 2 if endpoint else 1, endpoint=endpoint, dtype=dtype)
+    out = creation.empty((num,), ref.dtype, **dist_kw)
+    div = (num - 1) if endpoint else num
+    sl = out.dist.local_slices()[0]
+    i = np.arange(sl.start, sl.stop, dtype=np.result_type(ref.dtype, np.float64))
+    step = (stop - start) / div if div > 0 else np.nan
+    vals = i * step + start if div > 0 else i * (stop - start) + start
+    if endpoint and num > 1 and sl.stop == num and sl.stop > sl.start:
+        vals[-1] = stop
+    out.local[...] = vals.astype(ref.dtype, copy=False)
+    return out
+
+
+def eye(n_rows: int, n_cols: int | None = None, /, *, k: int = 0, dtype: Any = None,
+        device: Any = None, **dist_kw: Any) -> DistArray:
+    """Ones on the ``k``-th diagonal."""
+    n_cols = n_rows if n_cols is None else n_cols
+    out = creation.zeros((n_rows, n_cols), _default_dtype(dtype), **dist_kw)
+    r, c = out.dist.local_slices()
+    rows = np.arange(r.start, r.stop)[:, None]
+    cols = np.arange(c.start, c.stop)[None, :]
+    out.local[...] = out.xp.asarray(cols - rows == k)
+    return out
+
+
+def _tri(x: DistArray, k: int, lower: bool) -> DistArray:
+    if x.ndim < 2:
+        raise ValueError("tril/triu need at least 2 dimensions")
+    sl = x.dist.local_slices()
+    rows = np.arange(sl[-2].start, sl[-2].stop)[:, None]
+    cols = np.arange(sl[-1].start, sl[-1].stop)[None, :]
+    keep = (cols - rows <= k) if lower else (cols - rows >= k)
+    return wrap(x.xp.where(x.xp.asarray(keep), x.local, 0).astype(x.dtype), x.dist, x.xp)
+
+
+def tril(x: DistArray, /, *, k: int = 0) -> DistArray:
+    """Lower triangle (no communication)."""
+    return _tri(x, k, True)
+
+
+def triu(x: DistArray, /, *, k: int = 0) -> DistArray:
+    """Upper triangle (no communication)."""
+    return _tri(x, k, False)
+
+
+def zeros_like(x: DistArray, /, *, dtype: Any = None, device: Any = None) -> DistArray:
+    """Zeros with ``x``'s distribution."""
+    return np.zeros_like(x, dtype=dtype)
+
+
+def ones_like(x: DistArray, /, *, dtype: Any = None, device: Any = None) -> DistArray:
+    """Ones with ``x``'s distribution."""
+    return np.ones_like(x, dtype=dtype)
+
+
+def empty_like(x: DistArray, /, *, dtype: Any = None, device: Any = None) -> DistArray:
+    """Uninitialised, with ``x``'s distribution."""
+    return np.empty_like(x, dtype=dtype)
+
+
+def full_like(x: DistArray, /, fill_value: Any, *, dtype: Any = None,
+              device: Any = None) -> DistArray:
+    """Filled, with ``x``'s distribution."""
+    return np.full_like(x, fill_value, dtype=dtype)
+
+
+# ------------------------------------------------------------------ inspection
+
+
+class _Info:
+    """``__array_namespace_info__()``: capabilities, devices and default dtypes."""
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"boolean indexing": True, "data-dependent shapes": True,
+                "max dimensions": None}
+
+    def default_device(self) -> str:
+        return "cpu"
+
+    def devices(self) -> list[str]:
+        return ["cpu"]
+
+    def default_dtypes(self, *, device: Any = None) -> dict[str, Any]:
+        return {"real floating": np.dtype(np.float64), "complex floating":
+                np.dtype(np.complex128), "integral": np.dtype(np.int64),
+                "indexing": np.dtype(np.intp)}
+
+    def dtypes(self, *, device: Any = None, kind: Any = None) -> dict[str, Any]:
+        names = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "float32", "float64", "complex64", "complex128"]
+        out = {n: np.dtype(n) for n in names}
+        if kind is None:
+            return out
+        return {n: d for n, d in out.items() if np.isdtype(d, kind)}
+
+
+def __array_namespace_info__() -> _Info:
+    return _Info()
