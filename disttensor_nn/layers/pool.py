@@ -36,14 +36,18 @@ class _Pool(WindowLayer):
     def _pad_value(self) -> float:
         return -np.inf if self.op == "max" else 0.0
 
+    def _pool_forward(self, xwin: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        s = self.spec
+        if xwin.size == 0:  # an empty sample block: nothing to pool (and no argmax to reshape)
+            o = xwin.shape[:2] + K.out_shape(xwin.shape[2:], s.kernel, s.stride, s.dilation)
+            return np.empty(o, xwin.dtype), np.empty(o, np.intp)
+        return K.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
+
     def _kernel_forward(self, xwin: np.ndarray) -> np.ndarray:
-        y, _ = K.pool_forward(xwin, self.spec.kernel, self.spec.stride, self.spec.dilation,
-                              self.op)
-        return y
+        return self._pool_forward(xwin)[0]
 
     def _kernel_backward(self, dy: np.ndarray, xwin: np.ndarray) -> np.ndarray:
-        _, arg = K.pool_forward(xwin, self.spec.kernel, self.spec.stride, self.spec.dilation,
-                                self.op)
+        _, arg = self._pool_forward(xwin)
         return K.pool_backward(dy, xwin.shape, self.spec.kernel, self.spec.stride,
                                self.spec.dilation, self.op, arg)
 
