@@ -50,15 +50,19 @@ class SoftmaxCrossEntropy:
         ldist = Distribution((logits.shape[0],), logits.grid, (logits.dist.axes[0],),
                              [logits.dist.boundaries[0][1:-1] or None])
         y = _local_target(labels, ldist).astype(np.int64)
-        if y.size and (y.min() < 0 or y.max() >= logits.shape[1]):
-            raise ValueError("labels out of range")
+        # out-of-range labels may sit on some ranks only: count them in the loss's
+        # reduction so that every rank raises, instead of the others waiting in it
+        bad = int(bool(y.size) and (y.min() < 0 or y.max() >= logits.shape[1]))
         z = logits.local.astype(np.float64)
         z = z - z.max(axis=1, keepdims=True) if z.size else z
         logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        local = -logp[np.arange(len(y)), y].sum() if y.size else 0.0
+        local = -logp[np.arange(len(y)), y].sum() if y.size and not bad else 0.0
+        sums = allreduce_(np.array([local, bad], np.float64), split_axes_comm(ldist))
+        if sums[1]:
+            raise ValueError(f"labels out of range [0, {logits.shape[1]})")
         n = logits.shape[0]
         self._saved = (logits, np.exp(logp), y, n)
-        return _global_sum(local, ldist) / n
+        return float(sums[0]) / n
 
     __call__ = forward
 
