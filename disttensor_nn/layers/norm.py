@@ -92,9 +92,11 @@ class BatchNormNd(Layer):
         unbiased = var * count / max(count - 1, 1)
         stats = np.concatenate([mean, unbiased])
         if self.stats == "group":  # average the groups' estimates so all ranks agree
+            # (a group whose sample block is empty has no estimate and is left out)
             comm = split_axes_comm(x.dist, (0,))
-            allreduce_(stats, comm)
-            stats /= comm.Get_size()
+            has = float(count > 0)
+            buf = allreduce_(np.concatenate([stats * has, [has]]), comm)
+            stats = buf[:-1] / max(buf[-1], 1.0)
         m = self.momentum
         self.running_mean = (1 - m) * self.running_mean + m * stats[:self.num_features]
         self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
