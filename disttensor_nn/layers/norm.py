@@ -66,7 +66,8 @@ class BatchNormNd(Layer):
         axes = (0, *range(2, x.ndim))
         shape = self._shape(x)
         xl = x.local
-        if self.training or not self.track_running_stats:
+        batch_stats = self.training or not self.track_running_stats
+        if batch_stats:
             spatial = tuple(range(2, x.ndim))
             comm = split_axes_comm(x.dist, axes if self.stats == "global" else spatial)
             count = np.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
@@ -84,7 +85,7 @@ class BatchNormNd(Layer):
         xhat = (xl - mean.reshape(shape).astype(xl.dtype)) * inv.reshape(shape).astype(xl.dtype)
         y = xhat * self.weight.data.reshape(shape) + self.bias.data.reshape(shape) \
             if self.affine else xhat
-        self._saved = (x.dist, xhat, inv, count, self.training)
+        self._saved = (x.dist, xhat, inv, count, batch_stats)
         return DistArray.from_local(y.astype(x.dtype, copy=False), x.dist)
 
     def _update_running(self, x: DistArray, mean: np.ndarray, var: np.ndarray,
@@ -102,7 +103,7 @@ class BatchNormNd(Layer):
         self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
 
     def backward(self, dy: DistArray) -> DistArray:
-        dist, xhat, inv, count, training = self._saved
+        dist, xhat, inv, count, batch_stats = self._saved
         axes = (0, *range(2, dy.ndim))
         shape = self._shape(dy)
         g = dy.local
@@ -120,7 +121,7 @@ class BatchNormNd(Layer):
             self.weight.grad += param_sums[c:].astype(self.dtype)
         gamma = self.weight.data.astype(np.float64) if self.affine else np.ones(c)
         scale = (gamma * inv).reshape(shape).astype(g.dtype)
-        if training:
+        if batch_stats:  # the statistics depend on the input
             dmean = (sums[:c] / count).reshape(shape).astype(g.dtype)
             dvar = (sums[c:] / count).reshape(shape).astype(g.dtype)
             dx = scale * (g - dmean - xhat * dvar)
