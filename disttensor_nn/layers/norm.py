@@ -122,8 +122,9 @@ class BatchNormNd(Layer):
         gamma = self.weight.data.astype(np.float64) if self.affine else np.ones(c)
         scale = (gamma * inv).reshape(shape).astype(g.dtype)
         if batch_stats:  # the statistics depend on the input
-            dmean = (sums[:c] / count).reshape(shape).astype(g.dtype)
-            dvar = (sums[c:] / count).reshape(shape).astype(g.dtype)
+            n = max(count, 1)  # 0 on a rank with no samples in stats="group"
+            dmean = (sums[:c] / n).reshape(shape).astype(g.dtype)
+            dvar = (sums[c:] / n).reshape(shape).astype(g.dtype)
             dx = scale * (g - dmean - xhat * dvar)
         else:
             dx = scale * g
