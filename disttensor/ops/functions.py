@@ -74,18 +74,22 @@ def _register_all() -> None:
 
 
 def _shape(a: Any) -> tuple[int, ...]:
+    """The global shape (metadata, no communication)."""
     return a.shape
 
 
 def _ndim(a: Any) -> int:
+    """The number of dimensions."""
     return a.ndim
 
 
 def _size(a: Any, axis: int | None = None) -> int:
+    """The global number of elements (along ``axis`` if given)."""
     return a.size if axis is None else a.shape[axis]
 
 
 def _copy(a: Any, order: str = "K", subok: bool = False) -> Any:
+    """A copy with the same distribution."""
     return a.copy()
 
 
@@ -101,27 +105,32 @@ def _like(a: Any, dtype: Any, fill: Any, shape: Any) -> Any:
 
 def _zeros_like(a: Any, dtype: Any = None, order: str = "K", subok: bool = True,
                 shape: Any = None, *, device: Any = None) -> Any:
+    """Zeros with the distribution of ``a``."""
     return _like(a, dtype, 0, shape)
 
 
 def _ones_like(a: Any, dtype: Any = None, order: str = "K", subok: bool = True,
                shape: Any = None, *, device: Any = None) -> Any:
+    """Ones with the distribution of ``a``."""
     return _like(a, dtype, 1, shape)
 
 
 def _empty_like(prototype: Any, dtype: Any = None, order: str = "K", subok: bool = True,
                 shape: Any = None, *, device: Any = None) -> Any:
+    """Uninitialised, with the distribution of ``prototype``."""
     return _like(prototype, dtype, None, shape)
 
 
 def _full_like(a: Any, fill_value: Any, dtype: Any = None, order: str = "K",
                subok: bool = True, shape: Any = None, *, device: Any = None) -> Any:
+    """Filled with ``fill_value``, with the distribution of ``a``."""
     if dtype is None:
         dtype = a.dtype
     return _like(a, dtype, fill_value, shape)
 
 
 def _result_type(*arrays_and_dtypes: Any) -> np.dtype:
+    """NumPy's type promotion, with DistArrays standing for their dtypes."""
     return np.result_type(*(a.dtype if is_dist(a) else a for a in arrays_and_dtypes))
 
 

@@ -44,7 +44,8 @@ __all__ = ["matmul", "matmul_distributions", "dot", "vdot", "vecdot", "outer", "
 def _groups(a: Distribution, b: Distribution) -> tuple[tuple[int, ...], tuple[int, ...]]:
     g = a.grid_shape
     rows = [x for x in a.dim_axes[0] if g[x] > 1]
-    cols = [x for x in b.dim_axes[-1] if g[x] > 1 and x not in rows]
+    same_grid = b.grid_shape == g  # b's grid axes mean something on a's grid
+    cols = [x for x in b.dim_axes[-1] if same_grid and g[x] > 1 and x not in rows]
     for x in range(len(g)):
         if g[x] > 1 and x not in rows and x not in cols:
             pr = math.prod(g[y] for y in rows)

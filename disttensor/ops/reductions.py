@@ -411,9 +411,9 @@ def _arg(name: str, x: DistArray, axis: Any, out: Any, keepdims: bool) -> DistAr
     xp = x.xp
     dist = x.dist
     _check_mpi_dtype(x.dtype, name)
-    if x.size == 0:
-        raise ValueError(f"attempt to get {name} of an empty sequence")
     if axis is None:
+        if x.size == 0:
+            raise ValueError(f"attempt to get {name} of an empty sequence")
         dims = tuple(range(x.ndim))
     else:
         a = axis_index(axis, x.ndim)

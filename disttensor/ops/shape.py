@@ -85,8 +85,8 @@ def transpose(x: DistArray, axes: Sequence[int] | None = None) -> DistArray:
     return wrap(x.xp.transpose(x.local, perm).copy(), dist, x.xp)
 
 
-def permute_dims(x: DistArray, axes: Sequence[int]) -> DistArray:
-    """Array API name of :func:`transpose` with explicit ``axes``."""
+def permute_dims(x: DistArray, axes: Sequence[int] | None = None) -> DistArray:
+    """Array API name of :func:`transpose`."""
     return transpose(x, axes)
 
 

@@ -1,0 +1,160 @@
+"""Indexing DistArrays: Hypothesis-drawn basic keys compared with NumPy, writes, masks."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from mpi4py import MPI
+
+import disttensor as dt
+from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor.ops import implicit_redistribution
+from disttensor.testing import assert_equal, collective_assert
+from disttensor.testing.numpy_compare import check_like_numpy, layouts, sample
+from disttensor.testing.strategies import distributions, process_grids
+
+parallel = pytest.mark.parallel([1, 2, 3, 4])
+
+shapes = hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=6)
+dists = distributions(shape=shapes, grid=process_grids(max_ndim=2))
+
+
+def _values(shape):
+    return np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + 0.5
+
+
+@st.composite
+def dist_and_key(draw):
+    d = draw(dists)
+    key = draw(hnp.basic_indices(d.global_shape, min_dims=0, allow_newaxis=True,
+                                 allow_ellipsis=True))
+    return d, key
+
+
+@parallel
+@settings(max_examples=40)
+@given(case=dist_and_key())
+def test_getitem_matches_numpy(case):
+    d, key = case
+    g = _values(d.global_shape)
+    x = DistArray.from_global(g, d)
+    y = x[key]
+    want = np.asarray(g[key])
+    assert_equal(y, want)
+    collective_assert(y.grid is x.grid and not np.shares_memory(y.local, x.local),
+                      "not a new array on the same grid", x.comm)
+
+
+@parallel
+@settings(max_examples=40)
+@given(case=dist_and_key(), kind=st.sampled_from(["scalar", "numpy", "dist", "broadcast"]),
+       layout=st.integers(0, 4))
+def test_setitem_matches_numpy(case, kind, layout):
+    d, key = case
+    g = _values(d.global_shape)
+    x = DistArray.from_global(g, d)
+    target = g[key]
+    tshape = np.shape(target)
+    if kind == "scalar":
+        value = -1.25
+    else:
+        vshape = tshape[1:] if kind == "broadcast" and tshape else tshape
+        value = -_values(vshape)
+        if kind != "numpy" and vshape:
+            lay = layouts(vshape, d.grid.comm)
+            value = DistArray.from_global(value, lay[layout % len(lay)])
+        elif kind != "numpy":
+            value = DistArray.from_global(value, Distribution((), d.grid, ()))
+    ref = g.copy()
+    ref[key] = value.to_global() if isinstance(value, DistArray) else value
+    x[key] = value
+    assert_equal(x, ref)
+
+
+@parallel
+def test_index_errors_match_numpy():
+    keys = [(0, 0, 0), (7,), (slice(None), -6), (Ellipsis, Ellipsis),
+            (slice(None, None, 0),), (1.5,)]
+    for key in keys:
+        check_like_numpy(lambda x, key=key: x[key], shapes=[(5, 4)], max_layouts=3,
+                         name=f"x[{key}]")
+
+        def setter(x, key=key):
+            x[key] = 1.0
+            return x
+
+        check_like_numpy(setter, shapes=[(5, 4)], max_layouts=3, name=f"x[{key}] = 1")
+    # a value that does not broadcast into the target region
+    check_like_numpy(lambda x: x.__setitem__(slice(0, 2), np.ones(3)), shapes=[(5, 4)],
+                     max_layouts=3, name="bad broadcast")
+    check_like_numpy(lambda x: x.__setitem__(0, 300), shapes=[(5, 4)], dtypes=[np.int8],
+                     max_layouts=3, name="int8 overflow")
+    # integer-array (fancy) indexing is not supported: a clear IndexError everywhere
+    x = dt.zeros((5, 4))
+    try:
+        x[[0, 1]]
+        raised = False
+    except IndexError:
+        raised = True
+    collective_assert(raised, "fancy indexing did not raise IndexError", x.comm)
+
+
+@parallel
+def test_boolean_masks():
+    check_like_numpy(lambda x: x[x > 0], shapes=[(7,), (5, 4), (2, 3, 4), (0, 3)],
+                     name="x[x > 0]")
+    check_like_numpy(lambda x, y: x[y > 0], shapes=[((5, 4), (5, 4))], mixed=True,
+                     name="x[y > 0]")
+
+    def masked_set(x):
+        x[x < 0] = 0.0
+        return x
+
+    check_like_numpy(masked_set, shapes=[(7,), (5, 4)], name="x[x < 0] = 0")
+    m = sample((5, 4)) > 0
+    check_like_numpy(lambda x: x[m], shapes=[(5, 4)], name="x[numpy mask]")
+
+
+@parallel
+def test_slicing_needs_no_messages_and_keeps_grid_axes():
+    """Positive-step slices: new splits keep every element on the rank that held it."""
+    comm = MPI.COMM_WORLD
+    grid = ProcessGrid(sorted(MPI.Compute_dims(comm.size, 2)))
+    g = _values((9, 8))
+    x = DistArray.from_global(g, Distribution((9, 8), grid))
+    y = x[1:8:2, ::3]
+    owned = g[x.dist.local_slices()]
+    ok = y.dist.dim_axes == x.dist.dim_axes and np.isin(y.local, owned).all()
+    z = x[3]  # integer index: the dim's grid axes become replicas
+    ok = ok and z.dist.replica_axes == (0,)
+    collective_assert(ok, f"{y.dist} / {z.dist}", comm)
+    assert_equal(z, g[3])
+
+
+@parallel
+def test_iteration_scalars_and_newaxis():
+    comm = MPI.COMM_WORLD
+    x = dt.arange(6.0)
+    rows = [float(v) for v in x]
+    ok = rows == list(np.arange(6.0)) and x[2].item() == 2.0 and int(x[4]) == 4
+    ok = ok and x[None, :, None].shape == (1, 6, 1) and bool(x[3] > 2)
+    collective_assert(ok, f"{rows}", comm)
+
+
+@parallel
+def test_setitem_with_disabled_redistribution():
+    comm = MPI.COMM_WORLD
+    grid = ProcessGrid((comm.size,))
+    x = dt.zeros((8, 6), grid=grid, axes=(0, None))
+    same = dt.ones((8, 6), grid=grid, axes=(0, None))
+    other = dt.ones((8, 6), grid=grid, axes=(None, 0))
+    with implicit_redistribution(False):
+        x[...] = same  # already lined up
+        try:
+            x[...] = other
+            raised = comm.size == 1
+        except ValueError:
+            raised = True
+    collective_assert(raised, "moving the value was not refused", comm)
+    assert_equal(x, np.ones((8, 6)))
