@@ -28,6 +28,11 @@ __all__ = [
 ]
 
 WORKSPACE_BYTES = 64 * 2**20
+"""Upper bound on one im2col buffer (bytes); a tile shrinks to fit it."""
+TILE_BYTES = 2 * 2**20
+"""Preferred im2col tile size (bytes): written and read back while in cache."""
+MIN_TILE_COLS = 512
+"""Fewest output positions per tile (short GEMMs are inefficient)."""
 
 
 def out_shape(in_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
@@ -53,24 +58,78 @@ def windows(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
     return as_strided(x, x.shape[:2] + o + tuple(kernel), strides, writeable=False)
 
 
-def _tile_rows(rows: int, bytes_per_row: int, workspace: int) -> int:
-    return max(1, min(rows, workspace // max(1, bytes_per_row)))
+def _matrix(a: np.ndarray) -> np.ndarray | None:
+    """``a`` as a 2-D ``(a.shape[0], rest)`` view with unit stride along ``rest``, or None.
+
+    The result is a valid BLAS operand (or output) without a copy: the leading
+    dimension is ``a.strides[0]``.
+    """
+    expected = a.itemsize
+    for n, s in zip(reversed(a.shape[1:]), reversed(a.strides[1:])):
+        if n != 1 and s != expected:
+            return None
+        expected *= n
+    return as_strided(a, (a.shape[0], math.prod(a.shape[1:])), (a.strides[0], a.itemsize))
 
 
-def _columns(win: np.ndarray, r0: int, r1: int, nd: int) -> np.ndarray:
-    """im2col of output rows ``r0:r1``: shape ``(C*prod(K), N*rows*prod(O[1:]))``."""
-    part = win[:, :, r0:r1]
-    n, c = part.shape[:2]
-    # (N, C, *O, *K) -> (C, *K, N, *O)
+def _plan(n: int, o: Sequence[int], rows: int, itemsize: int, workspace: int
+          ) -> tuple[int, int]:
+    """Tile of the output columns ``(n, *o)``: ``(samples, rows of o[0])`` per tile.
+
+    A tile holds about ``TILE_BYTES`` of columns (cache resident), at least
+    ``MIN_TILE_COLS`` columns (efficient GEMMs) and at most ``workspace`` bytes
+    (unless one output row alone is larger). Small samples are batched whole;
+    large ones are split along their first spatial dimension.
+    """
+    per_col = rows * itemsize
+    cols = max(1, min(workspace // per_col, max(MIN_TILE_COLS, TILE_BYTES // per_col)))
+    p, rest = math.prod(o), math.prod(o[1:])
+    if p <= cols:
+        return min(n, cols // p), o[0]
+    return 1, max(1, min(o[0], cols // rest))
+
+
+def _tiles(n: int, rows: int, nb: int, t: int):
+    for n0 in range(0, n, nb):
+        for r0 in range(0, rows, t):
+            yield n0, min(n, n0 + nb), r0, min(rows, r0 + t)
+
+
+def _im2col(src: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
+            dilation: Sequence[int], dst: np.ndarray) -> None:
+    """Fill the contiguous ``dst`` of shape ``(C*prod(K), nb*prod(O))`` with the windows of
+    ``src`` of shape ``(nb, C, *S)``; rows ordered ``(c, *k)``, columns ``(n, *o)``."""
+    nd = len(kernel)
+    win = windows(src, kernel, stride, dilation)  # (nb, C, *O, *K)
     order = (1, *range(2 + nd, 2 + 2 * nd), 0, *range(2, 2 + nd))
-    cols = np.ascontiguousarray(part.transpose(order))
-    return cols.reshape(c * math.prod(part.shape[2 + nd:]), -1)
+    view = win.transpose(order)
+    np.copyto(dst.reshape(view.shape), view)
+
+
+def _src_rows(r0: int, r1: int, k: int, s: int, d: int) -> slice:
+    """Input rows read by output rows ``r0:r1`` (first spatial dimension)."""
+    return slice(r0 * s, (r1 - 1) * s + d * (k - 1) + 1)
+
+
+def _pointwise(kernel: Sequence[int], stride: Sequence[int], o: Sequence[int]) -> bool:
+    """1x1 convolutions with unit stride on large enough samples run as plain GEMMs."""
+    return all(k == 1 for k in kernel) and all(s == 1 for s in stride) \
+        and math.prod(o) >= MIN_TILE_COLS
+
+
+def _sample_matrix(a: np.ndarray) -> np.ndarray:
+    m = _matrix(a)
+    return m if m is not None else np.ascontiguousarray(a).reshape(a.shape[0], -1)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
                  stride: Sequence[int], dilation: Sequence[int], groups: int = 1,
                  workspace_bytes: int = WORKSPACE_BYTES) -> np.ndarray:
     """Valid N-D cross-correlation: ``y[n, f, o] = sum_{c,k} w[f, c, k] x[n, c, s*o + d*k] + b[f]``.
+
+    im2col of one cache-sized tile of output positions at a time, then one GEMM
+    ``(F/g, C/g*prod(K)+1) @ (C/g*prod(K)+1, tile)`` whose extra row of ones adds the
+    bias; for a tile within one sample the GEMM writes straight into ``y``.
 
     Parameters
     ----------
@@ -82,25 +141,45 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     n, c = x.shape[:2]
     f = w.shape[0]
     cg, fg = c // groups, f // groups
-    kernel = w.shape[2:]
-    win = windows(x, kernel, stride, dilation)
-    o = win.shape[2:2 + nd]
-    y = np.empty((n, f) + o, dtype=np.result_type(x, w))
+    kernel, stride, dilation = tuple(w.shape[2:]), tuple(stride), tuple(dilation)
+    dtype = np.result_type(x, w)
+    o = out_shape(x.shape[2:], kernel, stride, dilation)
+    y = np.empty((n, f) + o, dtype=dtype)
     if y.size == 0:
         return y
-    rest = math.prod(o[1:])
+    if _pointwise(kernel, stride, o):
+        for g in range(groups):
+            wm = w[g * fg:(g + 1) * fg].reshape(fg, cg).astype(dtype, copy=False)
+            for i in range(n):
+                xm = _sample_matrix(x[i, g * cg:(g + 1) * cg].astype(dtype, copy=False))
+                np.matmul(wm, xm, out=_matrix(y[i, g * fg:(g + 1) * fg]))
+        if b is not None:
+            y += b.reshape((1, f) + (1,) * nd)
+        return y
     ck = cg * math.prod(kernel)
-    t = _tile_rows(o[0], ck * n * rest * x.itemsize, workspace_bytes)
+    rows = ck + (b is not None)
+    rest = math.prod(o[1:])
+    nb, t = _plan(n, o, rows, dtype.itemsize, workspace_bytes)
+    ws = np.empty(rows * nb * t * rest, dtype)
+    tmp = np.empty(fg * nb * t * rest, dtype) if nb > 1 else None
     for g in range(groups):
-        wmat = w[g * fg:(g + 1) * fg].reshape(fg, ck)
-        wg = win[:, g * cg:(g + 1) * cg]
-        for r0 in range(0, o[0], t):
-            r1 = min(o[0], r0 + t)
-            res = wmat @ _columns(wg, r0, r1, nd)  # (Fg, N * rows * rest)
-            res = res.reshape((fg, n, r1 - r0) + o[1:])
-            y[:, g * fg:(g + 1) * fg, r0:r1] = res.transpose(1, 0, *range(2, 2 + nd))
-    if b is not None:
-        y += b.reshape((1, f) + (1,) * nd)
+        wext = np.empty((fg, rows), dtype)
+        wext[:, :ck] = w[g * fg:(g + 1) * fg].reshape(fg, ck)
+        if b is not None:
+            wext[:, ck] = b[g * fg:(g + 1) * fg]
+        xg = x[:, g * cg:(g + 1) * cg]
+        for n0, n1, r0, r1 in _tiles(n, o[0], nb, t):
+            m = (n1 - n0) * (r1 - r0) * rest
+            cols = ws[:rows * m].reshape(rows, m)
+            src = xg[n0:n1, :, _src_rows(r0, r1, kernel[0], stride[0], dilation[0])]
+            _im2col(src, kernel, stride, dilation, cols[:ck])
+            if b is not None:
+                cols[ck] = 1
+            if n1 - n0 == 1:
+                np.matmul(wext, cols, out=_matrix(y[n0, g * fg:(g + 1) * fg, r0:r1]))
+            else:
+                res = np.matmul(wext, cols, out=tmp[:fg * m].reshape(fg, m))
+                y[n0:n1, g * fg:(g + 1) * fg] = res.reshape((fg, n1 - n0) + o).swapaxes(0, 1)
     return y
 
 
@@ -110,55 +189,159 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
                   ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
     """Gradients of :func:`conv_forward`: ``(dx, dw, db)`` (dx over the whole input ``x``).
 
-    ``dx`` is the transposed convolution of ``dy`` (col2im of ``w^T dy``);
-    ``dw`` is one GEMM per group and tile of ``dy`` with the im2col of ``x``.
+    ``dw`` and ``db``: per tile of output positions one GEMM of ``dy`` with the
+    im2col of ``x`` and its row of ones. ``dx``: with unit strides (and not many
+    more output than input channels) the valid correlation of the zero-padded
+    ``dy`` with the flipped, channel-transposed kernel (im2col plus GEMM, written
+    straight into ``dx``); otherwise ``w^T dy`` per tile, added into the windows
+    of ``dx`` kernel offset by kernel offset (col2im).
     """
     nd = w.ndim - 2
     n, c = x.shape[:2]
     f = w.shape[0]
     cg, fg = c // groups, f // groups
-    kernel = w.shape[2:]
-    o = dy.shape[2:]
-    db = dy.sum(axis=(0, *range(2, 2 + nd)))
-    dx = np.zeros(x.shape, dtype=np.result_type(dy, w)) if need_dx else None
-    dw = np.zeros(w.shape, dtype=np.result_type(dy, x)) if need_dw else None
+    kernel, stride, dilation = tuple(w.shape[2:]), tuple(stride), tuple(dilation)
+    dtype = np.result_type(dy, x, w)
+    o = tuple(dy.shape[2:])
+    transposed_conv = all(s == 1 for s in stride) and fg <= 2 * cg
+    dx = None
+    if need_dx:
+        dx = (np.empty if transposed_conv and dy.size else np.zeros)(x.shape, dtype=dtype)
+    dw = np.zeros(w.shape, dtype=dtype) if need_dw else None
+    db = np.zeros(f, dtype=dtype)
     if dy.size == 0:
         return dx, dw, db
-    win = windows(x, kernel, stride, dilation)
-    rest = math.prod(o[1:])
-    ck = cg * math.prod(kernel)
-    t = _tile_rows(o[0], ck * n * rest * x.itemsize * (1 + need_dx), workspace_bytes)
-    for g in range(groups):
-        wmat = w[g * fg:(g + 1) * fg].reshape(fg, ck)
-        wg = win[:, g * cg:(g + 1) * cg]
-        for r0 in range(0, o[0], t):
-            r1 = min(o[0], r0 + t)
-            # dy tile as (Fg, N * rows * rest)
-            dyt = np.ascontiguousarray(
-                dy[:, g * fg:(g + 1) * fg, r0:r1].transpose(1, 0, *range(2, 2 + nd))
-            ).reshape(fg, -1)
+    if not need_dw:
+        db[:] = dy.sum(axis=(0, *range(2, 2 + nd)))
+    if _pointwise(kernel, stride, o):
+        for g in range(groups):
+            gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
+            wm = w[gf].reshape(fg, cg).astype(dtype, copy=False)
+            acc = tmp = None
             if need_dw:
-                dw[g * fg:(g + 1) * fg] += (dyt @ _columns(wg, r0, r1, nd).T).reshape(
-                    (fg, cg) + tuple(kernel))
-            if need_dx:
-                dcol = (wmat.T @ dyt).reshape((cg, *kernel, n, r1 - r0) + o[1:])
-                _col2im(dx[:, g * cg:(g + 1) * cg], dcol, r0, stride, dilation)
+                acc = np.zeros((cg, fg), dtype)
+                tmp = np.empty_like(acc)
+            for i in range(n):
+                dym = _sample_matrix(dy[i, gf].astype(dtype, copy=False))
+                if need_dw:
+                    xm = _sample_matrix(x[i, gc].astype(dtype, copy=False))
+                    acc += np.matmul(xm, dym.T, out=tmp)
+                if need_dx:
+                    np.matmul(wm.T, dym, out=_matrix(dx[i, gc]))
+            if need_dw:
+                dw[gf] = acc.T.reshape(dw[gf].shape)
+        if need_dw:
+            db[:] = dy.sum(axis=(0, *range(2, 2 + nd)))
+        return dx, dw, db
+    ck = cg * math.prod(kernel)
+    rest = math.prod(o[1:])
+    if need_dw or (need_dx and not transposed_conv):
+        rows = ck + 1
+        nb, t = _plan(n, o, rows, dtype.itemsize, workspace_bytes)
+        m_max = nb * t * rest
+        ws = np.empty(rows * m_max, dtype) if need_dw else None
+        dyt_buf = np.empty(fg * m_max, dtype) if nb > 1 else None
+        dcol_buf = np.empty(ck * m_max, dtype) if need_dx and not transposed_conv else None
+        # dw^T (and db): cols @ dy^T runs faster than dy @ cols^T for few filters
+        acc = np.empty((rows, fg), dtype) if need_dw else None
+        tmp = np.empty((rows, fg), dtype) if need_dw else None
+        for g in range(groups):
+            gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
+            wmat = w[gf].reshape(fg, ck).astype(dtype, copy=False)
+            xg = x[:, gc]
+            first = True
+            for n0, n1, r0, r1 in _tiles(n, o[0], nb, t):
+                m = (n1 - n0) * (r1 - r0) * rest
+                if n1 - n0 == 1:
+                    dyt = _sample_matrix(dy[n0, gf, r0:r1].astype(dtype, copy=False))
+                else:
+                    dyt = dyt_buf[:fg * m].reshape(fg, m)
+                    dyt.reshape((fg, n1 - n0) + o)[...] = dy[n0:n1, gf].swapaxes(0, 1)
+                if need_dw:
+                    cols = ws[:rows * m].reshape(rows, m)
+                    src = xg[n0:n1, :, _src_rows(r0, r1, kernel[0], stride[0], dilation[0])]
+                    _im2col(src, kernel, stride, dilation, cols[:ck])
+                    cols[ck] = 1
+                    if first:
+                        np.matmul(cols, dyt.T, out=acc)
+                    else:
+                        acc += np.matmul(cols, dyt.T, out=tmp)
+                    first = False
+                if need_dx and not transposed_conv:
+                    dcol = np.matmul(wmat.T, dyt, out=dcol_buf[:ck * m].reshape(ck, m))
+                    _col2im(dx[n0:n1, gc], dcol, r0, r1, kernel, stride, dilation)
+            if need_dw:
+                dw[gf] = acc[:ck].T.reshape((fg, cg) + kernel)
+                db[gf] = acc[ck]
+    if need_dx and transposed_conv:
+        _dx_transposed(dy, w, dx, groups, dilation, workspace_bytes)
     return dx, dw, db
 
 
-def _col2im(dx: np.ndarray, dcol: np.ndarray, r0: int, stride: Sequence[int],
-            dilation: Sequence[int]) -> None:
-    """Add ``dcol`` of shape ``(C, *K, N, rows, *O[1:])`` into the windows of ``dx``."""
-    nd = len(stride)
-    kernel = dcol.shape[1:1 + nd]
-    o = dcol.shape[2 + nd:]
+def _col2im(dx: np.ndarray, dcol: np.ndarray, r0: int, r1: int, kernel: Sequence[int],
+            stride: Sequence[int], dilation: Sequence[int]) -> None:
+    """Add ``dcol`` (``(C*prod(K), nb*rows*prod(O[1:]))``, output rows ``r0:r1``) into the
+    windows of ``dx`` of shape ``(nb, C, *S)``, one kernel offset at a time."""
+    nd = len(kernel)
+    nb, c = dx.shape[:2]
+    o = (r1 - r0,) + out_shape(dx.shape[3:], kernel[1:], stride[1:], dilation[1:])
+    d5 = dcol.reshape((c, *kernel, nb) + o)
     for kk in itertools.product(*(range(k) for k in kernel)):
         idx = [slice(None), slice(None)]
         for i in range(nd):
             start = kk[i] * dilation[i] + (r0 * stride[i] if i == 0 else 0)
             idx.append(slice(start, start + stride[i] * (o[i] - 1) + 1, stride[i]))
-        # dcol[:, kk] is (C, N, *O) -> (N, C, *O)
-        dx[tuple(idx)] += np.moveaxis(dcol[(slice(None), *kk)], 1, 0)
+        view = dx[tuple(idx)]
+        np.add(view, d5[(slice(None), *kk)].swapaxes(0, 1), out=view)
+
+
+def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
+                   dilation: Sequence[int], workspace: int) -> None:
+    """``dx`` for unit strides: valid correlation of ``dy`` zero-padded by ``d*(K-1)`` with
+    the flipped kernel, channels transposed. Padding is applied per tile of ``dx`` rows
+    in a small buffer, so no padded copy of all of ``dy`` is made."""
+    nd = w.ndim - 2
+    n, f = dy.shape[:2]
+    c = dx.shape[1]
+    cg, fg = c // groups, f // groups
+    kernel = tuple(w.shape[2:])
+    ones = (1,) * nd
+    s = dx.shape[2:]
+    o = dy.shape[2:]
+    dtype = dx.dtype
+    halo = tuple(d * (k - 1) for k, d in zip(kernel, dilation))
+    rows = fg * math.prod(kernel)
+    rest = math.prod(s[1:])
+    nb, t = _plan(n, s, rows, dtype.itemsize, workspace)
+    # padded dy of one tile: dx rows a:b need dy rows a-h0 : b (zero outside 0:o0)
+    pad = np.zeros((nb, fg, t + halo[0]) + tuple(v + 2 * h for v, h in zip(o[1:], halo[1:])),
+                   dtype)
+    inner = tuple(slice(h, h + v) for v, h in zip(o[1:], halo[1:]))
+    ws = np.empty(rows * nb * t * rest, dtype)
+    tmp = np.empty(cg * nb * t * rest, dtype) if nb > 1 else None
+    for g in range(groups):
+        gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
+        flip = (slice(None), slice(None)) + (slice(None, None, -1),) * nd
+        w2 = np.ascontiguousarray(w[gf][flip].swapaxes(0, 1), dtype=dtype).reshape(cg, rows)
+        for n0, n1, a, b in _tiles(n, s[0], nb, t):
+            nt = n1 - n0
+            m = nt * (b - a) * rest
+            hgt = b - a + halo[0]
+            lo, hi = max(0, a - halo[0]), min(o[0], b)  # dy rows present in the tile
+            p = pad[:nt, :, :hgt]
+            p0 = lo - (a - halo[0])  # first buffer row holding dy data
+            p1 = p0 + max(0, hi - lo)
+            p[(slice(None), slice(None), slice(0, p0)) + inner] = 0
+            p[(slice(None), slice(None), slice(p1, hgt)) + inner] = 0
+            if hi > lo:
+                p[(slice(None), slice(None), slice(p0, p1)) + inner] = dy[n0:n1, gf, lo:hi]
+            cols = ws[:rows * m].reshape(rows, m)
+            _im2col(p, kernel, ones, dilation, cols)
+            if nt == 1:
+                np.matmul(w2, cols, out=_matrix(dx[n0, gc, a:b]))
+            else:
+                res = np.matmul(w2, cols, out=tmp[:cg * m].reshape(cg, m))
+                dx[n0:n1, gc] = res.reshape((cg, nt) + tuple(s)).swapaxes(0, 1)
 
 
 def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
