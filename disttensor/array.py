@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .backend import array_namespace, is_numpy, to_numpy
-from .distribution import Distribution
+from .distribution import Distribution, block_boundaries
 from .grid import ProcessGrid
 from .ops import ArrayOperators
 
@@ -349,9 +349,13 @@ class DistArray(ArrayOperators):
 
     # ----------------------------------------------------------- display
     def __repr__(self) -> str:
+        # metadata only, so every rank prints the same; splits only where not the block rule
+        b = self.dist.boundaries
+        splits = [None if c == block_boundaries(c[-1], len(c) - 1) else list(c[1:-1]) for c in b]
         return (
             f"DistArray(shape={self.shape}, dtype={self.dtype}, grid={self.dist.grid_shape}, "
-            f"axes={self.dist.axes})"
+            f"axes={self.dist.axes}"
+            + (f", splits={splits})" if any(s is not None for s in splits) else ")")
         )
 
     def __len__(self) -> int:
