@@ -89,3 +89,12 @@ def test_coverage_table_is_up_to_date():
     text = _coverage_module().render()
     on_disk = (ROOT / "docs" / "coverage.md").read_text()
     assert text == on_disk, "docs/coverage.md is stale: run python docs/gen_coverage.py"
+
+
+@parallel
+def test_array_programming_example_matches_numpy():
+    spec = importlib.util.spec_from_file_location("array_programming", ROOT / "examples" /
+                                                  "array_programming.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    collective_assert(mod.main() == 0, "the example differs from NumPy", MPI.COMM_WORLD)
