@@ -1,4 +1,4 @@
-"""Command-line entry points: ``disttensor-plan`` (and the model registry they share)."""
+"""Entry points ``disttensor-plan`` and ``disttensor-train``, and their model registry."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["build_model", "parse_bytes", "parse_size", "plan_main", "make_plan"]
+__all__ = ["build_model", "parse_bytes", "parse_size", "plan_main", "make_plan", "train_main"]
 
-MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mesh", "mesh-small")
+MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mesh", "mesh-small", "mesh-demo")
 
 
 def parse_bytes(text: str) -> float:
@@ -51,6 +51,10 @@ def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
     if name == "mesh-small":
         size = size or (256, 256)
         return mesh_fcn(widths=(8, 16, 16, 24, 24, 8), dtype=dtype, seed=seed), \
+            (batch, 18, *size)
+    if name == "mesh-demo":  # three stages: fine enough output patches to learn in a minute
+        size = size or (256, 256)
+        return mesh_fcn(widths=(16, 24, 32), convs_per_stage=2, dtype=dtype, seed=seed), \
             (batch, 18, *size)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
@@ -213,6 +217,45 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    """``disttensor-train MODEL [...]``: train with the planner's (or a given) plan."""
+    from .train import TrainConfig, train
+
+    d = TrainConfig()
+    parser = argparse.ArgumentParser(
+        prog="disttensor-train",
+        description="Train a network on synthetic data with per-layer distributions chosen by "
+                    "the planner (run under mpiexec -n P).")
+    parser.add_argument("model", nargs="?", default=d.model, choices=MODELS)
+    parser.add_argument("--ranks-layout", default="auto",
+                        help="'auto' (plan on this machine) or a plan JSON from disttensor-plan")
+    parser.add_argument("--batch", type=int, default=d.batch)
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--size", type=parse_size)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--momentum", type=float, default=d.momentum)
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    parser.add_argument("--samples", type=int, default=d.samples, help="synthetic data set size")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--checkpoint", help="directory for checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--metrics", default=d.metrics,
+                        help="prefix of the metrics files (PREFIX.csv, PREFIX.json)")
+    parser.add_argument("--machine", default=d.machine)
+    parser.add_argument("--memory-per-rank", type=parse_bytes)
+    parser.add_argument("--no-progress", action="store_true")
+    a = parser.parse_args(argv)
+    cfg = TrainConfig(model=a.model, layout=a.ranks_layout, batch=a.batch, steps=a.steps,
+                      size=a.size, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
+                      seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
+                      checkpoint_every=a.checkpoint_every, resume=a.resume, metrics=a.metrics,
+                      machine=a.machine, memory_per_rank=a.memory_per_rank,
+                      progress=not a.no_progress)
+    train(cfg)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,178 @@
+"""Validate the cost model and the planner against measured training iterations.
+
+Run once per rank count, e.g.::
+
+    for p in 1 2 4; do mpiexec -n $p python benchmarks/validate_planner.py; done
+
+For a small mesh-tangling network the script plans on this machine's
+calibrated profile (calibrating first if needed), then measures, for the
+planner's plan and for every uniform plan (each layer in the same
+distribution: sample-parallel, spatial, hybrid), the real time of each
+layer's forward + backward (slowest rank, median of the timed iterations)
+and of whole iterations. It prints predicted vs measured per layer for the
+planner's plan, the median absolute error per layer and on the iteration,
+and the planner's measured time against the best uniform plan measured in
+the same run. With ``--budget`` it also plans under a per-rank memory
+budget and reports the measured peak resident memory next to the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+
+import numpy as np
+from _common import print_table, write_json
+from mpi4py import MPI
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor_nn.cli import build_model, parse_bytes, wait_for_root
+from disttensor_nn.plan import CostModel, KernelTimer, Planner, apply_plan, load_profile
+from disttensor_nn.plan.costmodel import machine_id
+from disttensor_nn.plan.machine import this_machine_path
+from disttensor_nn.plan.planner import _nodes, trace
+
+
+def timed_layers(model, shape):
+    """Wrap every layer's forward/backward with timers; return the nodes and their clocks."""
+    nodes = _nodes(trace(model, shape))
+    clocks = [[0.0] for _ in nodes]
+    for node, clock in zip(nodes, clocks):
+        layer = node.layer
+
+        def wrap(fn, clock=clock):
+            def inner(*a, **k):
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                clock[0] += time.perf_counter() - t0
+                return out
+            return inner
+
+        layer.forward = wrap(layer.forward)
+        layer.backward = wrap(layer.backward)
+    return nodes, clocks
+
+
+def measure(model, shape, plan, comm, iters, target):
+    """Median per-layer and per-iteration times (slowest rank) of ``plan``."""
+    apply_plan(model, plan, shape)
+    nodes, clocks = timed_layers(model, shape)
+    first = nodes[0].layer.layout
+    x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)
+    loss_fn = nn.MSELoss()
+    opt = nn.SGD(model.parameters(), lr=1e-3)
+    per_layer, per_iter = [], []
+    for it in range(iters + 1):
+        for c in clocks:
+            c[0] = 0.0
+        comm.Barrier()
+        t0 = time.perf_counter()
+        y = model.forward(x)
+        loss_fn(y, target(y))
+        model.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        lt = np.array([c[0] for c in clocks])
+        comm.Allreduce(MPI.IN_PLACE, lt, op=MPI.MAX)
+        if it:  # the first iteration builds plans and caches
+            per_iter.append(t)
+            per_layer.append(lt)
+    for node in nodes:  # unwrap
+        del node.layer.forward, node.layer.backward
+    return np.median(np.array(per_layer), axis=0), statistics.median(per_iter)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mesh-small")
+    parser.add_argument("--size", default="128x128")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--budget", type=parse_bytes, help="also plan under this memory budget")
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    p = comm.Get_size()
+    if not os.path.exists(this_machine_path()):
+        if p < 2:
+            raise SystemExit("calibrate first: mpiexec -n 2 disttensor-plan --calibrate")
+        from disttensor_nn.plan.calibrate import calibrate
+        calibrate(comm)
+    size = tuple(int(v) for v in args.size.split("x"))
+    model, shape = build_model(args.model, size, args.batch)
+    target = _target_fn()
+    # plan on rank 0 (kernel measurements), everyone gets the same plans
+    if comm.rank == 0:
+        profile = load_profile("this")
+        timer = KernelTimer(machine_id(profile))
+        planner = Planner(model, shape, CostModel(profile, p, timer))
+        plans = {"planner": planner.plan()}
+        for cand in planner.cands:
+            plans[f"uniform {cand}"] = planner.uniform_plan(cand)
+        if args.budget:
+            budget_planner = Planner(model, shape, CostModel(profile, p, timer), args.budget)
+            plans["budget"] = budget_planner.plan()
+        timer.save()
+        comm.bcast(plans, root=0)
+    else:
+        wait_for_root(comm)
+        plans = comm.bcast(None, root=0)
+    if comm.rank == 0:
+        wait_for_root(comm)
+    results = {}
+    for name, plan in plans.items():
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        layers, it_time = measure(model, shape, plan, comm, args.iters, target)
+        rss = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX)
+        results[name] = (layers, it_time, rss * 1024, rss0 * 1024)
+    if comm.rank != 0:
+        return
+    plan = plans["planner"]
+    layers, it_time, _, _ = results["planner"]
+    rows, errs = [], []
+    for e, m in zip(plan.entries, layers):
+        pred = e.fwd + e.bwd + e.comm
+        err = (pred - m) / m if m > 0 else 0.0
+        errs.append(abs(err))
+        rows.append({"layer": f"{e.name} {e.layer}", "grid": str(e.grid),
+                     "predicted_ms": 1e3 * pred, "measured_ms": 1e3 * m, "error_%": 100 * err})
+    print(f"{args.model} {shape} on {p} ranks: planner's plan, per layer (fwd+bwd+comm)")
+    print_table(rows, list(rows[0]))
+    iter_err = (plan.time - it_time) / it_time
+    uniform = {k: v[1] for k, v in results.items() if k.startswith("uniform")}
+    best_name = min(uniform, key=uniform.get)
+    summary = [{
+        "ranks": p, "median_layer_error_%": 100 * statistics.median(errs),
+        "iteration_predicted_ms": 1e3 * plan.time, "iteration_measured_ms": 1e3 * it_time,
+        "iteration_error_%": 100 * iter_err,
+        "best_uniform": best_name, "best_uniform_ms": 1e3 * uniform[best_name],
+        "planner_vs_best_uniform": it_time / uniform[best_name],
+    }]
+    print()
+    print_table(summary, list(summary[0]))
+    print("\nall plans measured (ms per iteration, predicted vs measured):")
+    allrows = [{"plan": k, "predicted_ms": 1e3 * plans[k].time, "measured_ms": 1e3 * v[1],
+                "predicted_peak_MiB": plans[k].peak_memory / 2**20,
+                "measured_maxrss_MiB": v[2] / 2**20} for k, v in results.items()]
+    print_table(allrows, list(allrows[0]))
+    print("wrote", write_json(f"validate_planner_p{p}", rows, summary=summary, plans=allrows,
+                              model=args.model, shape=shape))
+
+
+def _target_fn():
+    cache = {}
+
+    def target(y):
+        key = (y.dist, y.shape)
+        if key not in cache:
+            cache[key] = dt.random.default_rng(2).random(y.dist, np.float32)
+        return cache[key]
+    return target
+
+
+if __name__ == "__main__":
+    main()
