@@ -210,19 +210,25 @@ class Planner:
         return v
 
     # ------------------------------------------------------------ DP
-    def _chain(self, items: list, lam: float, first_free: bool = False):
-        """Matrix M[a, c] of a chain (input in a, output in c) and its backtracking record."""
+    def _chain(self, items: list, lam: float, pin: bool = False):
+        """Matrix M[a, c] of a chain (input in a, output in c) and its backtracking record.
+
+        With ``pin`` the input arrives in the layout of the chain's first layer
+        (as the data loader provides it): ``a`` is that layout, at no cost.
+        """
         n = len(self.cands)
         steps = []
         acc = None
         for k, it in enumerate(items):
             if isinstance(it, Node):
-                sh = np.zeros((n, n)) if (first_free and k == 0) else \
-                    self.shuffle_matrix(it.in_shape)
+                if pin and k == 0:
+                    sh = np.where(np.eye(n, dtype=bool), 0.0, np.inf)
+                else:
+                    sh = self.shuffle_matrix(it.in_shape)
                 t = sh + self._vector(it, lam)[None, :]
                 sub = None
             else:
-                t, sub = self._block(it, lam)
+                t, sub = self._block(it, lam, pin and k == 0)
             if acc is None:
                 acc, arg = t, None
             else:
@@ -232,8 +238,8 @@ class Planner:
             acc = np.where(np.eye(n, dtype=bool), 0.0, np.inf)
         return acc, steps
 
-    def _block(self, blk: Block, lam: float):
-        b, bsteps = self._chain(blk.branch, lam)
+    def _block(self, blk: Block, lam: float, pin: bool = False):
+        b, bsteps = self._chain(blk.branch, lam, pin)
         if blk.shortcut is None:
             s, ssteps = self.shuffle_matrix(blk.in_shape), None
             sarg = None
@@ -265,7 +271,7 @@ class Planner:
             c = prev
 
     def _solve(self, lam: float) -> dict[int, int] | None:
-        m, steps = self._chain(self.items, lam, first_free=True)
+        m, steps = self._chain(self.items, lam, pin=True)
         a, c = np.unravel_index(np.argmin(m), m.shape)
         if not np.isfinite(m[a, c]):
             return None
@@ -294,7 +300,7 @@ class Planner:
                     memory += lc.memory
                     current = c
                 else:
-                    start = current
+                    start = current if current is not None else assign[id(_nodes([it])[0])]
                     out = walk(it.branch, start)
                     if it.shortcut is None:
                         s = start

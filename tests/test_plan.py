@@ -1,0 +1,215 @@
+"""The cost model's arithmetic, the planner's DP against brute force, and the memory budget."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor.testing import assert_allclose, collective_assert
+from disttensor_nn.cli import parse_bytes, plan_main
+from disttensor_nn.plan import CostModel, MachineProfile, Plan, Planner, apply_plan, candidates
+
+F64 = np.float64
+
+
+def profile(**kw) -> MachineProfile:
+    base = dict(name="test", p2p_alpha=1e-5, p2p_beta=1e-9, allreduce_alpha=2e-5,
+                allreduce_beta=2e-9, alltoall_alpha=3e-5, alltoall_beta=3e-9,
+                peak_flops=1e10, efficiency=0.5, mem_bandwidth=1e10, memory_per_rank=2**30)
+    base.update(kw)
+    return MachineProfile(**base)
+
+
+def test_candidates_are_all_ordered_factorisations():
+    for p, k in [(1, 2), (4, 2), (6, 1), (12, 3), (8, 2)]:
+        got = sorted(candidates(p, k))
+        want = sorted(c for c in itertools.product(range(1, p + 1), repeat=k + 1)
+                      if math.prod(c) == p)
+        assert got == want
+
+
+def test_communication_formulas():
+    p = profile()
+    assert p.p2p(1000) == pytest.approx(1e-5 + 1e-6)
+    assert p.p2p(0) == 0
+    assert p.allreduce(4000, 4) == pytest.approx(2 * 2 * 2e-5 + 2 * 3 / 4 * 4000 * 2e-9)
+    assert p.allreduce(4000, 1) == 0
+    assert p.alltoall(1000, 3) == pytest.approx(3 * 3e-5 + 1000 * 3e-9)
+
+
+def test_conv_cost_by_hand():
+    """Conv2d 3x3 'same' on (2, 4, 8, 8) split over H by 2: halo, allreduce and FLOPs."""
+    p = profile()
+    cm = CostModel(p, 2)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    c = cm.layer(conv, (2, 4, 8, 8), (1, 2, 1))
+    # forward halo: one face of width 1 each way along H: N*C*W = 2*4*8 floats; backward alike
+    face = 2 * 4 * 8 * 4
+    params = 6 * 4 * 9 + 6
+    assert c.comm == pytest.approx(2 * p.p2p(face) + p.allreduce(params * 4, 2))
+    # FLOPs on the local output (2, 6, 4, 8) with the rate model (no timer)
+    flops = 2.0 * (2 * 6 * 4 * 8) * 4 * 9
+    ext = 2 * 4 * (4 + 2) * (8 + 2)  # the local input with its halo and the W padding
+    t = flops / (p.peak_flops * p.efficiency) + (ext + 2 * 6 * 4 * 8) * 4 / p.mem_bandwidth
+    assert c.fwd == pytest.approx(t) and c.bwd == pytest.approx(2 * t)
+    # sample split: no halo, same allreduce
+    c = cm.layer(conv, (2, 4, 8, 8), (2, 1, 1))
+    assert c.comm == pytest.approx(p.allreduce(params * 4, 2))
+
+
+def test_shuffle_by_hand():
+    """N-split -> H-split of (4, 2, 8, 8) on 2 ranks: each rank receives half its block."""
+    p = profile()
+    cm = CostModel(p, 2)
+    from disttensor_nn.plan.costmodel import dist_for
+
+    t = cm.shuffle((4, 2, 8, 8), dist_for((4, 2, 8, 8), (2, 1, 1)), (1, 2, 1))
+    assert t == pytest.approx(p.alltoall(2 * 2 * 4 * 8 * 4, 1))
+    assert cm.shuffle((4, 2, 8, 8), dist_for((4, 2, 8, 8), (2, 1, 1)), (2, 1, 1)) == 0
+
+
+LAYERS = st.sampled_from(["conv", "convs2", "bn", "relu", "pool", "res", "resconv"])
+
+
+def build(kinds: list[str], c: int = 4) -> nn.Sequential:
+    layers = []
+    for i, k in enumerate(kinds):
+        if k == "conv":
+            layers.append(nn.Conv2d(c, c, 3, padding=1, seed=i))
+        elif k == "convs2":
+            layers.append(nn.Conv2d(c, c, 3, stride=2, padding=1, seed=i))
+        elif k == "bn":
+            layers.append(nn.BatchNorm2d(c))
+        elif k == "relu":
+            layers.append(nn.ReLU())
+        elif k == "pool":
+            layers.append(nn.MaxPool2d(2))
+        elif k == "res":
+            layers.append(nn.Residual(nn.Sequential(nn.Conv2d(c, c, 3, padding=1, seed=i),
+                                                    nn.ReLU()), None, nn.ReLU()))
+        else:
+            layers.append(nn.Residual(nn.Conv2d(c, c, 3, stride=2, padding=1, seed=i),
+                                      nn.Conv2d(c, c, 1, stride=2, seed=i + 100)))
+    return nn.Sequential(*layers)
+
+
+@settings(max_examples=25, deadline=None)
+@given(kinds=st.lists(LAYERS, min_size=1, max_size=5), nprocs=st.sampled_from([2, 4]),
+       alpha=st.floats(1e-7, 1e-2), beta=st.floats(1e-12, 1e-7), flops=st.floats(1e6, 1e12),
+       size=st.sampled_from([8, 12, 16]), batch=st.sampled_from([1, 2, 4]))
+def test_dp_equals_brute_force(kinds, nprocs, alpha, beta, flops, size, batch):
+    model = build(kinds)
+    prof = profile(p2p_alpha=alpha, p2p_beta=beta, allreduce_alpha=2 * alpha,
+                   allreduce_beta=beta, alltoall_alpha=alpha, alltoall_beta=3 * beta,
+                   peak_flops=flops)
+    planner = Planner(model, (batch, 4, size, size), CostModel(prof, nprocs))
+    if len(planner.cands) ** len(planner.nodes) > 20000:
+        planner = Planner(model, (batch, 4, size, size), CostModel(prof, nprocs),
+                          allowed=[(nprocs, 1, 1), (1, nprocs, 1), (1, 1, nprocs)])
+    nodes = planner.nodes
+    n = len(planner.cands)
+    brute = min(planner.assignment_cost({id(node): c for node, c in zip(nodes, a)})[0]
+                for a in itertools.product(range(n), repeat=len(nodes)))
+    plan = planner.plan()
+    assert plan.time == pytest.approx(brute, rel=1e-9, abs=1e-15)
+    # the plan's own accounting adds up: entries plus shuffles
+    total = sum(e.fwd + e.bwd + e.comm for e in plan.entries)
+    assert total <= plan.time + 1e-12
+
+
+def test_memory_budget_forces_spatial_split():
+    """A large sample that one rank cannot hold: the planner splits it spatially."""
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+    shape = (1, 8, 256, 256)
+    cm = CostModel(profile(), 4)
+    free = Planner(model, shape, cm).plan()
+    one_rank = Planner(model, shape, CostModel(profile(), 1)).plan().peak_memory
+    budget = 0.4 * one_rank
+    plan = Planner(model, shape, cm, budget).plan()
+    assert plan.peak_memory <= budget
+    assert all(math.prod(e.grid[1:]) > 1 for e in plan.entries)  # every layer splits space
+    assert free.time <= plan.time + 1e-15
+    with pytest.raises(ValueError, match="fits"):
+        Planner(model, shape, CostModel(profile(), 4), memory_budget=1e3).plan()
+
+
+def test_per_layer_filter_drops_candidates_that_cannot_fit():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1))
+    shape = (4, 4, 64, 64)
+    cm = CostModel(profile(), 4)
+    planner = Planner(model, shape, cm, memory_budget=None)
+    mems = {c: planner.layer_cost(planner.nodes[0], i).memory for i, c in enumerate(planner.cands)}
+    budget = sorted(set(mems.values()))[0] + cm.params_memory(model) + 1
+    plan = Planner(model, shape, cm, budget).plan()
+    assert mems[plan.entries[0].grid] == min(mems.values())
+
+
+def test_plan_json_round_trip_and_table():
+    model = build(["conv", "bn", "relu", "res", "convs2"])
+    plan = Planner(model, (2, 4, 16, 16), CostModel(profile(), 4)).plan()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    text = plan.table()
+    assert "predicted time per iteration" in text and str(plan.entries[0].grid) in text
+
+
+def test_cli_prints_and_writes_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert plan_main(["mesh-small", "--ranks", "4", "--batch", "2", "--size", "64x64",
+                      "--machine", "v100-nvlink-edr", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted time per iteration" in text
+    plan = Plan.from_json(out.read_text())
+    assert plan.nprocs == 4 and plan.batch_shape == (2, 18, 64, 64)
+    assert json.loads(out.read_text())["machine"] == "v100-nvlink-edr"
+    assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("1.5GB") == 1.5e9
+    assert parse_bytes("512") == 512
+
+
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_applied_plan_trains_like_one_rank():
+    """A plan (mixed distributions) applied to a model gives the 1-rank forward and gradients."""
+    comm = MPI.COMM_WORLD
+    p = comm.Get_size()
+
+    def model():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, dtype=F64, seed=1),
+                             nn.BatchNorm2d(4, dtype=F64), nn.ReLU(),
+                             nn.Conv2d(4, 4, 3, stride=2, padding=1, dtype=F64, seed=2),
+                             nn.GlobalAvgPool(), nn.Linear(4, 3, dtype=F64, seed=3))
+
+    shape = (4, 3, 12, 10)
+    m = model()
+    planner = Planner(m, shape, CostModel(profile(), p))
+    # alternate distributions layer by layer to exercise the shuffles
+    nodes = planner.nodes
+    assign = {id(node): i % len(planner.cands) for i, node in enumerate(nodes)}
+    t, mem = planner.assignment_cost(assign)
+    plan = planner._make_plan(assign, t, mem, [])
+    apply_plan(m, plan, shape)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(shape)
+    labels = np.array([0, 2, 1, 2])
+    x = dt.DistArray.from_global(a, nodes[0].layer.layout.distribution(shape))
+    loss_fn = nn.SoftmaxCrossEntropy()
+    loss = loss_fn(m.forward(x), labels)
+    dx = m.backward(loss_fn.backward())
+    ref = model()
+    g1 = dt.ProcessGrid((1, 1, 1), MPI.COMM_SELF)
+    x1 = dt.DistArray.from_global(a, dt.Distribution(shape, g1, (0, None, 1, 2)))
+    ref_loss = loss_fn(ref.forward(x1), labels)
+    ref_dx = ref.backward(loss_fn.backward()).local
+    collective_assert(abs(loss - ref_loss) < 1e-12, f"loss {loss} vs {ref_loss}")
+    assert_allclose(dx, ref_dx, rtol=1e-10, atol=1e-12)
+    for q, r in zip(m.parameters(), ref.parameters()):
+        assert_allclose(q.grad, r.grad, rtol=1e-9, atol=1e-12)
