@@ -7,7 +7,7 @@ from .distribution import Distribution, block_boundaries
 from .grid import ProcessGrid
 from .halo import halo_accumulate, halo_plan
 from .redistribute import redistribution_plan
-from .runtime import abort_on_exception
+from .runtime import abort_on_exception, limit_blas_threads
 
 __all__ = [
     "DistArray",
@@ -21,6 +21,7 @@ __all__ = [
     "full",
     "halo_accumulate",
     "halo_plan",
+    "limit_blas_threads",
     "make_distribution",
     "ones",
     "random",

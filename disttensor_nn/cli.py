@@ -110,6 +110,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
+    from disttensor import limit_blas_threads
+
+    limit_blas_threads(comm=comm)
     if args.calibrate:
         from .plan.calibrate import calibrate
 
@@ -248,6 +251,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-per-rank", type=parse_bytes)
     parser.add_argument("--no-progress", action="store_true")
     a = parser.parse_args(argv)
+    from disttensor import limit_blas_threads
+
+    limit_blas_threads()
     cfg = TrainConfig(model=a.model, layout=a.ranks_layout, batch=a.batch, steps=a.steps,
                       size=a.size, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
                       seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
