@@ -75,3 +75,20 @@ def test_matmul_with_numpy_operand():
     check_like_numpy(lambda x: m.T @ x.T, shapes=[(5, 4)], name="numpy @ x")
     x = DistArray.from_global(g, dt.Distribution((5, 4), ProcessGrid((MPI.COMM_WORLD.size,))))
     assert_allclose(np.matmul(x, m, out=dt.zeros((5, 3))), g @ m, rtol=1e-12)
+
+
+@parallel
+def test_norms():
+    cases = [
+        (lambda x: np.linalg.norm(x), "norm"), (lambda x: np.linalg.norm(x, axis=1), "axis=1"),
+        (lambda x: np.linalg.norm(x, 1, axis=0), "ord=1"),
+        (lambda x: np.linalg.norm(x, np.inf), "matrix inf"),
+        (lambda x: np.linalg.norm(x, -1, keepdims=True), "matrix -1"),
+        (lambda x: np.linalg.norm(x, 3, axis=0), "ord=3"),
+        (lambda x: np.linalg.norm(x, 0, axis=1), "ord=0"),
+        (lambda x: np.linalg.vector_norm(x, ord=-np.inf), "vector_norm"),
+        (lambda x: np.linalg.matrix_norm(x), "matrix_norm"),
+    ]
+    for f, name in cases:
+        check_like_numpy(f, shapes=[(6, 5)], dtypes=[np.float64, np.complex128, np.int32],
+                         max_layouts=4, name=name)

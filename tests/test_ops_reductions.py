@@ -157,3 +157,24 @@ def test_communication_only_along_splitting_grid_axes():
             ref = f(g, axis=axis if axis is None or len(axis) > 1 else axis[0])
             ok = ok and np.allclose(r.local, np.asarray(ref)[r.dist.local_slices()])
     collective_assert(ok, "\n".join(msgs) or "wrong values", comm)
+
+
+@parallel
+def test_derived_reductions():
+    g = sample((6, 5))
+    g[1, 2] = g[3, 3] = np.nan
+    g[:, 4] = np.nan  # an all-NaN column
+    cases = [
+        (lambda x: np.ptp(x, axis=0), "ptp"), (lambda x: np.trace(x), "trace"),
+        (lambda x: np.trace(x, offset=-1, dtype=np.float32), "trace offset"),
+        (lambda x: np.cumulative_sum(x, axis=1, include_initial=True), "cumulative_sum"),
+        (lambda x: np.cumulative_prod(x, axis=0), "cumulative_prod"),
+    ]
+    for f, name in cases:
+        check_like_numpy(f, shapes=[(6, 5), (3, 0)], dtypes=[np.float64, np.int32],
+                         max_layouts=4, name=name)
+    for name in ("nansum", "nanprod", "nanmin", "nanmax", "nanmean", "nanvar", "nanstd"):
+        f = getattr(np, name)
+        for axis in (None, 0, 1):
+            check_like_numpy(lambda x, f=f, axis=axis: f(x * 0 + g, axis=axis),
+                             shapes=[(6, 5)], max_layouts=4, name=f"{name} axis={axis}")

@@ -146,3 +146,21 @@ def test_unsupported_function_raises_type_error():
     except TypeError:
         converted = False
     collective_assert(raised and not converted, "np.sort / np.asarray did not raise", comm)
+
+
+@parallel
+def test_functions_built_from_slicing():
+    cases = [
+        (lambda x: np.roll(x, 2, axis=0), "roll"), (lambda x: np.roll(x, -7), "roll flat"),
+        (lambda x: np.roll(x, (1, 3), axis=(0, 1)), "roll 2 axes"),
+        (lambda x: np.diff(x), "diff"), (lambda x: np.diff(x, n=2, axis=0), "diff n=2"),
+        (lambda x: np.nonzero(x > 0), "nonzero"), (lambda x: np.argwhere(x > 0), "argwhere"),
+        (lambda x: np.flatnonzero(x < 0), "flatnonzero"),
+        (lambda x: np.atleast_3d(x), "atleast_3d"), (lambda x: np.unstack(x, axis=1), "unstack"),
+        (lambda x: np.hstack([x, x]), "hstack"), (lambda x: np.vstack([x, x[:2]]), "vstack"),
+    ]
+    for f, name in cases:
+        check_like_numpy(f, shapes=[(6, 5)], dtypes=[np.float64], max_layouts=4, name=name)
+    for f in (np.atleast_1d, np.atleast_2d, np.diff, lambda x: np.roll(x, 3)):
+        check_like_numpy(f, shapes=[(), (7,)] if f is not np.diff else [(7,), (0,)],
+                         max_layouts=3)

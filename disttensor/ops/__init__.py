@@ -129,6 +129,11 @@ class ArrayOperators(NDArrayOperatorsMixin):
         return self._scalar().item()
 
     def __bool__(self) -> bool:
+        if self.size != 1:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"The truth value of a DistArray with {self.size} elements is ambiguous. "  # type: ignore[attr-defined]
+                "Use a.any() or a.all()"
+            )
         return bool(self._scalar())
 
     def __int__(self) -> int:

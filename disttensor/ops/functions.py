@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import elementwise, linalg, reductions, shape
+from . import elementwise, indexing, linalg, reductions, shape
 from ._util import is_dist, wrap
 
 __all__ = ["HANDLED", "array_function", "implements"]
@@ -44,7 +44,13 @@ def _register_all() -> None:
         np.argmin: reductions.argmin, np.argmax: reductions.argmax,
         np.all: reductions.all, np.any: reductions.any,
         np.cumsum: reductions.cumsum, np.cumprod: reductions.cumprod,
-        np.count_nonzero: reductions.count_nonzero,
+        np.count_nonzero: reductions.count_nonzero, np.ptp: reductions.ptp,
+        np.nansum: reductions.nansum, np.nanprod: reductions.nanprod,
+        np.nanmin: reductions.nanmin, np.nanmax: reductions.nanmax,
+        np.nanmean: reductions.nanmean, np.nanvar: reductions.nanvar,
+        np.nanstd: reductions.nanstd, np.trace: reductions.trace,
+        np.cumulative_sum: reductions.cumulative_sum,
+        np.cumulative_prod: reductions.cumulative_prod,
         # shape
         np.transpose: shape.transpose, np.permute_dims: shape.permute_dims,
         np.moveaxis: shape.moveaxis, np.swapaxes: shape.swapaxes,
@@ -54,6 +60,11 @@ def _register_all() -> None:
         np.concatenate: shape.concatenate, np.concat: shape.concatenate,
         np.stack: shape.stack, np.broadcast_to: shape.broadcast_to,
         np.broadcast_arrays: shape.broadcast_arrays, np.flip: shape.flip,
+        np.roll: shape.roll, np.diff: shape.diff, np.atleast_1d: shape.atleast_1d,
+        np.atleast_2d: shape.atleast_2d, np.atleast_3d: shape.atleast_3d,
+        np.hstack: shape.hstack, np.vstack: shape.vstack, np.unstack: shape.unstack,
+        np.nonzero: indexing.nonzero, np.flatnonzero: indexing.flatnonzero,
+        np.argwhere: indexing.argwhere,
         # element-wise functions that are not ufuncs
         np.where: elementwise.where, np.clip: elementwise.clip,
         np.round: elementwise.round, np.around: elementwise.round,
@@ -65,6 +76,8 @@ def _register_all() -> None:
         np.dot: linalg.dot, np.vdot: linalg.vdot, np.inner: linalg.inner,
         np.outer: linalg.outer, np.linalg.matmul: linalg.matmul,
         np.linalg.vecdot: linalg.vecdot, np.linalg.matrix_transpose: shape.matrix_transpose,
+        np.linalg.norm: linalg.norm, np.linalg.vector_norm: linalg.vector_norm,
+        np.linalg.matrix_norm: linalg.matrix_norm, np.linalg.outer: linalg.outer,
         # metadata and copies
         np.shape: _shape, np.ndim: _ndim, np.size: _size, np.copy: _copy,
         np.zeros_like: _zeros_like, np.ones_like: _ones_like, np.empty_like: _empty_like,

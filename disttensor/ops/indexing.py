@@ -422,3 +422,43 @@ def _mask_setitem(x: DistArray, mask: Any, value: Any) -> None:
     np.empty((), dtype=x.dtype)[()] = value  # NumPy's cast errors, on every rank
     m = _mask_local(x, mask, x.dist)
     x.local[m] = value
+
+
+# ------------------------------------------------------------------ nonzero
+
+
+def nonzero(x: DistArray) -> tuple[DistArray, ...]:
+    """Indices of the non-zero elements, one 1-D array per dimension, like
+    :func:`numpy.nonzero` (a boolean-mask selection of each index array)."""
+    if not is_dist(x):
+        raise TypeError(f"nonzero: expected a DistArray, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise ValueError("Calling nonzero on 0d arrays is not allowed. Use np.atleast_1d("
+                         "scalar).nonzero() instead.")
+    xp = x.xp
+    mask = wrap(xp.asarray(x.local != 0), x.dist, xp)
+    sl = x.dist.local_slices()
+    out = []
+    for d in range(x.ndim):
+        shape = [1] * x.ndim
+        shape[d] = sl[d].stop - sl[d].start
+        idx = xp.broadcast_to(xp.arange(sl[d].start, sl[d].stop, dtype=np.intp).reshape(shape),
+                              x.local_shape)
+        out.append(_mask_getitem(wrap(idx, x.dist, xp), mask))
+    return tuple(out)
+
+
+def flatnonzero(x: DistArray) -> DistArray:
+    """Indices of the non-zero elements of the flattened array, like :func:`numpy.flatnonzero`."""
+    from .shape import ravel
+
+    return nonzero(ravel(x))[0]
+
+
+def argwhere(x: DistArray) -> DistArray:
+    """Indices of the non-zero elements, one row each, like :func:`numpy.argwhere`."""
+    from .shape import stack
+
+    if not is_dist(x) or x.ndim == 0:
+        raise TypeError("argwhere needs a DistArray of at least one dimension")
+    return stack(nonzero(x), axis=1)

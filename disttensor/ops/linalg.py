@@ -278,3 +278,96 @@ def outer(a: Any, b: Any, out: Any = None) -> DistArray:
     a = expand_dims(ravel(a), 1) if is_dist(a) else np.ravel(a)[:, None]
     b = expand_dims(ravel(b), 0) if is_dist(b) else np.ravel(b)[None, :]
     return np.multiply(a, b, out=out)
+
+
+# ------------------------------------------------------------------ norms
+
+
+def _inexact(x: DistArray) -> DistArray:
+    if x.dtype.kind in "fc":
+        return x
+    return x.astype(np.float64)
+
+
+def vector_norm(x: DistArray, /, *, axis: Any = None, keepdims: bool = False,
+                ord: Any = 2) -> DistArray:  # noqa: A002
+    """Vector norm over ``axis`` (all elements by default), like
+    :func:`numpy.linalg.vector_norm`: reductions of ``abs(x)``."""
+    from .reductions import count_nonzero
+    from .reductions import max as dmax
+    from .reductions import min as dmin
+    from .reductions import sum as dsum
+
+    x = _inexact(x)
+    a = np.abs(x)
+    if ord == np.inf:
+        return dmax(a, axis, keepdims=keepdims)
+    if ord == -np.inf:
+        return dmin(a, axis, keepdims=keepdims)
+    if ord == 0:
+        return count_nonzero(a, axis, keepdims=keepdims).astype(a.dtype)
+    if ord == 1:
+        return dsum(a, axis, keepdims=keepdims)
+    if ord is None or ord == 2:
+        s = dsum(a * a, axis, keepdims=keepdims)
+        return np.sqrt(s, out=s)
+    s = dsum(a ** ord, axis, keepdims=keepdims)
+    return np.power(s, 1.0 / ord, out=s)
+
+
+def matrix_norm(x: DistArray, /, *, keepdims: bool = False, ord: Any = "fro") -> DistArray:  # noqa: A002
+    """Matrix norm over the last two axes, like :func:`numpy.linalg.matrix_norm`
+    (``'fro'``, 1, -1, inf and -inf; the others need an SVD and are not supported)."""
+    return norm(x, ord, (-2, -1), keepdims)
+
+
+def norm(x: DistArray, ord: Any = None, axis: Any = None, keepdims: bool = False  # noqa: A002
+         ) -> DistArray:
+    """Vector and matrix norms, like :func:`numpy.linalg.norm`.
+
+    Vector norms of every order; matrix norms ``None``/``'fro'``, 1, -1, inf
+    and -inf. Norms that need an SVD (2, -2, ``'nuc'``) raise a TypeError.
+    """
+    from .reductions import max as dmax
+    from .reductions import min as dmin
+    from .reductions import sum as dsum
+
+    if not is_dist(x):
+        raise TypeError(f"norm: expected a DistArray, got {type(x).__name__}")
+    x = _inexact(x)
+    if axis is None:
+        if ord is None or (ord == "fro" and x.ndim == 2):
+            return vector_norm(x, axis=None, keepdims=keepdims)
+        if x.ndim == 1:
+            return vector_norm(x, axis=0, keepdims=keepdims, ord=ord)
+        axis = tuple(range(x.ndim)) if x.ndim == 2 else axis
+        if x.ndim != 2:
+            raise ValueError("Improper number of dimensions to norm.")
+    if isinstance(axis, (int, np.integer)):
+        axis = (int(axis),)
+    axis = tuple(axis)
+    if len(axis) == 1:
+        if isinstance(ord, str):
+            raise ValueError(f"Invalid norm order '{ord}' for vectors")
+        return vector_norm(x, axis=axis[0], keepdims=keepdims, ord=ord)
+    if len(axis) != 2:
+        raise ValueError("Improper number of dimensions to norm.")
+    r, c = (a % x.ndim for a in axis)
+    if r == c:
+        raise ValueError("Duplicate axes given.")
+    if ord is None or ord == "fro":
+        return vector_norm(x, axis=(r, c), keepdims=keepdims)
+    a = np.abs(x)
+    if ord in (1, -1):
+        s = dsum(a, r, keepdims=True)
+        out = (dmax if ord == 1 else dmin)(s, c, keepdims=True)
+    elif ord in (np.inf, -np.inf):
+        s = dsum(a, c, keepdims=True)
+        out = (dmax if ord == np.inf else dmin)(s, r, keepdims=True)
+    else:
+        raise TypeError(f"norm(ord={ord!r}) of a DistArray needs an SVD and is not supported")
+    if keepdims:
+        return out
+    from .shape import squeeze
+
+    return squeeze(out, (r, c))

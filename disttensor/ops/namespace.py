@@ -2,9 +2,9 @@
 
 Array-API code written as ``xp = array_namespace(x); xp.mean(x, axis=0)``
 runs on DistArrays through this module. It covers the standard's element-wise
-functions, statistics, utility and searching functions (except ``nonzero``
-and ``searchsorted``), manipulation functions (except ``roll``, ``tile``,
-``repeat``, ``unstack``), ``matmul``/``matrix_transpose``/``vecdot``, data type
+functions, statistics, utility and searching functions (except
+``searchsorted``), manipulation functions (except ``tile`` and ``repeat``),
+``matmul``/``matrix_transpose``/``vecdot``, data type
 functions, constants and creation functions; sorting, sets, ``tensordot``,
 ``meshgrid``, ``from_dlpack`` and the optional extensions (linalg, fft) are
 not provided. Semantics are NumPy's (NumPy 2 follows the standard).
@@ -172,14 +172,28 @@ def count_nonzero(x: DistArray, /, *, axis: Any = None, keepdims: bool = False) 
 
 def cumulative_sum(x: DistArray, /, *, axis: int | None = None, dtype: Any = None,
                    include_initial: bool = False) -> DistArray:
-    """Cumulative sum (``include_initial=True`` is not supported)."""
-    if include_initial:
-        raise NotImplementedError("cumulative_sum(include_initial=True) on DistArrays")
-    if axis is None:
-        if x.ndim != 1:
-            raise ValueError("axis must be given for arrays of more than one dimension")
-        axis = 0
-    return reductions.cumsum(x, axis=axis, dtype=dtype)
+    """Cumulative sum."""
+    return reductions.cumulative_sum(x, axis=axis, dtype=dtype,
+                                     include_initial=include_initial)
+
+
+def cumulative_prod(x: DistArray, /, *, axis: int | None = None, dtype: Any = None,
+                    include_initial: bool = False) -> DistArray:
+    """Cumulative product."""
+    return reductions.cumulative_prod(x, axis=axis, dtype=dtype,
+                                      include_initial=include_initial)
+
+
+def diff(x: DistArray, /, *, axis: int = -1, n: int = 1) -> DistArray:
+    """``n``-th differences along ``axis``."""
+    return shape.diff(x, n, axis)
+
+
+def nonzero(x: DistArray, /) -> tuple[DistArray, ...]:
+    """Indices of the non-zero elements."""
+    from .indexing import nonzero as nz
+
+    return nz(x)
 
 
 def where(condition: Any, x1: Any, x2: Any, /) -> DistArray:
@@ -239,6 +253,16 @@ def moveaxis(x: DistArray, source: Any, destination: Any, /) -> DistArray:
 def broadcast_to(x: DistArray, /, shape_: Any = None, **kw: Any) -> DistArray:
     """Broadcast to a shape."""
     return shape.broadcast_to(x, kw.pop("shape", shape_))
+
+
+def roll(x: DistArray, /, shift: Any, *, axis: Any = None) -> DistArray:
+    """Roll elements along ``axis``."""
+    return shape.roll(x, shift, axis)
+
+
+def unstack(x: DistArray, /, *, axis: int = 0) -> tuple[DistArray, ...]:
+    """Split into the slices along ``axis``."""
+    return shape.unstack(x, axis=axis)
 
 
 def broadcast_arrays(*arrays: Any) -> list[DistArray]:

@@ -578,3 +578,159 @@ def ufunc_accumulate(ufunc: np.ufunc, inputs: Any, kwargs: dict[str, Any]) -> An
     if kw:
         raise TypeError(f"{ufunc.__name__}.accumulate on a DistArray does not take {sorted(kw)}")
     return _scan("cumsum" if ufunc is np.add else "cumprod", inputs[0], axis, dtype, out)
+
+
+# ------------------------------------------------------------------ derived reductions
+
+
+def _wrap_like(x: DistArray, local: Any) -> DistArray:
+    return wrap(local, x.dist, x.xp)
+
+
+def ptp(x: DistArray, axis: Any = None, out: Any = None, keepdims: bool = False) -> DistArray:
+    """Range (max - min) over ``axis``, like :func:`numpy.ptp`."""
+    r = np.subtract(max(x, axis, keepdims=keepdims), min(x, axis, keepdims=keepdims))
+    return _store(r, out)
+
+
+def _nan_free(x: DistArray, fill: Any) -> DistArray:
+    return _wrap_like(x, x.xp.where(x.xp.isnan(x.local), fill, x.local))
+
+
+def _count_valid(x: DistArray, dims: tuple[int, ...], keepdims: bool) -> DistArray:
+    valid = x.xp.asarray(~x.xp.isnan(x.local), dtype=np.intp)
+    return _finish(_reduce_local(valid, x.dist, dims, "sum", None, x.xp), x.dist, dims,
+                   keepdims, x.xp)
+
+
+def nansum(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
+           keepdims: bool = False, initial: Any = _NoValue, where: Any = True) -> DistArray:
+    """Sum treating NaN as zero, like :func:`numpy.nansum`."""
+    x = _as_dist(x, "nansum")
+    y = _nan_free(x, 0) if x.dtype.kind in "fc" else x
+    return sum(y, axis, dtype, out, keepdims, initial, where)
+
+
+def nanprod(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
+            keepdims: bool = False, initial: Any = _NoValue, where: Any = True) -> DistArray:
+    """Product treating NaN as one, like :func:`numpy.nanprod`."""
+    x = _as_dist(x, "nanprod")
+    y = _nan_free(x, 1) if x.dtype.kind in "fc" else x
+    return prod(y, axis, dtype, out, keepdims, initial, where)
+
+
+def _nan_extreme(name: str, x: DistArray, axis: Any, out: Any, keepdims: bool,
+                 initial: Any, where: Any) -> DistArray:
+    x = _as_dist(x, f"nan{name}")
+    if x.dtype.kind not in "fc":
+        return _extreme(name, x, axis, out, keepdims, initial, where)
+    ident = _extreme_identity(x.dtype, name)
+    r = _extreme(name, _nan_free(x, ident), axis, None, keepdims, initial, where)
+    n = _count_valid(x, normalize_axes(axis, x.ndim), keepdims)
+    r.local[...] = r.xp.where(n.local == 0, np.nan, r.local)
+    return _store(r, out)
+
+
+def nanmin(x: DistArray, axis: Any = None, out: Any = None, keepdims: bool = False,
+           initial: Any = _NoValue, where: Any = True) -> DistArray:
+    """Minimum ignoring NaN (NaN where all are NaN), like :func:`numpy.nanmin`."""
+    return _nan_extreme("min", x, axis, out, keepdims, initial, where)
+
+
+def nanmax(x: DistArray, axis: Any = None, out: Any = None, keepdims: bool = False,
+           initial: Any = _NoValue, where: Any = True) -> DistArray:
+    """Maximum ignoring NaN, like :func:`numpy.nanmax`."""
+    return _nan_extreme("max", x, axis, out, keepdims, initial, where)
+
+
+def nanmean(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
+            keepdims: bool = False, *, where: Any = True) -> DistArray:
+    """Mean ignoring NaN, like :func:`numpy.nanmean`."""
+    x = _as_dist(x, "nanmean")
+    if x.dtype.kind not in "fc":
+        return mean(x, axis, dtype, out, keepdims, where=where)
+    dims = normalize_axes(axis, x.ndim)
+    s = sum(_nan_free(x, 0), axis, dtype, None, keepdims, where=where)
+    n = _count_valid(x, dims, keepdims)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        s.local[...] = s.local / n.local
+    return _store(s, out)
+
+
+def nanvar(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
+           ddof: float = 0, keepdims: bool = False, *, where: Any = True) -> DistArray:
+    """Variance ignoring NaN, like :func:`numpy.nanvar`."""
+    x = _as_dist(x, "nanvar")
+    if x.dtype.kind not in "fc":
+        return var(x, axis, dtype, out, ddof, keepdims, where=where)
+    dims = normalize_axes(axis, x.ndim)
+    xp = x.xp
+    nan = xp.isnan(x.local)
+    m = nanmean(x, axis, dtype, None, True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        dev = xp.where(nan, 0, x.local - m.local)
+        sq = dev.real * dev.real + dev.imag * dev.imag if dev.dtype.kind == "c" else dev * dev
+        ss = _finish(_reduce_local(sq, x.dist, dims, "sum", dtype, xp), x.dist, dims,
+                     keepdims, xp)
+        n = _count_valid(x, dims, keepdims)
+        ss.local[...] = ss.local / xp.maximum(n.local - ddof, 0)
+    return _store(ss, out)
+
+
+def nanstd(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
+           ddof: float = 0, keepdims: bool = False, *, where: Any = True) -> DistArray:
+    """Standard deviation ignoring NaN, like :func:`numpy.nanstd`."""
+    v = nanvar(x, axis, dtype, None, ddof, keepdims, where=where)
+    v.local[...] = v.xp.sqrt(v.local)
+    return _store(v, out)
+
+
+def trace(x: DistArray, offset: int = 0, axis1: int = 0, axis2: int = 1, dtype: Any = None,
+          out: Any = None) -> DistArray:
+    """Sum along a diagonal, like :func:`numpy.trace` (a masked sum; one Allreduce)."""
+    x = _as_dist(x, "trace")
+    if x.ndim < 2:
+        raise ValueError("diag requires an array of at least two dimensions")
+    a1, a2 = axis_index(axis1, x.ndim), axis_index(axis2, x.ndim)
+    if a1 == a2:
+        raise ValueError("axis1 and axis2 cannot be the same")
+    sl = x.dist.local_slices()
+    shape = [1] * x.ndim
+    rows = np.arange(sl[a1].start, sl[a1].stop)
+    cols = np.arange(sl[a2].start, sl[a2].stop)
+    shape1, shape2 = list(shape), list(shape)
+    shape1[a1], shape2[a2] = rows.size, cols.size
+    on = rows.reshape(shape1) + offset == cols.reshape(shape2)
+    xp = x.xp
+    masked = _wrap_like(x, xp.where(xp.asarray(on), x.local, 0).astype(x.dtype, copy=False))
+    return sum(masked, (a1, a2), dtype, out)
+
+
+def _cumulative(name: str, x: DistArray, axis: Any, dtype: Any, out: Any,
+                include_initial: bool) -> DistArray:
+    x = _as_dist(x, name)
+    if axis is None:
+        if x.ndim > 1:
+            raise ValueError("axis must be specified for multi-dimensional arrays.")
+        axis = 0
+    a = axis_index(axis, _builtin_max(x.ndim, 1))
+    r = _scan("cumsum" if name == "cumulative_sum" else "cumprod", x, a, dtype, None)
+    if include_initial:
+        from .shape import concatenate
+
+        shape = tuple(1 if d == a else s for d, s in enumerate(r.shape))
+        ident = np.full(shape, 0 if name == "cumulative_sum" else 1, dtype=r.dtype)
+        r = concatenate([ident, r], axis=a)
+    return _store(r, out)
+
+
+def cumulative_sum(x: DistArray, /, *, axis: Any = None, dtype: Any = None, out: Any = None,
+                   include_initial: bool = False) -> DistArray:
+    """Cumulative sum, like :func:`numpy.cumulative_sum` (see :func:`cumsum`)."""
+    return _cumulative("cumulative_sum", x, axis, dtype, out, include_initial)
+
+
+def cumulative_prod(x: DistArray, /, *, axis: Any = None, dtype: Any = None, out: Any = None,
+                    include_initial: bool = False) -> DistArray:
+    """Cumulative product, like :func:`numpy.cumulative_prod`."""
+    return _cumulative("cumulative_prod", x, axis, dtype, out, include_initial)

@@ -442,3 +442,118 @@ def flip(x: DistArray, axis: Any = None) -> DistArray:
     return getitem(x, tuple(slice(None, None, -1) if d in dims else slice(None)
                             for d in range(x.ndim)))
 
+
+
+# ------------------------------------------------------------------ built from the above
+
+
+def roll(x: DistArray, shift: Any, axis: Any = None) -> DistArray:
+    """Roll elements along ``axis``, like :func:`numpy.roll`; the result keeps ``x``'s layout.
+
+    Each rolled axis costs two slice assignments (one Alltoallw each).
+    """
+    x = _dist(x, "roll")
+    if axis is None:
+        return reshape(roll(ravel(x), shift, 0), x.shape)
+    shifts, axes = np.broadcast_arrays(np.asarray(shift), np.asarray(axis))
+    amount = [0] * x.ndim
+    for s, a in zip(shifts.ravel().tolist(), axes.ravel().tolist()):
+        amount[axis_index(a, x.ndim)] += int(s)
+    from .indexing import setitem
+
+    out = x
+    for d, s in enumerate(amount):
+        n = x.shape[d]
+        k = s % n if n else 0
+        if not k:
+            continue
+        src, res = out, x.copy()
+        head = tuple(slice(None) if e != d else slice(n - k, None) for e in range(x.ndim))
+        tail = tuple(slice(None) if e != d else slice(None, n - k) for e in range(x.ndim))
+        dst_head = tuple(slice(None) if e != d else slice(None, k) for e in range(x.ndim))
+        dst_tail = tuple(slice(None) if e != d else slice(k, None) for e in range(x.ndim))
+        from .indexing import getitem
+
+        setitem(res, dst_head, getitem(src, head))
+        setitem(res, dst_tail, getitem(src, tail))
+        out = res
+    return out.copy() if out is x else out
+
+
+def diff(x: DistArray, n: int = 1, axis: int = -1, prepend: Any = np._NoValue,  # type: ignore[attr-defined]
+         append: Any = np._NoValue) -> DistArray:  # type: ignore[attr-defined]
+    """``x[1:] - x[:-1]`` along ``axis``, ``n`` times, like :func:`numpy.diff`.
+
+    The second slice is moved to the first one's layout (one Alltoallw per
+    difference), which brings each block its neighbour's edge.
+    """
+    x = _dist(x, "diff")
+    if prepend is not np._NoValue or append is not np._NoValue:  # type: ignore[attr-defined]
+        raise TypeError("diff of a DistArray does not support prepend= or append=")
+    if n < 0:
+        raise ValueError(f"order must be non-negative but got {n}")
+    if x.ndim == 0:
+        raise ValueError("diff requires input that is at least one dimensional")
+    a = axis_index(axis, x.ndim)
+    from .indexing import getitem
+
+    hi = tuple(slice(1, None) if d == a else slice(None) for d in range(x.ndim))
+    lo = tuple(slice(None, -1) if d == a else slice(None) for d in range(x.ndim))
+    op = np.not_equal if x.dtype == np.bool_ else np.subtract
+    for _ in range(n):
+        x = op(getitem(x, hi), getitem(x, lo))
+    return x
+
+
+def _atleast(nd: int, arys: tuple[Any, ...]) -> Any:
+    out = []
+    for x in arys:
+        x = _dist(x, f"atleast_{nd}d")
+        if x.ndim >= nd:
+            out.append(x)
+        elif nd == 1 or x.ndim == 0:
+            out.append(expand_dims(x, tuple(range(nd))))
+        elif nd == 2:
+            out.append(expand_dims(x, 0))
+        else:
+            out.append(expand_dims(x, (0, 2)) if x.ndim == 1 else expand_dims(x, 2))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def atleast_1d(*arys: Any) -> Any:
+    """Arrays with at least one dimension, like :func:`numpy.atleast_1d`."""
+    return _atleast(1, arys)
+
+
+def atleast_2d(*arys: Any) -> Any:
+    """Arrays with at least two dimensions, like :func:`numpy.atleast_2d`."""
+    return _atleast(2, arys)
+
+
+def atleast_3d(*arys: Any) -> Any:
+    """Arrays with at least three dimensions, like :func:`numpy.atleast_3d`."""
+    return _atleast(3, arys)
+
+
+def hstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind") -> DistArray:
+    """Join column-wise (along axis 0 for 1-D arrays), like :func:`numpy.hstack`."""
+    arrs = [atleast_1d(a) if is_dist(a) else np.atleast_1d(a) for a in tup]
+    axis = 0 if arrs and arrs[0].ndim == 1 else 1
+    return concatenate(arrs, axis, dtype=dtype, casting=casting)
+
+
+def vstack(tup: Sequence[Any], *, dtype: Any = None, casting: str = "same_kind") -> DistArray:
+    """Join row-wise, like :func:`numpy.vstack`."""
+    arrs = [atleast_2d(a) if is_dist(a) else np.atleast_2d(a) for a in tup]
+    return concatenate(arrs, 0, dtype=dtype, casting=casting)
+
+
+def unstack(x: DistArray, /, *, axis: int = 0) -> tuple[DistArray, ...]:
+    """The slices along ``axis``, like :func:`numpy.unstack` (one broadcast each)."""
+    x = _dist(x, "unstack")
+    if x.ndim == 0:
+        raise ValueError("Input array must be at least 1-d.")
+    a = axis_index(axis, x.ndim)
+    from .indexing import getitem
+
+    return tuple(getitem(x, (slice(None),) * a + (i,)) for i in range(x.shape[a]))
