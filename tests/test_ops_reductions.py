@@ -178,3 +178,18 @@ def test_derived_reductions():
         for axis in (None, 0, 1):
             check_like_numpy(lambda x, f=f, axis=axis: f(x * 0 + g, axis=axis),
                              shapes=[(6, 5)], max_layouts=4, name=f"{name} axis={axis}")
+
+
+@parallel
+def test_empty_blocks_on_fresh_grids():
+    """Ranks whose block is empty still take part in creating sub-communicators."""
+    comm = MPI.COMM_WORLD
+    gshape = sorted(MPI.Compute_dims(comm.size, 2))
+    g = sample((5, 3))
+    for f in (np.argmax, np.argmin, np.sum, np.max, np.cumsum, np.mean):
+        grid = ProcessGrid(gshape)  # a new grid: no sub-communicator exists yet
+        cuts = [[0] * (gshape[0] - 1), [3] * (gshape[1] - 1)]  # one rank row/column holds all
+        x = DistArray.from_global(g, Distribution((5, 3), grid, (0, 1), cuts))
+        r = f(x, axis=0)
+        collective_assert(np.allclose(r.local, f(g, axis=0)[r.dist.local_slices()]),
+                          f.__name__, comm)

@@ -439,8 +439,9 @@ def _arg(name: str, x: DistArray, axis: Any, out: Any, keepdims: bool) -> DistAr
         vals = xp.take_along_axis(local, li, axis=dims[0])
         idx = xp.asarray(li, dtype=np.intp) + start[dims[0]]
     axes = split_grid_axes(dist, dims)
-    if axes and math.prod(dist.grid_shape[a] for a in axes) > 1 and idx.size:
-        comm = dist.grid.subcomm(axes)
+    # subcomm() is collective the first time: every rank asks, whatever its block
+    comm = dist.grid.subcomm(axes) if axes else None
+    if comm is not None and idx.size:
         members = subcomm_members(dist.grid, axes)
         hv = np.ascontiguousarray(to_numpy(vals))
         hi = np.ascontiguousarray(to_numpy(idx))
