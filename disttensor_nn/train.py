@@ -1,4 +1,4 @@
-"""The training driver: plan, load data in the planned layout, train with SGD, checkpoint, report."""
+"""The training driver: plan, load data in the planned layout, train, checkpoint, report."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class TrainConfig:
 
     model: str = "mesh-demo"
     layout: str = "auto"  # "auto" (run the planner) or a plan JSON file
-    batch: int = 8
-    steps: int = 30
+    batch: int = 4
+    steps: int = 100
     size: tuple[int, ...] | None = None
     lr: float | None = None
     momentum: float = 0.9
@@ -121,7 +121,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         target_layout = Layout(first.grid, first.axes)
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
                     target_layout=target_layout)
-    lr = cfg.lr if cfg.lr is not None else (0.05 if cfg.model.startswith("mesh") else 0.01)
+    lr = cfg.lr if cfg.lr is not None else (0.1 if cfg.model.startswith("mesh") else 0.01)
     opt = SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     step = 0
     history: list[dict[str, float]] = []
@@ -177,6 +177,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
         "steps": step, "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
+        "history": [h["loss"] for h in history],
         "time_per_iteration_s": float(np.median(times)) if times else None,
         "samples_per_s": cfg.batch / float(np.median(times)) if times else None,
         "predicted_time_per_iteration_s": plan.time,
