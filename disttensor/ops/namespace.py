@@ -24,7 +24,8 @@ import numpy as np
 
 from .. import creation
 from ..array import DistArray
-from . import elementwise, linalg, reductions, shape
+from . import elementwise, linalg, reductions
+from . import shape as _shape
 from ._util import is_dist, wrap
 
 __array_api_version__ = "2023.12"
@@ -184,9 +185,12 @@ def cumulative_prod(x: DistArray, /, *, axis: int | None = None, dtype: Any = No
                                       include_initial=include_initial)
 
 
-def diff(x: DistArray, /, *, axis: int = -1, n: int = 1) -> DistArray:
-    """``n``-th differences along ``axis``."""
-    return shape.diff(x, n, axis)
+def diff(x: DistArray, /, *, axis: int = -1, n: int = 1, prepend: Any = None,
+         append: Any = None) -> DistArray:
+    """``n``-th differences along ``axis`` (``prepend``/``append`` are not supported)."""
+    if prepend is not None or append is not None:
+        raise TypeError("diff of a DistArray does not support prepend= or append=")
+    return _shape.diff(x, n, axis)
 
 
 def nonzero(x: DistArray, /) -> tuple[DistArray, ...]:
@@ -206,68 +210,72 @@ def where(condition: Any, x1: Any, x2: Any, /) -> DistArray:
 
 def concat(arrays: Any, /, *, axis: int | None = 0) -> DistArray:
     """Join along an existing axis."""
-    return shape.concatenate(arrays, axis=axis)
+    return _shape.concatenate(arrays, axis=axis)
 
 
 def stack(arrays: Any, /, *, axis: int = 0) -> DistArray:
     """Join along a new axis."""
-    return shape.stack(arrays, axis=axis)
+    return _shape.stack(arrays, axis=axis)
 
 
-def reshape(x: DistArray, /, shape_: Any = None, *, copy: Any = None,
-            **kw: Any) -> DistArray:
+def reshape(x: DistArray, /, shape: Any, *, copy: Any = None) -> DistArray:
     """New shape (always a copy)."""
-    return shape.reshape(x, kw.pop("shape", shape_), copy=copy)
+    return _shape.reshape(x, shape, copy=copy)
 
 
 def permute_dims(x: DistArray, /, axes: Any) -> DistArray:
     """Permute the dimensions."""
-    return shape.transpose(x, axes)
+    return _shape.transpose(x, axes)
 
 
 def matrix_transpose(x: DistArray, /) -> DistArray:
     """Swap the last two dimensions."""
-    return shape.matrix_transpose(x)
+    return _shape.matrix_transpose(x)
 
 
-def expand_dims(x: DistArray, /, *, axis: int = 0) -> DistArray:
+def expand_dims(x: DistArray, /, axis: int = 0) -> DistArray:
     """Insert a dimension of size 1."""
-    return shape.expand_dims(x, axis)
+    return _shape.expand_dims(x, axis)
 
 
 def squeeze(x: DistArray, /, axis: Any) -> DistArray:
     """Remove dimensions of size 1."""
-    return shape.squeeze(x, axis)
+    return _shape.squeeze(x, axis)
 
 
 def flip(x: DistArray, /, *, axis: Any = None) -> DistArray:
     """Reverse along ``axis``."""
-    return shape.flip(x, axis)
+    return _shape.flip(x, axis)
 
 
 def moveaxis(x: DistArray, source: Any, destination: Any, /) -> DistArray:
     """Move dimensions."""
-    return shape.moveaxis(x, source, destination)
+    return _shape.moveaxis(x, source, destination)
 
 
-def broadcast_to(x: DistArray, /, shape_: Any = None, **kw: Any) -> DistArray:
+def broadcast_to(x: DistArray, /, shape: Any) -> DistArray:
     """Broadcast to a shape."""
-    return shape.broadcast_to(x, kw.pop("shape", shape_))
+    return _shape.broadcast_to(x, shape)
+
+
+def broadcast_shapes(*shapes: Any) -> tuple[int, ...]:
+    """The shape that ``shapes`` broadcast to."""
+    return tuple(np.broadcast_shapes(*shapes))
 
 
 def roll(x: DistArray, /, shift: Any, *, axis: Any = None) -> DistArray:
     """Roll elements along ``axis``."""
-    return shape.roll(x, shift, axis)
+    return _shape.roll(x, shift, axis)
 
 
 def unstack(x: DistArray, /, *, axis: int = 0) -> tuple[DistArray, ...]:
     """Split into the slices along ``axis``."""
-    return shape.unstack(x, axis=axis)
+    return _shape.unstack(x, axis=axis)
 
 
 def broadcast_arrays(*arrays: Any) -> list[DistArray]:
     """Broadcast against each other."""
-    return shape.broadcast_arrays(*arrays)
+    return _shape.broadcast_arrays(*arrays)
 
 
 # ------------------------------------------------------------------ linear algebra
@@ -301,8 +309,16 @@ def result_type(*arrays_and_dtypes: Any) -> np.dtype:
     return np.result_type(*(a.dtype if is_dist(a) else a for a in arrays_and_dtypes))
 
 
-finfo = np.finfo
-iinfo = np.iinfo
+def finfo(type: Any, /) -> Any:  # noqa: A002
+    """Machine limits of a floating dtype (or of an array's dtype)."""
+    return np.finfo(type.dtype if is_dist(type) else type)
+
+
+def iinfo(type: Any, /) -> Any:  # noqa: A002
+    """Machine limits of an integer dtype (or of an array's dtype)."""
+    return np.iinfo(type.dtype if is_dist(type) else type)
+
+
 isdtype = np.isdtype
 
 
