@@ -139,6 +139,7 @@ def test_iteration_scalars_and_newaxis():
     rows = [float(v) for v in x]
     ok = rows == list(np.arange(6.0)) and x[2].item() == 2.0 and int(x[4]) == 4
     ok = ok and x[None, :, None].shape == (1, 6, 1) and bool(x[3] > 2)
+    ok = ok and x[np.argmax(x)].item() == 5.0  # a 0-d integer DistArray as an index
     collective_assert(ok, f"{rows}", comm)
 
 

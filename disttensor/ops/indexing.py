@@ -374,6 +374,8 @@ def setitem(x: DistArray, key: Any, value: Any) -> None:
 
 def _mask_key(x: DistArray, key: Any) -> Any:
     k = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    if is_dist(k) and k.ndim == 0 and k.dtype.kind in "iu":
+        return None  # a 0-d integer DistArray is an integer index
     if is_dist(k) or (isinstance(k, np.ndarray) and k.ndim > 0):
         if k.dtype != np.bool_ or tuple(k.shape) != x.shape:
             raise IndexError(_INDEX_ERROR)
