@@ -97,6 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
+    dt.limit_blas_threads()
     if not os.path.exists(this_machine_path()):
         if p < 2:
             raise SystemExit("calibrate first: mpiexec -n 2 disttensor-plan --calibrate")
@@ -117,12 +118,10 @@ def main() -> None:
             budget_planner = Planner(model, shape, CostModel(profile, p, timer), args.budget)
             plans["budget"] = budget_planner.plan()
         timer.save()
-        comm.bcast(plans, root=0)
     else:
-        wait_for_root(comm)
-        plans = comm.bcast(None, root=0)
-    if comm.rank == 0:
-        wait_for_root(comm)
+        plans = None
+    wait_for_root(comm)  # the others sleep while rank 0 measures kernels
+    plans = comm.bcast(plans, root=0)
     results = {}
     for name, plan in plans.items():
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
