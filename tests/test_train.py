@@ -88,3 +88,15 @@ def test_default_demo_halves_the_loss():
     h = _history(s)
     collective_assert(s["steps"] == d.steps and h[-1] <= 0.5 * h[0],
                       f"loss {h[0]} -> {h[-1]} in {s['steps']} steps")
+
+
+def test_plot_writes_png_files(tmp_path):
+    from disttensor_nn.plot import plot_metrics
+
+    prefix = str(tmp_path / "run")
+    train(config(steps=2, metrics=prefix), comm=MPI.COMM_SELF)
+    paths = plot_metrics(prefix + ".json")
+    assert [p.rsplit("-", 1)[1] for p in paths] == ["loss.png", "layers.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

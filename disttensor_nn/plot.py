@@ -1,0 +1,72 @@
+"""``disttensor-plot``: turn a training metrics file into PNG plots.
+
+Reads ``PREFIX.json`` written by ``disttensor-train`` and writes
+``PREFIX-loss.png`` (loss per step) and ``PREFIX-layers.png`` (each layer's
+forward + backward time: the planner's prediction next to the measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["plot_metrics", "plot_main"]
+
+
+def plot_metrics(path: str, out_prefix: str | None = None) -> list[str]:
+    """Write the loss and per-layer plots of a metrics JSON file; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        data = json.load(f)
+    prefix = out_prefix or (path[:-5] if path.endswith(".json") else path)
+    hist, summary = data["history"], data["summary"]
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h["step"] for h in hist], [h["loss"] for h in hist])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{summary['model']} {tuple(summary['batch_shape'])} on {summary['ranks']} ranks",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}-loss.png", dpi=110)
+    plt.close(fig)
+    written.append(f"{prefix}-loss.png")
+    layers = summary.get("layers") or []
+    if layers:
+        fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(layers)), 4))
+        xs = range(len(layers))
+        ax.bar([x - 0.2 for x in xs], [1e3 * layer["predicted_s"] for layer in layers], 0.4,
+               label="predicted")
+        ax.bar([x + 0.2 for x in xs], [1e3 * layer["measured_s"] for layer in layers], 0.4,
+               label="measured")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{layer['name']} {layer['layer']}" for layer in layers],
+                           rotation=90, fontsize=7)
+        ax.set_ylabel("forward + backward per iteration (ms)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(f"{prefix}-layers.png", dpi=110)
+        plt.close(fig)
+        written.append(f"{prefix}-layers.png")
+    return written
+
+
+def plot_main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="disttensor-plot", description=__doc__.split("\n")[0])
+    parser.add_argument("metrics", help="PREFIX.json written by disttensor-train")
+    parser.add_argument("--out", help="prefix of the PNG files (default: the metrics prefix)")
+    args = parser.parse_args(argv)
+    for path in plot_metrics(args.metrics, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(plot_main())
