@@ -28,7 +28,8 @@ from .distribution import Distribution
 if TYPE_CHECKING:
     from .array import DistArray
 
-__all__ = ["MODES", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate", "normalize_widths"]
+__all__ = ["MODES", "AccumulateRequest", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate",
+           "normalize_widths"]
 
 MODES = ("constant", "wrap", "reflect", "symmetric", "edge")
 _RUNS_PER_DIM = 64  # runs from one sender to one receiver along one dimension
@@ -264,41 +265,84 @@ class HaloPlan:
         the mode's mapping at the global edges). Returns a DistArray with
         ``dist``.
         """
-        from .array import DistArray
+        return self.start_accumulate(extended, overwrite_input).finish()
 
+    def start_accumulate(self, extended: Any, overwrite_input: bool = False
+                         ) -> AccumulateRequest:
+        """Non-blocking :meth:`accumulate`: returns a request whose ``finish()`` gives the result.
+
+        Messages of the last exchanged dimension are in flight when this
+        returns, so the caller can compute (a weight gradient, say) meanwhile.
+        """
         lshape = self.dist.local_shape()
         want = tuple(n + lo + hi for n, (lo, hi) in zip(lshape, self.widths))
         if tuple(extended.shape) != want:
             raise ValueError(f"extended block has shape {tuple(extended.shape)}, expected {want}")
-        # overwrite_input permits, not requires, working in place: copy when the input is not
-        # C-contiguous (NumPy 2 raises for copy=False when a copy is needed)
-        if overwrite_input:
-            work = np.asarray(extended, order="C")
-        else:
-            work = np.array(extended, order="C")
-        comm = self.dist.grid.p2p_comm
-        base = self.dist.grid.tag_block(_TAG_SPAN)
-        for dp in reversed(self.dims):
-            d = dp.dim
-            reqs, pending = [], []
-            for r in dp.recvs:  # receivers of the forward send their cells back
-                view = self._view(work, d, r.dst, r.length, 1)
-                if view.size:
-                    reqs.append(comm.Isend(np.ascontiguousarray(view), r.sender, base + r.tag))
-            for r in dp.sends:
-                target = self._view(work, d, r.src, r.length, r.step)
-                if target.size:
-                    buf = np.empty(target.shape, work.dtype)
-                    reqs.append(comm.Irecv(buf, r.receiver, base + r.tag))
-                    pending.append((target, buf))
-            for r in dp.local:
-                target = self._view(work, d, r.src, r.length, r.step)
-                target += self._view(work, d, r.dst, r.length, 1)
-            MPI.Request.Waitall(reqs)
-            for target, buf in pending:
-                target += buf
-        inner = tuple(slice(lo, lo + n) for (lo, _), n in zip(self.widths, lshape))
-        return DistArray(np.ascontiguousarray(work[inner]), self.dist)
+        # overwrite_input permits, not requires, working in place (a copy when not C-ordered)
+        work = np.asarray(extended, order="C") if overwrite_input else \
+            np.array(extended, order="C")
+        return AccumulateRequest(self, work)
+
+
+class AccumulateRequest:
+    """A halo accumulation in flight; :meth:`finish` completes it and returns the DistArray."""
+
+    def __init__(self, plan: HaloPlan, work: np.ndarray):
+        self.plan, self.work = plan, work
+        self._tag = plan.dist.grid.tag_block(_TAG_SPAN) if plan.dims else 0
+        self._next = len(plan.dims) - 1
+        self._reqs: list[MPI.Request] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._post()
+
+    def _post(self) -> None:
+        if self._next < 0:
+            return
+        plan, work = self.plan, self.work
+        dp = plan.dims[self._next]
+        d = dp.dim
+        comm = plan.dist.grid.p2p_comm
+        reqs = []
+        for r in dp.recvs:  # receivers of the forward send their cells back
+            view = plan._view(work, d, r.dst, r.length, 1)
+            if view.size:
+                reqs.append(comm.Isend(np.ascontiguousarray(view), r.sender, self._tag + r.tag))
+        for r in dp.sends:
+            target = plan._view(work, d, r.src, r.length, r.step)
+            if target.size:
+                buf = np.empty(target.shape, work.dtype)
+                reqs.append(comm.Irecv(buf, r.receiver, self._tag + r.tag))
+                self._pending.append((target, buf))
+        for r in dp.local:
+            target = plan._view(work, d, r.src, r.length, r.step)
+            target += plan._view(work, d, r.dst, r.length, 1)
+        self._reqs = reqs
+
+    def _complete(self) -> None:
+        for target, buf in self._pending:
+            target += buf
+        self._pending = []
+        self._next -= 1
+        self._post()
+
+    def test(self) -> bool:
+        """Progress without blocking; True once every dimension is done."""
+        while self._next >= 0:
+            if not MPI.Request.Testall(self._reqs):
+                return False
+            self._complete()
+        return True
+
+    def finish(self) -> DistArray:
+        """Wait for the remaining messages; return the accumulated DistArray."""
+        from .array import DistArray
+
+        while self._next >= 0:
+            MPI.Request.Waitall(self._reqs)
+            self._complete()
+        lshape = self.plan.dist.local_shape()
+        inner = tuple(slice(lo, lo + n) for (lo, _), n in zip(self.plan.widths, lshape))
+        return DistArray(np.ascontiguousarray(self.work[inner]), self.plan.dist)
 
 
 class HaloRequest:

@@ -480,3 +480,22 @@ def test_exchanges_in_flight_progressed_in_different_orders():
     sl = tuple(slice(s.start, s.stop + 2) for s in dist.local_slices())
     ok = all(np.array_equal(r.ext, np.pad(a, 1, "wrap")[sl]) for r, a in zip(reqs, arrays))
     collective_assert(ok, "concurrent halo exchanges mixed up their messages")
+
+
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_non_blocking_accumulate_equals_blocking():
+    comm = MPI.COMM_WORLD
+    dist = dt.Distribution((5, 3 * comm.size + 1), dt.ProcessGrid((1, comm.size)), axes=(0, 1))
+    widths = ((1, 2), (2, 1))
+    plan = dt.halo_plan(dist, widths, "reflect")
+    rng = np.random.default_rng(comm.rank)
+    ext = rng.standard_normal(tuple(n + lo + hi for n, (lo, hi)
+                                    in zip(dist.local_shape(), widths)))
+    blocking = plan.accumulate(ext)
+    reqs = [plan.start_accumulate(ext), plan.start_accumulate(2 * ext)]
+    for r in reqs[::-1] if comm.rank % 2 else reqs:
+        r.test()
+    a, b = (r.finish() for r in reqs)
+    collective_assert(np.allclose(a.local, blocking.local) and np.allclose(b.local,
+                                                                          2 * blocking.local),
+                      "non-blocking accumulate differs from the blocking one")

@@ -8,7 +8,7 @@ import numpy as np
 
 from disttensor import DistArray
 
-from ..kernels import numpy_kernels as K
+from ..kernels import kernels_for
 from ..module import Parameter, allreduce_, check_input, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import PADDING_MODES, WindowLayer
@@ -33,7 +33,9 @@ class ConvNd(WindowLayer):
     padding_mode : {'zeros', 'reflect', 'circular', 'replicate'}
         Values beyond the global edges, applied by the halo exchange.
     overlap : bool
-        Overlap the forward halo exchange with the interior computation.
+        Overlap communication with computation: the forward halo exchange
+        with the outputs that need no halo, and the backward halo
+        accumulation with the weight-gradient computation.
     dtype : dtype
         Parameter dtype; inputs must match it.
     seed : int
@@ -80,30 +82,30 @@ class ConvNd(WindowLayer):
 
     def _kernel_forward(self, xwin: np.ndarray) -> np.ndarray:
         b = self.bias.data if self.bias is not None else None
-        return K.conv_forward(xwin, self.weight.data, b, self.spec.stride, self.spec.dilation,
-                              self.groups)
+        return kernels_for(xwin).conv_forward(xwin, self.weight.data, b, self.spec.stride,
+                                              self.spec.dilation, self.groups)
 
     def _kernel_backward(self, dy: np.ndarray, xwin: np.ndarray) -> np.ndarray:
-        dx, dw, db = K.conv_backward(dy, xwin, self.weight.data, self.spec.stride,
-                                     self.spec.dilation, self.groups)
-        self._local_grads = (dw, db)
+        dx, _, _ = kernels_for(xwin).conv_backward(
+            dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation, self.groups,
+            need_dx=True, need_dw=False)
         return dx
 
-    def backward(self, dy: DistArray) -> DistArray:
-        self._local_grads = (np.zeros_like(self.weight.data),
-                             np.zeros(self.out_channels, self.dtype))
-        return super().backward(dy)
-
-    def _after_backward(self, dy: DistArray) -> None:
+    def _param_backward(self, dy: DistArray, xwin: np.ndarray | None) -> None:
+        if xwin is None:
+            dw = np.zeros_like(self.weight.data)
+            db = np.zeros(self.out_channels, self.dtype)
+        else:
+            _, dw, db = kernels_for(xwin).conv_backward(
+                dy.local, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
+                self.groups, need_dx=False, need_dw=True)
         # Every rank that splits the input over N or space holds part of the sum.
-        dw, db = self._local_grads
         comm = split_axes_comm(dy.dist)
         flat = np.concatenate([dw.ravel(), db.ravel()])
         allreduce_(flat, comm)
         self.weight.grad += flat[:dw.size].reshape(dw.shape).astype(self.dtype, copy=False)
         if self.bias is not None:
             self.bias.grad += flat[dw.size:].astype(self.dtype, copy=False)
-        self._local_grads = None
 
     def __repr__(self) -> str:
         s = self.spec

@@ -8,7 +8,7 @@ import numpy as np
 
 from disttensor import DistArray, Distribution
 
-from ..kernels import numpy_kernels as K
+from ..kernels import kernels_for
 from ..module import Layer, check_input, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import WindowLayer
@@ -39,16 +39,17 @@ class _Pool(WindowLayer):
     def _pool_forward(self, xwin: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         s = self.spec
         if xwin.size == 0:  # an empty sample block: nothing to pool (and no argmax to reshape)
-            o = xwin.shape[:2] + K.out_shape(xwin.shape[2:], s.kernel, s.stride, s.dilation)
+            o = xwin.shape[:2] + kernels_for(xwin).out_shape(xwin.shape[2:], s.kernel, s.stride,
+                                                             s.dilation)
             return np.empty(o, xwin.dtype), np.empty(o, np.intp)
-        return K.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
+        return kernels_for(xwin).pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
 
     def _kernel_forward(self, xwin: np.ndarray) -> np.ndarray:
         return self._pool_forward(xwin)[0]
 
     def _kernel_backward(self, dy: np.ndarray, xwin: np.ndarray) -> np.ndarray:
         _, arg = self._pool_forward(xwin)
-        return K.pool_backward(dy, xwin.shape, self.spec.kernel, self.spec.stride,
+        return kernels_for(xwin).pool_backward(dy, xwin.shape, self.spec.kernel, self.spec.stride,
                                self.spec.dilation, self.op, arg)
 
     def __repr__(self) -> str:

@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, halo_plan
-from disttensor.halo import halo_accumulate
 
 from ..module import Layer, check_input
 from ..window import WindowGeometry, WindowSpec, geometry
@@ -104,10 +103,16 @@ class WindowLayer(Layer):
         x, geo, plan, ext = self._extended_input()
         sl = geo.input_slices(geo.out_box)
         dext = np.zeros(ext.shape, dtype=dy.dtype)
-        if all(b > a for a, b in geo.out_box):
+        nonempty = all(b > a for a, b in geo.out_box)
+        if nonempty:
             dext[sl] = self._kernel_backward(dy.local, ext[sl])
-        self._after_backward(dy)
-        return halo_accumulate(dext, x.dist, geo.widths, self.mode, overwrite_input=True)
+        # The halo cells travel back to their owners while the parameter
+        # gradients are computed (with overlap) or after them.
+        request = plan.start_accumulate(dext, overwrite_input=True) if self.overlap else None
+        self._param_backward(dy, ext[sl] if nonempty else None)
+        if request is None:
+            return plan.accumulate(dext, overwrite_input=True)
+        return request.finish()
 
-    def _after_backward(self, dy: DistArray) -> None:
-        """Hook for reductions of parameter gradients (after the local kernels)."""
+    def _param_backward(self, dy: DistArray, xwin: np.ndarray | None) -> None:
+        """Gradients of the layer's parameters (``xwin`` is None on an empty block)."""
