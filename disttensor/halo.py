@@ -284,87 +284,68 @@ class HaloPlan:
         return AccumulateRequest(self, work)
 
 
-class AccumulateRequest:
-    """A halo accumulation in flight; :meth:`finish` completes it and returns the DistArray."""
+class _DimRequest:
+    """Messages of one dimension in flight at a time; the next dimension is posted on completion.
 
-    def __init__(self, plan: HaloPlan, work: np.ndarray):
-        self.plan, self.work = plan, work
-        self._tag = plan.dist.grid.tag_block(_TAG_SPAN) if plan.dims else 0
-        self._next = len(plan.dims) - 1
+    Subclasses give the order of the dimensions (``_order``) and post and
+    complete one dimension's messages (``_post_dim``, ``_complete_dim``).
+    """
+
+    def __init__(self, plan: HaloPlan, order: list[int]):
+        self.plan = plan
+        self._order = order
+        self._tag = plan.dist.grid.tag_block(_TAG_SPAN) if order else 0
         self._reqs: list[MPI.Request] = []
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._step = 0
         self._post()
 
     def _post(self) -> None:
-        if self._next < 0:
-            return
-        plan, work = self.plan, self.work
-        dp = plan.dims[self._next]
-        d = dp.dim
-        comm = plan.dist.grid.p2p_comm
-        reqs = []
-        for r in dp.recvs:  # receivers of the forward send their cells back
-            view = plan._view(work, d, r.dst, r.length, 1)
-            if view.size:
-                reqs.append(comm.Isend(np.ascontiguousarray(view), r.sender, self._tag + r.tag))
-        for r in dp.sends:
-            target = plan._view(work, d, r.src, r.length, r.step)
-            if target.size:
-                buf = np.empty(target.shape, work.dtype)
-                reqs.append(comm.Irecv(buf, r.receiver, self._tag + r.tag))
-                self._pending.append((target, buf))
-        for r in dp.local:
-            target = plan._view(work, d, r.src, r.length, r.step)
-            target += plan._view(work, d, r.dst, r.length, 1)
-        self._reqs = reqs
+        if self._step < len(self._order):
+            self._reqs = self._post_dim(self.plan.dims[self._order[self._step]])
+        else:
+            self._reqs = []
+            self._done()
 
-    def _complete(self) -> None:
-        for target, buf in self._pending:
-            target += buf
-        self._pending = []
-        self._next -= 1
+    def _advance(self) -> None:
+        self._complete_dim()
+        self._step += 1
         self._post()
 
     def test(self) -> bool:
         """Progress without blocking; True once every dimension is done."""
-        while self._next >= 0:
+        while self._step < len(self._order):
             if not MPI.Request.Testall(self._reqs):
                 return False
-            self._complete()
+            self._advance()
         return True
 
-    def finish(self) -> DistArray:
-        """Wait for the remaining messages; return the accumulated DistArray."""
-        from .array import DistArray
-
-        while self._next >= 0:
+    def _wait(self) -> None:
+        while self._step < len(self._order):
             MPI.Request.Waitall(self._reqs)
-            self._complete()
-        lshape = self.plan.dist.local_shape()
-        inner = tuple(slice(lo, lo + n) for (lo, _), n in zip(self.plan.widths, lshape))
-        return DistArray(np.ascontiguousarray(self.work[inner]), self.plan.dist)
+            self._advance()
+
+    def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _complete_dim(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _done(self) -> None:
+        """Called once every dimension has completed."""
 
 
-class HaloRequest:
+class HaloRequest(_DimRequest):
     """A halo exchange in flight; :meth:`finish` completes it and returns the extended block."""
 
     def __init__(self, plan: HaloPlan, x: DistArray, constants: np.ndarray):
-        self.plan, self.x, self.constants = plan, x, constants
+        self.x, self.constants = x, constants
         self.ext = x._extended(plan.widths)
-        self._tag = plan.dist.grid.tag_block(_TAG_SPAN) if plan.dims else 0
-        self._next = 0
-        self._reqs: list[MPI.Request] = []
         self._unpack: list[tuple[np.ndarray, np.ndarray]] = []  # (face, packed copy)
         self._packed: list[np.ndarray] = []
-        self._post()
+        super().__init__(plan, list(range(len(plan.dims))))
 
-    def _post(self) -> None:
-        if self._next >= len(self.plan.dims):
-            self.x._halo_key = object()  # a new fill: layers compare it to detect overwrites
-            return
-        plan, ext = self.plan, self.ext
-        dp = plan.dims[self._next]
-        d = dp.dim
+    def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:
+        plan, ext, d = self.plan, self.ext, dp.dim
         comm = plan.dist.grid.p2p_comm
         reqs = []
         for r in dp.recvs:
@@ -387,32 +368,69 @@ class HaloRequest:
             )
         for start, stop, side in dp.fills:
             plan._view(ext, d, start, stop - start, 1)[...] = self.constants[d, side]
-        self._reqs = reqs
+        return reqs
 
-    def _complete(self) -> None:
+    def _complete_dim(self) -> None:
         for view, packed in self._unpack:
             view[...] = packed
             self.plan._release(packed)
         for packed in self._packed:
             self.plan._release(packed)
         self._unpack, self._packed = [], []
-        self._next += 1
-        self._post()
 
-    def test(self) -> bool:
-        """Progress the exchange without blocking; True once it is complete."""
-        while self._next < len(self.plan.dims):
-            if not MPI.Request.Testall(self._reqs):
-                return False
-            self._complete()
-        return True
+    def _done(self) -> None:
+        self.x._halo_key = object()  # a new fill: layers compare it to detect overwrites
 
     def finish(self) -> np.ndarray:
         """Wait for every dimension's messages; return the extended block (a view)."""
-        while self._next < len(self.plan.dims):
-            MPI.Request.Waitall(self._reqs)
-            self._complete()
+        self._wait()
         return self.ext
+
+
+class AccumulateRequest(_DimRequest):
+    """A halo accumulation in flight; :meth:`finish` completes it and returns the DistArray.
+
+    Dimensions go in the reverse order of the exchange (the adjoint of a
+    product is the reversed product of the adjoints).
+    """
+
+    def __init__(self, plan: HaloPlan, work: np.ndarray):
+        self.work = work
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        super().__init__(plan, list(reversed(range(len(plan.dims)))))
+
+    def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:
+        plan, work, d = self.plan, self.work, dp.dim
+        comm = plan.dist.grid.p2p_comm
+        reqs = []
+        for r in dp.recvs:  # receivers of the forward send their cells back
+            view = plan._view(work, d, r.dst, r.length, 1)
+            if view.size:
+                reqs.append(comm.Isend(np.ascontiguousarray(view), r.sender, self._tag + r.tag))
+        for r in dp.sends:
+            target = plan._view(work, d, r.src, r.length, r.step)
+            if target.size:
+                buf = np.empty(target.shape, work.dtype)
+                reqs.append(comm.Irecv(buf, r.receiver, self._tag + r.tag))
+                self._pending.append((target, buf))
+        for r in dp.local:
+            plan._view(work, d, r.src, r.length, r.step)[...] += plan._view(
+                work, d, r.dst, r.length, 1)
+        return reqs
+
+    def _complete_dim(self) -> None:
+        for target, buf in self._pending:
+            target += buf
+        self._pending = []
+
+    def finish(self) -> DistArray:
+        """Wait for the remaining messages; return the accumulated DistArray."""
+        from .array import DistArray
+
+        self._wait()
+        lshape = self.plan.dist.local_shape()
+        inner = tuple(slice(lo, lo + n) for (lo, _), n in zip(self.plan.widths, lshape))
+        return DistArray(np.ascontiguousarray(self.work[inner]), self.plan.dist)
 
 
 def _constants(values: Any, ndim: int) -> np.ndarray:
