@@ -29,10 +29,12 @@ __all__ = [
 
 WORKSPACE_BYTES = 64 * 2**20
 """Upper bound on one im2col buffer (bytes); a tile shrinks to fit it."""
-TILE_BYTES = 2 * 2**20
+TILE_BYTES = 4 * 2**20
 """Preferred im2col tile size (bytes): written and read back while in cache."""
 MIN_TILE_COLS = 512
 """Fewest output positions per tile (short GEMMs are inefficient)."""
+DW_DIRECT_FILTERS = 512
+"""With fewer filters per group the weight-gradient GEMM runs transposed."""
 
 
 def out_shape(in_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
@@ -95,20 +97,13 @@ def _tiles(n: int, rows: int, nb: int, t: int):
             yield n0, min(n, n0 + nb), r0, min(rows, r0 + t)
 
 
-def _im2col(src: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
-            dilation: Sequence[int], dst: np.ndarray) -> None:
-    """Fill the contiguous ``dst`` of shape ``(C*prod(K), nb*prod(O))`` with the windows of
-    ``src`` of shape ``(nb, C, *S)``; rows ordered ``(c, *k)``, columns ``(n, *o)``."""
-    nd = len(kernel)
-    win = windows(src, kernel, stride, dilation)  # (nb, C, *O, *K)
-    order = (1, *range(2 + nd, 2 + 2 * nd), 0, *range(2, 2 + nd))
-    view = win.transpose(order)
+def _im2col(win: np.ndarray, dst: np.ndarray) -> None:
+    """Fill the contiguous ``dst`` of shape ``(C*prod(K), nb*prod(O))`` from the windows
+    ``win`` of shape ``(nb, C, *O, *K)`` (see :func:`windows`); rows ordered ``(c, *k)``,
+    columns ``(n, *o)``."""
+    nd = (win.ndim - 2) // 2
+    view = win.transpose(1, *range(2 + nd, 2 + 2 * nd), 0, *range(2, 2 + nd))
     np.copyto(dst.reshape(view.shape), view)
-
-
-def _src_rows(r0: int, r1: int, k: int, s: int, d: int) -> slice:
-    """Input rows read by output rows ``r0:r1`` (first spatial dimension)."""
-    return slice(r0 * s, (r1 - 1) * s + d * (k - 1) + 1)
 
 
 def _pointwise(kernel: Sequence[int], stride: Sequence[int], o: Sequence[int]) -> bool:
@@ -167,12 +162,11 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
         wext[:, :ck] = w[g * fg:(g + 1) * fg].reshape(fg, ck)
         if b is not None:
             wext[:, ck] = b[g * fg:(g + 1) * fg]
-        xg = x[:, g * cg:(g + 1) * cg]
+        win = windows(x[:, g * cg:(g + 1) * cg], kernel, stride, dilation)
         for n0, n1, r0, r1 in _tiles(n, o[0], nb, t):
             m = (n1 - n0) * (r1 - r0) * rest
             cols = ws[:rows * m].reshape(rows, m)
-            src = xg[n0:n1, :, _src_rows(r0, r1, kernel[0], stride[0], dilation[0])]
-            _im2col(src, kernel, stride, dilation, cols[:ck])
+            _im2col(win[n0:n1, :, r0:r1], cols[:ck])
             if b is not None:
                 cols[ck] = 1
             if n1 - n0 == 1:
@@ -242,13 +236,16 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
         ws = np.empty(rows * m_max, dtype) if need_dw else None
         dyt_buf = np.empty(fg * m_max, dtype) if nb > 1 else None
         dcol_buf = np.empty(ck * m_max, dtype) if need_dx and not transposed_conv else None
-        # dw^T (and db): cols @ dy^T runs faster than dy @ cols^T for few filters
-        acc = np.empty((rows, fg), dtype) if need_dw else None
-        tmp = np.empty((rows, fg), dtype) if need_dw else None
+        # dw and db (the last column): GEMMs with few filters run faster transposed,
+        # (C/g*prod(K)+1, tile) @ (tile, F/g), and then dw^T needs a (blocked) transpose
+        dw_t = fg < DW_DIRECT_FILTERS
+        acc_shape = (rows, fg) if dw_t else (fg, rows)
+        acc = np.empty(acc_shape, dtype) if need_dw else None
+        tmp = np.empty(acc_shape, dtype) if need_dw else None
         for g in range(groups):
             gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
             wmat = w[gf].reshape(fg, ck).astype(dtype, copy=False)
-            xg = x[:, gc]
+            win = windows(x[:, gc], kernel, stride, dilation)
             first = True
             for n0, n1, r0, r1 in _tiles(n, o[0], nb, t):
                 m = (n1 - n0) * (r1 - r0) * rest
@@ -259,23 +256,33 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
                     dyt.reshape((fg, n1 - n0) + o)[...] = dy[n0:n1, gf].swapaxes(0, 1)
                 if need_dw:
                     cols = ws[:rows * m].reshape(rows, m)
-                    src = xg[n0:n1, :, _src_rows(r0, r1, kernel[0], stride[0], dilation[0])]
-                    _im2col(src, kernel, stride, dilation, cols[:ck])
+                    _im2col(win[n0:n1, :, r0:r1], cols[:ck])
                     cols[ck] = 1
+                    a, bt = (cols, dyt.T) if dw_t else (dyt, cols.T)
                     if first:
-                        np.matmul(cols, dyt.T, out=acc)
+                        np.matmul(a, bt, out=acc)
                     else:
-                        acc += np.matmul(cols, dyt.T, out=tmp)
+                        acc += np.matmul(a, bt, out=tmp)
                     first = False
                 if need_dx and not transposed_conv:
                     dcol = np.matmul(wmat.T, dyt, out=dcol_buf[:ck * m].reshape(ck, m))
                     _col2im(dx[n0:n1, gc], dcol, r0, r1, kernel, stride, dilation)
             if need_dw:
-                dw[gf] = acc[:ck].T.reshape((fg, cg) + kernel)
-                db[gf] = acc[ck]
+                if dw_t:
+                    _transpose_into(dw[gf].reshape(fg, ck), acc[:ck])
+                    db[gf] = acc[ck]
+                else:
+                    dw[gf] = acc[:, :ck].reshape((fg, cg) + kernel)
+                    db[gf] = acc[:, ck]
     if need_dx and transposed_conv:
         _dx_transposed(dy, w, dx, groups, dilation, workspace_bytes)
     return dx, dw, db
+
+
+def _transpose_into(out: np.ndarray, a: np.ndarray, block: int = 32) -> None:
+    """``out[...] = a.T`` for 2-D arrays, in cache-sized blocks of ``a``'s rows."""
+    for i in range(0, a.shape[0], block):
+        out[:, i:i + block] = a[i:i + block].T
 
 
 def _col2im(dx: np.ndarray, dcol: np.ndarray, r0: int, r1: int, kernel: Sequence[int],
@@ -316,13 +323,16 @@ def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
     # padded dy of one tile: dx rows a:b need dy rows a-h0 : b (zero outside 0:o0)
     pad = np.zeros((nb, fg, t + halo[0]) + tuple(v + 2 * h for v, h in zip(o[1:], halo[1:])),
                    dtype)
+    pwin = windows(pad, kernel, ones, dilation)  # (nb, fg, t, *S[1:], *K)
     inner = tuple(slice(h, h + v) for v, h in zip(o[1:], halo[1:]))
     ws = np.empty(rows * nb * t * rest, dtype)
     tmp = np.empty(cg * nb * t * rest, dtype) if nb > 1 else None
     for g in range(groups):
         gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
-        flip = (slice(None), slice(None)) + (slice(None, None, -1),) * nd
-        w2 = np.ascontiguousarray(w[gf][flip].swapaxes(0, 1), dtype=dtype).reshape(cg, rows)
+        # w2[c, f, k] = w[f, c, K-1-k] (reversing the flat kernel index flips every axis)
+        wflat = w[gf].reshape(fg, cg, -1)
+        w2 = np.ascontiguousarray(wflat[:, :, ::-1].swapaxes(0, 1), dtype=dtype)
+        w2 = w2.reshape(cg, rows)
         for n0, n1, a, b in _tiles(n, s[0], nb, t):
             nt = n1 - n0
             m = nt * (b - a) * rest
@@ -336,7 +346,7 @@ def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
             if hi > lo:
                 p[(slice(None), slice(None), slice(p0, p1)) + inner] = dy[n0:n1, gf, lo:hi]
             cols = ws[:rows * m].reshape(rows, m)
-            _im2col(p, kernel, ones, dilation, cols)
+            _im2col(pwin[:nt, :, :b - a], cols)
             if nt == 1:
                 np.matmul(w2, cols, out=_matrix(dx[n0, gc, a:b]))
             else:
