@@ -354,7 +354,11 @@ class Planner:
         return self._make_plan(assign, t, mem, notes)
 
     def _nothing_fits(self) -> str:
-        m = self._solve(1e9) if self.budget is not None else None
+        budget, self.budget = self.budget, None  # the least memory any plan needs
+        try:
+            m = self._solve(1e9)
+        finally:
+            self.budget = budget
         smallest = self.assignment_cost(m)[1] if m else float("nan")
         return (f"no distribution of this network on {self.cost.nprocs} ranks fits "
                 f"{(self.budget or 0) / 2**20:.0f} MiB per rank (the smallest plan found needs "
