@@ -100,3 +100,14 @@ def test_plot_writes_png_files(tmp_path):
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_command_line(tmp_path, capsys):
+    from disttensor_nn.cli import train_main
+
+    prefix = str(tmp_path / "cli")
+    assert train_main(["mesh-demo", "--size", "64x64", "--batch", "2", "--steps", "2",
+                       "--machine", V100, "--no-progress", "--metrics", prefix]) == 0
+    out = capsys.readouterr().out
+    assert "predicted time per iteration" in out and "loss" in out
+    assert os.path.exists(prefix + ".csv") and os.path.exists(prefix + ".json")
