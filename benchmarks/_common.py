@@ -27,11 +27,12 @@ def time_collective(fn: Callable[[], Any], comm: MPI.Comm, reps: int, warmup: in
     return statistics.median(times)
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], comm: MPI.Comm, reps: int) -> dict[str, float]:
+def interleaved(fns: dict[str, Callable[[], Any]], comm: MPI.Comm, reps: int,
+                warmup: int = 2) -> dict[str, float]:
     """Median times of several functions measured in alternation (fair under noise)."""
     for fn in fns.values():
-        fn()
-        fn()
+        for _ in range(warmup):
+            fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():

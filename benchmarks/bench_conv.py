@@ -1,0 +1,301 @@
+"""Local convolution kernels (NumPy im2col + GEMM) vs torch.nn.functional.conv2d.
+
+Run (one process; unset the OpenBLAS overrides for this command only):
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/bench_conv.py
+        [--threads 1,2] [--reps 5] [--quick] [--layers NAME,...] [--no-memory]
+
+Layers: ResNet-50 shapes at batch 8 (conv1 7x7/2, the 3x3 convolutions at
+56/28/14/7 and a 1x1 256->64 at 56) and the mesh model's layers at batch 1
+(16->16 3x3 at 1024x1024; its first layer, 18->128 5x5 stride 2 at 2048x2048).
+``--quick`` shrinks the mesh layers 4x per side and the repetitions.
+
+Each kernel call gets the already padded input, as the distributed layers
+give it; torch gets the same padded input with ``padding=0``, so both do
+the same arithmetic. Measured for every BLAS/torch thread count, in the same
+run and interleaved (medians of ``--reps``):
+
+* our ``conv_forward`` and ``conv_forward`` + ``conv_backward`` (dx, dw, db);
+* ``torch.nn.functional.conv2d`` forward (no grad) and forward + backward
+  (autograd, ``requires_grad`` on input, weight and bias), with
+  ``torch.set_num_threads`` equal to the BLAS thread count;
+* the machine's float32 GEMM rate: a 2048x2048 ``numpy.matmul``.
+
+GFLOP/s counts ``2*N*F*C/g*prod(K)*prod(O)`` per direction (fwd+bwd = 3x fwd).
+``ratio`` is torch's time over ours (above 1: we are faster); the summary
+gives its geometric mean and minimum over the layers.
+
+Memory: the peak resident memory above the inputs (``VmHWM`` after resetting
+it once the inputs exist) of one forward + backward of the mesh 5x5 layer, in
+a fresh subprocess each for ours and torch.
+
+Thread counts are set with threadpoolctl (BLAS) and ``torch.set_num_threads``;
+torch is optional (``pip install .[bench]``): without it only our figures
+and the GEMM rate are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from disttensor_nn.kernels import numpy_kernels as K
+
+try:
+    import torch
+except ImportError:  # torch is an optional benchmark extra
+    torch = None
+
+# name, N, C, H (= W), F, kernel, stride, padding
+LAYERS = [
+    ("resnet_conv1_7x7s2", 8, 3, 224, 64, 7, 2, 3),
+    ("resnet_3x3_56", 8, 64, 56, 64, 3, 1, 1),
+    ("resnet_3x3_28", 8, 128, 28, 128, 3, 1, 1),
+    ("resnet_3x3_14", 8, 256, 14, 256, 3, 1, 1),
+    ("resnet_3x3_7", 8, 512, 7, 512, 3, 1, 1),
+    ("resnet_1x1_56", 8, 256, 56, 64, 1, 1, 0),
+    ("mesh_3x3_1024", 1, 16, 1024, 16, 3, 1, 1),
+    ("mesh_5x5s2_2048", 1, 18, 2048, 128, 5, 2, 2),
+]
+MEMORY_LAYER = "mesh_5x5s2_2048"
+QUICK_SCALE = 4  # --quick: mesh layers 4x smaller per side
+
+
+def layer_list(quick: bool, names: list[str] | None):
+    out = []
+    for name, n, c, h, f, k, s, p in LAYERS:
+        if names and name not in names:
+            continue
+        if quick and name.startswith("mesh"):
+            h //= QUICK_SCALE
+        out.append((name, n, c, h, f, k, s, p))
+    return out
+
+
+def make_inputs(n, c, h, f, k, s, p, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h + 2 * p, h + 2 * p), dtype=np.float32)
+    w = rng.standard_normal((f, c, k, k), dtype=np.float32) / math.sqrt(c * k * k)
+    b = rng.standard_normal(f, dtype=np.float32)
+    o = (h + 2 * p - k) // s + 1
+    dy = rng.standard_normal((n, f, o, o), dtype=np.float32)
+    return x, w, b, dy
+
+
+def flops(n, c, h, f, k, s, p) -> float:
+    o = (h + 2 * p - k) // s + 1
+    return 2.0 * n * f * c * k * k * o * o
+
+
+def ours_fns(x, w, b, dy, s):
+    st, dl = (s, s), (1, 1)
+
+    def fwd():
+        return K.conv_forward(x, w, b, st, dl, 1)
+
+    def fwd_bwd():
+        y = K.conv_forward(x, w, b, st, dl, 1)
+        return y, K.conv_backward(dy, x, w, st, dl, 1)
+
+    return fwd, fwd_bwd
+
+
+def torch_fns(x, w, b, dy, s):
+    xt = torch.from_numpy(x).requires_grad_(True)
+    wt = torch.from_numpy(w).requires_grad_(True)
+    bt = torch.from_numpy(b).requires_grad_(True)
+    dyt = torch.from_numpy(dy)
+    conv = torch.nn.functional.conv2d
+
+    def fwd():
+        with torch.no_grad():
+            return conv(xt, wt, bt, stride=s)
+
+    def fwd_bwd():
+        xt.grad = wt.grad = bt.grad = None
+        y = conv(xt, wt, bt, stride=s)
+        y.backward(dyt)
+        return y
+
+    return fwd, fwd_bwd
+
+
+def gemm_gflops(reps: int, size: int = 2048) -> float:
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((size, size), dtype=np.float32)
+    b = rng.standard_normal((size, size), dtype=np.float32)
+    c = np.empty_like(a)
+    np.matmul(a, b, out=c)
+    times = []
+    for _ in range(max(reps, 5)):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * size**3 / statistics.median(times) / 1e9
+
+
+# ------------------------------------------------------------------ memory
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_child(impl: str, spec: tuple) -> None:
+    """Print the peak RSS above the inputs of one fwd+bwd (runs in a fresh process)."""
+    name, n, c, h, f, k, s, p = spec
+    x, w, b, dy = make_inputs(n, c, h, f, k, s, p)
+    fb = (ours_fns if impl == "ours" else torch_fns)(x, w, b, dy, s)[1]
+    base = _vm("VmRSS")
+    try:  # reset the high-water mark to the current RSS
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    t0 = time.perf_counter()
+    out = fb()
+    dt = time.perf_counter() - t0
+    peak = _vm("VmHWM")
+    del out
+    print(json.dumps({"impl": impl, "peak_above_inputs": peak - base, "hwm_reset": reset,
+                      "inputs_bytes": x.nbytes + w.nbytes + b.nbytes + dy.nbytes,
+                      "seconds": dt}))
+
+
+def measure_memory(spec: tuple, threads: int) -> dict[str, dict]:
+    res = {}
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+    impls = ["ours"] + (["torch"] if torch is not None else [])
+    for impl in impls:
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--memory-child", impl,
+             "--memory-spec", json.dumps(spec)],
+            capture_output=True, text=True, env=env, check=True)
+        res[impl] = json.loads(out.stdout.strip().splitlines()[-1])
+    return res
+
+
+# ------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--layers", default="")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-child", choices=["ours", "torch"])
+    parser.add_argument("--memory-spec")
+    args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child, tuple(json.loads(args.memory_spec)))
+        return
+
+    from _common import interleaved, print_table, write_json
+    from mpi4py import MPI
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    overrides = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+                 if k in os.environ}
+    if overrides:
+        print(f"warning: {overrides} set; OpenBLAS may use slower kernels "
+              "(run under env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE)")
+    blas = [(i.get("internal_api"), i.get("architecture"), i.get("version"))
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    names = [s for s in args.layers.split(",") if s]
+    layers = layer_list(args.quick, names)
+    reps = args.reps if not args.quick else min(args.reps, 3)
+    comm = MPI.COMM_SELF
+    rows, summary = [], {}
+    loads = {}
+    for nt in (int(t) for t in args.threads.split(",")):
+        load0 = os.getloadavg()[0]
+        with threadpool_limits(limits=nt, user_api="blas"):
+            if torch is not None:
+                torch.set_num_threads(nt)
+            gemm = gemm_gflops(reps)
+            ratios = []
+            for spec in layers:
+                name, n, c, h, f, k, s, p = spec
+                x, w, b, dy = make_inputs(n, c, h, f, k, s, p)
+                fl = flops(n, c, h, f, k, s, p)
+                fns = dict(zip(("fwd", "fwd_bwd"), ours_fns(x, w, b, dy, s)))
+                if torch is not None:
+                    fns.update(zip(("torch_fwd", "torch_fwd_bwd"), torch_fns(x, w, b, dy, s)))
+                big = fl > 20e9
+                t = interleaved(fns, comm, reps if not big else min(reps, 3), warmup=1)
+                o = (h + 2 * p - k) // s + 1
+                row = {
+                    "threads": nt, "layer": name,
+                    "shape": f"{n}x{c}x{h}x{h}>{f} k{k}s{s}p{p}",
+                    "out": f"{o}x{o}",
+                    "fwd_ms": 1e3 * t["fwd"], "fwd_gflops": fl / t["fwd"] / 1e9,
+                    "fb_ms": 1e3 * t["fwd_bwd"], "fb_gflops": 3 * fl / t["fwd_bwd"] / 1e9,
+                    "fb_vs_gemm": 3 * fl / t["fwd_bwd"] / 1e9 / gemm,
+                }
+                if torch is not None:
+                    row.update({
+                        "torch_fwd_ms": 1e3 * t["torch_fwd"],
+                        "torch_fb_ms": 1e3 * t["torch_fwd_bwd"],
+                        "fwd_ratio": t["torch_fwd"] / t["fwd"],
+                        "fb_ratio": t["torch_fwd_bwd"] / t["fwd_bwd"],
+                    })
+                    ratios.append(row["fb_ratio"])
+                rows.append(row)
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in row.items()), flush=True)
+            loads[nt] = (load0, os.getloadavg()[0])
+            summary[nt] = {"gemm_gflops": gemm, "loadavg_1min_before_after": loads[nt]}
+            if ratios:
+                summary[nt].update({
+                    "fb_ratio_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                    "fb_ratio_min": min(ratios),
+                })
+    memory = None
+    mem_spec = next((sp for sp in layer_list(args.quick, None) if sp[0] == MEMORY_LAYER), None)
+    if not args.no_memory and mem_spec is not None:
+        memory = measure_memory(mem_spec, 1)
+
+    print(f"\nlocal conv kernels, float32, padded input; medians of {reps} "
+          f"(interleaved with torch); BLAS {blas}")
+    cols = ["threads", "layer", "shape", "fwd_ms", "fwd_gflops", "fb_ms", "fb_gflops"]
+    if torch is not None:
+        cols += ["torch_fwd_ms", "torch_fb_ms", "fwd_ratio", "fb_ratio"]
+    print_table(rows, cols)
+    print()
+    for nt, sm in summary.items():
+        line = (f"threads={nt}: float32 GEMM 2048^2 {sm['gemm_gflops']:.1f} GFLOP/s; "
+                f"load average {loads[nt][0]:.2f} -> {loads[nt][1]:.2f}")
+        if "fb_ratio_geomean" in sm:
+            line += (f"; fwd+bwd speed vs torch: geomean {sm['fb_ratio_geomean']:.3f}, "
+                     f"min {sm['fb_ratio_min']:.3f}")
+        print(line)
+    if memory:
+        gib = 2.0**30
+        line = (f"memory, {mem_spec[0]} ({'quick-scaled ' if args.quick else ''}"
+                f"{mem_spec[1]}x{mem_spec[2]}x{mem_spec[3]}^2) fwd+bwd peak above inputs: "
+                f"ours {memory['ours']['peak_above_inputs'] / gib:.3f} GiB")
+        if "torch" in memory:
+            ours, theirs = (memory[k]["peak_above_inputs"] for k in ("ours", "torch"))
+            line += f", torch {theirs / gib:.3f} GiB, ratio {ours / theirs:.2f}"
+        print(line)
+    name = "conv_quick" if args.quick else "conv"
+    print("wrote", write_json(
+        name, rows, summary={str(k): v for k, v in summary.items()}, memory=memory,
+        blas=blas, openblas_overrides=overrides, reps=reps, quick=args.quick,
+        torch=None if torch is None else torch.__version__,
+        workspace_bytes=K.WORKSPACE_BYTES, tile_bytes=K.TILE_BYTES))
+
+
+if __name__ == "__main__":
+    main()
