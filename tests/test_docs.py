@@ -120,4 +120,5 @@ def test_sphinx_build(tmp_path):
         if hasattr(inventory, "data") else {name for entries in inventory.values()
                                             for name in entries}
     missing = sorted(n for n, where in _public_names().items() if not where & documented)
-    assert not missing, f"public names missing from the API reference: {missing}"
+    assert not missing, (f"public names missing from the API reference: {missing}; "
+                         "add them to a page under docs/api/")
