@@ -14,6 +14,7 @@ ranks sharing cores is included).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import statistics
@@ -89,14 +90,21 @@ def _allreduce(comm: MPI.Comm, reps: int) -> tuple[float, float]:
 
 
 def _alltoall(comm: MPI.Comm, reps: int) -> tuple[float, float]:
+    """Shuffles as the library runs them: a redistribution from a row split to a column split."""
+    from disttensor import DistArray, Distribution, ProcessGrid
+
     p = comm.Get_size()
+    grid = ProcessGrid((p,), comm)
     feats, times = [], []
     for n in SIZES:
-        per = max(n // p, 1)
-        s = np.zeros(per * p, np.uint8)
-        r = np.empty_like(s)
-        t = _median_time(lambda s=s, r=r: comm.Alltoall(s, r), comm, reps)
-        feats.append([p - 1, per * (p - 1)])
+        side = max(p, int(np.sqrt(max(n // 4, 1))))
+        rows = Distribution((side, side), grid, (0, None))
+        cols = Distribution((side, side), grid, (None, 0))
+        x = DistArray.zeros(rows, np.float32)
+        out = DistArray.empty(cols, np.float32)
+        t = _median_time(lambda x=x, out=out, cols=cols: x.redistribute(cols, out), comm, reps)
+        moved = max(math.prod(x.local_shape) * (p - 1) // p, 1) * 4
+        feats.append([p - 1, moved])
         times.append(t)
     return _fit(feats, times)
 
