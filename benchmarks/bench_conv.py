@@ -13,13 +13,19 @@ Layers: ResNet-50 shapes at batch 8 (conv1 7x7/2, the 3x3 convolutions at
 Each kernel call gets the already padded input, as the distributed layers
 give it; torch gets the same padded input with ``padding=0``, so both do
 the same arithmetic. Measured for every BLAS/torch thread count, in the same
-run and interleaved (medians of ``--reps``):
+run (medians of ``--reps``):
 
 * our ``conv_forward`` and ``conv_forward`` + ``conv_backward`` (dx, dw, db);
 * ``torch.nn.functional.conv2d`` forward (no grad) and forward + backward
   (autograd, ``requires_grad`` on input, weight and bias), with
   ``torch.set_num_threads`` equal to the BLAS thread count;
 * the machine's float32 GEMM rate: a 2048x2048 ``numpy.matmul``.
+
+The four variants run in alternating blocks (``--rounds`` of them, each an
+untimed call and then ``reps / rounds`` timed ones): with several threads the
+idle workers of OpenBLAS and of torch's OpenMP pool keep spinning for a while
+after a call and slow down whichever library runs next, so alternating call by
+call would measure that interference rather than either library.
 
 GFLOP/s counts ``2*N*F*C/g*prod(K)*prod(O)`` per direction (fwd+bwd = 3x fwd).
 ``ratio`` is torch's time over ours (above 1: we are faster); the summary
@@ -142,6 +148,21 @@ def gemm_gflops(reps: int, size: int = 2048) -> float:
     return 2.0 * size**3 / statistics.median(times) / 1e9
 
 
+def alternating_blocks(fns: dict, reps: int, rounds: int) -> dict[str, float]:
+    """Median times: ``rounds`` rounds over ``fns``, each an untimed call then
+    ``ceil(reps / rounds)`` timed calls of one function."""
+    per = -(-reps // rounds)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            fn()
+            for _ in range(per):
+                t0 = time.perf_counter()
+                fn()
+                samples[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 # ------------------------------------------------------------------ memory
 def _vm(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -190,7 +211,8 @@ def measure_memory(spec: tuple, threads: int) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", default="")
     parser.add_argument("--no-memory", action="store_true")
@@ -201,8 +223,7 @@ def main() -> None:
         memory_child(args.memory_child, tuple(json.loads(args.memory_spec)))
         return
 
-    from _common import interleaved, print_table, write_json
-    from mpi4py import MPI
+    from _common import print_table, write_json
     from threadpoolctl import threadpool_info, threadpool_limits
 
     overrides = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -215,7 +236,6 @@ def main() -> None:
     names = [s for s in args.layers.split(",") if s]
     layers = layer_list(args.quick, names)
     reps = args.reps if not args.quick else min(args.reps, 3)
-    comm = MPI.COMM_SELF
     rows, summary = [], {}
     loads = {}
     for nt in (int(t) for t in args.threads.split(",")):
@@ -233,7 +253,10 @@ def main() -> None:
                 if torch is not None:
                     fns.update(zip(("torch_fwd", "torch_fwd_bwd"), torch_fns(x, w, b, dy, s)))
                 big = fl > 20e9
-                t = interleaved(fns, comm, reps if not big else min(reps, 3), warmup=1)
+                if big:
+                    t = alternating_blocks(fns, min(reps, 3), 1)
+                else:
+                    t = alternating_blocks(fns, reps, args.rounds)
                 o = (h + 2 * p - k) // s + 1
                 row = {
                     "threads": nt, "layer": name,
@@ -266,8 +289,8 @@ def main() -> None:
     if not args.no_memory and mem_spec is not None:
         memory = measure_memory(mem_spec, 1)
 
-    print(f"\nlocal conv kernels, float32, padded input; medians of {reps} "
-          f"(interleaved with torch); BLAS {blas}")
+    print(f"\nlocal conv kernels, float32, padded input; medians of {reps} in "
+          f"{args.rounds} alternating blocks (3 in 1 for the mesh 5x5 layer); BLAS {blas}")
     cols = ["threads", "layer", "shape", "fwd_ms", "fwd_gflops", "fb_ms", "fb_gflops"]
     if torch is not None:
         cols += ["torch_fwd_ms", "torch_fb_ms", "fwd_ratio", "fb_ratio"]
@@ -292,7 +315,7 @@ def main() -> None:
     name = "conv_quick" if args.quick else "conv"
     print("wrote", write_json(
         name, rows, summary={str(k): v for k, v in summary.items()}, memory=memory,
-        blas=blas, openblas_overrides=overrides, reps=reps, quick=args.quick,
+        blas=blas, openblas_overrides=overrides, reps=reps, rounds=args.rounds, quick=args.quick,
         torch=None if torch is None else torch.__version__,
         workspace_bytes=K.WORKSPACE_BYTES, tile_bytes=K.TILE_BYTES))
 

@@ -97,9 +97,9 @@ def main() -> None:
                 grid.neighbor(axis, s) is not None for s in (-1, 1))
         ext = plan.exchange(x)
         t = interleaved({
-            "disttensor": lambda: plan.exchange(x),
-            "raw": lambda: raw_exchange(comm, grid, w, bufs),
-            "raw_pack": lambda: raw_exchange(comm, grid, w, bufs, ext),
+            "disttensor": lambda plan=plan: plan.exchange(x),
+            "raw": lambda w=w, bufs=bufs: raw_exchange(comm, grid, w, bufs),
+            "raw_pack": lambda w=w, bufs=bufs, ext=ext: raw_exchange(comm, grid, w, bufs, ext),
         }, comm, args.reps)
         rows.append({
             "width": w, "bytes_sent_per_rank": nbytes,
