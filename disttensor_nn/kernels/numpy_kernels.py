@@ -240,6 +240,10 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
         ws = np.empty(rows * m_max, dtype) if need_dw else None
         dyt_buf = np.empty(fg * m_max, dtype) if nb > 1 else None
         dcol_buf = np.empty(ck * m_max, dtype) if need_dx and not transposed_conv else None
+        phase_ws = None
+        if need_dx and not transposed_conv and any(v != 1 for v in stride):
+            phase_ws = np.empty(math.prod(
+                _phase_shape(nb, cg, t, x.shape[2:], kernel, stride, dilation)), dtype)
         # dw and db (the last column): GEMMs with few filters run faster transposed,
         # (C/g*prod(K)+1, tile) @ (tile, F/g), and then dw^T needs a (blocked) transpose
         dw_t = fg < DW_DIRECT_FILTERS
@@ -270,7 +274,7 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
                     first = False
                 if need_dx and not transposed_conv:
                     dcol = np.matmul(wmat.T, dyt, out=dcol_buf[:ck * m].reshape(ck, m))
-                    _col2im(dx[n0:n1, gc], dcol, r0, r1, kernel, stride, dilation)
+                    _col2im(dx[n0:n1, gc], dcol, r0, r1, kernel, stride, dilation, phase_ws)
             if need_dw:
                 if dw_t:
                     _transpose_into(dw[gf].reshape(fg, ck), acc[:ck])
@@ -313,21 +317,60 @@ def _dw_from_dy(s: Sequence[int], o: Sequence[int], cg: int, fg: int) -> bool:
     return math.prod(s) * gemm <= math.prod(o) * (gemm + COPY_FLOPS * cg)
 
 
+def _phase_shape(nb: int, c: int, rows: int, s_in: Sequence[int], kernel: Sequence[int],
+                 stride: Sequence[int], dilation: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the phase buffer of :func:`_col2im` for ``rows`` output rows."""
+    o = (rows,) + out_shape(s_in[1:], kernel[1:], stride[1:], dilation[1:])
+    span = [(v - 1) * s + d * (k - 1) + 1 for v, k, s, d in zip(o, kernel, stride, dilation)]
+    return (nb, c) + tuple(stride) + tuple(-(-n // s) for n, s in zip(span, stride))
+
+
 def _col2im(dx: np.ndarray, dcol: np.ndarray, r0: int, r1: int, kernel: Sequence[int],
-            stride: Sequence[int], dilation: Sequence[int]) -> None:
+            stride: Sequence[int], dilation: Sequence[int],
+            phase_ws: np.ndarray | None = None) -> None:
     """Add ``dcol`` (``(C*prod(K), nb*rows*prod(O[1:]))``, output rows ``r0:r1``) into the
-    windows of ``dx`` of shape ``(nb, C, *S)``, one kernel offset at a time."""
+    windows of ``dx`` of shape ``(nb, C, *S)``, one kernel offset at a time.
+
+    With strides the windows of one offset are strided in ``dx``; the offsets are then
+    summed into a phase-split buffer ``buf[n, c, *p, *q] = dx[n, c, s*q + p]`` (holding
+    the ``dx`` rows of this tile), where each offset's window is a contiguous block,
+    and the buffer is added into ``dx`` once per phase. ``phase_ws`` is a flat
+    workspace of at least :func:`_phase_shape` elements.
+    """
     nd = len(kernel)
     nb, c = dx.shape[:2]
     o = (r1 - r0,) + out_shape(dx.shape[3:], kernel[1:], stride[1:], dilation[1:])
     d5 = dcol.reshape((c, *kernel, nb) + o)
+    if all(s == 1 for s in stride):
+        for kk in itertools.product(*(range(k) for k in kernel)):
+            idx = [slice(None), slice(None)]
+            for i in range(nd):
+                start = kk[i] * dilation[i] + (r0 if i == 0 else 0)
+                idx.append(slice(start, start + o[i]))
+            view = dx[tuple(idx)]
+            np.add(view, d5[(slice(None), *kk)].swapaxes(0, 1), out=view)
+        return
+    shape = _phase_shape(nb, c, r1 - r0, dx.shape[2:], kernel, stride, dilation)
+    if phase_ws is None:
+        phase_ws = np.empty(math.prod(shape), dx.dtype)
+    buf = phase_ws[:math.prod(shape)].reshape(shape)
+    buf[...] = 0
     for kk in itertools.product(*(range(k) for k in kernel)):
-        idx = [slice(None), slice(None)]
-        for i in range(nd):
-            start = kk[i] * dilation[i] + (r0 * stride[i] if i == 0 else 0)
-            idx.append(slice(start, start + stride[i] * (o[i] - 1) + 1, stride[i]))
-        view = dx[tuple(idx)]
+        dk = [d * k for d, k in zip(dilation, kk)]
+        idx = (slice(None), slice(None)) + tuple(v % s for v, s in zip(dk, stride)) + tuple(
+            slice(v // s, v // s + n) for v, s, n in zip(dk, stride, o))
+        view = buf[idx]
         np.add(view, d5[(slice(None), *kk)].swapaxes(0, 1), out=view)
+    span = [(v - 1) * s + d * (k - 1) + 1 for v, k, s, d in zip(o, kernel, stride, dilation)]
+    base = [r0 * stride[0]] + [0] * (nd - 1)
+    for ph in itertools.product(*(range(s) for s in stride)):
+        counts = [-(-(n - p) // s) for n, p, s in zip(span, ph, stride)]
+        if min(counts) <= 0:
+            continue
+        dst = dx[(slice(None), slice(None)) + tuple(
+            slice(b + p, b + n, s) for b, p, n, s in zip(base, ph, span, stride))]
+        np.add(dst, buf[(slice(None), slice(None)) + ph + tuple(slice(0, n) for n in counts)],
+               out=dst)
 
 
 def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
