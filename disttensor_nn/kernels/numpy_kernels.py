@@ -2,10 +2,21 @@
 
 Every kernel works on an already padded ("valid") input of shape
 ``(N, C, *S)``; the distributed layers obtain that input from the halo
-exchange, which also applies the padding at the global edges. Convolutions
-are im2col plus one GEMM per group and tile; tiles run along the first
-spatial output dimension so that the column buffer stays within
-``workspace_bytes`` whatever the sample size.
+exchange, which also applies the padding at the global edges. This module is
+the seam where other array backends plug in: a kernel module of the same
+functions (e.g. for CuPy) can replace it.
+
+Convolutions are im2col plus one GEMM per group and tile, in the input's
+dtype (float32 stays float32). A tile is a set of output positions whose
+column buffer is about ``TILE_BYTES`` (it is written and read back while in
+cache): several whole samples when samples are small, otherwise a range of
+rows of the first spatial dimension of one sample, never more than
+``workspace_bytes``, so the workspace is bounded whatever the sample size.
+GEMMs write straight into the output where its layout allows (one sample's
+rows are a strided matrix), the bias and its gradient ride on a row of ones
+in the column buffer, unit-stride 1x1 convolutions are plain GEMMs without
+im2col, and the backward pass picks between col2im and a correlation of the
+padded output gradient by a cost model (see :func:`conv_backward`).
 """
 
 from __future__ import annotations
@@ -184,11 +195,15 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
     """Gradients of :func:`conv_forward`: ``(dx, dw, db)`` (dx over the whole input ``x``).
 
     ``dw`` and ``db``: per tile of output positions one GEMM of ``dy`` with the
-    im2col of ``x`` and its row of ones. ``dx``: with unit strides (and not many
-    more output than input channels) the valid correlation of the zero-padded
-    ``dy`` with the flipped, channel-transposed kernel (im2col plus GEMM, written
-    straight into ``dx``); otherwise ``w^T dy`` per tile, added into the windows
-    of ``dx`` kernel offset by kernel offset (col2im).
+    im2col of ``x`` and its row of ones. ``dx``: either ``w^T dy`` per tile, added
+    into the windows of ``dx`` kernel offset by kernel offset (col2im; with
+    strides through a phase-split buffer), or, for unit strides, the valid
+    correlation of the zero-padded ``dy`` with the flipped, channel-transposed
+    kernel (im2col of ``dy`` plus GEMM, written straight into ``dx``), whichever
+    a cost model (GEMM flops plus copied or added elements) finds cheaper. In
+    the second case the im2col of padded ``dy`` also gives ``dw`` (a GEMM with
+    ``x`` itself over the input positions) when that is cheaper than an im2col
+    of ``x``.
     """
     nd = w.ndim - 2
     n, c = x.shape[:2]
