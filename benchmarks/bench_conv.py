@@ -211,8 +211,8 @@ def measure_memory(spec: tuple, threads: int) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--reps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", default="")
     parser.add_argument("--no-memory", action="store_true")
@@ -289,7 +289,8 @@ def main() -> None:
     if not args.no_memory and mem_spec is not None:
         memory = measure_memory(mem_spec, 1)
 
-    print(f"\nlocal conv kernels, float32, padded input; medians of {reps} in "
+    samples = args.rounds * -(-reps // args.rounds)
+    print(f"\nlocal conv kernels, float32, padded input; medians of {samples} in "
           f"{args.rounds} alternating blocks (3 in 1 for the mesh 5x5 layer); BLAS {blas}")
     cols = ["threads", "layer", "shape", "fwd_ms", "fwd_gflops", "fb_ms", "fb_gflops"]
     if torch is not None:
