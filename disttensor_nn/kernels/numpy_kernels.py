@@ -225,7 +225,7 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
     if dy.size == 0:
         return dx, dw, db
     if not need_dw or dw_from_dy:
-        db[:] = dy.sum(axis=(0, *range(2, 2 + nd)))
+        db[:] = dy.sum(axis=(0, *range(2, 2 + nd)), dtype=dtype)
     if _pointwise(kernel, stride, o):
         for g in range(groups):
             gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
@@ -244,7 +244,7 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
             if need_dw:
                 dw[gf] = acc.T.reshape(dw[gf].shape)
         if need_dw:
-            db[:] = dy.sum(axis=(0, *range(2, 2 + nd)))
+            db[:] = dy.sum(axis=(0, *range(2, 2 + nd)), dtype=dtype)
         return dx, dw, db
     ck = cg * math.prod(kernel)
     rest = math.prod(o[1:])
