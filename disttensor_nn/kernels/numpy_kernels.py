@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ __all__ = [
     "conv_backward",
     "pool_forward",
     "pool_backward",
+    "release_workspace",
     "WORKSPACE_BYTES",
 ]
 
@@ -46,6 +48,32 @@ MIN_TILE_COLS = 512
 """Fewest output positions per tile (short GEMMs are inefficient)."""
 DW_DIRECT_FILTERS = 512
 """With fewer filters per group the weight-gradient GEMM runs transposed."""
+
+
+_scratch = threading.local()
+
+
+def _buffer(name: str, shape: int | tuple[int, ...], dtype) -> np.ndarray:
+    """Scratch array ``name`` of ``shape``, reused from call to call (per thread and dtype).
+
+    Fresh large arrays cost page faults on first touch (about as much as filling
+    them here), and the im2col and GEMM buffers are needed on every call; the
+    contents are undefined. Each name is used for one purpose at a time.
+    """
+    size = math.prod(shape) if isinstance(shape, tuple) else shape
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    key = (name, np.dtype(dtype))
+    buf = bufs.get(key)
+    if buf is None or buf.size < size:
+        buf = bufs[key] = np.empty(size, dtype)
+    return buf[:size].reshape(shape)
+
+
+def release_workspace() -> None:
+    """Free the scratch buffers this thread's convolutions keep between calls."""
+    _scratch.bufs = {}
 
 
 def out_shape(in_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
@@ -166,10 +194,10 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     rows = ck + (b is not None)
     rest = math.prod(o[1:])
     nb, t = _plan(n, o, rows, dtype.itemsize, workspace_bytes)
-    ws = np.empty(rows * nb * t * rest, dtype)
-    tmp = np.empty(fg * nb * t * rest, dtype) if nb > 1 else None
+    ws = _buffer("cols", rows * nb * t * rest, dtype)
+    tmp = _buffer("out", fg * nb * t * rest, dtype) if nb > 1 else None
     for g in range(groups):
-        wext = np.empty((fg, rows), dtype)
+        wext = _buffer("wmat", (fg, rows), dtype)
         wext[:, :ck] = w[g * fg:(g + 1) * fg].reshape(fg, ck)
         if b is not None:
             wext[:, ck] = b[g * fg:(g + 1) * fg]
@@ -252,19 +280,20 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
         rows = ck + 1
         nb, t = _plan(n, o, rows, dtype.itemsize, workspace_bytes)
         m_max = nb * t * rest
-        ws = np.empty(rows * m_max, dtype) if need_dw else None
-        dyt_buf = np.empty(fg * m_max, dtype) if nb > 1 else None
-        dcol_buf = np.empty(ck * m_max, dtype) if need_dx and not transposed_conv else None
+        ws = _buffer("cols", rows * m_max, dtype) if need_dw else None
+        dyt_buf = _buffer("dyt", fg * m_max, dtype) if nb > 1 else None
+        dcol_buf = _buffer("dcol", ck * m_max, dtype) \
+            if need_dx and not transposed_conv else None
         phase_ws = None
         if need_dx and not transposed_conv and any(v != 1 for v in stride):
-            phase_ws = np.empty(math.prod(
+            phase_ws = _buffer("phase", math.prod(
                 _phase_shape(nb, cg, t, x.shape[2:], kernel, stride, dilation)), dtype)
         # dw and db (the last column): GEMMs with few filters run faster transposed,
         # (C/g*prod(K)+1, tile) @ (tile, F/g), and then dw^T needs a (blocked) transpose
         dw_t = fg < DW_DIRECT_FILTERS
         acc_shape = (rows, fg) if dw_t else (fg, rows)
-        acc = np.empty(acc_shape, dtype) if need_dw else None
-        tmp = np.empty(acc_shape, dtype) if need_dw else None
+        acc = _buffer("acc", acc_shape, dtype) if need_dw else None
+        tmp = _buffer("acc_tmp", acc_shape, dtype) if need_dw else None
         for g in range(groups):
             gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
             wmat = w[gf].reshape(fg, ck).astype(dtype, copy=False)
@@ -412,21 +441,23 @@ def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
     rest = math.prod(s[1:])
     nb, t = _plan(n, s, rows, dtype.itemsize, workspace)
     # padded dy of one tile: dx rows a:b need dy rows a-h0 : b (zero outside 0:o0)
-    pad = np.zeros((nb, fg, t + halo[0]) + tuple(v + 2 * h for v, h in zip(o[1:], halo[1:])),
-                   dtype)
+    pad = _buffer("pad", (nb, fg, t + halo[0]) + tuple(
+        v + 2 * h for v, h in zip(o[1:], halo[1:])), dtype)
+    pad[...] = 0
     pwin = windows(pad, kernel, ones, dilation)  # (nb, fg, t, *S[1:], *K)
     inner = tuple(slice(h, h + v) for v, h in zip(o[1:], halo[1:]))
-    ws = np.empty(rows * nb * t * rest, dtype)
-    tmp = np.empty(cg * nb * t * rest, dtype) if nb > 1 else None
+    ws = _buffer("cols", rows * nb * t * rest, dtype)
+    tmp = _buffer("out", cg * nb * t * rest, dtype) if nb > 1 else None
     if x is not None:
-        acc = np.empty((rows, cg), dtype)
-        acc_tmp = np.empty((rows, cg), dtype)
-        xbuf = np.empty(cg * nb * t * rest, dtype) if nb > 1 else None
+        acc = _buffer("acc", (rows, cg), dtype)
+        acc_tmp = _buffer("acc_tmp", (rows, cg), dtype)
+        xbuf = _buffer("xbuf", cg * nb * t * rest, dtype) if nb > 1 else None
     for g in range(groups):
         gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
         # w2[c, f, k] = w[f, c, K-1-k] (reversing the flat kernel index flips every axis)
         wflat = w[gf].reshape(fg, cg, -1)
-        w2 = np.ascontiguousarray(wflat[:, :, ::-1].swapaxes(0, 1), dtype=dtype)
+        w2 = _buffer("wmat", (cg, fg, wflat.shape[2]), dtype)
+        np.copyto(w2, wflat[:, :, ::-1].swapaxes(0, 1))
         w2 = w2.reshape(cg, rows)
         for n0, n1, a, b in _tiles(n, s[0], nb, t):
             nt = n1 - n0
