@@ -151,6 +151,18 @@ class Dataset:
         splits[1] = None
         return Distribution(shape, dist_x.grid, axes, splits)
 
+    def _inputs(self, idx: np.ndarray, dist_x: Distribution) -> DistArray:
+        """This rank's block of the input batch of samples ``idx`` (checked on every rank)."""
+        self._check_index(idx)
+        want = (len(idx), *self.sample_shape)
+        if tuple(dist_x.global_shape) != want:
+            raise ValueError(f"dist_x has shape {dist_x.global_shape}, the batch is {want}")
+        x = DistArray.empty(dist_x, self.dtype)
+        sn, *where = dist_x.local_slices()
+        for j, i in enumerate(idx[sn]):
+            x.local[j] = self._input_block(int(i), tuple(where))
+        return x
+
     def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
               dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
         """The batch of samples ``indices``, laid out as ``dist_x``.
@@ -185,14 +197,7 @@ class Dataset:
             For a sample index outside the data set.
         """
         idx = _indices(indices)
-        self._check_index(idx)
-        want = (len(idx), *self.sample_shape)
-        if tuple(dist_x.global_shape) != want:
-            raise ValueError(f"dist_x has shape {dist_x.global_shape}, the batch is {want}")
-        x = DistArray.empty(dist_x, self.dtype)
-        sn, *where = dist_x.local_slices()
-        for j, i in enumerate(idx[sn]):
-            x.local[j] = self._input_block(int(i), tuple(where))
+        x = self._inputs(idx, dist_x)
         if not self.has_spatial_target:
             labels = self._labels(idx)
             if dist_y is None:
@@ -515,16 +520,7 @@ class NpyDataset(Dataset):
         """As :meth:`Dataset.batch`; ``y`` is None when there are no target files."""
         if self.target_files is not None:
             return super().batch(indices, dist_x, dist_y)
-        idx = _indices(indices)
-        self._check_index(idx)
-        want = (len(idx), *self.sample_shape)
-        if tuple(dist_x.global_shape) != want:
-            raise ValueError(f"dist_x has shape {dist_x.global_shape}, the batch is {want}")
-        x = DistArray.empty(dist_x, self.dtype)
-        sn, *where = dist_x.local_slices()
-        for j, i in enumerate(idx[sn]):
-            x.local[j] = self._input_block(int(i), tuple(where))
-        return x, None
+        return self._inputs(_indices(indices), dist_x), None
 
     def __repr__(self) -> str:
         return f"NpyDataset({len(self)} samples of {self.dtype} {self.sample_shape})"
