@@ -428,9 +428,8 @@ class AccumulateRequest(_DimRequest):
         from .array import DistArray
 
         self._wait()
-        lshape = self.plan.dist.local_shape()
-        inner = tuple(slice(lo, lo + n) for (lo, _), n in zip(self.plan.widths, lshape))
-        return DistArray(np.ascontiguousarray(self.work[inner]), self.plan.dist)
+        # The work buffer becomes the result's storage, its halo cells as margins: no copy.
+        return DistArray(self.work, self.plan.dist, self.plan.widths)
 
 
 def _constants(values: Any, ndim: int) -> np.ndarray:
@@ -476,7 +475,8 @@ def halo_accumulate(
     widths, mode
         As for :meth:`DistArray.exchange_halo`.
     overwrite_input : bool
-        Allow the function to use ``extended`` as its work space.
+        Allow the function to use ``extended`` as its work space; the result
+        may then keep ``extended``'s memory as its storage.
 
     Returns
     -------

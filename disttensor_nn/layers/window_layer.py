@@ -78,6 +78,11 @@ class WindowLayer(Layer):
             boxes = geo.boundary_boxes()
         else:
             ext = plan.exchange(x, self._pad_value())
+            local = self._kernel_forward(ext[geo.input_slices(geo.out_box)]) \
+                if all(b > a for a, b in geo.out_box) else None
+            if local is not None and local.shape == y.shape and local.flags.c_contiguous:
+                out = DistArray(local, out.dist)  # the kernel's output is the block: no copy
+                boxes = []
         for box in boxes:
             self._run_box(ext, geo, box, y)
         self._saved = (x, geo, plan, x._halo_key)
@@ -102,10 +107,14 @@ class WindowLayer(Layer):
     def backward(self, dy: DistArray) -> DistArray:
         x, geo, plan, ext = self._extended_input()
         sl = geo.input_slices(geo.out_box)
-        dext = np.zeros(ext.shape, dtype=dy.dtype)
         nonempty = all(b > a for a, b in geo.out_box)
-        if nonempty:
-            dext[sl] = self._kernel_backward(dy.local, ext[sl])
+        dxwin = self._kernel_backward(dy.local, ext[sl]) if nonempty else None
+        if dxwin is not None and dxwin.shape == ext.shape:  # the window is the whole block
+            dext = dxwin
+        else:
+            dext = np.zeros(ext.shape, dtype=dy.dtype)
+            if dxwin is not None:
+                dext[sl] = dxwin
         # The halo cells travel back to their owners while the parameter
         # gradients are computed (with overlap) or after them.
         request = plan.start_accumulate(dext, overwrite_input=True) if self.overlap else None
