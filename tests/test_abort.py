@@ -6,7 +6,6 @@ job has more than one rank. This serial test starts a 3-rank job in which rank
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import textwrap
 import time
 
 import pytest
+
+from disttensor.testing.launch import mpiexec_path
 
 SCRIPT = textwrap.dedent(
     """
@@ -34,14 +35,11 @@ SCRIPT = textwrap.dedent(
 TIMEOUT = 30.0
 
 
-def _mpiexec():
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(here):
-        return here
-    found = shutil.which("mpiexec")
-    if found is None:
+def _mpiexec() -> str:
+    path = mpiexec_path()
+    if not os.path.exists(path):
         pytest.skip("no mpiexec found")
-    return found
+    return path
 
 
 def _clean_env():

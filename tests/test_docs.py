@@ -17,12 +17,13 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from disttensor.testing.launch import mpiexec_path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -39,13 +40,10 @@ TIMEOUT = 240
 
 
 def _mpiexec() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(here):
-        return here
-    found = shutil.which("mpiexec")
-    if found is None:
+    path = mpiexec_path()
+    if not os.path.exists(path):
         pytest.skip("no mpiexec found")
-    return found
+    return path
 
 
 def _env() -> dict[str, str]:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
+from mpi_helpers import all_sum, replica_sum
 
 import disttensor as dt
 from disttensor.testing import assert_allclose, assert_equal, collective_assert
@@ -74,18 +75,6 @@ def brute_force_adjoint(shape, dist, pairs, mode, blocks, dtype):
         if valid.any():
             np.add.at(acc, tuple(g[valid] for g in grids), e[valid])
     return acc
-
-
-def replica_sum(x):
-    """Global array: every rank's block added in place (replicas add up), on every rank."""
-    out = np.zeros(x.shape, x.dtype)
-    out[x.dist.local_slices()] += x.local
-    comm.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)
-    return out
-
-
-def all_sum(value):
-    return comm.allreduce(value, op=MPI.SUM)
 
 
 def global_array(shape, dtype=np.float64):

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
+from mpi_helpers import all_sum, replica_sum
 
 import disttensor as dt
 from disttensor.testing import assert_allclose, assert_equal, collective_assert
@@ -51,18 +52,6 @@ def gather_independently(x):
     collective_assert(bool(seen.all()), "some elements are held by no rank")
     collective_assert(consistent, "replicas hold different values")
     return out
-
-
-def replica_sum(x):
-    """Global array: every rank's block added in place (replicas add up), on every rank."""
-    out = np.zeros(x.shape, x.dtype)
-    out[x.dist.local_slices()] += x.local
-    comm.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)
-    return out
-
-
-def all_sum(value):
-    return comm.allreduce(value, op=MPI.SUM)
 
 
 @st.composite

@@ -26,7 +26,8 @@ import time
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
-def _mpiexec() -> str:
+def mpiexec_path() -> str:
+    """The ``mpiexec`` beside this Python (the ``mpich`` wheel's), else the one on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return here if os.path.exists(here) else (shutil.which("mpiexec") or "mpiexec")
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in sizes:
         cmd = [sys.executable, "-m", "pytest", "-m", f"parallel[{p}]", *pytest_args]
         if p > 1:
-            cmd = [_mpiexec(), "-n", str(p), *cmd]
+            cmd = [mpiexec_path(), "-n", str(p), *cmd]
         print(f"\n##### world size {p}: {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
