@@ -1,10 +1,19 @@
 """Local compute kernels, one module per array backend, chosen by the array's module.
 
 A kernel module provides ``conv_forward``, ``conv_backward``,
-``pool_forward`` and ``pool_backward`` with the signatures of
-:mod:`disttensor_nn.kernels.numpy_kernels`; layers call
-:func:`kernels_for` on their local arrays, so a GPU module plugs in here
-without changes to the layers.
+``pool_forward``, ``pool_backward`` and ``out_shape`` with the signatures of
+:mod:`disttensor_nn.kernels.numpy_kernels`; layers call :func:`kernels_for`
+on their local arrays:
+
+* NumPy arrays: :mod:`~disttensor_nn.kernels.numpy_kernels` (tiled im2col and
+  BLAS, tuned for CPUs);
+* CuPy arrays: :mod:`~disttensor_nn.kernels.cupy_kernels` (cuDNN through the
+  ``nvidia-cudnn-frontend`` package where it is importable, else im2col and
+  cuBLAS);
+* other array modules: the generic :mod:`~disttensor_nn.kernels.xp_kernels`,
+  when the module has the NumPy functions they use.
+
+Timers of GPU work call :func:`synchronize` before reading the clock.
 """
 
 from __future__ import annotations
@@ -12,9 +21,19 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from disttensor.backend import array_namespace, is_numpy
+from disttensor.backend import is_numpy
 
-__all__ = ["kernels_for"]
+from . import numpy_kernels
+from .xp_kernels import namespace
+
+__all__ = ["kernels_for", "synchronize"]
+
+# what the generic kernels need of an array module (besides array methods)
+_GENERIC_NEEDS = ("empty", "zeros", "matmul", "ascontiguousarray", "take_along_axis", "where")
+
+
+def _is_cupy(xp: ModuleType) -> bool:
+    return getattr(xp, "__name__", "").split(".")[0] == "cupy"
 
 
 def kernels_for(array: Any) -> ModuleType:
@@ -23,11 +42,35 @@ def kernels_for(array: Any) -> ModuleType:
     Raises
     ------
     NotImplementedError
-        For array libraries without kernels yet.
+        For array libraries without the NumPy functions the generic kernels use
+        (``lib.stride_tricks.as_strided``, ``matmul``, ...).
     """
-    xp = array_namespace(array)
+    xp = namespace(array)
     if is_numpy(xp):
-        from . import numpy_kernels
-
         return numpy_kernels
-    raise NotImplementedError(f"no local kernels for arrays of {xp.__name__} yet")
+    if _is_cupy(xp):
+        from . import cupy_kernels
+
+        return cupy_kernels
+    strided = getattr(getattr(getattr(xp, "lib", None), "stride_tricks", None), "as_strided", None)
+    if strided is not None and all(hasattr(xp, name) for name in _GENERIC_NEEDS):
+        from . import xp_kernels
+
+        return xp_kernels
+    raise NotImplementedError(
+        f"no local kernels for arrays of {getattr(xp, '__name__', xp)}: its array module lacks "
+        f"lib.stride_tricks.as_strided or one of {', '.join(_GENERIC_NEEDS)}")
+
+
+def synchronize(xp: Any = None) -> None:
+    """Wait until the kernels queued on ``xp`` (an array module or an array) have finished.
+
+    A no-op for NumPy (and for None); for CuPy it synchronises the current
+    stream, so that a host timer around a kernel call measures the kernel.
+    """
+    if xp is None:
+        return
+    if not isinstance(xp, ModuleType):
+        xp = namespace(xp)
+    if _is_cupy(xp):
+        xp.cuda.get_current_stream().synchronize()
