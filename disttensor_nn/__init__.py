@@ -22,11 +22,12 @@ from .layers.pool import (
 )
 from .module import Layer, Layout, Parameter
 from .optim import SGD
+from .placement import to_array_module
 
 __all__ = [
     "Add", "AvgPool1d", "AvgPool2d", "AvgPool3d", "BCEWithLogitsLoss", "BatchNorm1d",
     "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d", "ConvNd", "Flatten",
     "GlobalAvgPool", "Layer", "Layout", "LeakyReLU", "Linear", "MSELoss", "MaxPool1d",
     "MaxPool2d", "MaxPool3d", "Parameter", "ReLU", "Residual", "SGD", "Sequential", "Sigmoid",
-    "SoftmaxCrossEntropy",
+    "SoftmaxCrossEntropy", "to_array_module",
 ]

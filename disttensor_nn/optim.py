@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
+from disttensor.backend import to_numpy
+
+from .kernels.xp_kernels import namespace
 from .module import Parameter
 
 __all__ = ["SGD"]
+
+
+def _like(ref: Any, buf: Any) -> Any:
+    """A copy of ``buf`` in the array module of ``ref`` (NumPy or CuPy)."""
+    xp = namespace(ref)
+    if namespace(buf) is xp:
+        return xp.array(buf, copy=True)
+    return xp.asarray(np.array(to_numpy(buf)))
 
 
 class SGD:
@@ -35,7 +47,7 @@ class SGD:
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
         self.lr, self.momentum, self.dampening = lr, momentum, dampening
         self.weight_decay, self.nesterov = weight_decay, nesterov
-        self.state: list[np.ndarray | None] = [None] * len(self.params)
+        self.state: list[Any | None] = [None] * len(self.params)
 
     def step(self) -> None:
         """Update every parameter from its gradient."""
@@ -65,5 +77,6 @@ class SGD:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
-        self.state = [None if b is None else np.array(b) for b in state["state"]]
+        self.state = [None if b is None else _like(p.data, b)
+                      for p, b in zip(self.params, state["state"])]
         self.lr, self.momentum = state["lr"], state["momentum"]

@@ -80,28 +80,29 @@ class ConvNd(WindowLayer):
     def _channels_out(self, c_in: int) -> int:
         return self.out_channels
 
-    def _kernel_forward(self, xwin: np.ndarray) -> np.ndarray:
+    def _kernel_forward(self, xwin: Any) -> Any:
         b = self.bias.data if self.bias is not None else None
         return kernels_for(xwin).conv_forward(xwin, self.weight.data, b, self.spec.stride,
                                               self.spec.dilation, self.groups)
 
-    def _kernel_backward(self, dy: np.ndarray, xwin: np.ndarray) -> np.ndarray:
+    def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
         dx, _, _ = kernels_for(xwin).conv_backward(
             dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation, self.groups,
             need_dx=True, need_dw=False)
         return dx
 
-    def _param_backward(self, dy: DistArray, xwin: np.ndarray | None) -> None:
+    def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
+        xp = dy.xp
         if xwin is None:
-            dw = np.zeros_like(self.weight.data)
-            db = np.zeros(self.out_channels, self.dtype)
+            dw = xp.zeros_like(self.weight.data)
+            db = xp.zeros(self.out_channels, self.dtype)
         else:
             _, dw, db = kernels_for(xwin).conv_backward(
                 dy.local, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
                 self.groups, need_dx=False, need_dw=True)
         # Every rank that splits the input over N or space holds part of the sum.
         comm = split_axes_comm(dy.dist)
-        flat = np.concatenate([dw.ravel(), db.ravel()])
+        flat = xp.concatenate([dw.ravel(), db.ravel()])
         allreduce_(flat, comm)
         self.weight.grad += flat[:dw.size].reshape(dw.shape).astype(self.dtype, copy=False)
         if self.bias is not None:

@@ -45,7 +45,7 @@ class Flatten(Layer):
 
     def backward(self, dy: DistArray) -> DistArray:
         local = dy.local.reshape(self._mid.local_shape())
-        g = DistArray(np.ascontiguousarray(local), self._mid)
+        g = DistArray(dy.xp.ascontiguousarray(local), self._mid)
         return g if self._mid == self._dist else g.redistribute(self._dist)
 
 
@@ -94,15 +94,16 @@ class Linear(Layer):
             y = y + self.bias.data
         out = Distribution((x.shape[0], self.out_features), x.grid, (x.dist.axes[0], None),
                            [x.dist.boundaries[0][1:-1] or None, None])
-        return DistArray(np.ascontiguousarray(y), out)
+        return DistArray(x.xp.ascontiguousarray(y), out)
 
     def backward(self, dy: DistArray) -> DistArray:
         x = self._x
+        xp = x.xp
         g = dy.local
         grads = [(g.T @ x.local).ravel()] + ([g.sum(axis=0)] if self.bias is not None else [])
-        flat = allreduce_(np.concatenate(grads).astype(np.float64), split_axes_comm(x.dist, (0,)))
+        flat = allreduce_(xp.concatenate(grads).astype(np.float64), split_axes_comm(x.dist, (0,)))
         self.weight.grad += flat[:self.weight.data.size].reshape(self.weight.shape).astype(
             self.dtype)
         if self.bias is not None:
             self.bias.grad += flat[self.weight.data.size:].astype(self.dtype)
-        return DistArray(np.ascontiguousarray(g @ self.weight.data), x.dist)
+        return DistArray(xp.ascontiguousarray(g @ self.weight.data), x.dist)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from disttensor import DistArray
 
 from ..module import Layer
@@ -21,12 +19,12 @@ class LeakyReLU(Layer):
         if not isinstance(x, DistArray):
             raise TypeError(f"{type(self).__name__} expects a DistArray")
         self._mask = x.local > 0
-        y = np.where(self._mask, x.local, x.local * x.dtype.type(self.negative_slope))
+        y = x.xp.where(self._mask, x.local, x.local * x.dtype.type(self.negative_slope))
         return DistArray(y, x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         g = dy.local
-        return DistArray(np.where(self._mask, g, g * dy.dtype.type(self.negative_slope)),
+        return DistArray(dy.xp.where(self._mask, g, g * dy.dtype.type(self.negative_slope)),
                          dy.dist)
 
 
@@ -43,8 +41,9 @@ class Sigmoid(Layer):
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):
             raise TypeError("Sigmoid expects a DistArray")
-        z = np.exp(-np.abs(x.local))
-        y = np.where(x.local >= 0, 1 / (1 + z), z / (1 + z)).astype(x.dtype, copy=False)
+        xp = x.xp
+        z = xp.exp(-xp.abs(x.local))
+        y = xp.where(x.local >= 0, 1 / (1 + z), z / (1 + z)).astype(x.dtype, copy=False)
         self._y = y
         return DistArray(y, x.dist)
 

@@ -8,27 +8,34 @@ reduced over the grid axes that split the data, never over replica axes.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import to_numpy
 
+from ..kernels.xp_kernels import namespace
 from ..module import allreduce_, split_axes_comm
 
 __all__ = ["SoftmaxCrossEntropy", "MSELoss", "BCEWithLogitsLoss"]
 
 
-def _local_target(target: Any, dist) -> np.ndarray:
-    """This rank's block of ``target`` (a DistArray, redistributed if needed, or a global array)."""
+def _local_target(target: Any, dist, xp: ModuleType) -> Any:
+    """This rank's block of ``target`` (a DistArray, redistributed if needed, or a global array),
+    as an array of ``xp`` (the prediction's array module)."""
     if isinstance(target, DistArray):
         if target.shape != dist.global_shape:
             raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
-        return (target if target.dist == dist else target.redistribute(dist)).local
-    target = np.asarray(target)
-    if target.shape != dist.global_shape:
-        raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
-    return target[dist.local_slices()]
+        local = (target if target.dist == dist else target.redistribute(dist)).local
+    else:
+        if not hasattr(target, "shape"):
+            target = np.asarray(target)
+        if tuple(target.shape) != dist.global_shape:
+            raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
+        local = target[dist.local_slices()]
+    return local if namespace(local) is xp else xp.asarray(to_numpy(local))
 
 
 def _global_sum(value: float, dist) -> float:
@@ -49,19 +56,20 @@ class SoftmaxCrossEntropy:
             raise ValueError("the class dimension of the logits must not be split")
         ldist = Distribution((logits.shape[0],), logits.grid, (logits.dist.axes[0],),
                              [logits.dist.boundaries[0][1:-1] or None])
-        y = _local_target(labels, ldist).astype(np.int64)
+        xp = logits.xp
+        y = _local_target(labels, ldist, xp).astype(np.int64)
         # out-of-range labels may sit on some ranks only: count them in the loss's
         # reduction so that every rank raises, instead of the others waiting in it
         bad = int(bool(y.size) and (y.min() < 0 or y.max() >= logits.shape[1]))
         z = logits.local.astype(np.float64)
         z = z - z.max(axis=1, keepdims=True) if z.size else z
-        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        local = -logp[np.arange(len(y)), y].sum() if y.size and not bad else 0.0
+        logp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
+        local = -float(logp[xp.arange(len(y)), y].sum()) if y.size and not bad else 0.0
         sums = allreduce_(np.array([local, bad], np.float64), split_axes_comm(ldist))
         if sums[1]:
             raise ValueError(f"labels out of range [0, {logits.shape[1]})")
         n = logits.shape[0]
-        self._saved = (logits, np.exp(logp), y, n)
+        self._saved = (logits, xp.exp(logp), y, n)
         return float(sums[0]) / n
 
     __call__ = forward
@@ -70,7 +78,7 @@ class SoftmaxCrossEntropy:
         """Gradient of the mean loss with respect to the logits."""
         logits, p, y, n = self._saved
         g = p.copy()
-        g[np.arange(len(y)), y] -= 1
+        g[logits.xp.arange(len(y)), y] -= 1
         return DistArray((g / n).astype(logits.dtype), logits.dist)
 
 
@@ -78,7 +86,7 @@ class _Pointwise:
     def forward(self, pred: DistArray, target: Any) -> float:
         if not isinstance(pred, DistArray):
             raise TypeError("the prediction must be a DistArray")
-        t = _local_target(target, pred.dist).astype(np.float64)
+        t = _local_target(target, pred.dist, pred.xp).astype(np.float64)
         p = pred.local.astype(np.float64)
         count = pred.size
         loss, grad = self._local(p, t)
@@ -97,16 +105,17 @@ class MSELoss(_Pointwise):
     """Mean squared error over every element; stays in the prediction's distribution."""
 
     @staticmethod
-    def _local(p: np.ndarray, t: np.ndarray) -> tuple[float, np.ndarray]:
+    def _local(p: Any, t: Any) -> tuple[float, Any]:
         d = p - t
-        return float(np.square(d).sum()), 2 * d
+        return float((d * d).sum()), 2 * d
 
 
 class BCEWithLogitsLoss(_Pointwise):
     """Mean binary cross-entropy of sigmoid(logits) against targets in [0, 1]."""
 
     @staticmethod
-    def _local(p: np.ndarray, t: np.ndarray) -> tuple[float, np.ndarray]:
-        loss = np.maximum(p, 0) - p * t + np.log1p(np.exp(-np.abs(p)))
-        sig = np.where(p >= 0, 1 / (1 + np.exp(-p)), np.exp(p) / (1 + np.exp(p)))
+    def _local(p: Any, t: Any) -> tuple[float, Any]:
+        xp = namespace(p)
+        loss = xp.maximum(p, 0) - p * t + xp.log1p(xp.exp(-xp.abs(p)))
+        sig = xp.where(p >= 0, 1 / (1 + xp.exp(-p)), xp.exp(p) / (1 + xp.exp(p)))
         return float(loss.sum()), sig - t

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,9 @@ class BatchNormNd(Layer):
 
     Backward allreduces the two per-channel sums the input gradient needs over
     the same ranks; the scale and shift gradients are summed over all ranks.
+
+    All arithmetic uses the input's array module (NumPy or CuPy); the running
+    statistics (float64) move to it on first use.
 
     Parameters
     ----------
@@ -66,38 +70,46 @@ class BatchNormNd(Layer):
         axes = (0, *range(2, x.ndim))
         shape = self._shape(x)
         xl = x.local
+        xp = x.xp
         batch_stats = self.training or not self.track_running_stats
         if batch_stats:
             spatial = tuple(range(2, x.ndim))
             comm = split_axes_comm(x.dist, axes if self.stats == "global" else spatial)
             count = np.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * np.prod(x.shape[2:]))
-            sums = np.concatenate([xl.sum(axis=axes, dtype=np.float64),
-                                   np.square(xl, dtype=np.float64).sum(axis=axes)])
+            sums = xp.concatenate([xl.sum(axis=axes, dtype=np.float64),
+                                   xp.square(xl, dtype=np.float64).sum(axis=axes)])
             allreduce_(sums, comm)
             mean = sums[:self.num_features] / max(count, 1)
-            var = np.maximum(sums[self.num_features:] / max(count, 1) - mean**2, 0.0)
+            var = xp.maximum(sums[self.num_features:] / max(count, 1) - mean**2, 0.0)
             if self.training and self.track_running_stats:
                 self._update_running(x, mean, var, count)
         else:
+            self._follow(xp)
             mean, var, count = self.running_mean, self.running_var, None
-        inv = 1.0 / np.sqrt(var + self.eps)
+        inv = 1.0 / xp.sqrt(var + self.eps)
         xhat = (xl - mean.reshape(shape).astype(xl.dtype)) * inv.reshape(shape).astype(xl.dtype)
         y = xhat * self.weight.data.reshape(shape) + self.bias.data.reshape(shape) \
             if self.affine else xhat
         self._saved = (x.dist, xhat, inv, count, batch_stats)
         return DistArray.from_local(y.astype(x.dtype, copy=False), x.dist)
 
-    def _update_running(self, x: DistArray, mean: np.ndarray, var: np.ndarray,
-                        count: int) -> None:
+    def _follow(self, xp: ModuleType) -> None:
+        """Move the running statistics to the array module ``xp`` (no copy if already there)."""
+        self.running_mean = xp.asarray(self.running_mean)
+        self.running_var = xp.asarray(self.running_var)
+
+    def _update_running(self, x: DistArray, mean: Any, var: Any, count: int) -> None:
+        xp = x.xp
+        self._follow(xp)
         unbiased = var * count / max(count - 1, 1)
-        stats = np.concatenate([mean, unbiased])
+        stats = xp.concatenate([mean, unbiased])
         if self.stats == "group":  # average the groups' estimates so all ranks agree
             # (a group whose sample block is empty has no estimate and is left out)
             comm = split_axes_comm(x.dist, (0,))
             has = float(count > 0)
-            buf = allreduce_(np.concatenate([stats * has, [has]]), comm)
-            stats = buf[:-1] / max(buf[-1], 1.0)
+            buf = allreduce_(xp.concatenate([stats * has, xp.full(1, has)]), comm)
+            stats = buf[:-1] / xp.maximum(buf[-1], 1.0)
         m = self.momentum
         self.running_mean = (1 - m) * self.running_mean + m * stats[:self.num_features]
         self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
@@ -107,7 +119,8 @@ class BatchNormNd(Layer):
         axes = (0, *range(2, dy.ndim))
         shape = self._shape(dy)
         g = dy.local
-        sums = np.concatenate([g.sum(axis=axes, dtype=np.float64),
+        xp = dy.xp
+        sums = xp.concatenate([g.sum(axis=axes, dtype=np.float64),
                                (g * xhat).sum(axis=axes, dtype=np.float64)])
         c = self.num_features
         if self.stats == "group":
@@ -119,7 +132,7 @@ class BatchNormNd(Layer):
         if self.affine:
             self.bias.grad += param_sums[:c].astype(self.dtype)
             self.weight.grad += param_sums[c:].astype(self.dtype)
-        gamma = self.weight.data.astype(np.float64) if self.affine else np.ones(c)
+        gamma = self.weight.data.astype(np.float64) if self.affine else xp.ones(c)
         scale = (gamma * inv).reshape(shape).astype(g.dtype)
         if batch_stats:  # the statistics depend on the input
             n = max(count, 1)  # 0 on a rank with no samples in stats="group"

@@ -9,7 +9,8 @@ import numpy as np
 from disttensor import DistArray, Distribution
 
 from ..kernels import kernels_for
-from ..module import Layer, check_input, split_axes_comm
+from ..kernels.xp_kernels import namespace
+from ..module import Layer, allreduce_, check_input, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import WindowLayer
 
@@ -36,21 +37,23 @@ class _Pool(WindowLayer):
     def _pad_value(self) -> float:
         return -np.inf if self.op == "max" else 0.0
 
-    def _pool_forward(self, xwin: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    def _pool_forward(self, xwin: Any) -> tuple[Any, Any | None]:
         s = self.spec
+        kernels = kernels_for(xwin)
         if xwin.size == 0:  # an empty sample block: nothing to pool (and no argmax to reshape)
-            o = xwin.shape[:2] + kernels_for(xwin).out_shape(xwin.shape[2:], s.kernel, s.stride,
-                                                             s.dilation)
-            return np.empty(o, xwin.dtype), np.empty(o, np.intp)
-        return kernels_for(xwin).pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
+            xp = namespace(xwin)
+            o = tuple(xwin.shape[:2]) + kernels.out_shape(xwin.shape[2:], s.kernel, s.stride,
+                                                          s.dilation)
+            return xp.empty(o, dtype=xwin.dtype), xp.empty(o, dtype=np.intp)
+        return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
 
-    def _kernel_forward(self, xwin: np.ndarray) -> np.ndarray:
+    def _kernel_forward(self, xwin: Any) -> Any:
         return self._pool_forward(xwin)[0]
 
-    def _kernel_backward(self, dy: np.ndarray, xwin: np.ndarray) -> np.ndarray:
+    def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
         _, arg = self._pool_forward(xwin)
         return kernels_for(xwin).pool_backward(dy, xwin.shape, self.spec.kernel, self.spec.stride,
-                               self.spec.dilation, self.op, arg)
+                                               self.spec.dilation, self.op, arg)
 
     def __repr__(self) -> str:
         s = self.spec
@@ -115,12 +118,8 @@ class GlobalAvgPool(Layer):
         check_input(x, x.ndim, "GlobalAvgPool")
         spatial = tuple(range(2, x.ndim))
         count = int(np.prod(x.shape[2:]))
-        sums = np.ascontiguousarray(x.local.sum(axis=spatial, dtype=np.float64))
-        comm = split_axes_comm(x.dist, spatial)
-        if comm.Get_size() > 1:
-            from mpi4py import MPI
-
-            comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        sums = x.xp.ascontiguousarray(x.local.sum(axis=spatial, dtype=np.float64))
+        allreduce_(sums, split_axes_comm(x.dist, spatial))
         n_splits = [None if len(x.dist.boundaries[0]) == 2 else list(x.dist.boundaries[0][1:-1]),
                     None]
         out_dist = Distribution(x.shape[:2], x.grid, (x.dist.axes[0], None), n_splits)
@@ -129,5 +128,6 @@ class GlobalAvgPool(Layer):
 
     def backward(self, dy: DistArray) -> DistArray:
         dist, shape, count = self._in
-        grad = np.broadcast_to((dy.local / count)[(...,) + (None,) * (len(shape) - 2)], shape)
-        return DistArray.from_local(np.ascontiguousarray(grad), dist)
+        xp = dy.xp
+        grad = xp.broadcast_to((dy.local / count)[(...,) + (None,) * (len(shape) - 2)], shape)
+        return DistArray.from_local(xp.ascontiguousarray(grad), dist)

@@ -66,7 +66,7 @@ class WindowLayer(Layer):
         self._check(x)
         geo = geometry(self.spec, x.dist)
         plan = halo_plan(x.dist, geo.widths, self.mode)
-        out = DistArray.empty(self.output_distribution(x.dist), self._out_dtype(x))
+        out = DistArray.empty(self.output_distribution(x.dist), self._out_dtype(x), xp=x.xp)
         y = out.local
         boxes = [geo.out_box]
         if self.overlap:
@@ -91,14 +91,14 @@ class WindowLayer(Layer):
     def _out_dtype(self, x: DistArray) -> np.dtype:
         return x.dtype
 
-    def _run_box(self, ext: np.ndarray, geo: WindowGeometry, box, y: np.ndarray) -> None:
+    def _run_box(self, ext: Any, geo: WindowGeometry, box, y: Any) -> None:
         if not all(b > a for a, b in box):
             return
         local = tuple(slice(a - o0, b - o0) for (a, b), (o0, _) in zip(box, geo.out_box))
         y[(slice(None), slice(None)) + local] = self._kernel_forward(ext[geo.input_slices(box)])
 
     # ------------------------------------------------------------ backward
-    def _extended_input(self) -> tuple[DistArray, WindowGeometry, Any, np.ndarray]:
+    def _extended_input(self) -> tuple[DistArray, WindowGeometry, Any, Any]:
         x, geo, plan, key = self._saved
         if x._halo_key != key or key is None:  # the halo was overwritten since forward
             plan.exchange(x, self._pad_value())
@@ -112,7 +112,7 @@ class WindowLayer(Layer):
         if dxwin is not None and dxwin.shape == ext.shape:  # the window is the whole block
             dext = dxwin
         else:
-            dext = np.zeros(ext.shape, dtype=dy.dtype)
+            dext = x.xp.zeros(ext.shape, dtype=dy.dtype)
             if dxwin is not None:
                 dext[sl] = dxwin
         # The halo cells travel back to their owners while the parameter
@@ -123,5 +123,5 @@ class WindowLayer(Layer):
             return plan.accumulate(dext, overwrite_input=True)
         return request.finish()
 
-    def _param_backward(self, dy: DistArray, xwin: np.ndarray | None) -> None:
+    def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         """Gradients of the layer's parameters (``xwin`` is None on an empty block)."""
