@@ -242,3 +242,24 @@ def test_layers_with_generic_kernels(layer, monkeypatch):
     for a, b in zip(g1, g0):
         chk.close(a, b, "parameter gradient")
     chk.finish()
+
+
+def test_bench_gpu_dry_run(tmp_path):
+    """The GPU benchmark's argument parsing and its CPU dry run (generic kernels, tiny shapes)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--layers", "no_such_layer"])
+    out = tmp_path / "gpu.json"
+    rc = bench.main(["--dry-run", "--layers", "resnet_3x3_7,mesh_5x5s2_2048", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["info"]["dry_run"] and [r["layer"] for r in data["rows"]] == [
+        "resnet_3x3_7", "mesh_5x5s2_2048"]
+    assert all(r["im2col_fwdbwd_ms"] > 0 and "error" not in r for r in data["rows"])
