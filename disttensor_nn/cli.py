@@ -60,10 +60,22 @@ def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
 
 
 def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
-              memory: float | None = None, measure: bool = True, itemsize: int = 4):
-    """Plan ``model`` for ``nprocs`` ranks on a machine profile (pure; no communication).
+              memory: float | None = None, measure: bool = True, itemsize: int = 4,
+              comm: MPI.Comm | None = None):
+    """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
-    ``memory`` (bytes per rank) defaults to the profile's memory per rank.
+    ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
+    the calibrated profile of this machine, kernel times missing from the
+    cache are first measured in network order (:meth:`Planner.calibrate`):
+    with ``comm`` on all its ranks at once (a collective call: every rank of
+    ``comm`` calls this, and ``comm`` should be the job's), then rank 0 plans
+    while the others wait and every rank returns the same plan (and
+    ``planner`` None off rank 0); without ``comm`` in this process alone.
+
+    Raises
+    ------
+    ValueError
+        When nothing fits the memory budget (on every rank of ``comm``).
     """
     from .plan import CostModel, KernelTimer, Planner, load_profile
     from .plan.costmodel import machine_id
@@ -72,11 +84,28 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     memory = profile.memory_per_rank if memory is None else memory
     timer = KernelTimer(machine_id(profile), measure=measure) if profile.measured else None
     planner = Planner(model, batch_shape, CostModel(profile, nprocs, timer, itemsize), memory)
-    try:
-        return planner.plan(), planner
-    finally:
-        if timer is not None:
-            timer.save()
+    if comm is None:
+        try:
+            planner.calibrate()
+            return planner.plan(), planner
+        finally:
+            if timer is not None:
+                timer.save()
+    planner.calibrate(comm)
+    result: Any = None
+    if comm.Get_rank() == 0:
+        try:
+            result = planner.plan()
+        except ValueError as exc:
+            result = exc
+        finally:
+            if timer is not None:
+                timer.save()
+    wait_for_root(comm)  # rank 0 may still measure twins alone: the others sleep
+    result = comm.bcast(result, root=0)
+    if isinstance(result, Exception):
+        raise result
+    return result, planner if comm.Get_rank() == 0 else None
 
 
 def wait_for_root(comm: MPI.Comm, root: int = 0) -> None:
@@ -126,27 +155,35 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             return 0
     if args.model is None:
         parser.error("a MODEL is needed (or --calibrate)")
+    nprocs = args.ranks or comm.Get_size()
+    if nprocs == comm.Get_size() > 1 and not args.scaling:
+        return _plan(args, comm)  # planning for this very job: measure on all its ranks
     if comm.Get_rank() != 0:
         wait_for_root(comm)
         return 0
     try:
-        return _plan_on_root(args)
+        return _plan(args, None)
     finally:
         wait_for_root(comm)
 
 
-def _plan_on_root(args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
+    """Plan and print on rank 0 of ``comm`` (collective), or in this process alone."""
     batch = args.batch or (32 if args.model.startswith("resnet") else 4)
     model, shape = build_model(args.model, args.size, batch)
     if args.scaling:
         return _scaling(args, model, shape)
     nprocs = args.ranks or MPI.COMM_WORLD.Get_size()
+    root = comm is None or comm.Get_rank() == 0
     try:
         plan, _ = make_plan(model, shape, nprocs, args.machine, args.memory_per_rank,
-                            not args.no_measure)
+                            not args.no_measure, comm=comm)
     except ValueError as exc:
-        print(f"disttensor-plan: {exc}", file=sys.stderr)
+        if root:
+            print(f"disttensor-plan: {exc}", file=sys.stderr)
         return 1
+    if not root:
+        return 0
     print(f"{args.model}, batch {shape}, {nprocs} ranks")
     print(plan.table())
     if args.json:

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .cli import build_model, make_plan, wait_for_root
+from .cli import build_model, make_plan
 from .data import ImageNetSynthetic, Loader, MeshSynthetic
 from .layers.loss import MSELoss, SoftmaxCrossEntropy
 from .module import Layout
@@ -83,20 +83,9 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) 
             calibrate(comm)
         else:
             cfg.machine = "v100-nvlink-edr"  # nothing to calibrate communication with
-    if comm.Get_rank() == 0:  # measure kernels on one rank while the others sleep
-        try:
-            plan, _ = make_plan(model, shape, comm.Get_size(), cfg.machine, cfg.memory_per_rank)
-            result: Any = plan
-        except ValueError as exc:
-            result = exc
-        wait_for_root(comm)
-    else:
-        wait_for_root(comm)
-        result = None
-    result = comm.bcast(result, root=0)
-    if isinstance(result, Exception):
-        raise result
-    return result
+    plan, _ = make_plan(model, shape, comm.Get_size(), cfg.machine, cfg.memory_per_rank,
+                        comm=comm)
+    return plan
 
 
 def _dataset(cfg: TrainConfig, shape: tuple[int, ...]):

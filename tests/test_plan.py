@@ -213,3 +213,95 @@ def test_applied_plan_trains_like_one_rank():
     assert_allclose(dx, ref_dx, rtol=1e-10, atol=1e-12)
     for q, r in zip(m.parameters(), ref.parameters()):
         assert_allclose(q.grad, r.grad, rtol=1e-9, atol=1e-12)
+
+
+def _small_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+
+
+def test_contention_applies_only_to_times_taken_on_fewer_ranks(tmp_path):
+    """A time measured with all ranks running is used as is; one taken alone is scaled."""
+    from disttensor_nn.plan import KernelTimer
+
+    layer = nn.ReLU()
+    prof = profile(measured=True, cores_per_node=2)
+    timer = KernelTimer("t", cache_dir=str(tmp_path), measure=False)
+    f4 = np.dtype(np.float32)
+    local = (1, 4, 8, 8)  # N split 4 ways: blocks of 1 sample (the largest block)
+    timer.table[timer.key(layer, local, f4)] = [1e-3, 2e-3, 0.0]
+    c = CostModel(prof, 4, timer).layer(layer, (4, 4, 8, 8), (4, 1, 1))
+    assert (c.fwd, c.bwd) == pytest.approx((2e-3, 4e-3))
+    timer.table[timer.key(layer, local, f4, 4)] = [3e-3, 5e-3, 0.0]  # in sequence, 4 at once
+    c = CostModel(prof, 4, timer).layer(layer, (4, 4, 8, 8), (4, 1, 1))
+    assert (c.fwd, c.bwd) == pytest.approx((3e-3, 5e-3))
+    timer.table[timer.key(layer, local, f4, 1)] = [7e-3, 9e-3, 0.0]  # in sequence, alone
+    c = CostModel(prof, 4, timer).layer(layer, (4, 4, 8, 8), (4, 1, 1))
+    assert (c.fwd, c.bwd) == pytest.approx((3e-3, 5e-3))  # the 4-rank one wins
+    del timer.table[timer.key(layer, local, f4, 4)]
+    c = CostModel(prof, 4, timer).layer(layer, (4, 4, 8, 8), (4, 1, 1))
+    assert (c.fwd, c.bwd) == pytest.approx((14e-3, 18e-3))
+
+
+@pytest.mark.parallel([1, 2, 3, 4])
+def test_calibration_in_network_order(tmp_path_factory):
+    """Planner.calibrate measures every layer under every candidate on all ranks at once.
+
+    Every query of every candidate gets a positive time under the key of the
+    communicator's size, identical on all ranks; a second call measures
+    nothing; the model's parameters and batch-norm statistics are untouched;
+    a candidate whose uniform plan exceeds the budget is skipped.
+    """
+    from disttensor_nn.plan import KernelTimer
+
+    comm = MPI.COMM_WORLD
+    p = comm.Get_size()
+    cache = comm.bcast(str(tmp_path_factory.mktemp("kernels")) if comm.rank == 0 else None)
+    model = _small_net()
+    before = [q.data.copy() for q in model.parameters()]
+    bn = model.layers[1]
+    stats = (bn.running_mean.copy(), bn.running_var.copy())
+    shape = (4, 3, 12, 10)
+    prof = profile(measured=True, cores_per_node=2)
+    timer = KernelTimer("t", cache_dir=cache)
+    planner = Planner(model, shape, CostModel(prof, p, timer))
+    n = planner.calibrate(comm, reps=2)
+    collective_assert(n == len(planner.cands), f"{n} of {len(planner.cands)} candidates")
+    for cand in planner.cands:
+        queries, _ = planner.kernel_queries(cand)
+        collective_assert(0 < len(queries) <= len(planner.nodes), f"{len(queries)} queries")
+        for layer, local, dtype, _ in queries:
+            entry = timer.table.get(timer.key(layer, local, dtype, p))
+            collective_assert(entry is not None, f"{layer} {local} not measured")
+            collective_assert(entry[0] > 0 and entry[1] > 0, f"{layer} {local}: {entry}")
+    values = np.array(sorted(v[:2] for v in timer.table.values())).ravel()
+    assert_allclose(values, comm.bcast(values), rtol=0, atol=0)  # same on every rank
+    collective_assert(planner.calibrate(comm) == 0, "measured again")
+    for q, b in zip(model.parameters(), before):
+        collective_assert(np.array_equal(q.data, b), "calibration changed the model's weights")
+    collective_assert(np.array_equal(bn.running_mean, stats[0]) and
+                      np.array_equal(bn.running_var, stats[1]), "running statistics changed")
+    # a budget below every uniform plan's memory: nothing to measure in sequence
+    timer2 = KernelTimer("t2", cache_dir=cache)
+    tight = Planner(model, shape, CostModel(prof, p, timer2), memory_budget=1.0)
+    collective_assert(tight.calibrate(comm) == 0, "measured over the budget")
+
+
+@pytest.mark.parallel([1, 3])
+def test_make_plan_collective_gives_every_rank_the_same_plan(tmp_path_factory, monkeypatch):
+    from disttensor_nn.cli import make_plan
+
+    comm = MPI.COMM_WORLD
+    cache = comm.bcast(str(tmp_path_factory.mktemp("home")) if comm.rank == 0 else None)
+    from disttensor_nn.plan import costmodel
+
+    monkeypatch.setattr(costmodel, "default_cache_dir", lambda: cache)
+    path = f"{cache}/prof.json"
+    if comm.rank == 0:
+        profile(name="prof", measured=True, cores_per_node=2).save(path)
+    comm.Barrier()
+    plan, planner = make_plan(_small_net(), (4, 3, 12, 10), comm.Get_size(), path, comm=comm)
+    texts = comm.allgather(plan.to_json())
+    collective_assert(all(t == texts[0] for t in texts), "plans differ between ranks")
+    collective_assert((planner is not None) == (comm.rank == 0), "planner on rank 0 only")
+    collective_assert(all(e.fwd > 0 for e in plan.entries), "kernel times missing")

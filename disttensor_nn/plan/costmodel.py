@@ -12,14 +12,17 @@ the allreduces of its weight gradients and batch-norm statistics.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +38,7 @@ from ..module import Layer
 from ..window import output_layout
 from .machine import MachineProfile, default_cache_dir
 
-__all__ = ["candidates", "dist_for", "LayerCost", "CostModel", "KernelTimer"]
+__all__ = ["candidates", "dist_for", "LayerCost", "CostModel", "KernelTimer", "QueryRecorder"]
 
 Candidate = tuple[int, ...]
 
@@ -82,7 +85,11 @@ class LayerCost:
 
 
 def _local_twin(layer: Layer) -> Layer:
-    """A 1-process copy of ``layer`` whose kernels do the same local work (no padding)."""
+    """A 1-process copy of ``layer`` that does the same local work (windows without padding).
+
+    Twins have their own parameters and statistics, so measuring never
+    changes the model's weights, gradients or batch-norm running averages.
+    """
     if isinstance(layer, ConvNd):
         s = layer.spec
         return type(layer)(layer.in_channels, layer.out_channels, s.kernel, s.stride, 0,
@@ -90,7 +97,13 @@ def _local_twin(layer: Layer) -> Layer:
     if isinstance(layer, _Pool):
         s = layer.spec
         return type(layer)(s.kernel, s.stride, 0, s.dilation)
-    return layer
+    if isinstance(layer, BatchNormNd):
+        return type(layer)(layer.num_features, layer.eps, layer.momentum, layer.affine,
+                           layer.track_running_stats, stats=layer.stats, dtype=layer.dtype)
+    if isinstance(layer, Linear):
+        return Linear(layer.in_features, layer.out_features, layer.bias is not None,
+                      dtype=layer.dtype)
+    return copy.copy(layer)
 
 
 def _signature(layer: Layer) -> str:
@@ -109,13 +122,24 @@ def _signature(layer: Layer) -> str:
 
 
 class KernelTimer:
-    """Measured forward and backward times of a layer's local kernels, cached on disk.
+    """Measured forward and backward times of layers' local kernels, cached on disk.
 
-    A measurement runs a 1-process twin of the layer on random data of the
-    exact local shape (halo included) and keeps the fastest of ``reps`` runs
-    (the least disturbed by other processes).
-    Results are stored in ``cache_dir/kernels-<machine>.json`` keyed by layer
-    signature, local shape and dtype, so each is measured once per machine.
+    Two kinds of measurement, each keyed by layer signature, local input
+    shape and dtype and stored in ``cache_dir/kernels-<machine>.json`` so
+    that it is taken once per machine:
+
+    - *in sequence* (:meth:`measure_chain`): 1-process twins of a whole
+      network's layers, at the local shapes of one candidate distribution,
+      run forward in order and backward in reverse, as in a training
+      iteration, on every rank of a communicator at once. Each layer then
+      meets the caches, allocator state and memory-bandwidth sharing it meets
+      in the network; a layer's time is the slowest rank's, median over
+      repetitions. The number of ranks that ran at once is part of the key.
+    - *alone* (:meth:`times` on a miss): the twin on its own, forward on a
+      freshly written input and backward after the caches were flushed (what
+      a layer sees when the rest of the network ran in between); fastest of
+      ``reps`` runs.
+
     With ``measure=False`` a missing entry is estimated from the FLOP rate of
     measured entries of the same kind (the cost is then marked estimated).
     """
@@ -130,24 +154,37 @@ class KernelTimer:
                 self.table = json.load(f)
         self._dirty = False
 
-    def key(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype) -> str:
-        """Cache key of a measurement."""
-        return f"{_signature(layer)}|{local_in}|{np.dtype(dtype).str}"
+    def key(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
+            corun: int = 0) -> str:
+        """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks."""
+        where = f"seq{corun}" if corun else "alone"
+        return f"{_signature(layer)}|{tuple(local_in)}|{np.dtype(dtype).str}|{where}"
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
-              flops: float) -> tuple[float, float, bool]:
-        """(forward, backward, estimated) seconds of ``layer`` on a local input shape."""
+              flops: float, corun: int = 1) -> tuple[float, float, bool, int]:
+        """(forward s, backward s, estimated, ranks that ran at once) of ``layer``.
+
+        An in-sequence measurement taken on ``corun`` ranks is preferred, then
+        one taken in sequence on a single rank, then one of the twin alone
+        (measured now if missing and ``measure`` is on); the last element
+        says on how many ranks at once the time was taken, so that the
+        caller can account for ranks sharing the node otherwise.
+        """
+        for co in dict.fromkeys((corun, 1)):
+            entry = self.table.get(self.key(layer, local_in, dtype, co))
+            if entry is not None:
+                return entry[0], entry[1], False, co
         key = self.key(layer, local_in, dtype)
         if key in self.table:
             fwd, bwd = self.table[key][:2]
-            return fwd, bwd, False
+            return fwd, bwd, False, 1
         if self.measure:
             fwd, bwd = self._run(layer, local_in, dtype)
             self.table[key] = [fwd, bwd, flops]
             self._dirty = True
-            return fwd, bwd, False
+            return fwd, bwd, False, 1
         rate = self._rate(_signature(layer).split(":")[0])
-        return flops / rate, 2 * flops / rate, True
+        return flops / rate, 2 * flops / rate, True, 1
 
     def _rate(self, kind: str) -> float:
         rates = [v[2] / max(v[0], 1e-9) for k, v in self.table.items()
@@ -155,32 +192,96 @@ class KernelTimer:
         return statistics.median(rates) if rates else 5e9
 
     def _run(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype) -> tuple[float, float]:
-        from disttensor import DistArray
-
-        twin = _local_twin(layer)
         if any(n == 0 for n in local_in):
             return 0.0, 0.0
-        grid = _self_grid(len(local_in))
-        dist = Distribution(local_in, grid, tuple(range(len(local_in))))
-        rng = np.random.default_rng(0)
-        x = DistArray(rng.standard_normal(local_in).astype(dtype), dist)
+        twin = _local_twin(layer)
+        x = _self_array(np.random.default_rng(0).standard_normal(local_in).astype(dtype))
         fwd, bwd = [], []
-        # In a network the forward input was just written by the layer before
-        # (warm), while backward reads what forward saved long ago (cold).
         for _ in range(self.reps + 1):
             x.local[...] = x.local
             t0 = time.perf_counter()
             y = twin.forward(x)
             t1 = time.perf_counter()
-            dy = DistArray(np.ones(y.local_shape, y.dtype), y.dist)
+            dy = _self_array(np.ones(y.local_shape, y.dtype))
             _evict_caches()
             t2 = time.perf_counter()
             twin.backward(dy)
             t3 = time.perf_counter()
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
-        twin.zero_grad()
         return min(fwd[1:]), min(bwd[1:])
+
+    def measure_chain(self, queries: Sequence[tuple[Layer, tuple[int, ...], Any, float]],
+                      comm: Any = None, reps: int = 3, max_seconds: float = 10.0) -> None:
+        """Time a sequence of layers as in a training iteration (collective over ``comm``).
+
+        ``queries`` lists, in network order, each layer with its local input
+        shape, dtype and FLOP count (what :meth:`CostModel.layer` asks
+        :meth:`times` for). Every rank of ``comm`` runs the same twins at the
+        same time; the results, identical on every rank afterwards, are
+        stored under the ``corun = comm size`` key. After one untimed round,
+        rounds repeat ``reps`` times or until ``max_seconds`` have passed.
+        """
+        from mpi4py import MPI
+
+        comm = MPI.COMM_SELF if comm is None else comm
+        live = [i for i, (_, shape, _, _) in enumerate(queries) if all(n > 0 for n in shape)]
+        twins = [_local_twin(queries[i][0]) for i in live]
+        rng = np.random.default_rng(0)
+        inputs = [rng.standard_normal(queries[i][1]).astype(queries[i][2]) for i in live]
+        grads: list[np.ndarray | None] = [None] * len(live)
+        fwd = np.zeros((reps, len(live)))
+        bwd = np.zeros((reps, len(live)))
+        start, done = time.perf_counter(), 0
+        for r in range(-1, reps):
+            comm.Barrier()
+            outs, prev = [], None
+            for j, twin in enumerate(twins):
+                # the layer before wrote this input just now: hand its output on where
+                # it fits, otherwise write a fresh copy (untimed)
+                x = _self_array(prev if prev is not None and prev.shape == inputs[j].shape
+                                else inputs[j].copy())
+                t0 = time.perf_counter()
+                y = twin.forward(x)
+                t1 = time.perf_counter()
+                outs.append(y)
+                prev = y.local
+                if r >= 0:
+                    fwd[r, j] = t1 - t0
+            for j in reversed(range(len(twins))):
+                y = outs.pop()
+                if grads[j] is None:
+                    grads[j] = rng.standard_normal(y.local_shape).astype(y.dtype)
+                dy = _self_array(grads[j].copy())  # the layer after wrote it just now
+                t0 = time.perf_counter()
+                twins[j].backward(dy)
+                t1 = time.perf_counter()
+                if r >= 0:
+                    bwd[r, j] = t1 - t0
+            for twin in twins:
+                twin.zero_grad()
+            if r >= 0:
+                done = r + 1
+                stop = comm.allreduce(time.perf_counter() - start > max_seconds, op=MPI.LOR)
+                if stop:
+                    break
+        fwd, bwd = fwd[:done], bwd[:done]
+        comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
+        comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)
+        samples: dict[str, list[tuple[float, float, float]]] = {}
+        for j, i in enumerate(live):
+            layer, shape, dtype, flops = queries[i]
+            key = self.key(layer, shape, dtype, comm.Get_size())
+            samples.setdefault(key, []).extend(
+                (f, b, flops) for f, b in zip(fwd[:, j], bwd[:, j]))
+        for i in set(range(len(queries))) - set(live):
+            layer, shape, dtype, flops = queries[i]
+            samples.setdefault(self.key(layer, shape, dtype, comm.Get_size()), []).append(
+                (0.0, 0.0, flops))
+        for key, vals in samples.items():
+            self.table[key] = [statistics.median(v[0] for v in vals),
+                               statistics.median(v[1] for v in vals), vals[0][2]]
+        self._dirty = True
 
     def save(self) -> None:
         """Write new measurements to the cache file."""
@@ -192,6 +293,31 @@ class KernelTimer:
             json.dump(self.table, f)
         os.replace(tmp, self.path)
         self._dirty = False
+
+
+class QueryRecorder:
+    """Stands in for a :class:`KernelTimer` and records what a :class:`CostModel` asks it.
+
+    ``CostModel(profile, p, QueryRecorder())`` answers zero compute time; its
+    ``queries`` then hold, in order, the ``(layer, local shape, dtype, flops)``
+    that :meth:`KernelTimer.measure_chain` takes.
+    """
+
+    def __init__(self) -> None:
+        self.queries: list[tuple[Layer, tuple[int, ...], np.dtype, float]] = []
+
+    def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype, flops: float,
+              corun: int = 1) -> tuple[float, float, bool, int]:
+        self.queries.append((layer, tuple(local_in), np.dtype(dtype), flops))
+        return 0.0, 0.0, False, corun
+
+
+def _self_array(local: np.ndarray):
+    """``local`` as a DistArray on a 1-process grid."""
+    from disttensor import DistArray
+
+    grid = _self_grid(local.ndim)
+    return DistArray(local, Distribution(local.shape, grid, tuple(range(local.ndim))))
 
 
 _SCRATCH: list[np.ndarray] = []
@@ -236,8 +362,11 @@ class CostModel:
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
                  itemsize: int = 4):
         self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
-        # ranks sharing a node's cores slow each other's kernels down
-        self.contention = max(1.0, min(nprocs, 10**9) / max(profile.cores_per_node, 1)) \
+        # Ranks sharing a node's cores slow each other's kernels down. Kernel times
+        # measured on all ranks at once include that; others are scaled by the
+        # oversubscription of the cores.
+        self.corun = nprocs if profile.measured else 1
+        self.contention = max(1.0, nprocs / max(profile.cores_per_node, 1)) \
             if profile.measured else 1.0
 
     # ------------------------------------------------------------ compute
@@ -247,8 +376,9 @@ class CostModel:
             return 0.0, 0.0, False
         dtype = np.dtype(f"f{self.itemsize}")
         if self.timer is not None:
-            f, b, est = self.timer.times(layer, local_in, dtype, flops)
-            return f * self.contention, b * self.contention, est
+            f, b, est, co = self.timer.times(layer, local_in, dtype, flops, self.corun)
+            scale = 1.0 if co >= self.corun else self.contention
+            return f * scale, b * scale, est
         p = self.profile
         t = flops / (p.peak_flops * p.efficiency) + nbytes / p.mem_bandwidth
         return t, 2 * t, True

@@ -101,7 +101,24 @@ def builtin_profiles() -> dict[str, MachineProfile]:
         sources=["NVIDIA Tesla V100 datasheet (15.7 TFLOP/s fp32, 900 GB/s)",
                  "InfiniBand EDR: 100 Gb/s per port"],
     )
-    return {v100.name: v100}
+    h200 = MachineProfile(
+        name="h200-nvlink-ndr",
+        # NVLink 4 within a node of 8 GPUs, one NDR InfiniBand port (400 Gb/s) per GPU
+        # between nodes; collectives spanning nodes are bounded by the InfiniBand link.
+        p2p_alpha=3e-6, p2p_beta=1 / 50e9,
+        allreduce_alpha=8e-6, allreduce_beta=1 / 50e9,
+        alltoall_alpha=8e-6, alltoall_beta=1 / 50e9,
+        peak_flops=67e12, efficiency=0.5,
+        mem_bandwidth=4.8e12, memory_per_rank=141 * 10**9, cores_per_node=8,
+        notes=("One rank per H200 SXM 141 GB (67 TFLOP/s fp32 without tensor cores, 4.8 TB/s "
+               "HBM3e), 8 per node with NVLink 4 (450 GB/s per direction); inter-node NDR "
+               "InfiniBand 400 Gb/s = 50 GB/s per GPU (DGX H200-like: one ConnectX-7 port per "
+               "GPU); fp32 convolutions at half of peak."),
+        sources=["NVIDIA H200 Tensor Core GPU datasheet (fp32 67 TFLOP/s, 141 GB HBM3e, "
+                 "4.8 TB/s, NVLink 900 GB/s)",
+                 "InfiniBand NDR: 400 Gb/s per port"],
+    )
+    return {v100.name: v100, h200.name: h200}
 
 
 def load_profile(name_or_path: str, cache_dir: str | None = None) -> MachineProfile:

@@ -23,7 +23,15 @@ import numpy as np
 
 from ..container import Residual, Sequential
 from ..module import Layer, Layout
-from .costmodel import Candidate, CostModel, LayerCost, candidates, dist_for
+from .costmodel import (
+    Candidate,
+    CostModel,
+    KernelTimer,
+    LayerCost,
+    QueryRecorder,
+    candidates,
+    dist_for,
+)
 
 __all__ = ["Node", "Block", "trace", "Planner", "Plan", "PlanEntry", "apply_plan"]
 
@@ -208,6 +216,56 @@ class Planner:
             fits = self.budget is None or lc.memory + self.base_memory <= self.budget
             v[c] = lc.total + lam * lc.memory if fits else np.inf
         return v
+
+    # ------------------------------------------------------------ calibration
+    def kernel_queries(self, cand: Candidate) -> tuple[list, float]:
+        """The kernel measurements the cost model needs for every layer under ``cand``.
+
+        Returns the ``(layer, local shape, dtype, flops)`` list in network
+        order (as :meth:`KernelTimer.measure_chain` takes it) and the peak
+        memory per rank of the uniform plan of ``cand``.
+        """
+        rec = QueryRecorder()
+        model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize)
+        memory = self.base_memory + sum(model.layer(n.layer, n.in_shape, cand).memory
+                                        for n in self.nodes)
+        return rec.queries, memory
+
+    def calibrate(self, comm: Any = None, reps: int = 3) -> int:
+        """Measure the layers' kernel times in network order, one candidate at a time.
+
+        Collective over ``comm`` (default: this process alone): every rank
+        runs the same 1-process twins at the same time, as the ranks of a job
+        of ``comm``'s size share the machine, so pass the job's communicator
+        when planning for it. Candidates already measured for this rank
+        count, and those whose uniform plan does not fit the memory budget
+        (their twins would need that memory too), are skipped; their layers
+        fall back to measurements of each twin alone. Returns the number of
+        candidates measured. Without a :class:`KernelTimer` this does nothing.
+        """
+        from mpi4py import MPI
+
+        timer = self.cost.timer
+        if not isinstance(timer, KernelTimer) or not timer.measure:
+            return 0
+        comm = MPI.COMM_SELF if comm is None else comm
+        corun = comm.Get_size()
+
+        def measured(queries: list, co: int) -> bool:
+            return all(timer.key(q[0], q[1], q[2], co) in timer.table for q in queries)
+
+        done = 0
+        for cand in self.cands:
+            queries, memory = self.kernel_queries(cand)
+            if self.budget is not None and memory > self.budget:
+                continue
+            # the same decision on every rank, or the collective measurement would hang
+            if comm.allreduce(measured(queries, corun) or measured(queries, self.cost.corun),
+                              op=MPI.LAND):
+                continue
+            timer.measure_chain(queries, comm, reps)
+            done += 1
+        return done
 
     # ------------------------------------------------------------ DP
     def _chain(self, items: list, lam: float, pin: bool = False):
