@@ -3,6 +3,7 @@
 from . import random
 from .array import DistArray
 from .creation import arange, asarray, empty, full, make_distribution, ones, zeros
+from .device import gpu_aware_mpi, nccl_enabled, node_local_rank, set_transport, use_device
 from .distribution import Distribution, block_boundaries
 from .grid import ProcessGrid
 from .halo import halo_accumulate, halo_plan
@@ -19,13 +20,18 @@ __all__ = [
     "block_boundaries",
     "empty",
     "full",
+    "gpu_aware_mpi",
     "halo_accumulate",
     "halo_plan",
     "limit_blas_threads",
     "make_distribution",
+    "nccl_enabled",
+    "node_local_rank",
     "ones",
     "random",
     "redistribution_plan",
+    "set_transport",
+    "use_device",
     "zeros",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,11 @@
-"""Array modules and MPI buffers: the one place that knows NumPy from other array libraries."""
+"""Array modules and MPI buffers: the one place that knows NumPy from other array libraries.
+
+Everything that differs between NumPy, CuPy and other array API namespaces
+(``array_api_strict`` in the tests) is answered here: an array's module,
+dtype and device, allocation on that device, copies between it and host
+memory, stream synchronisation, and MPI datatypes that select a strided view.
+The rest of the library calls these helpers and never tests for a library.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,30 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-__all__ = ["array_namespace", "is_numpy", "to_numpy", "view_datatype", "mpi_dtype"]
+__all__ = [
+    "array_namespace",
+    "as_module",
+    "astype",
+    "contiguous",
+    "copy_from_host",
+    "copy_to_host",
+    "device_kw",
+    "device_of",
+    "empty",
+    "fill",
+    "from_numpy",
+    "host_empty",
+    "is_c_contiguous",
+    "is_cupy",
+    "is_numpy",
+    "mpi_dtype",
+    "namespace_dtype",
+    "numpy_dtype",
+    "reshape",
+    "synchronize",
+    "to_numpy",
+    "view_datatype",
+]
 
 
 def array_namespace(x: Any) -> ModuleType:
@@ -33,14 +63,190 @@ def is_numpy(xp: ModuleType) -> bool:
     return xp is np or getattr(xp, "__name__", "") == "numpy"
 
 
+def is_cupy(xp: ModuleType) -> bool:
+    """Whether ``xp`` is CuPy."""
+    return getattr(xp, "__name__", "") == "cupy"
+
+
+def _takes_numpy_dtypes(xp: ModuleType) -> bool:
+    return is_numpy(xp) or is_cupy(xp)
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """The NumPy dtype equal to ``dtype`` (a NumPy, CuPy or array API dtype object)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        # array API dtypes of other libraries print as "<module>.<name>" (or just "<name>")
+        name = str(dtype).rpartition(".")[2]
+        try:
+            return np.dtype(name)
+        except TypeError:
+            raise TypeError(f"{dtype!r} is not a dtype that NumPy knows") from None
+
+
+def namespace_dtype(xp: ModuleType, dtype: Any) -> Any:
+    """The dtype object of the array module ``xp`` that equals ``dtype``."""
+    dt = numpy_dtype(dtype)
+    if _takes_numpy_dtypes(xp):
+        return dt
+    found = getattr(xp, "bool" if dt == np.bool_ else dt.name, None)
+    if found is None:
+        raise TypeError(f"the array module {xp.__name__} has no dtype {dt}")
+    return found
+
+
+def device_of(x: Any) -> Any:
+    """The device keyword that places new arrays next to ``x`` (None: the module's default).
+
+    NumPy and CuPy place arrays on the current device (CuPy's is chosen by
+    :func:`disttensor.use_device`); other array API libraries take the array's
+    ``device`` attribute.
+    """
+    if isinstance(x, np.ndarray) or _takes_numpy_dtypes(array_namespace(x)):
+        return None
+    return getattr(x, "device", None)
+
+
+def device_kw(x: Any) -> dict[str, Any]:
+    """Keyword arguments that place new arrays of ``x``'s module next to ``x``."""
+    device = device_of(x)
+    return {} if device is None else {"device": device}
+
+
+def empty(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:
+    """An uninitialised C-contiguous array of ``xp`` (on ``device`` when given)."""
+    dt = namespace_dtype(xp, dtype)
+    if device is None:
+        return xp.empty(shape, dtype=dt)
+    return xp.empty(shape, dtype=dt, device=device)
+
+
+def astype(x: Any, dtype: Any) -> Any:
+    """``x`` cast to ``dtype`` (a new C-contiguous array of its module)."""
+    xp = array_namespace(x)
+    if _takes_numpy_dtypes(xp):
+        return x.astype(numpy_dtype(dtype), order="C")
+    return xp.astype(x, namespace_dtype(xp, dtype), copy=True)
+
+
+def fill(x: Any, value: Any) -> None:
+    """Set every element of ``x`` to the scalar ``value``, cast to ``x``'s dtype as NumPy casts."""
+    if isinstance(x, np.ndarray):
+        x[...] = value
+    else:
+        x[...] = np.asarray(value).astype(numpy_dtype(x.dtype)).item()
+
+
+def as_module(x: Any, xp: ModuleType, device: Any = None) -> Any:
+    """``x`` (any array or array_like) as an array of ``xp`` (on ``device``), copied if needed."""
+    if array_namespace(x) is xp and device in (None, device_of(x)) and hasattr(x, "shape"):
+        return x
+    host = to_numpy(x) if hasattr(x, "shape") else np.asarray(x)
+    if is_numpy(xp):
+        return host
+    if is_cupy(xp):  # pragma: no cover - GPU only
+        return xp.asarray(host)
+    return xp.asarray(host, **({} if device is None else {"device": device}))
+
+
+def reshape(x: Any, shape: tuple[int, ...]) -> Any:
+    """``x`` reshaped (a view where the layout allows), with the module's function."""
+    return array_namespace(x).reshape(x, shape)
+
+
+def is_c_contiguous(a: Any) -> bool:
+    """Whether MPI can read ``a`` as one contiguous run (False when the library cannot say)."""
+    flags = getattr(a, "flags", None)
+    return bool(flags is not None and flags.c_contiguous)
+
+
+def contiguous(x: Any, copy: bool = False) -> Any:
+    """``x`` as a C-contiguous array of its module (always a new array when ``copy``).
+
+    Array API namespaces without a notion of memory layout return ``x``
+    itself, or a copy.
+    """
+    xp = array_namespace(x)
+    if is_numpy(xp):
+        return np.array(x, order="C") if copy else np.asarray(x, order="C")
+    if is_cupy(xp):  # pragma: no cover - GPU only
+        return xp.array(x, order="C", copy=True) if copy else xp.ascontiguousarray(x)
+    return xp.asarray(x, copy=True) if copy else x
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """Copy or view ``x`` as a NumPy array in host memory."""
     if isinstance(x, np.ndarray):
         return x
-    get = getattr(x, "get", None)  # CuPy
-    if get is not None and type(x).__module__.startswith("cupy"):  # pragma: no cover
-        return get()
-    return np.asarray(x)
+    if is_cupy(array_namespace(x)):  # pragma: no cover - GPU only
+        return x.get()
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError, ValueError, BufferError):
+        # arrays on an accelerator: DLPack copies them to the host (array API 2023.12)
+        return np.from_dlpack(x, device="cpu", copy=True)
+
+
+def from_numpy(host: np.ndarray, like: Any) -> Any:
+    """A new array of ``like``'s module and device holding a copy of ``host``.
+
+    The copy is complete when this returns, so ``host`` may be reused at once
+    (CuPy would otherwise copy from pinned memory asynchronously).
+    """
+    xp = array_namespace(like)
+    if is_numpy(xp):
+        return np.array(host, copy=True)
+    if is_cupy(xp):  # pragma: no cover - GPU only
+        out = xp.empty(host.shape, dtype=host.dtype)
+        out.set(np.ascontiguousarray(host))  # synchronous without a stream argument
+        return out
+    device = device_of(like)
+    kw = {} if device is None else {"device": device}
+    return xp.asarray(np.array(host, copy=True), **kw)
+
+
+def copy_to_host(src: Any, out: np.ndarray) -> np.ndarray:
+    """Write the values of ``src`` (any module, any layout) into the host array ``out``."""
+    xp = array_namespace(src)
+    if is_numpy(xp):
+        out[...] = src
+    elif is_cupy(xp):  # pragma: no cover - GPU only
+        xp.ascontiguousarray(src).get(out=out)  # synchronous without a stream argument
+    else:
+        out[...] = to_numpy(src)
+    return out
+
+
+def copy_from_host(dst: Any, host: np.ndarray) -> None:
+    """Write the values of the host array ``host`` into ``dst`` (any module, any layout)."""
+    xp = array_namespace(dst)
+    if is_numpy(xp):
+        dst[...] = host
+    elif is_cupy(xp) and is_c_contiguous(dst):  # pragma: no cover - GPU only
+        dst.set(host)
+    else:
+        dst[...] = from_numpy(host, dst)
+
+
+def host_empty(shape: tuple[int, ...], dtype: Any, xp: ModuleType) -> np.ndarray:
+    """A host array to stage data of the module ``xp`` through (page-locked for CuPy)."""
+    dt = numpy_dtype(dtype)
+    if is_cupy(xp):  # pragma: no cover - GPU only
+        import cupyx
+
+        return cupyx.empty_pinned(shape, dtype=dt)
+    return np.empty(shape, dtype=dt)
+
+
+def synchronize(xp: ModuleType) -> None:
+    """Wait until work queued on the current stream of ``xp`` is done (no-op on the host).
+
+    Called before MPI reads or writes device memory: MPI does not order its
+    accesses after kernels that are still queued.
+    """
+    if is_cupy(xp):  # pragma: no cover - GPU only
+        xp.cuda.get_current_stream().synchronize()
 
 
 @cache
@@ -49,8 +255,11 @@ def mpi_dtype(dtype: np.dtype) -> MPI.Datatype:
     return from_numpy_dtype(np.dtype(dtype))
 
 
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+def _address(a: Any) -> int:
+    iface = getattr(a, "__array_interface__", None)
+    if iface is None:  # device memory (CuPy): the same layout, a device pointer
+        iface = a.__cuda_array_interface__
+    return iface["data"][0]
 
 
 @lru_cache(maxsize=4096)
@@ -86,13 +295,15 @@ def _strided_type(
     return final
 
 
-def view_datatype(base: np.ndarray, view: np.ndarray) -> MPI.Datatype:
+def view_datatype(base: Any, view: Any) -> MPI.Datatype:
     """An MPI datatype that selects ``view`` out of the memory of ``base``.
 
     ``view`` must be a (possibly strided, possibly reversed) view into the
     memory of the C-contiguous array ``base``; a message ``[base, 1, type]``
     then sends or receives exactly the elements of ``view``, in its order,
     without a packing copy. Datatypes are committed once and cached by layout.
+    ``base`` may live in device memory (CuPy) for an MPI library that reads
+    it (see :func:`disttensor.gpu_aware_mpi`).
     """
     offset = _address(view) - _address(base)
-    return _strided_type(view.dtype, view.shape, view.strides, offset)
+    return _strided_type(numpy_dtype(view.dtype), tuple(view.shape), tuple(view.strides), offset)

@@ -1,0 +1,278 @@
+"""Transports: turn local arrays of any array module into MPI message buffers and back.
+
+A :class:`Transport` serves one array module and one way of moving its
+memory. NumPy arrays, and device arrays when the MPI library reads device
+memory (:func:`disttensor.gpu_aware_mpi`), are *direct*: MPI gets the array
+itself, after the device stream is synchronised; strided views are first
+packed into a contiguous scratch array of the same module (a copy kernel on
+a GPU). Otherwise messages are *staged* through host buffers (page-locked for
+CuPy) with an explicit device-to-host copy before sending and host-to-device
+after receiving. With NCCL enabled (:func:`disttensor.nccl_enabled`), GPU
+point-to-point messages and sum allreduces go through NCCL on the current
+stream instead of MPI.
+
+Halo exchange, redistribution and the reductions' allreduce all use this one
+mechanism, so they need no knowledge of where an array lives.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import (
+    array_namespace,
+    copy_from_host,
+    copy_to_host,
+    device_of,
+    empty,
+    from_numpy,
+    host_empty,
+    is_c_contiguous,
+    is_cupy,
+    is_numpy,
+    numpy_dtype,
+    synchronize,
+)
+from .device import gpu_aware_mpi, nccl_enabled
+
+__all__ = ["Transport", "allreduce", "transport_for"]
+
+_POOL_KEYS = 512  # distinct (shape, dtype, place) scratch shapes kept per transport
+_POOL_DEPTH = 8  # buffers kept per shape
+
+Message = tuple[Any, int, int]  # (buffer, peer rank, tag)
+
+
+class Transport:
+    """How the arrays of one module travel through MPI (see the module docstring).
+
+    Obtain one with :func:`transport_for`; its scratch and staging buffers
+    are pooled, so steady-state exchanges allocate nothing.
+
+    Parameters
+    ----------
+    xp : module
+        The array module (numpy, cupy, or another array API namespace).
+    direct : bool
+        Whether MPI reads and writes the module's memory itself.
+    nccl : bool
+        Whether point-to-point messages and sum allreduces use NCCL (CuPy only).
+    """
+
+    def __init__(self, xp: ModuleType, direct: bool, nccl: bool = False):
+        self.xp, self.direct, self.nccl = xp, direct, nccl
+        self._device = not is_numpy(xp)
+        # point-to-point buffers stay in the module's memory for MPI that reads it, and for NCCL
+        self._p2p_direct = direct or nccl
+        self._pool: OrderedDict[tuple, list[Any]] = OrderedDict()
+
+    def __repr__(self) -> str:
+        how = "direct" if self.direct else "staged"
+        return f"Transport({self.xp.__name__}, {how}{', nccl' if self.nccl else ''})"
+
+    # ------------------------------------------------------------- buffers
+    def _take(self, shape: tuple[int, ...], dtype: Any, like: Any | None) -> Any:
+        """A pooled buffer: of the module next to ``like``, or on the host when None."""
+        dt = numpy_dtype(dtype)
+        place = None if like is None else device_of(like)
+        key = (tuple(shape), dt.str, like is None, repr(place))
+        pool = self._pool.get(key)
+        if pool:
+            return pool.pop()
+        if like is None:
+            return host_empty(tuple(shape), dt, self.xp)
+        return empty(self.xp, tuple(shape), dt, place)
+
+    def release(self, buf: Any) -> None:
+        """Give a buffer from :meth:`outgoing`/:meth:`incoming`/... back to the pool."""
+        host = isinstance(buf, np.ndarray) and self._device
+        place = None if host else device_of(buf)
+        key = (tuple(buf.shape), numpy_dtype(buf.dtype).str, host, repr(place))
+        pool = self._pool.setdefault(key, [])
+        self._pool.move_to_end(key)
+        if len(pool) < _POOL_DEPTH:
+            pool.append(buf)
+        while len(self._pool) > _POOL_KEYS:
+            self._pool.popitem(last=False)
+
+    def ready(self) -> None:
+        """Synchronise the device before MPI touches device memory (no-op on the host).
+
+        :meth:`post` and :meth:`allreduce` do it themselves; call it before
+        handing buffers from :meth:`region_to_send` to MPI.
+        """
+        if self.direct and self._device:
+            synchronize(self.xp)
+
+    # ------------------------------------------------------------- point to point
+    def outgoing(self, view: Any) -> Any:
+        """A message buffer holding the values of ``view`` (the view itself when possible).
+
+        A buffer that is not ``view`` goes back with :meth:`release` once sent.
+        """
+        if self._p2p_direct:
+            if is_c_contiguous(view):
+                return view
+            buf = self._take(view.shape, view.dtype, view)
+            buf[...] = view  # packed with the module's copy (a kernel on a GPU)
+            return buf
+        return copy_to_host(view, self._take(view.shape, view.dtype, None))
+
+    def incoming(self, view: Any) -> Any:
+        """A message buffer to receive the values of ``view`` into (``view`` when possible).
+
+        Complete it with :meth:`deliver` after the message has arrived.
+        """
+        if self._p2p_direct and is_c_contiguous(view):
+            return view
+        return self.receive_buffer(view)
+
+    def receive_buffer(self, like: Any) -> Any:
+        """A message buffer shaped like ``like``, not aliasing it (read it with :meth:`array`)."""
+        return self._take(like.shape, like.dtype, like if self._p2p_direct else None)
+
+    def deliver(self, view: Any, buf: Any) -> None:
+        """Write a received buffer into ``view`` and release it (nothing when it is ``view``)."""
+        if buf is view:
+            return
+        if self._p2p_direct:
+            view[...] = buf
+        else:
+            copy_from_host(view, buf)
+        self.release(buf)
+
+    def array(self, buf: Any, like: Any) -> Any:
+        """The received ``buf`` as an array of the module, next to ``like`` (may be ``buf``)."""
+        return buf if self._p2p_direct else from_numpy(buf, like)
+
+    def post(self, comm: MPI.Intracomm, recvs: Sequence[Message],
+             sends: Sequence[Message]) -> list[MPI.Request]:
+        """Start receiving and sending message buffers; returns the requests to wait for.
+
+        Collective over ``comm`` when NCCL is in use (every rank calls it, with
+        or without messages); NCCL messages are queued on the current stream
+        and leave no request, and between two ranks they match in posting
+        order (tags are ignored). Before MPI gets device buffers the stream is
+        synchronised; NCCL runs on the stream that filled them and needs no wait.
+        """
+        if self.nccl:
+            from .nccl import exchange
+
+            exchange(comm, [(b, p) for b, p, _ in recvs], [(b, p) for b, p, _ in sends])
+            return []
+        if self._p2p_direct and self._device and (recvs or sends):
+            synchronize(self.xp)
+        reqs = [comm.Irecv(b, p, t) for b, p, t in recvs]
+        reqs += [comm.Isend(b, p, t) for b, p, t in sends]
+        return reqs
+
+    # ------------------------------------------------------------- whole blocks
+    def region_to_send(self, buffer: Any, local: Any) -> tuple[Any, Any]:
+        """``(base, block)``: memory MPI reads ``local`` from, and the block inside it.
+
+        ``local`` is a view into the contiguous ``buffer``. Direct: the pair
+        itself (derived datatypes select the pieces). Staged: a host copy of
+        the block, which is both (release it after the transfer).
+        """
+        if self.direct:
+            return buffer, local
+        host = copy_to_host(local, self._take(local.shape, local.dtype, None))
+        return host, host
+
+    def region_to_receive(self, buffer: Any, local: Any) -> tuple[Any, Any]:
+        """Like :meth:`region_to_send` for receiving; finish with :meth:`deliver_region`."""
+        if self.direct:
+            return buffer, local
+        host = self._take(local.shape, local.dtype, None)
+        return host, host
+
+    def region_empty(self, like: Any, shape: tuple[int, ...]) -> Any:
+        """A contiguous buffer of ``shape`` for MPI collectives, with ``like``'s dtype.
+
+        In the module's memory when direct, on the host when staged; read it
+        with :meth:`region_array` and release it afterwards.
+        """
+        return self._take(shape, like.dtype, like if self.direct else None)
+
+    def region_array(self, buf: Any, like: Any) -> Any:
+        """The contents of a :meth:`region_empty` buffer as an array next to ``like``."""
+        return buf if self.direct else from_numpy(buf, like)
+
+    def deliver_region(self, local: Any, base: Any) -> None:
+        """Copy a staged region into ``local`` and release it (nothing when direct)."""
+        if not self.direct:
+            copy_from_host(local, base)
+            self.release(base)
+
+    # ------------------------------------------------------------- collectives
+    def allreduce(self, a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM) -> Any:
+        """``a`` combined with ``op`` over ``comm``; ``a``'s memory may be reused for it.
+
+        Returns the result, an array of the module next to ``a`` (``a`` itself
+        where it could be reduced in place).
+        """
+        if comm.Get_size() == 1 or a.size == 0:
+            return a
+        if self.nccl and op == MPI.SUM:
+            from .nccl import allreduce_sum, supports
+
+            if supports(a.dtype):
+                buf = _contiguous_writeable(a, self.xp)
+                allreduce_sum(buf, comm)
+                return buf
+        # user-defined operations run on the host: MPI calls them with host pointers
+        if self.direct and (not self._device or op.is_predefined):
+            buf = _contiguous_writeable(a, self.xp)
+            self.ready()
+            comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+            return buf
+        host = copy_to_host(a, self._take(a.shape, a.dtype, None))
+        comm.Allreduce(MPI.IN_PLACE, host, op=op)
+        out = from_numpy(host, a)
+        self.release(host)
+        return out
+
+
+def _contiguous_writeable(a: Any, xp: ModuleType) -> Any:
+    buf = xp.ascontiguousarray(a)
+    if buf is a and not getattr(a.flags, "writeable", True):
+        buf = buf.copy()
+    return buf
+
+
+_NUMPY = Transport(np, direct=True)
+_transports: dict[tuple, Transport] = {}
+
+
+def transport_for(xp: ModuleType) -> Transport:
+    """The transport of the array module ``xp`` under the current options.
+
+    NumPy: always direct. CuPy: direct when :func:`disttensor.gpu_aware_mpi`,
+    else staged through page-locked memory; NCCL when
+    :func:`disttensor.nccl_enabled`. Other array API namespaces (whose
+    arrays expose no buffer to MPI): staged through host memory.
+    """
+    if is_numpy(xp):
+        return _NUMPY
+    cupy = is_cupy(xp)
+    key = (xp.__name__, cupy and gpu_aware_mpi(), cupy and nccl_enabled())
+    t = _transports.get(key)
+    if t is None:
+        t = _transports[key] = Transport(xp, direct=key[1], nccl=key[2])
+    return t
+
+
+def allreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM) -> Any:
+    """``a`` combined with ``op`` over ``comm`` through its module's transport.
+
+    The result is an array of ``a``'s module and device; ``a`` itself may be
+    overwritten with it (and is returned) when it is contiguous and writeable.
+    Collective over ``comm``.
+    """
+    return transport_for(array_namespace(a)).allreduce(a, comm, op)
