@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from types import ModuleType
 from typing import Any
@@ -9,7 +10,17 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .backend import array_namespace, is_numpy, to_numpy
+from .backend import (
+    array_namespace,
+    as_module,
+    astype,
+    contiguous,
+    device_of,
+    empty,
+    numpy_dtype,
+    to_numpy,
+)
+from .device import resolve_array_module
 from .distribution import Distribution, block_boundaries
 from .grid import ProcessGrid
 from .ops import ArrayOperators
@@ -36,6 +47,15 @@ def root_distribution(shape: tuple[int, ...], grid: ProcessGrid, root: int) -> D
     cuts = [0] * root + [n] * (p - 1 - root)
     axes = (tuple(range(grid.ndim)),) + (None,) * (len(shape) - 1)
     return Distribution(shape, grid, axes, [cuts] + [None] * (len(shape) - 1))
+
+
+def _as_array(array: Any, chosen: tuple[ModuleType, Any] | None) -> Any:
+    """``array`` as an array of its own module, or of the chosen (module, device)."""
+    if chosen is not None:
+        return as_module(array, *chosen)
+    if hasattr(array, "shape") and hasattr(array, "dtype"):
+        return array
+    return np.asarray(array)
 
 
 def _native(a: Any) -> Any:
@@ -90,21 +110,37 @@ class DistArray(ArrayOperators):
         dtype: Any = np.float64,
         *,
         xp: ModuleType | None = None,
+        device: Any = None,
         margins: Margins | None = None,
     ) -> DistArray:
-        """Uninitialised array with distribution ``dist`` (local buffers from ``xp``)."""
+        """Uninitialised array with distribution ``dist``.
+
+        Parameters
+        ----------
+        dist : Distribution
+            The distribution.
+        dtype : dtype
+            Element type.
+        xp : module, optional
+            Array module of the local buffers (NumPy by default).
+        device : {'cpu', 'gpu'} or device object, optional
+            ``'gpu'``: CuPy on this rank's GPU (:func:`disttensor.use_device`),
+            ``'cpu'``: NumPy; with an array API ``xp``, one of its devices.
+        margins : sequence of (int, int), optional
+            Halo margins of the buffer.
+        """
         _check_dist(dist)
-        xp = np if xp is None else xp
+        xp, place = resolve_array_module(xp, device, dist.grid.comm)
         margins = margins or ((0, 0),) * dist.ndim
         shape = tuple(n + lo + hi for n, (lo, hi) in zip(dist.local_shape(), margins))
-        dtype = np.dtype(dtype).newbyteorder("=")
-        return cls(xp.empty(shape, dtype=dtype), dist, margins)
+        dtype = numpy_dtype(dtype).newbyteorder("=")
+        return cls(empty(xp, shape, dtype, place), dist, margins)
 
     @classmethod
     def zeros(cls, dist: Distribution, dtype: Any = np.float64, *, xp: ModuleType | None = None,
-              margins: Margins | None = None) -> DistArray:
-        """Array of zeros with distribution ``dist``."""
-        out = cls.empty(dist, dtype, xp=xp, margins=margins)
+              device: Any = None, margins: Margins | None = None) -> DistArray:
+        """Array of zeros with distribution ``dist`` (keywords as :meth:`empty`)."""
+        out = cls.empty(dist, dtype, xp=xp, device=device, margins=margins)
         out._buffer[...] = 0
         return out
 
@@ -121,11 +157,11 @@ class DistArray(ArrayOperators):
                 f"local block has shape {tuple(local.shape)} but {dist} gives rank "
                 f"{dist.grid.rank} the shape {dist.local_shape()}"
             )
-        xp = array_namespace(local)
-        return cls(_native(xp.asarray(local, copy=True)), dist)
+        return cls(_native(contiguous(local, copy=True)), dist)
 
     @classmethod
-    def from_global(cls, array: Any, dist: Distribution, root: int | None = None) -> DistArray:
+    def from_global(cls, array: Any, dist: Distribution, root: int | None = None, *,
+                    xp: ModuleType | None = None, device: Any = None) -> DistArray:
         """Distribute a global array.
 
         Parameters
@@ -139,6 +175,10 @@ class DistArray(ArrayOperators):
             Target distribution; ``array.shape`` must equal its global shape.
         root : int, optional
             Rank that holds the data.
+        xp, device : optional
+            Array module and device of the result's blocks (see :meth:`empty`);
+            by default those of ``array`` (with ``root``: of root's ``array``,
+            broadcast with its shape).
 
         Raises
         ------
@@ -147,37 +187,40 @@ class DistArray(ArrayOperators):
             and dtype) when the shape does not match ``dist``.
         """
         _check_dist(dist)
+        chosen = None
+        if xp is not None or device is not None:
+            chosen = resolve_array_module(xp, device, dist.grid.comm)
         if root is None:
-            xp = array_namespace(array)
-            array = xp.asarray(array)
+            array = _as_array(array, chosen)
             if tuple(array.shape) != dist.global_shape:
                 raise ValueError(
                     f"array of shape {tuple(array.shape)} does not match {dist}"
                 )
-            return cls(_native(xp.asarray(array[dist.local_slices()], copy=True)), dist)
+            return cls(_native(contiguous(array[dist.local_slices()], copy=True)), dist)
         grid = dist.grid
         if not isinstance(root, (int, np.integer)) or not 0 <= root < grid.size:
             raise ValueError(f"root must be a rank of {grid}, got {root!r}")
-        if dist.ndim == 0:  # every rank holds the one element: broadcast it
-            value = grid.comm.bcast(np.asarray(array) if grid.rank == root else None, root=root)
-            if value.shape != ():
-                raise ValueError(f"array of shape {value.shape} on root {root} does not match "
-                                 f"{dist}")
-            return cls(_native(value).copy(), dist)
         if grid.rank == root:
-            xp = array_namespace(array)
-            array = _native(xp.asarray(array))
-            meta = (tuple(array.shape), np.dtype(array.dtype).str)
+            array = _native(_as_array(array, chosen))
+            where = chosen or (array_namespace(array).__name__, device_of(array))
+            meta = (tuple(array.shape), numpy_dtype(array.dtype).str,
+                    where if chosen is None else None)
         else:
             meta = None
-        shape, dtype = grid.comm.bcast(meta, root=root)
+        shape, dtype, where = grid.comm.bcast(meta, root=root)
+        if chosen is None:  # the root's array decides: its module by name, its device
+            chosen = (importlib.import_module(where[0]), where[1])
         if shape != dist.global_shape:
             raise ValueError(f"array of shape {shape} on root {root} does not match {dist}")
+        mod, place = chosen
+        if dist.ndim == 0:  # every rank holds the one element: broadcast it
+            value = grid.comm.bcast(to_numpy(array) if grid.rank == root else None, root=root)
+            return cls(as_module(np.array(value), mod, place), dist)
         holder = root_distribution(shape, grid, root)
         if grid.rank == root:
-            src = cls(xp.asarray(array, copy=True), holder)
+            src = cls(contiguous(array, copy=True), holder)
         else:
-            src = cls.empty(holder, np.dtype(dtype))
+            src = cls.empty(holder, np.dtype(dtype), xp=mod, device=place)
         return src.redistribute(dist)
 
     # ----------------------------------------------------------- properties
@@ -217,8 +260,8 @@ class DistArray(ArrayOperators):
 
     @property
     def dtype(self) -> np.dtype:
-        """Element type."""
-        return np.dtype(self._buffer.dtype)
+        """Element type (as a NumPy dtype, whatever the array module)."""
+        return numpy_dtype(self._buffer.dtype)
 
     @property
     def grid(self) -> ProcessGrid:
@@ -257,13 +300,13 @@ class DistArray(ArrayOperators):
 
     def astype(self, dtype: Any, copy: bool = True) -> DistArray:
         """Copy with elements cast to ``dtype`` (same distribution)."""
-        if not copy and np.dtype(dtype) == self.dtype:
+        if not copy and numpy_dtype(dtype) == self.dtype:
             return self
-        return DistArray(self.local.astype(dtype, order="C"), self.dist)
+        return DistArray(astype(self.local, dtype), self.dist)
 
     def copy(self) -> DistArray:
         """Deep copy (same distribution, margins dropped)."""
-        return DistArray(self.local.copy(), self.dist)
+        return DistArray(contiguous(self.local, copy=True), self.dist)
 
     # ----------------------------------------------------------- halos
     def reserve_halo(self, widths: Any) -> None:
@@ -282,7 +325,7 @@ class DistArray(ArrayOperators):
             return
         grown = tuple((max(a, lo), max(b, hi)) for (a, b), (lo, hi) in zip(self._margins, widths))
         shape = tuple(n + lo + hi for n, (lo, hi) in zip(self.local_shape, grown))
-        buffer = self.xp.empty(shape, dtype=self.dtype)
+        buffer = empty(self.xp, shape, self.dtype, device_of(self._buffer))
         buffer[tuple(slice(lo, lo + n) for (lo, _), n in zip(grown, self.local_shape))] = (
             self.local
         )
@@ -333,19 +376,7 @@ class DistArray(ArrayOperators):
 
         plan = halo_plan(self.dist, normalize_widths(widths, self.ndim), mode)
         ext = plan.exchange(self, constant_values)
-        return ext.copy() if copy else ext
-
-    # ----------------------------------------------------------- host staging
-    def _host_buffer(self) -> np.ndarray:
-        """The buffer as NumPy memory that MPI can read and write."""
-        return self._buffer if is_numpy(self.xp) else np.ascontiguousarray(to_numpy(self._buffer))
-
-    def _host_local(self, host: np.ndarray) -> np.ndarray:
-        return host[tuple(slice(lo, lo + n) for (lo, _), n in zip(self._margins, self.local_shape))]
-
-    def _from_host_buffer(self, host: np.ndarray) -> None:
-        if host is not self._buffer:
-            self._buffer[...] = self.xp.asarray(host)
+        return contiguous(ext, copy=True) if copy else ext
 
     # ----------------------------------------------------------- display
     def __repr__(self) -> str:

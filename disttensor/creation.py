@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .array import DistArray
+from .backend import astype, device_kw, fill, namespace_dtype, numpy_dtype
 from .distribution import Distribution
 from .grid import ProcessGrid
 
@@ -61,39 +62,46 @@ def make_distribution(
 
 
 def empty(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
-          **dist_kw: Any) -> DistArray:
-    """Uninitialised DistArray (see :func:`make_distribution` for the layout keywords)."""
-    return DistArray.empty(make_distribution(shape, **dist_kw), np.dtype(dtype), xp=xp)
+          device: Any = None, **dist_kw: Any) -> DistArray:
+    """Uninitialised DistArray (see :func:`make_distribution` for the layout keywords).
+
+    ``xp`` (an array module) or ``device`` (``'cpu'`` or ``'gpu'``; with an
+    array API ``xp``, one of its devices) choose where the blocks live, as
+    for :meth:`DistArray.empty`; every creation function takes them.
+    """
+    return DistArray.empty(make_distribution(shape, **dist_kw), numpy_dtype(dtype), xp=xp,
+                           device=device)
 
 
 def zeros(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
-          **dist_kw: Any) -> DistArray:
+          device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray of zeros, like :func:`numpy.zeros`.
 
     Examples
     --------
     >>> x = zeros((8, 6), grid=ProcessGrid((2, 1)), axes=(0, None))  # doctest: +SKIP
+    >>> g = zeros((8, 6), device="gpu")  # doctest: +SKIP
     """
-    return full(shape, 0, dtype, xp=xp, **dist_kw)
+    return full(shape, 0, dtype, xp=xp, device=device, **dist_kw)
 
 
 def ones(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
-         **dist_kw: Any) -> DistArray:
+         device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray of ones, like :func:`numpy.ones`."""
-    return full(shape, 1, dtype, xp=xp, **dist_kw)
+    return full(shape, 1, dtype, xp=xp, device=device, **dist_kw)
 
 
 def full(shape: Any, fill_value: Any, dtype: Any = None, *, xp: ModuleType | None = None,
-         **dist_kw: Any) -> DistArray:
+         device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray filled with ``fill_value``, like :func:`numpy.full`."""
-    dtype = np.asarray(fill_value).dtype if dtype is None else np.dtype(dtype)
-    out = DistArray.empty(make_distribution(shape, **dist_kw), dtype, xp=xp)
-    out.local[...] = fill_value
+    dtype = np.asarray(fill_value).dtype if dtype is None else numpy_dtype(dtype)
+    out = DistArray.empty(make_distribution(shape, **dist_kw), dtype, xp=xp, device=device)
+    fill(out.local, fill_value)
     return out
 
 
 def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any = None, *,
-           xp: ModuleType | None = None, **dist_kw: Any) -> DistArray:
+           xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
     """1-D DistArray of evenly spaced values, like :func:`numpy.arange`."""
     if stop is None:
         start, stop = 0, start
@@ -103,19 +111,26 @@ def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any 
     if dtype is None:
         dtype = np.result_type(np.asarray(start), np.asarray(stop), np.asarray(step))
     dist = make_distribution((n,), **dist_kw)
-    out = DistArray.empty(dist, dtype, xp=xp)
+    out = DistArray.empty(dist, dtype, xp=xp, device=device)
     sl = dist.local_slices()[0]
-    local_index = out.xp.arange(sl.start, sl.stop)
-    out.local[...] = start + step * local_index
+    # start + step * index, computed as NumPy would: in int64 for integers, else in float64
+    work = np.result_type(np.int64, np.asarray(start), np.asarray(step))
+    lxp = out.xp
+    index = lxp.arange(sl.start, sl.stop, dtype=namespace_dtype(lxp, work),
+                       **device_kw(out.local))
+    values = work.type(start).item() + work.type(step).item() * index
+    out.local[...] = astype(values, out.dtype)
     return out
 
 
 def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = None,
-            **dist_kw: Any) -> DistArray:
+            xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
     """Distribute ``array`` (every rank passes the same one, or only ``root``).
 
     A DistArray is returned as it is when it already has the distribution, and
-    redistributed when it has another.
+    redistributed when it has another. ``xp``/``device`` choose the module and
+    device of new blocks (default: those of ``array``; see
+    :meth:`DistArray.from_global`).
     """
     if isinstance(array, DistArray):
         if dist is None or array.dist == dist:
@@ -128,4 +143,4 @@ def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = 
             comm = (dist_kw.get("grid") or default_grid()).comm
             shape = comm.bcast(np.shape(array) if comm.Get_rank() == root else None, root=root)
         dist = make_distribution(shape, **dist_kw)
-    return DistArray.from_global(array, dist, root=root)
+    return DistArray.from_global(array, dist, root=root, xp=xp, device=device)

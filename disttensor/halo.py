@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
+from .backend import array_namespace, contiguous
 from .distribution import Distribution
+from .transport import transport_for
 
 if TYPE_CHECKING:
     from .array import DistArray
@@ -115,7 +117,10 @@ class HaloPlan:
     dimension) are sent and received in place; other faces are packed once
     into pooled buffers, which measured faster here than MPI derived datatypes
     for the narrow strided faces of inner dimensions. Cells whose source lies
-    on this rank are copied locally.
+    on this rank are copied locally. Messages go through the transport of the
+    array's module (:func:`disttensor.transport.transport_for`): GPU faces are
+    packed by a copy kernel and sent from device memory, staged through
+    page-locked host buffers, or sent with NCCL.
     """
 
     def __init__(self, dist: Distribution, widths: Widths, mode: str):
@@ -133,7 +138,6 @@ class HaloPlan:
         self.dims = [
             self._plan_dim(d, me) for d, (lo, hi) in enumerate(widths) if lo or hi
         ]
-        self._pool: dict[tuple, list[np.ndarray]] = {}
 
     def _line(self, d: int, me: int) -> list[int]:
         """Ranks that share this rank's block in every dimension but ``d``, by block index."""
@@ -209,20 +213,8 @@ class HaloPlan:
                 my_fills = fills
         return _DimPlan(d, sends, recvs, local, my_fills)
 
-    # ------------------------------------------------------------- scratch
-    def _scratch(self, like: np.ndarray, fill: bool = False) -> np.ndarray:
-        """A contiguous buffer shaped like ``like`` from the plan's pool (a copy if ``fill``)."""
-        pool = self._pool.get((like.shape, like.dtype.str))
-        buf = pool.pop() if pool else np.empty(like.shape, like.dtype)
-        if fill:
-            buf[...] = like
-        return buf
-
-    def _release(self, buf: np.ndarray) -> None:
-        self._pool.setdefault((buf.shape, buf.dtype.str), []).append(buf)
-
     # ------------------------------------------------------------- views
-    def _view(self, ext: np.ndarray, d: int, pos: int, length: int, step: int) -> np.ndarray:
+    def _view(self, ext: Any, d: int, pos: int, length: int, step: int) -> Any:
         """Slab of ``ext`` at positions ``pos, pos+step, ...`` along ``d``.
 
         Dimensions before ``d`` span their extended extent, later ones only the
@@ -249,9 +241,10 @@ class HaloPlan:
         if x.dist != self.dist:
             raise ValueError(f"halo plan is for {self.dist}, got an array with {x.dist}")
         x._reserve(self.widths)
-        return HaloRequest(self, x, _constants(constant_values, len(self.widths)))
+        constants = _constants(constant_values, len(self.widths)).astype(x.dtype)
+        return HaloRequest(self, x, constants)
 
-    def exchange(self, x: DistArray, constant_values: Any = 0) -> np.ndarray:
+    def exchange(self, x: DistArray, constant_values: Any = 0) -> Any:
         """Fill the halo of ``x`` and return the extended block (blocking)."""
         return self.start(x, constant_values).finish()
 
@@ -279,9 +272,7 @@ class HaloPlan:
         if tuple(extended.shape) != want:
             raise ValueError(f"extended block has shape {tuple(extended.shape)}, expected {want}")
         # overwrite_input permits, not requires, working in place (a copy when not C-ordered)
-        work = np.asarray(extended, order="C") if overwrite_input else \
-            np.array(extended, order="C")
-        return AccumulateRequest(self, work)
+        return AccumulateRequest(self, contiguous(extended, copy=not overwrite_input))
 
 
 class _DimRequest:
@@ -338,50 +329,51 @@ class HaloRequest(_DimRequest):
     """A halo exchange in flight; :meth:`finish` completes it and returns the extended block."""
 
     def __init__(self, plan: HaloPlan, x: DistArray, constants: np.ndarray):
-        self.x, self.constants = x, constants
+        self.x = x
+        self.constants = [[c.item() for c in pair] for pair in constants]  # Python scalars
         self.ext = x._extended(plan.widths)
-        self._unpack: list[tuple[np.ndarray, np.ndarray]] = []  # (face, packed copy)
-        self._packed: list[np.ndarray] = []
+        self.transport = transport_for(x.xp)
+        self._incoming: list[tuple[Any, Any]] = []  # (face, message buffer)
+        self._outgoing: list[Any] = []  # packed or staged copies being sent
         super().__init__(plan, list(range(len(plan.dims))))
 
     def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:
-        plan, ext, d = self.plan, self.ext, dp.dim
-        comm = plan.dist.grid.p2p_comm
-        reqs = []
+        plan, ext, d, t = self.plan, self.ext, dp.dim, self.transport
+        recvs, sends = [], []
         for r in dp.recvs:
             view = plan._view(ext, d, r.dst, r.length, 1)
             if view.size:
-                target = view if view.flags.c_contiguous else plan._scratch(view)
-                reqs.append(comm.Irecv(target, r.sender, self._tag + r.tag))
-                if target is not view:
-                    self._unpack.append((view, target))
+                buf = t.incoming(view)
+                recvs.append((buf, r.sender, self._tag + r.tag))
+                self._incoming.append((view, buf))
         for r in dp.sends:
             view = plan._view(ext, d, r.src, r.length, r.step)
             if view.size:
-                if not view.flags.c_contiguous:
-                    view = plan._scratch(view, fill=True)
-                    self._packed.append(view)
-                reqs.append(comm.Isend(view, r.receiver, self._tag + r.tag))
+                buf = t.outgoing(view)
+                sends.append((buf, r.receiver, self._tag + r.tag))
+                if buf is not view:
+                    self._outgoing.append(buf)
+        reqs = t.post(plan.dist.grid.p2p_comm, recvs, sends)
         for r in dp.local:
             plan._view(ext, d, r.dst, r.length, 1)[...] = plan._view(
                 ext, d, r.src, r.length, r.step
             )
         for start, stop, side in dp.fills:
-            plan._view(ext, d, start, stop - start, 1)[...] = self.constants[d, side]
+            plan._view(ext, d, start, stop - start, 1)[...] = self.constants[d][side]
         return reqs
 
     def _complete_dim(self) -> None:
-        for view, packed in self._unpack:
-            view[...] = packed
-            self.plan._release(packed)
-        for packed in self._packed:
-            self.plan._release(packed)
-        self._unpack, self._packed = [], []
+        t = self.transport
+        for view, buf in self._incoming:
+            t.deliver(view, buf)
+        for buf in self._outgoing:
+            t.release(buf)
+        self._incoming, self._outgoing = [], []
 
     def _done(self) -> None:
         self.x._halo_key = object()  # a new fill: layers compare it to detect overwrites
 
-    def finish(self) -> np.ndarray:
+    def finish(self) -> Any:
         """Wait for every dimension's messages; return the extended block (a view)."""
         self._wait()
         return self.ext
@@ -394,34 +386,43 @@ class AccumulateRequest(_DimRequest):
     product is the reversed product of the adjoints).
     """
 
-    def __init__(self, plan: HaloPlan, work: np.ndarray):
+    def __init__(self, plan: HaloPlan, work: Any):
         self.work = work
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.transport = transport_for(array_namespace(work))
+        self._pending: list[tuple[Any, Any]] = []  # (target cells, message buffer)
+        self._outgoing: list[Any] = []
         super().__init__(plan, list(reversed(range(len(plan.dims)))))
 
     def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:
-        plan, work, d = self.plan, self.work, dp.dim
-        comm = plan.dist.grid.p2p_comm
-        reqs = []
-        for r in dp.recvs:  # receivers of the forward send their cells back
-            view = plan._view(work, d, r.dst, r.length, 1)
-            if view.size:
-                reqs.append(comm.Isend(np.ascontiguousarray(view), r.sender, self._tag + r.tag))
+        plan, work, d, t = self.plan, self.work, dp.dim, self.transport
+        recvs, sends = [], []
         for r in dp.sends:
             target = plan._view(work, d, r.src, r.length, r.step)
             if target.size:
-                buf = np.empty(target.shape, work.dtype)
-                reqs.append(comm.Irecv(buf, r.receiver, self._tag + r.tag))
+                buf = t.receive_buffer(target)
+                recvs.append((buf, r.receiver, self._tag + r.tag))
                 self._pending.append((target, buf))
+        for r in dp.recvs:  # receivers of the forward send their cells back
+            view = plan._view(work, d, r.dst, r.length, 1)
+            if view.size:
+                buf = t.outgoing(view)
+                sends.append((buf, r.sender, self._tag + r.tag))
+                if buf is not view:
+                    self._outgoing.append(buf)
+        reqs = t.post(plan.dist.grid.p2p_comm, recvs, sends)
         for r in dp.local:
             plan._view(work, d, r.src, r.length, r.step)[...] += plan._view(
                 work, d, r.dst, r.length, 1)
         return reqs
 
     def _complete_dim(self) -> None:
+        t = self.transport
         for target, buf in self._pending:
-            target += buf
-        self._pending = []
+            target += t.array(buf, target)
+            t.release(buf)
+        for buf in self._outgoing:
+            t.release(buf)
+        self._pending, self._outgoing = [], []
 
     def finish(self) -> DistArray:
         """Wait for the remaining messages; return the accumulated DistArray."""

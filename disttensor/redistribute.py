@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from mpi4py import MPI
 
-from .backend import view_datatype
+from .backend import device_of, reshape, view_datatype
 from .distribution import Distribution
+from .transport import transport_for
 
 if TYPE_CHECKING:
     from .array import DistArray
@@ -64,6 +64,10 @@ class RedistributionPlan:
     copies); peers that exchange nothing get zero counts, the piece a rank
     keeps is copied locally, and when no rank needs data from another the
     collective is skipped altogether (every rank can tell from the metadata).
+    Arrays whose memory MPI cannot read (GPU arrays without a CUDA-aware MPI,
+    other array API libraries) are staged through a host copy of the block
+    (:mod:`disttensor.transport`); with a CUDA-aware MPI the datatypes select
+    the pieces straight out of device memory.
 
     Parameters
     ----------
@@ -105,7 +109,7 @@ class RedistributionPlan:
         )
 
     # ------------------------------------------------------------ execution
-    def _alltoallw(self, sbase: np.ndarray, sends: list, rbase: np.ndarray, recvs: list) -> None:
+    def _alltoallw(self, sbase: Any, sends: list, rbase: Any, recvs: list) -> None:
         """One ``Alltoallw``; ``sends``/``recvs`` are (peer, view into the base) pairs."""
         n = self.comm.Get_size()
         zeros = [0] * n
@@ -129,20 +133,23 @@ class RedistributionPlan:
         if x.dist != self.src:
             raise ValueError(f"plan is for {self.src}, got an array with {x.dist}")
         if out is None:
-            out = DistArray.empty(self.dst, dtype=x.dtype, xp=x.xp)
+            out = DistArray.empty(self.dst, dtype=x.dtype, xp=x.xp, device=device_of(x._buffer))
         elif out.dist != self.dst or out.dtype != x.dtype:
             raise ValueError(
                 f"out must have {self.dst} and dtype {x.dtype}, got {out.dist} and {out.dtype}"
             )
-        if self.keep is not None:
+        if not self.local_only:
+            t = transport_for(x.xp)
+            xb, xl = t.region_to_send(x._buffer, x.local)
+            ob, ol = t.region_to_receive(out._buffer, out.local)
+            t.ready()
+            self._alltoallw(xb, [(p, xl[sl]) for p, sl in self.sends],
+                            ob, [(p, ol[sl]) for p, sl in self.recvs])
+            t.deliver_region(out.local, ob)
+            if xb is not x._buffer:
+                t.release(xb)
+        if self.keep is not None:  # after a staged copy, which writes the whole block
             out.local[self.keep[1]] = x.local[self.keep[0]]
-        if self.local_only:
-            return out
-        xb, ob = x._host_buffer(), out._host_buffer()
-        xl, ol = x._host_local(xb), out._host_local(ob)
-        self._alltoallw(xb, [(p, xl[sl]) for p, sl in self.sends],
-                        ob, [(p, ol[sl]) for p, sl in self.recvs])
-        out._from_host_buffer(ob)
         return out
 
     def adjoint(self, y: DistArray) -> DistArray:
@@ -157,27 +164,29 @@ class RedistributionPlan:
 
         if y.dist != self.dst:
             raise ValueError(f"plan maps to {self.dst}, got an array with {y.dist}")
-        out = DistArray.zeros(self.src, dtype=y.dtype, xp=y.xp)
+        out = DistArray.zeros(self.src, dtype=y.dtype, xp=y.xp, device=device_of(y._buffer))
         if self.keep is not None:
             out.local[self.keep[0]] += y.local[self.keep[1]]
         if self.local_only:
             return out
         # Receive each returning piece into its own slot of one temporary buffer.
+        t = transport_for(y.xp)
         shapes = [tuple(s.stop - s.start for s in sl) for _, sl in self.sends]
-        tmp = np.empty(sum(math.prod(shp) for shp in shapes), dtype=y.dtype)
-        views, off = [], 0
-        for shp in shapes:
-            views.append(tmp[off : off + math.prod(shp)].reshape(shp))
-            off += math.prod(shp)
-        yb = y._host_buffer()
-        yl = y._host_local(yb)
+        sizes = [math.prod(shp) for shp in shapes]
+        tmp = t.region_empty(y.local, (sum(sizes),))
+        offsets = list(itertools.accumulate([0] + sizes))
+        views = [reshape(tmp[a:b], shp) for a, b, shp in zip(offsets, offsets[1:], shapes)]
+        yb, yl = t.region_to_send(y._buffer, y.local)
+        t.ready()
         self._alltoallw(yb, [(p, yl[sl]) for p, sl in self.recvs],
                         tmp, [(p, v) for (p, _), v in zip(self.sends, views)])
-        ob = out._host_buffer()
-        olocal = out._host_local(ob)
-        for (_, sl), v in zip(self.sends, views):
-            olocal[sl] += v
-        out._from_host_buffer(ob)
+        if yb is not y._buffer:
+            t.release(yb)
+        olocal = out.local
+        pieces = t.region_array(tmp, olocal)
+        for (_, sl), a, b, shp in zip(self.sends, offsets, offsets[1:], shapes):
+            olocal[sl] += reshape(pieces[a:b], shp)
+        t.release(tmp)
         return out
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor.transport import allreduce as transport_allreduce
 
 __all__ = ["Parameter", "Layer", "Layout", "split_axes_comm", "check_input"]
 
@@ -90,10 +91,17 @@ def split_axes_comm(dist: Distribution, dims: Sequence[int] | None = None) -> MP
     return dist.grid.subcomm(axes)
 
 
-def allreduce_(arr: np.ndarray, comm: MPI.Intracomm) -> np.ndarray:
-    """Sum ``arr`` in place over ``comm`` (nothing to do on one rank)."""
+def allreduce_(arr: Any, comm: MPI.Intracomm) -> Any:
+    """Sum ``arr`` in place over ``comm`` (nothing to do on one rank).
+
+    ``arr`` may be an array of any module: it travels through that module's
+    transport (:func:`disttensor.transport.allreduce`: device memory, host
+    staging, or NCCL for GPU gradients).
+    """
     if comm.Get_size() > 1:
-        comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+        out = transport_allreduce(arr, comm, MPI.SUM)
+        if out is not arr:
+            arr[...] = out
     return arr
 
 

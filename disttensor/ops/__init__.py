@@ -57,13 +57,37 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _r() -> Any:
+def _check_modules(*objs: Any) -> None:
+    """Raise TypeError for DistArrays whose blocks the NumPy-style operations cannot handle.
+
+    These operations are written for NumPy and CuPy blocks. Blocks of other
+    array API libraries support the core operations (creation, redistribution,
+    halo exchange, gathering), not these, and get a clear error instead of a
+    wrong answer. Checks ``objs`` and the items of sequences among them.
+    """
+    from ..backend import is_cupy, is_numpy
+
+    for obj in objs:
+        items = obj if isinstance(obj, (list, tuple)) else (obj,)
+        for item in items:
+            xp = getattr(item, "xp", None) if isinstance(item, ArrayOperators) else None
+            if xp is not None and not (is_numpy(xp) or is_cupy(xp)):
+                raise TypeError(
+                    "NumPy-style operations on DistArrays need NumPy or CuPy blocks; these "
+                    f"blocks are {xp.__name__} arrays. Use .local with {xp.__name__}, or the "
+                    "core operations (redistribute, exchange_halo, to_global, ...)"
+                )
+
+
+def _r(x: Any) -> Any:
+    _check_modules(x)
     from . import reductions
 
     return reductions
 
 
-def _s() -> Any:
+def _s(x: Any) -> Any:
+    _check_modules(x)
     from . import shape
 
     return shape
@@ -82,11 +106,13 @@ class ArrayOperators(NDArrayOperatorsMixin):
 
     # ------------------------------------------------------------ protocols
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        _check_modules(self, inputs, kwargs.get("out"))
         from .ufuncs import array_ufunc
 
         return array_ufunc(ufunc, method, inputs, kwargs)
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        _check_modules(self, args, *args, *kwargs.values())
         from .functions import array_function
 
         return array_function(func, types, args, kwargs)
@@ -95,6 +121,7 @@ class ArrayOperators(NDArrayOperatorsMixin):
         """The Python array API namespace for DistArrays (:mod:`disttensor.ops.namespace`)."""
         if api_version is not None and api_version not in ("2022.12", "2023.12"):
             raise ValueError(f"unsupported array API version {api_version!r}")
+        _check_modules(self)
         from . import namespace
 
         return namespace
@@ -107,17 +134,20 @@ class ArrayOperators(NDArrayOperatorsMixin):
 
     # ------------------------------------------------------------ indexing
     def __getitem__(self, key: Any) -> Any:
+        _check_modules(self)
         from .indexing import getitem
 
         return getitem(self, key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        _check_modules(self, value)
         from .indexing import setitem
 
         setitem(self, key, value)
 
     # ------------------------------------------------------------ scalars
     def _scalar(self) -> Any:
+        _check_modules(self)
         if self.size != 1:  # type: ignore[attr-defined]
             raise TypeError("only DistArrays with one element can be converted to Python "
                             "scalars")
@@ -158,108 +188,110 @@ class ArrayOperators(NDArrayOperatorsMixin):
     def sum(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False,
             **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.sum`."""
-        return _r().sum(self, axis, dtype, out, keepdims, **kw)
+        return _r(self).sum(self, axis, dtype, out, keepdims, **kw)
 
     def prod(self, axis: Any = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.prod`."""
-        return _r().prod(self, axis, dtype, out, keepdims, **kw)
+        return _r(self).prod(self, axis, dtype, out, keepdims, **kw)
 
     def mean(self, axis: Any = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.mean`."""
-        return _r().mean(self, axis, dtype, out, keepdims, **kw)
+        return _r(self).mean(self, axis, dtype, out, keepdims, **kw)
 
     def var(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0,
             keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.var`."""
-        return _r().var(self, axis, dtype, out, ddof, keepdims, **kw)
+        return _r(self).var(self, axis, dtype, out, ddof, keepdims, **kw)
 
     def std(self, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0,
             keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.std`."""
-        return _r().std(self, axis, dtype, out, ddof, keepdims, **kw)
+        return _r(self).std(self, axis, dtype, out, ddof, keepdims, **kw)
 
     def min(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.min`."""
-        return _r().min(self, axis, out, keepdims, **kw)
+        return _r(self).min(self, axis, out, keepdims, **kw)
 
     def max(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.max`."""
-        return _r().max(self, axis, out, keepdims, **kw)
+        return _r(self).max(self, axis, out, keepdims, **kw)
 
     def argmin(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
         """See :func:`disttensor.ops.reductions.argmin`."""
-        return _r().argmin(self, axis, out, keepdims=keepdims)
+        return _r(self).argmin(self, axis, out, keepdims=keepdims)
 
     def argmax(self, axis: Any = None, out: Any = None, *, keepdims: bool = False) -> Any:
         """See :func:`disttensor.ops.reductions.argmax`."""
-        return _r().argmax(self, axis, out, keepdims=keepdims)
+        return _r(self).argmax(self, axis, out, keepdims=keepdims)
 
     def all(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.all`."""
-        return _r().all(self, axis, out, keepdims, **kw)
+        return _r(self).all(self, axis, out, keepdims, **kw)
 
     def any(self, axis: Any = None, out: Any = None, keepdims: bool = False, **kw: Any) -> Any:
         """See :func:`disttensor.ops.reductions.any`."""
-        return _r().any(self, axis, out, keepdims, **kw)
+        return _r(self).any(self, axis, out, keepdims, **kw)
 
     def cumsum(self, axis: Any = None, dtype: Any = None, out: Any = None) -> Any:
         """See :func:`disttensor.ops.reductions.cumsum`."""
-        return _r().cumsum(self, axis, dtype, out)
+        return _r(self).cumsum(self, axis, dtype, out)
 
     def cumprod(self, axis: Any = None, dtype: Any = None, out: Any = None) -> Any:
         """See :func:`disttensor.ops.reductions.cumprod`."""
-        return _r().cumprod(self, axis, dtype, out)
+        return _r(self).cumprod(self, axis, dtype, out)
 
     # ------------------------------------------------------------ shape
     def reshape(self, *shape: Any, order: str = "C", copy: Any = None) -> Any:
         """See :func:`disttensor.ops.shape.reshape` (``x.reshape(2, 3)`` works too)."""
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = tuple(shape[0])
-        return _s().reshape(self, shape, order, copy=copy)
+        return _s(self).reshape(self, shape, order, copy=copy)
 
     def transpose(self, *axes: Any) -> Any:
         """See :func:`disttensor.ops.shape.transpose` (``x.transpose(1, 0)`` works too)."""
         if len(axes) == 1 and (axes[0] is None or not isinstance(axes[0], int)):
             axes = axes[0]
-        return _s().transpose(self, axes or None)
+        return _s(self).transpose(self, axes or None)
 
     @property
     def T(self) -> Any:
         """The array with its dimensions reversed."""
-        return _s().transpose(self)
+        return _s(self).transpose(self)
 
     @property
     def mT(self) -> Any:
         """The array with its last two dimensions swapped."""
-        return _s().matrix_transpose(self)
+        return _s(self).matrix_transpose(self)
 
     def swapaxes(self, axis1: int, axis2: int) -> Any:
         """See :func:`disttensor.ops.shape.swapaxes`."""
-        return _s().swapaxes(self, axis1, axis2)
+        return _s(self).swapaxes(self, axis1, axis2)
 
     def ravel(self, order: str = "C") -> Any:
         """The flattened array (a copy)."""
-        return _s().ravel(self, order)
+        return _s(self).ravel(self, order)
 
     def flatten(self, order: str = "C") -> Any:
         """The flattened array (a copy)."""
-        return _s().ravel(self, order)
+        return _s(self).ravel(self, order)
 
     def squeeze(self, axis: Any = None) -> Any:
         """See :func:`disttensor.ops.shape.squeeze`."""
-        return _s().squeeze(self, axis)
+        return _s(self).squeeze(self, axis)
 
     # ------------------------------------------------------------ element-wise
     def clip(self, min: Any = None, max: Any = None, out: Any = None, **kw: Any) -> Any:
         """See :func:`disttensor.ops.elementwise.clip`."""
+        _check_modules(self)
         from .elementwise import clip
 
         return clip(self, min, max, out, **kw)
 
     def round(self, decimals: int = 0, out: Any = None) -> Any:
         """See :func:`disttensor.ops.elementwise.round`."""
+        _check_modules(self)
         from .elementwise import round as round_
 
         return round_(self, decimals, out)
@@ -275,6 +307,7 @@ class ArrayOperators(NDArrayOperatorsMixin):
     @property
     def real(self) -> Any:
         """The real part (a new array)."""
+        _check_modules(self)
         from .elementwise import real
 
         return real(self)
@@ -282,12 +315,14 @@ class ArrayOperators(NDArrayOperatorsMixin):
     @property
     def imag(self) -> Any:
         """The imaginary part (a new array)."""
+        _check_modules(self)
         from .elementwise import imag
 
         return imag(self)
 
     def dot(self, b: Any, out: Any = None) -> Any:
         """See :func:`disttensor.ops.linalg.dot`."""
+        _check_modules(self, b)
         from .linalg import dot
 
         return dot(self, b, out)

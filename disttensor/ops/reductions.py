@@ -23,8 +23,9 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import to_numpy_dtype
 
-from ..backend import is_numpy, mpi_dtype, to_numpy
+from ..backend import mpi_dtype, numpy_dtype, to_numpy
 from ..distribution import Distribution
+from ..transport import allreduce as transport_allreduce
 from ._util import (
     axis_index,
     is_dist,
@@ -145,12 +146,9 @@ def allreduce(partial: Any, dist: Distribution, dims: tuple[int, ...], ufunc: np
     comm = dist.grid.subcomm(axes)
     if comm.Get_size() == 1 or partial.size == 0:
         return partial
-    buf = np.ascontiguousarray(to_numpy(partial))
-    if buf is partial and not buf.flags.writeable:
-        buf = buf.copy()
-    # a plain buffer: mpi4py picks the predefined datatype that built-in ops need
-    comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op(ufunc, buf.dtype))
-    return buf if is_numpy(xp) else xp.asarray(buf)
+    # through the array module's transport (device memory, host staging or NCCL); a plain
+    # buffer, so that mpi4py picks the predefined datatype that built-in ops need
+    return transport_allreduce(partial, comm, mpi_op(ufunc, numpy_dtype(partial.dtype)))
 
 
 def _local_empty(dist: Distribution, dims: tuple[int, ...]) -> bool:
