@@ -263,3 +263,117 @@ def test_bench_gpu_dry_run(tmp_path):
     assert data["info"]["dry_run"] and [r["layer"] for r in data["rows"]] == [
         "resnet_3x3_7", "mesh_5x5s2_2048"]
     assert all(r["im2col_fwdbwd_ms"] > 0 and "error" not in r for r in data["rows"])
+
+
+class _FakeTensor:
+    def __init__(self, name, dim=None):
+        self.name, self.dim = name, dim
+
+    def set_output(self, flag):
+        return self
+
+    def set_dim(self, dim):
+        self.dim = list(dim)
+        return self
+
+    def set_stride(self, stride):
+        self.stride = list(stride)
+        return self
+
+
+class _FakeGraph:
+    """cuDNN frontend graph stand-in that convolves with the NumPy kernels."""
+
+    def __init__(self, **kw):
+        self.kind = None
+
+    def tensor(self, name, dim, stride, data_type):
+        assert stride == [int(np.prod(dim[i + 1:])) for i in range(len(dim))]
+        return _FakeTensor(name, list(dim))
+
+    def _conv(self, kind, padding, stride, dilation, compute_data_type):
+        assert padding == [0] * len(stride) and len(stride) >= 2
+        self.kind, self.stride, self.dilation = kind, stride, dilation
+        return _FakeTensor("out")
+
+    def conv_fprop(self, image, weight, **kw):
+        return self._conv("fprop", **kw)
+
+    def conv_dgrad(self, loss, filter, **kw):
+        return self._conv("dgrad", **kw)
+
+    def conv_wgrad(self, image, loss, **kw):
+        return self._conv("wgrad", **kw)
+
+    def validate(self):
+        pass
+
+    build_operation_graph = check_support = build_plans = validate
+
+    def create_execution_plans(self, modes):
+        pass
+
+    def get_workspace_size(self):
+        return 16
+
+    def execute(self, pack, workspace, handle):
+        (ta, a), (tb, b), (tout, out) = pack.items()
+        assert list(a.shape) == ta.dim and list(b.shape) == tb.dim and list(out.shape) == tout.dim
+        s, d = self.stride, self.dilation
+        groups = (a.shape[1] // b.shape[1]) if self.kind == "fprop" else None
+        if self.kind == "fprop":
+            out[...] = numpy_kernels.conv_forward(a, b, None, s, d, groups)
+        else:
+            x = a if self.kind == "wgrad" else None
+            w = b if self.kind == "dgrad" else None
+            dy = a if self.kind == "dgrad" else b
+            shape = tout.dim
+            if self.kind == "dgrad":
+                groups = shape[1] // w.shape[1]
+                x = np.zeros(shape)
+            else:
+                groups = x.shape[1] // shape[1]
+                w = np.zeros(shape)
+            dx, dw, _ = numpy_kernels.conv_backward(dy, x, w, s, d, groups)
+            out[...] = dx if self.kind == "dgrad" else dw
+
+
+def test_cupy_kernels_cudnn_glue(monkeypatch):
+    """The cuDNN path of the CuPy kernels, with stand-ins for CuPy and the cuDNN frontend
+    that compute with NumPy: shapes, 1-D as 2-D, operand order, bias and its gradient."""
+    from disttensor_nn.kernels import cupy_kernels as ck
+
+    fake_cupy = types.SimpleNamespace(
+        empty=np.empty, ascontiguousarray=np.ascontiguousarray, uint8=np.uint8,
+        cuda=types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+            get_current_stream=lambda: types.SimpleNamespace(ptr=0, synchronize=lambda: None)))
+    fake_cudnn = types.SimpleNamespace(
+        data_type=types.SimpleNamespace(FLOAT="f", DOUBLE="d", HALF="h"),
+        heur_mode=types.SimpleNamespace(A="a", FALLBACK="fb"),
+        create_handle=lambda: "handle", set_stream=lambda handle, stream: None,
+        pygraph=_FakeGraph)
+    monkeypatch.setattr(ck, "_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(ck, "_cudnn", fake_cudnn)
+    monkeypatch.setattr(ck, "_cudnn_checked", True)
+    monkeypatch.setattr(ck, "_graphs", {})
+    monkeypatch.setattr(ck, "_handles", {})
+    monkeypatch.setattr(ck, "use_cudnn", True)
+    ck.synchronize()
+    for _, xs, ws, stride, dilation, groups, _w in CONV_CASES[:-2]:
+        x, w, b = _data(xs, ws)
+        ck.calls.clear()
+        y = ck.conv_forward(x, w, b, stride, dilation, groups)
+        np.testing.assert_allclose(
+            y, numpy_kernels.conv_forward(x, w, b, stride, dilation, groups), **TOL)
+        dy = np.random.default_rng(2).standard_normal(y.shape)
+        got = ck.conv_backward(dy, x, w, stride, dilation, groups)
+        want = numpy_kernels.conv_backward(dy, x, w, stride, dilation, groups)
+        for g, r in zip(got, want):
+            np.testing.assert_allclose(g, r, **TOL)
+        assert ck.calls == {"cudnn": 2}
+    # mixed dtypes are not given to cuDNN
+    x, w, b = _data((1, 2, 6, 6), (2, 2, 3, 3))
+    ck.calls.clear()
+    ck.conv_forward(x.astype(np.float32), w, b, (1, 1), (1, 1))
+    assert ck.calls == {"im2col": 1}

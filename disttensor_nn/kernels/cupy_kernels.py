@@ -29,19 +29,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import cupy
 import numpy as np
 
 from . import xp_kernels
-from .xp_kernels import out_shape, pool_backward, pool_forward, windows
+from .xp_kernels import out_shape, pool_backward, pool_forward, windows  # noqa: F401
 
 __all__ = [
-    "out_shape",
-    "windows",
     "conv_forward",
     "conv_backward",
-    "pool_forward",
-    "pool_backward",
     "synchronize",
     "cudnn_available",
     "use_cudnn",
@@ -64,9 +59,15 @@ _handles: dict[int, Any] = {}
 _graphs: dict[tuple, Any] = {}
 
 
+def _cupy() -> Any:
+    import cupy  # imported on first use: this module loads (for its documentation) without CuPy
+
+    return cupy
+
+
 def synchronize() -> None:
     """Wait for the kernels queued on the current CuPy stream."""
-    cupy.cuda.get_current_stream().synchronize()
+    _cupy().cuda.get_current_stream().synchronize()
 
 
 def cudnn_available() -> bool:
@@ -84,7 +85,7 @@ def cudnn_available() -> bool:
 
 
 def _handle() -> Any:
-    dev = cupy.cuda.runtime.getDevice()
+    dev = _cupy().cuda.runtime.getDevice()
     h = _handles.get(dev)
     if h is None:
         h = _handles[dev] = _cudnn.create_handle()
@@ -148,6 +149,7 @@ def _run(kind: str, first: Any, second: Any, xs: tuple, ws: tuple, ys: tuple,
     """Run one cuDNN convolution direction; None when cuDNN cannot do it (use im2col)."""
     if not (use_cudnn and cudnn_available()):
         return None
+    cupy = _cupy()
     dtype = first.dtype
     if second.dtype != dtype or _cudnn_types(dtype) is None:
         return None
