@@ -171,16 +171,16 @@ def _detect_gpu_aware() -> bool:
             return bool(query())
         except Exception:  # pragma: no cover - depends on the MPI build
             return False
-    try:  # Open MPI and MPICH export the extension from their shared library
+    try:  # Open MPI and MPICH export the extension from the library mpi4py is linked to
         import ctypes
 
-        fn = getattr(ctypes.CDLL(None), "MPIX_Query_cuda_support", None)
+        fn = getattr(ctypes.CDLL(MPI.__file__), "MPIX_Query_cuda_support", None)
         if fn is None:
             return False
         fn.restype = ctypes.c_int
         fn.argtypes = []
         return bool(fn())
-    except OSError:  # pragma: no cover - platforms without a global symbol table
+    except OSError:  # pragma: no cover - a statically linked or unusual build
         return False
 
 
