@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from disttensor.device import use_device
+
 __all__ = ["build_model", "parse_bytes", "parse_size", "plan_main", "make_plan", "train_main"]
 
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mesh", "mesh-small", "mesh-demo")
@@ -71,6 +73,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     ``comm`` calls this, and ``comm`` should be the job's), then rank 0 plans
     while the others wait and every rank returns the same plan (and
     ``planner`` None off rank 0); without ``comm`` in this process alone.
+    A profile calibrated with ``--device gpu`` times the kernels on this
+    rank's GPU.
 
     Raises
     ------
@@ -82,7 +86,10 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
 
     profile = load_profile(machine)
     memory = profile.memory_per_rank if memory is None else memory
-    timer = KernelTimer(machine_id(profile), measure=measure) if profile.measured else None
+    timer = None
+    if profile.measured:  # kernels are timed where the profile's ranks compute (CPU or GPU)
+        xp = use_device(profile.device, MPI.COMM_SELF if comm is None else comm)
+        timer = KernelTimer(machine_id(profile), measure=measure, xp=xp)
     planner = Planner(model, batch_shape, CostModel(profile, nprocs, timer, itemsize), memory)
     if comm is None:
         try:
@@ -129,12 +136,16 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", type=parse_size, help="input spatial size, e.g. 256x256")
     parser.add_argument("--memory-per-rank", type=parse_bytes, help="e.g. 8GiB")
     parser.add_argument("--machine", default="this",
-                        help="'this' (calibrated), a builtin profile, or a JSON profile")
+                        help="'this' or 'this-gpu' (calibrated), a builtin profile, "
+                        "or a JSON profile")
     parser.add_argument("--json", help="write the plan as JSON to this file")
     parser.add_argument("--no-measure", action="store_true",
                         help="estimate missing kernel times instead of measuring them")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this machine's profile (run under mpiexec, >= 2 ranks)")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="with --calibrate: ranks compute on CPU cores or one GPU each; the "
+                        "GPU profile is then --machine this-gpu")
     parser.add_argument("--scaling", help="comma-separated rank counts: predicted strong scaling")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
     args = parser.parse_args(argv)
@@ -145,7 +156,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if args.calibrate:
         from .plan.calibrate import calibrate
 
-        profile = calibrate(comm)
+        profile = calibrate(comm, device=args.device)
         if comm.Get_rank() == 0:
             print(f"calibrated {profile.name}: p2p alpha {profile.p2p_alpha * 1e6:.1f} us, "
                   f"{1e-9 / profile.p2p_beta:.2f} GB/s; allreduce alpha "

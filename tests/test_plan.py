@@ -305,3 +305,49 @@ def test_make_plan_collective_gives_every_rank_the_same_plan(tmp_path_factory, m
     collective_assert(all(t == texts[0] for t in texts), "plans differ between ranks")
     collective_assert((planner is not None) == (comm.rank == 0), "planner on rank 0 only")
     collective_assert(all(e.fwd > 0 for e in plan.entries), "kernel times missing")
+
+
+def _cupy_with_gpu():
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        return None
+
+
+@pytest.mark.skipif(_cupy_with_gpu() is None, reason="needs CuPy and a GPU")
+def test_kernel_timer_measures_gpu_twins(tmp_path):
+    """With xp=cupy the twins run on the GPU (synchronised timing), under their own keys."""
+    from disttensor_nn.plan import KernelTimer
+
+    cupy = _cupy_with_gpu()
+    timer = KernelTimer("gpu", cache_dir=str(tmp_path), xp=cupy)
+    planner = Planner(_small_net(), (4, 3, 12, 10),
+                      CostModel(profile(measured=True), 1, timer))
+    assert planner.calibrate() == 1
+    assert timer.table and all(k.endswith("|cupy") for k in timer.table)
+    assert all(v[0] > 0 and v[1] > 0 for v in timer.table.values())
+    conv = planner.nodes[0].layer
+    f, b, est, _ = timer.times(conv, (2, 3, 14, 12), np.dtype(np.float32), 1e6)  # alone
+    assert f > 0 and b > 0 and not est
+
+
+@pytest.mark.parallel([2, 3])
+def test_machine_calibration(tmp_path_factory):
+    """calibrate() gives every rank the same profile with positive constants and saves it."""
+    from disttensor_nn.plan.calibrate import calibrate
+    from disttensor_nn.plan.machine import this_machine_path
+
+    comm = MPI.COMM_WORLD
+    cache = comm.bcast(str(tmp_path_factory.mktemp("calib")) if comm.rank == 0 else None)
+    prof = calibrate(comm, reps=2, cache_dir=cache)
+    same = comm.allgather(prof)
+    collective_assert(all(q == prof for q in same), "profiles differ between ranks")
+    collective_assert(prof.measured and prof.device == "cpu", str(prof))
+    constants = (prof.p2p_alpha, prof.p2p_beta, prof.allreduce_alpha, prof.allreduce_beta,
+                 prof.alltoall_alpha, prof.alltoall_beta, prof.peak_flops, prof.mem_bandwidth)
+    collective_assert(all(c > 0 and math.isfinite(c) for c in constants), str(constants))
+    collective_assert(MachineProfile.load(this_machine_path(cache)) == prof, "saved profile")
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        calibrate(MPI.COMM_SELF)

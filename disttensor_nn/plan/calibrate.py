@@ -2,14 +2,19 @@
 
 Run under ``mpiexec`` with the number of ranks the job will use (at least 2)::
 
-    mpiexec -n 4 disttensor-plan --calibrate
+    mpiexec -n 4 disttensor-plan --calibrate               # CPU ranks
+    mpiexec -n 4 disttensor-plan --calibrate --device gpu  # one GPU per rank
 
 Point-to-point time is measured by ping-pong between ranks 0 and 1,
 allreduce over communicators of 2 .. P ranks and all-to-all over all ranks,
 each at several message sizes; ``alpha`` and ``beta`` of each model are fitted
 by least squares. The float32 GEMM rate and the memory bandwidth of one rank
 are measured while every rank runs the same benchmark (so contention between
-ranks sharing cores is included).
+ranks sharing cores is included). Messages travel the way the library sends
+them: through the array module's transport (:mod:`disttensor.transport`:
+device buffers straight to a CUDA-aware MPI, staged through pinned host
+memory, or NCCL) and the library's own redistribution, and device work is
+synchronised before every clock reading.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ import os
 import socket
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+
+from disttensor.backend import synchronize
+from disttensor.device import use_device
+from disttensor.transport import transport_for
 
 from .machine import MachineProfile, this_machine_path
 
@@ -30,13 +40,15 @@ __all__ = ["calibrate"]
 SIZES = [2**k for k in range(3, 24, 3)]  # 8 B .. 8 MiB
 
 
-def _median_time(fn, comm: MPI.Comm, reps: int) -> float:
+def _median_time(fn, comm: MPI.Comm, reps: int, xp: Any = np) -> float:
     fn()
     times = []
     for _ in range(reps):
+        synchronize(xp)
         comm.Barrier()
         t0 = time.perf_counter()
         fn()
+        synchronize(xp)
         times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     return statistics.median(times)
 
@@ -49,47 +61,66 @@ def _fit(features: list[list[float]], times: list[float]) -> tuple[float, float]
     return float(max(coef[0], 1e-8)), float(max(coef[1], 1e-13))
 
 
-def _p2p(comm: MPI.Comm, reps: int) -> tuple[float, float]:
+def _p2p(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     rank = comm.Get_rank()
+    pair = comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    t = transport_for(xp)
     feats, times = [], []
     for n in SIZES:
-        buf = np.zeros(n, np.uint8)
+        buf = xp.zeros(n, dtype=np.uint8)
 
-        def ping(buf: np.ndarray = buf) -> None:
+        def send(peer: int, buf: Any = buf) -> None:
+            out = t.outgoing(buf)
+            MPI.Request.Waitall(t.post(pair, [], [(out, peer, 0)]))
+            if out is not buf:
+                t.release(out)
+
+        def recv(peer: int, buf: Any = buf) -> None:
+            into = t.incoming(buf)
+            MPI.Request.Waitall(t.post(pair, [(into, peer, 0)], []))
+            t.deliver(buf, into)
+
+        def ping() -> None:
             for _ in range(4):
                 if rank == 0:
-                    comm.Send(buf, 1)
-                    comm.Recv(buf, 1)
+                    send(1)
+                    recv(1)
                 elif rank == 1:
-                    comm.Recv(buf, 0)
-                    comm.Send(buf, 0)
+                    recv(0)
+                    send(0)
 
-        t = _median_time(ping, comm, reps) / 8
+        if pair != MPI.COMM_NULL:
+            tp = _median_time(ping, pair, reps, xp) / 8
+        else:
+            tp = 0.0
         feats.append([1.0, n])
-        times.append(t)
+        times.append(comm.allreduce(tp, op=MPI.MAX))
+    if pair != MPI.COMM_NULL:
+        pair.Free()
     return _fit(feats, times)
 
 
-def _allreduce(comm: MPI.Comm, reps: int) -> tuple[float, float]:
+def _allreduce(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     feats, times = [], []
     size = comm.Get_size()
+    t = transport_for(xp)
     for p in sorted({2, size}):
         sub = comm.Split(0 if comm.Get_rank() < p else MPI.UNDEFINED, comm.Get_rank())
         for n in SIZES:
-            x = np.zeros(max(n // 8, 1))
+            x = xp.zeros(max(n // 8, 1), dtype=np.float64)
             if sub != MPI.COMM_NULL:
-                t = _median_time(lambda s=sub, x=x: s.Allreduce(MPI.IN_PLACE, x), sub, reps)
+                tp = _median_time(lambda s=sub, x=x: t.allreduce(x, s), sub, reps, xp)
             else:
-                t = 0.0
-            t = comm.allreduce(t, op=MPI.MAX)
+                tp = 0.0
+            tp = comm.allreduce(tp, op=MPI.MAX)
             feats.append([2 * np.log2(p), 2 * (p - 1) / p * x.nbytes])
-            times.append(t)
+            times.append(tp)
         if sub != MPI.COMM_NULL:
             sub.Free()
     return _fit(feats, times)
 
 
-def _alltoall(comm: MPI.Comm, reps: int) -> tuple[float, float]:
+def _alltoall(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     """Shuffles as the library runs them: a redistribution from a row split to a column split."""
     from disttensor import DistArray, Distribution, ProcessGrid
 
@@ -100,47 +131,67 @@ def _alltoall(comm: MPI.Comm, reps: int) -> tuple[float, float]:
         side = max(p, int(np.sqrt(max(n // 4, 1))))
         rows = Distribution((side, side), grid, (0, None))
         cols = Distribution((side, side), grid, (None, 0))
-        x = DistArray.zeros(rows, np.float32)
-        out = DistArray.empty(cols, np.float32)
-        t = _median_time(lambda x=x, out=out, cols=cols: x.redistribute(cols, out), comm, reps)
+        x = DistArray.zeros(rows, np.float32, xp=xp)
+        out = DistArray.empty(cols, np.float32, xp=xp)
+        t = _median_time(lambda x=x, out=out, cols=cols: x.redistribute(cols, out), comm, reps,
+                         xp)
         moved = max(math.prod(x.local_shape) * (p - 1) // p, 1) * 4
         feats.append([p - 1, moved])
         times.append(t)
     return _fit(feats, times)
 
 
-def _compute(comm: MPI.Comm) -> tuple[float, float]:
-    a = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
-    t = _median_time(lambda: a @ a, comm, 5)
-    flops = 2 * 1024**3 / t
-    big = np.ones(2**24, np.float32)
-    out = np.empty_like(big)
-    t = _median_time(lambda: np.copyto(out, big), comm, 5)
+def _compute(comm: MPI.Comm, xp: Any) -> tuple[float, float]:
+    n = 1024 if xp is np else 4096
+    a = xp.asarray(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32))
+    t = _median_time(lambda: a @ a, comm, 5, xp)
+    flops = 2 * n**3 / t
+    big = xp.ones(2**24 if xp is np else 2**27, dtype=np.float32)
+    out = xp.empty_like(big)
+    t = _median_time(lambda: out.__setitem__(Ellipsis, big), comm, 5, xp)
     return flops, 2 * big.nbytes / t
 
 
+def _device_memory(xp: Any, ranks_per_device: int) -> float:
+    """Bytes of memory per rank: the host's, or the GPU's shared by the ranks using it."""
+    if xp is np:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks_per_device
+    return xp.cuda.Device().mem_info[1] / ranks_per_device  # pragma: no cover - GPU only
+
+
 def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
-              cache_dir: str | None = None) -> MachineProfile:
+              cache_dir: str | None = None, device: str = "cpu") -> MachineProfile:
     """Measure and (on rank 0) save the profile of this machine; collective.
 
+    With ``device="gpu"`` every rank drives a GPU (:func:`disttensor.use_device`),
+    buffers live there and the profile is saved as ``this-gpu``
+    (``load_profile("this-gpu")``); its compute units per node are the GPUs.
     Returns the same :class:`MachineProfile` on every rank.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_size() < 2:
         raise ValueError("calibration needs at least 2 ranks (run it under mpiexec -n P)")
-    p2p = _p2p(comm, reps)
-    ar = _allreduce(comm, reps)
-    a2a = _alltoall(comm, reps)
-    flops, bw = _compute(comm)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / comm.Get_size()
+    xp = use_device(device, comm)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    per_node = node.Get_size()
+    node.Free()
+    units = os.cpu_count() or 1
+    if device == "gpu":  # pragma: no cover - GPU only
+        units = xp.cuda.runtime.getDeviceCount()
+    p2p = _p2p(comm, reps, xp)
+    ar = _allreduce(comm, reps, xp)
+    a2a = _alltoall(comm, reps, xp)
+    flops, bw = _compute(comm, xp)
+    mem = _device_memory(xp, max(1, per_node // units) if device == "gpu" else per_node)
+    suffix = "" if device == "cpu" else f"-{device}"
     profile = MachineProfile(
-        name=f"this:{socket.gethostname()}",
+        name=f"this{suffix}:{socket.gethostname()}",
         p2p_alpha=p2p[0], p2p_beta=p2p[1], allreduce_alpha=ar[0], allreduce_beta=ar[1],
         alltoall_alpha=a2a[0], alltoall_beta=a2a[1], peak_flops=flops, efficiency=1.0,
-        mem_bandwidth=bw, memory_per_rank=mem, cores_per_node=os.cpu_count() or 1,
-        measured=True,
+        mem_bandwidth=bw, memory_per_rank=mem, cores_per_node=units,
+        measured=True, device=device,
         notes=f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}",
     )
     if save and comm.Get_rank() == 0:
-        profile.save(this_machine_path(cache_dir))
+        profile.save(this_machine_path(cache_dir, device))
     return comm.bcast(profile, root=0)

@@ -22,12 +22,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from disttensor import Distribution
+from disttensor.backend import is_numpy
 
+from ..kernels import synchronize
 from ..layers.conv import ConvNd
 from ..layers.dense import Flatten, Linear
 from ..layers.elementwise import LeakyReLU, Sigmoid
@@ -35,6 +38,7 @@ from ..layers.norm import BatchNormNd
 from ..layers.pool import GlobalAvgPool, _Pool
 from ..layers.window_layer import WindowLayer
 from ..module import Layer
+from ..placement import to_array_module
 from ..window import output_layout
 from .machine import MachineProfile, default_cache_dir
 
@@ -142,12 +146,17 @@ class KernelTimer:
 
     With ``measure=False`` a missing entry is estimated from the FLOP rate of
     measured entries of the same kind (the cost is then marked estimated).
+    With ``xp`` (e.g. ``cupy``) the twins and their data live in that array
+    module, and the device is synchronised before every clock reading
+    (:func:`disttensor_nn.kernels.synchronize`); its name is part of the keys.
     """
 
     def __init__(self, machine: str, cache_dir: str | None = None, measure: bool = True,
-                 reps: int = 5):
+                 reps: int = 5, xp: ModuleType | None = None):
         self.path = os.path.join(cache_dir or default_cache_dir(), f"kernels-{machine}.json")
         self.measure, self.reps = measure, reps
+        self.xp = np if xp is None else xp
+        self._where = "" if is_numpy(self.xp) else f"|{self.xp.__name__}"
         self.table: dict[str, list[float]] = {}
         if os.path.exists(self.path):
             with open(self.path) as f:
@@ -158,7 +167,7 @@ class KernelTimer:
             corun: int = 0) -> str:
         """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks."""
         where = f"seq{corun}" if corun else "alone"
-        return f"{_signature(layer)}|{tuple(local_in)}|{np.dtype(dtype).str}|{where}"
+        return f"{_signature(layer)}|{tuple(local_in)}|{np.dtype(dtype).str}|{where}{self._where}"
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
               flops: float, corun: int = 1) -> tuple[float, float, bool, int]:
@@ -191,22 +200,32 @@ class KernelTimer:
                  if k.split(":")[0] == kind and len(v) > 2 and v[2] > 0]
         return statistics.median(rates) if rates else 5e9
 
+    def _twin(self, layer: Layer) -> Layer:
+        twin = _local_twin(layer)
+        return twin if is_numpy(self.xp) else to_array_module(twin, self.xp)
+
+    def _clock(self) -> float:
+        synchronize(self.xp)
+        return time.perf_counter()
+
     def _run(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype) -> tuple[float, float]:
         if any(n == 0 for n in local_in):
             return 0.0, 0.0
-        twin = _local_twin(layer)
-        x = _self_array(np.random.default_rng(0).standard_normal(local_in).astype(dtype))
+        xp = self.xp
+        twin = self._twin(layer)
+        x = _self_array(xp.asarray(np.random.default_rng(0).standard_normal(local_in)
+                                   .astype(dtype)))
         fwd, bwd = [], []
         for _ in range(self.reps + 1):
             x.local[...] = x.local
-            t0 = time.perf_counter()
+            t0 = self._clock()
             y = twin.forward(x)
-            t1 = time.perf_counter()
-            dy = _self_array(np.ones(y.local_shape, y.dtype))
+            t1 = self._clock()
+            dy = _self_array(xp.ones(y.local_shape, y.dtype))
             _evict_caches()
-            t2 = time.perf_counter()
+            t2 = self._clock()
             twin.backward(dy)
-            t3 = time.perf_counter()
+            t3 = self._clock()
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
         return min(fwd[1:]), min(bwd[1:])
@@ -226,9 +245,11 @@ class KernelTimer:
 
         comm = MPI.COMM_SELF if comm is None else comm
         live = [i for i, (_, shape, _, _) in enumerate(queries) if all(n > 0 for n in shape)]
-        twins = [_local_twin(queries[i][0]) for i in live]
+        xp = self.xp
+        twins = [self._twin(queries[i][0]) for i in live]
         rng = np.random.default_rng(0)
-        inputs = [rng.standard_normal(queries[i][1]).astype(queries[i][2]) for i in live]
+        inputs = [xp.asarray(rng.standard_normal(queries[i][1]).astype(queries[i][2]))
+                  for i in live]
         grads: list[np.ndarray | None] = [None] * len(live)
         fwd = np.zeros((reps, len(live)))
         bwd = np.zeros((reps, len(live)))
@@ -241,9 +262,9 @@ class KernelTimer:
                 # it fits, otherwise write a fresh copy (untimed)
                 x = _self_array(prev if prev is not None and prev.shape == inputs[j].shape
                                 else inputs[j].copy())
-                t0 = time.perf_counter()
+                t0 = self._clock()
                 y = twin.forward(x)
-                t1 = time.perf_counter()
+                t1 = self._clock()
                 outs.append(y)
                 prev = y.local
                 if r >= 0:
@@ -251,11 +272,11 @@ class KernelTimer:
             for j in reversed(range(len(twins))):
                 y = outs.pop()
                 if grads[j] is None:
-                    grads[j] = rng.standard_normal(y.local_shape).astype(y.dtype)
+                    grads[j] = xp.asarray(rng.standard_normal(y.local_shape).astype(y.dtype))
                 dy = _self_array(grads[j].copy())  # the layer after wrote it just now
-                t0 = time.perf_counter()
+                t0 = self._clock()
                 twins[j].backward(dy)
-                t1 = time.perf_counter()
+                t1 = self._clock()
                 if r >= 0:
                     bwd[r, j] = t1 - t0
             for twin in twins:
@@ -312,7 +333,7 @@ class QueryRecorder:
         return 0.0, 0.0, False, corun
 
 
-def _self_array(local: np.ndarray):
+def _self_array(local: Any):
     """``local`` as a DistArray on a 1-process grid."""
     from disttensor import DistArray
 

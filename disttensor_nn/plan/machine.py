@@ -35,8 +35,9 @@ class MachineProfile:
     efficiency: float  # fraction of peak that convolutions reach
     mem_bandwidth: float  # bytes/s per rank
     memory_per_rank: float  # bytes
-    cores_per_node: int = 1
+    cores_per_node: int = 1  # compute units (cores, or GPUs) that ranks of a node share
     measured: bool = False
+    device: str = "cpu"  # what a rank computes on: 'cpu' (NumPy) or 'gpu' (CuPy)
     notes: str = ""
     sources: list[str] = field(default_factory=list)
 
@@ -77,10 +78,11 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "disttensor")
 
 
-def this_machine_path(cache_dir: str | None = None) -> str:
-    """Path of this host's calibrated profile."""
+def this_machine_path(cache_dir: str | None = None, device: str = "cpu") -> str:
+    """Path of this host's calibrated profile (for ranks computing on ``device``)."""
+    suffix = "" if device == "cpu" else f"-{device}"
     return os.path.join(cache_dir or default_cache_dir(),
-                        f"machine-{socket.gethostname()}.json")
+                        f"machine-{socket.gethostname()}{suffix}.json")
 
 
 def builtin_profiles() -> dict[str, MachineProfile]:
@@ -122,7 +124,7 @@ def builtin_profiles() -> dict[str, MachineProfile]:
 
 
 def load_profile(name_or_path: str, cache_dir: str | None = None) -> MachineProfile:
-    """A profile by builtin name, by JSON path, or ``"this"`` (the calibrated host).
+    """A profile by builtin name, by JSON path, or ``"this"``/``"this-gpu"`` (calibrated here).
 
     Raises
     ------
@@ -133,12 +135,14 @@ def load_profile(name_or_path: str, cache_dir: str | None = None) -> MachineProf
     profiles = builtin_profiles()
     if name_or_path in profiles:
         return profiles[name_or_path]
-    if name_or_path == "this":
-        path = this_machine_path(cache_dir)
+    if name_or_path in ("this", "this-gpu"):
+        device = "gpu" if name_or_path == "this-gpu" else "cpu"
+        path = this_machine_path(cache_dir, device)
         if not os.path.exists(path):
+            flag = " --device gpu" if device == "gpu" else ""
             raise FileNotFoundError(
                 f"no calibration of this machine at {path}; run "
-                "`mpiexec -n P disttensor-plan --calibrate` first"
+                f"`mpiexec -n P disttensor-plan --calibrate{flag}` first"
             )
         return MachineProfile.load(path)
     if os.path.exists(name_or_path):
