@@ -7,9 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from disttensor.backend import to_numpy
+from disttensor.backend import array_namespace, to_numpy
 
-from .kernels.xp_kernels import namespace
 from .module import Parameter
 
 __all__ = ["SGD"]
@@ -17,8 +16,8 @@ __all__ = ["SGD"]
 
 def _like(ref: Any, buf: Any) -> Any:
     """A copy of ``buf`` in the array module of ``ref`` (NumPy or CuPy)."""
-    xp = namespace(ref)
-    if namespace(buf) is xp:
+    xp = array_namespace(ref)
+    if array_namespace(buf) is xp:
         return xp.array(buf, copy=True)
     return xp.asarray(np.array(to_numpy(buf)))
 

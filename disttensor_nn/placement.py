@@ -7,9 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from disttensor.backend import to_numpy
+from disttensor.backend import array_namespace, to_numpy
 
-from .kernels.xp_kernels import namespace
 from .module import Layer
 
 __all__ = ["to_array_module"]
@@ -19,7 +18,7 @@ BUFFER_ATTRS = ("running_mean", "running_var")
 
 
 def _move(a: Any, xp: ModuleType) -> Any:
-    if namespace(a) is xp:
+    if array_namespace(a) is xp:
         return a
     return xp.asarray(np.ascontiguousarray(to_numpy(a)))
 

@@ -21,19 +21,15 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from disttensor.backend import is_numpy
+from disttensor.backend import array_namespace, is_cupy, is_numpy
+from disttensor.backend import synchronize as backend_synchronize
 
 from . import numpy_kernels
-from .xp_kernels import namespace
 
 __all__ = ["kernels_for", "synchronize"]
 
 # what the generic kernels need of an array module (besides array methods)
 _GENERIC_NEEDS = ("empty", "zeros", "matmul", "ascontiguousarray", "take_along_axis", "where")
-
-
-def _is_cupy(xp: ModuleType) -> bool:
-    return getattr(xp, "__name__", "").split(".")[0] == "cupy"
 
 
 def kernels_for(array: Any) -> ModuleType:
@@ -45,10 +41,10 @@ def kernels_for(array: Any) -> ModuleType:
         For array libraries without the NumPy functions the generic kernels use
         (``lib.stride_tricks.as_strided``, ``matmul``, ...).
     """
-    xp = namespace(array)
+    xp = array_namespace(array)
     if is_numpy(xp):
         return numpy_kernels
-    if _is_cupy(xp):
+    if is_cupy(xp):
         from . import cupy_kernels
 
         return cupy_kernels
@@ -66,11 +62,11 @@ def synchronize(xp: Any = None) -> None:
     """Wait until the kernels queued on ``xp`` (an array module or an array) have finished.
 
     A no-op for NumPy (and for None); for CuPy it synchronises the current
-    stream, so that a host timer around a kernel call measures the kernel.
+    stream (:func:`disttensor.backend.synchronize`), so that a host timer
+    around a kernel call measures the kernel.
     """
     if xp is None:
         return
     if not isinstance(xp, ModuleType):
-        xp = namespace(xp)
-    if _is_cupy(xp):
-        xp.cuda.get_current_stream().synchronize()
+        xp = array_namespace(xp)
+    backend_synchronize(xp)

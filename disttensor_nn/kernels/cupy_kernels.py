@@ -37,7 +37,6 @@ from .xp_kernels import out_shape, pool_backward, pool_forward, windows  # noqa:
 __all__ = [
     "conv_forward",
     "conv_backward",
-    "synchronize",
     "cudnn_available",
     "use_cudnn",
     "calls",
@@ -63,11 +62,6 @@ def _cupy() -> Any:
     import cupy  # imported on first use: this module loads (for its documentation) without CuPy
 
     return cupy
-
-
-def synchronize() -> None:
-    """Wait for the kernels queued on the current CuPy stream."""
-    _cupy().cuda.get_current_stream().synchronize()
 
 
 def cudnn_available() -> bool:

@@ -35,13 +35,11 @@ from disttensor.backend import array_namespace
 from .numpy_kernels import out_shape  # the same geometry for every backend
 
 __all__ = [
-    "namespace",
     "windows",
     "conv_forward",
     "conv_backward",
     "pool_forward",
     "pool_backward",
-    "synchronize",
     "WORKSPACE_BYTES",
 ]
 
@@ -49,25 +47,10 @@ WORKSPACE_BYTES = 256 * 2**20
 """Upper bound on one im2col buffer (bytes) unless one output row alone is larger."""
 
 
-def namespace(a: Any) -> ModuleType:
-    """The array module of ``a``: CuPy for CuPy arrays, else :func:`disttensor.array_namespace`."""
-    if type(a).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return array_namespace(a)
-
-
-def synchronize(xp: ModuleType | None = None) -> None:
-    """Wait for the kernels queued on ``xp``'s current stream (nothing to wait for on a CPU)."""
-    if xp is not None and getattr(xp, "__name__", "").split(".")[0] == "cupy":
-        xp.cuda.get_current_stream().synchronize()
-
-
 def windows(x: Any, kernel: Sequence[int], stride: Sequence[int],
             dilation: Sequence[int]) -> Any:
     """View of shape ``(N, C, *O, *K)``: every window of every output position (do not write)."""
-    xp = namespace(x)
+    xp = array_namespace(x)
     nd = len(kernel)
     o = out_shape(x.shape[2:], kernel, stride, dilation)
     st = x.strides
@@ -130,7 +113,7 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
     -------
     (N, F, *O) array in ``result_type(x, w)``, of ``x``'s array module.
     """
-    xp = namespace(x)
+    xp = array_namespace(x)
     nd = w.ndim - 2
     n, c = x.shape[:2]
     f = w.shape[0]
@@ -169,7 +152,7 @@ def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequ
     Per tile: ``dw += dy @ im2col(x)^T`` and ``dx`` += col2im of ``w^T @ dy``.
     ``dx`` (``dw``) is None unless ``need_dx`` (``need_dw``).
     """
-    xp = namespace(x)
+    xp = array_namespace(x)
     nd = w.ndim - 2
     n, c = x.shape[:2]
     f = w.shape[0]
@@ -224,7 +207,7 @@ def _col2im(dx: Any, dcol: Any, r0: int, r1: int, kernel: Sequence[int],
 def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
                  dilation: Sequence[int], op: str) -> tuple[Any, Any | None]:
     """Max or average over every window; for max also the flat argmax within each window."""
-    xp = namespace(x)
+    xp = array_namespace(x)
     nd = len(kernel)
     win = windows(x, kernel, stride, dilation)
     if op == "avg":
@@ -240,7 +223,7 @@ def pool_backward(dy: Any, x_shape: Sequence[int], kernel: Sequence[int],
                   stride: Sequence[int], dilation: Sequence[int], op: str,
                   arg: Any | None = None) -> Any:
     """Gradient of :func:`pool_forward` over the whole (padded) input."""
-    xp = namespace(dy)
+    xp = array_namespace(dy)
     nd = len(kernel)
     dx = xp.zeros(tuple(x_shape), dtype=dy.dtype)
     o = dy.shape[2:]

@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import to_numpy
+from disttensor.backend import array_namespace, to_numpy
 
-from ..kernels.xp_kernels import namespace
 from ..module import allreduce_, split_axes_comm
 
 __all__ = ["SoftmaxCrossEntropy", "MSELoss", "BCEWithLogitsLoss"]
@@ -35,7 +34,7 @@ def _local_target(target: Any, dist, xp: ModuleType) -> Any:
         if tuple(target.shape) != dist.global_shape:
             raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
         local = target[dist.local_slices()]
-    return local if namespace(local) is xp else xp.asarray(to_numpy(local))
+    return local if array_namespace(local) is xp else xp.asarray(to_numpy(local))
 
 
 def _global_sum(value: float, dist) -> float:
@@ -115,7 +114,7 @@ class BCEWithLogitsLoss(_Pointwise):
 
     @staticmethod
     def _local(p: Any, t: Any) -> tuple[float, Any]:
-        xp = namespace(p)
+        xp = array_namespace(p)
         loss = xp.maximum(p, 0) - p * t + xp.log1p(xp.exp(-xp.abs(p)))
         sig = xp.where(p >= 0, 1 / (1 + xp.exp(-p)), xp.exp(p) / (1 + xp.exp(p)))
         return float(loss.sum()), sig - t

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import array_namespace
 
 from ..kernels import kernels_for
-from ..kernels.xp_kernels import namespace
 from ..module import Layer, allreduce_, check_input, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import WindowLayer
@@ -41,7 +41,7 @@ class _Pool(WindowLayer):
         s = self.spec
         kernels = kernels_for(xwin)
         if xwin.size == 0:  # an empty sample block: nothing to pool (and no argmax to reshape)
-            xp = namespace(xwin)
+            xp = array_namespace(xwin)
             o = tuple(xwin.shape[:2]) + kernels.out_shape(xwin.shape[2:], s.kernel, s.stride,
                                                           s.dilation)
             return xp.empty(o, dtype=xwin.dtype), xp.empty(o, dtype=np.intp)
