@@ -236,7 +236,15 @@ class Distribution:
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         """Shape of ``rank``'s block."""
+        if rank is None and self.grid is not None:
+            return self._own_shape
         bi = self.block_index(rank)
+        return tuple(b[i + 1] - b[i] for b, i in zip(self.boundaries, bi))
+
+    @cached_property
+    def _own_shape(self) -> tuple[int, ...]:
+        # asked for on every DistArray construction: computed once per Distribution
+        bi = self.block_index(None)
         return tuple(b[i + 1] - b[i] for b, i in zip(self.boundaries, bi))
 
     def local_start(self, rank: int | None = None) -> tuple[int, ...]:

@@ -65,7 +65,7 @@ class Sequential(Layer):
 def _to_layout(x: DistArray, layout: Layout | None):
     if layout is None:
         return x, None
-    if Layout.of(x.dist) == layout:  # same split; derived block boundaries are kept
+    if layout.matches(x.dist):  # same split; derived block boundaries are kept
         return x, None
     return x.redistribute(layout.distribution(x.shape)), x.dist
 

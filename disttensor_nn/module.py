@@ -57,7 +57,8 @@ class Layout:
     def __init__(self, grid: ProcessGrid, axes: Sequence[Any]):
         self.grid = grid
         self.axes = tuple(axes)
-        Distribution((0,) * len(self.axes), grid.shape, self.axes)  # validates
+        # validates, and gives the axes in the form Distribution.axes reports them
+        self._normal_axes = Distribution((0,) * len(self.axes), grid.shape, self.axes).axes
 
     def distribution(self, shape: Sequence[int]) -> Distribution:
         """The Distribution of an array of ``shape`` under this layout."""
@@ -65,16 +66,21 @@ class Layout:
             raise ValueError(f"layout {self.axes} is for {len(self.axes)}-D arrays, got {shape}")
         return Distribution(tuple(shape), self.grid, self.axes)
 
+    def matches(self, dist: Distribution) -> bool:
+        """Whether ``dist`` is split as this layout says (``Layout.of(dist) == self``)."""
+        return dist.grid == self.grid and dist.axes == self._normal_axes
+
     @classmethod
     def of(cls, dist: Distribution) -> Layout:
         """The layout of an existing distribution (its explicit splits are dropped)."""
         return cls(dist.grid, dist.axes)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and (self.grid, self.axes) == (other.grid, other.axes)
+        return isinstance(other, Layout) and \
+            (self.grid, self._normal_axes) == (other.grid, other._normal_axes)
 
     def __hash__(self) -> int:
-        return hash((self.grid, self.axes))
+        return hash((self.grid, self._normal_axes))
 
     def __repr__(self) -> str:
         return f"Layout(grid={self.grid.shape}, axes={self.axes})"
