@@ -240,10 +240,19 @@ class KernelTimer:
         same time; the results, identical on every rank afterwards, are
         stored under the ``corun = comm size`` key. After one untimed round,
         rounds repeat ``reps`` times or until ``max_seconds`` have passed.
+
+        When a node holds more of these ranks than it has cores, ranks wait at
+        every synchronisation in training for peers that the operating system
+        has descheduled; each layer's time then includes a barrier after it,
+        so that this wait is measured too.
         """
         from mpi4py import MPI
 
         comm = MPI.COMM_SELF if comm is None else comm
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        oversubscribed = comm.allreduce(node.Get_size() > (os.cpu_count() or 1), op=MPI.LOR)
+        node.Free()
+        sync = comm.Barrier if oversubscribed else _nothing
         live = [i for i, (_, shape, _, _) in enumerate(queries) if all(n > 0 for n in shape)]
         xp = self.xp
         twins = [self._twin(queries[i][0]) for i in live]
@@ -264,6 +273,7 @@ class KernelTimer:
                                 else inputs[j].copy())
                 t0 = self._clock()
                 y = twin.forward(x)
+                sync()
                 t1 = self._clock()
                 outs.append(y)
                 prev = y.local
@@ -276,6 +286,7 @@ class KernelTimer:
                 dy = _self_array(grads[j].copy())  # the layer after wrote it just now
                 t0 = self._clock()
                 twins[j].backward(dy)
+                sync()
                 t1 = self._clock()
                 if r >= 0:
                     bwd[r, j] = t1 - t0
@@ -331,6 +342,10 @@ class QueryRecorder:
               corun: int = 1) -> tuple[float, float, bool, int]:
         self.queries.append((layer, tuple(local_in), np.dtype(dtype), flops))
         return 0.0, 0.0, False, corun
+
+
+def _nothing() -> None:
+    pass
 
 
 def _self_array(local: Any):
