@@ -5,8 +5,9 @@ Run under ``mpiexec`` with the number of ranks the job will use (at least 2)::
     mpiexec -n 4 disttensor-plan --calibrate               # CPU ranks
     mpiexec -n 4 disttensor-plan --calibrate --device gpu  # one GPU per rank
 
-Point-to-point time is measured by ping-pong between ranks 0 and 1,
-allreduce over communicators of 2 .. P ranks and all-to-all over all ranks,
+Point-to-point time is measured by the library's halo exchange (a face to
+each neighbour along one split dimension), allreduce over communicators of
+2 .. P ranks and all-to-all by the library's redistribution over all ranks,
 each at several message sizes; ``alpha`` and ``beta`` of each model are fitted
 by least squares. The float32 GEMM rate and the memory bandwidth of one rank
 are measured while every rank runs the same benchmark (so contention between
@@ -62,41 +63,23 @@ def _fit(features: list[list[float]], times: list[float]) -> tuple[float, float]
 
 
 def _p2p(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
-    rank = comm.Get_rank()
-    pair = comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
-    t = transport_for(xp)
+    """Halo exchanges as the library runs them: one split dimension, a face to each side.
+
+    That is what the cost model charges ``p2p(face bytes)`` for, per split
+    dimension of a window layer, so its constants include the library's own
+    work per exchange (plans, packing, requests), not only the wire's.
+    """
+    from disttensor import DistArray, Distribution, ProcessGrid
+
+    p = comm.Get_size()
+    grid = ProcessGrid((p,), comm)
     feats, times = [], []
     for n in SIZES:
-        buf = xp.zeros(n, dtype=np.uint8)
-
-        def send(peer: int, buf: Any = buf) -> None:
-            out = t.outgoing(buf)
-            MPI.Request.Waitall(t.post(pair, [], [(out, peer, 0)]))
-            if out is not buf:
-                t.release(out)
-
-        def recv(peer: int, buf: Any = buf) -> None:
-            into = t.incoming(buf)
-            MPI.Request.Waitall(t.post(pair, [(into, peer, 0)], []))
-            t.deliver(buf, into)
-
-        def ping() -> None:
-            for _ in range(4):
-                if rank == 0:
-                    send(1)
-                    recv(1)
-                elif rank == 1:
-                    recv(0)
-                    send(0)
-
-        if pair != MPI.COMM_NULL:
-            tp = _median_time(ping, pair, reps, xp) / 8
-        else:
-            tp = 0.0
-        feats.append([1.0, n])
-        times.append(comm.allreduce(tp, op=MPI.MAX))
-    if pair != MPI.COMM_NULL:
-        pair.Free()
+        cols = max(1, n // 4)
+        x = DistArray.zeros(Distribution((4 * p, cols), grid, (0, None)), np.float32, xp=xp)
+        t = _median_time(lambda x=x: x.exchange_halo(((1, 1), (0, 0))), comm, reps, xp)
+        feats.append([1.0, cols * 4])
+        times.append(t)
     return _fit(feats, times)
 
 

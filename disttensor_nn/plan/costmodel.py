@@ -30,7 +30,7 @@ import numpy as np
 from disttensor import Distribution
 from disttensor.backend import is_numpy
 
-from ..kernels import synchronize
+from ..kernels import kernels_for, synchronize
 from ..layers.conv import ConvNd
 from ..layers.dense import Flatten, Linear
 from ..layers.elementwise import LeakyReLU, Sigmoid
@@ -228,7 +228,15 @@ class KernelTimer:
             t3 = self._clock()
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
+        del twin, x, y, dy
+        self._release_workspace()
         return min(fwd[1:]), min(bwd[1:])
+
+    def _release_workspace(self) -> None:
+        # scratch buffers grown for measured shapes would stay allocated during training
+        release = getattr(kernels_for(self.xp.zeros(1)), "release_workspace", None)
+        if release is not None:
+            release()
 
     def measure_chain(self, queries: Sequence[tuple[Layer, tuple[int, ...], Any, float]],
                       comm: Any = None, reps: int = 3, max_seconds: float = 10.0) -> None:
@@ -297,6 +305,8 @@ class KernelTimer:
                 stop = comm.allreduce(time.perf_counter() - start > max_seconds, op=MPI.LOR)
                 if stop:
                     break
+        del twins, inputs, grads, outs
+        self._release_workspace()
         fwd, bwd = fwd[:done], bwd[:done]
         comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
         comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)
@@ -356,14 +366,13 @@ def _self_array(local: Any):
     return DistArray(local, Distribution(local.shape, grid, tuple(range(local.ndim))))
 
 
-_SCRATCH: list[np.ndarray] = []
-
-
 def _evict_caches(nbytes: int = 64 * 2**20) -> None:
-    """Write a buffer larger than the last-level cache so that earlier data is evicted."""
-    if not _SCRATCH:
-        _SCRATCH.append(np.empty(nbytes // 8))
-    _SCRATCH[0].fill(1.0)
+    """Write a buffer larger than the last-level cache so that earlier data is evicted.
+
+    The buffer is freed again: memory held by the planner would be missing
+    for training.
+    """
+    np.ones(nbytes // 8)
 
 
 @lru_cache(maxsize=8)

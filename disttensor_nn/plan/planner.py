@@ -191,10 +191,21 @@ class Planner:
 
     # ------------------------------------------------------------ tables
     def layer_cost(self, node: Node, c: int) -> LayerCost:
-        """Cost of ``node`` under candidate index ``c`` (cached)."""
+        """Cost of ``node`` under candidate index ``c`` (cached).
+
+        A layer whose memory alone exceeds the budget costs infinite time: it
+        is not measured (which would need that memory) and cannot be chosen.
+        """
         key = (id(node), c)
         if key not in self._layer_cost:
-            self._layer_cost[key] = self.cost.layer(node.layer, node.in_shape, self.cands[c])
+            cand = self.cands[c]
+            if self.budget is not None:
+                memory = CostModel(self.cost.profile, self.cost.nprocs, QueryRecorder(),
+                                   self.cost.itemsize).layer(node.layer, node.in_shape, cand).memory
+                if memory + self.base_memory > self.budget:
+                    self._layer_cost[key] = LayerCost(fwd=np.inf, memory=memory)
+                    return self._layer_cost[key]
+            self._layer_cost[key] = self.cost.layer(node.layer, node.in_shape, cand)
         return self._layer_cost[key]
 
     def shuffle_matrix(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -214,7 +225,12 @@ class Planner:
         for c in range(len(self.cands)):
             lc = self.layer_cost(node, c)
             fits = self.budget is None or lc.memory + self.base_memory <= self.budget
-            v[c] = lc.total + lam * lc.memory if fits else np.inf
+            if not fits:
+                v[c] = np.inf
+            elif lam == np.inf:  # memory alone
+                v[c] = lc.memory
+            else:
+                v[c] = lc.total + lam * lc.memory
         return v
 
     # ------------------------------------------------------------ calibration
@@ -414,7 +430,7 @@ class Planner:
     def _nothing_fits(self) -> str:
         budget, self.budget = self.budget, None  # the least memory any plan needs
         try:
-            m = self._solve(1e9)
+            m = self._solve(np.inf)
         finally:
             self.budget = budget
         smallest = self.assignment_cost(m)[1] if m else float("nan")
