@@ -285,6 +285,9 @@ def test_calibration_in_network_order(tmp_path_factory):
     timer2 = KernelTimer("t2", cache_dir=cache)
     tight = Planner(model, shape, CostModel(prof, p, timer2), memory_budget=1.0)
     collective_assert(tight.calibrate(comm) == 0, "measured over the budget")
+    with pytest.raises(ValueError, match="fits"):
+        tight.plan()
+    collective_assert(not timer2.table, "layers that cannot fit the budget were measured")
 
 
 @pytest.mark.parallel([1, 3])
