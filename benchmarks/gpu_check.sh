@@ -5,14 +5,16 @@
 #
 # Uses $VENV/bin/python if VENV is set, else `python3` on PATH; installs
 # nothing from the internet (only `pip install cupy-cuda12x` from the
-# configured index when CuPy is missing, unless GPU_CHECK_NO_INSTALL is set). Stages, each bounded by a timeout
-# and by the overall deadline (GPU_CHECK_SECONDS, default 450 s):
+# configured index when CuPy is missing, unless GPU_CHECK_NO_INSTALL is set). Stages, each
+# bounded by a timeout and by the overall deadline (GPU_CHECK_SECONDS, default 450 s):
 #
 #   1. nvidia-smi                          -> $OUT/nvidia-smi.txt
 #   2. CuPy (and cuDNN frontend, torch) import check
 #   3. tests/test_gpu_core.py and tests/test_gpu_nn.py at 1 rank and at 2 ranks
 #      (mpiexec -n 2; both ranks share the GPU)  -> $OUT/<stage>.log, .xml
-#   4. benchmarks/bench_gpu.py (conv fwd+bwd: CuPy cuDNN / im2col vs torch)
+#   4. the planner on the GPU: its GPU test, `disttensor-plan --calibrate --device gpu` on
+#      2 ranks, then a plan from that profile   -> $OUT/plan_gpu.json
+#   5. benchmarks/bench_gpu.py (conv fwd+bwd: CuPy cuDNN / im2col vs torch)
 #                                          -> $OUT/bench_gpu.json
 #
 # Every stage appends its outcome (exit status, seconds, last output line) to
@@ -114,6 +116,15 @@ for t in "${TESTS[@]}"; do
     stage "${base}_2ranks" 90 "$MPIEXEC" -n 2 "$PY" -m pytest -q -p no:cacheprovider \
         -m "parallel[2]" "$t"
 done
+
+# the planner on the GPU: twins timed on the device, the machine calibrated with device buffers,
+# then a plan for a 2-rank job from that calibration
+PLAN=(-c "from disttensor_nn.cli import plan_main; raise SystemExit(plan_main())")
+stage plan_gpu_twins 60 "$PY" -m pytest -q -p no:cacheprovider -m "parallel[1]" \
+    tests/test_plan.py -k gpu
+stage calibrate_gpu 60 "$MPIEXEC" -n 2 "$PY" "${PLAN[@]}" --calibrate --device gpu
+stage plan_gpu 60 "$MPIEXEC" -n 2 "$PY" "${PLAN[@]}" mesh-small --batch 4 --size 256x256 \
+    --machine this-gpu --json "$OUT/plan_gpu.json"
 
 stage bench_gpu 180 "$PY" benchmarks/bench_gpu.py --reps 10 --batch 32 --out "$OUT/bench_gpu.json"
 
