@@ -199,7 +199,10 @@ def from_numpy(host: np.ndarray, like: Any) -> Any:
         return np.array(host, copy=True)
     if is_cupy(xp):  # pragma: no cover - GPU only
         out = xp.empty(host.shape, dtype=host.dtype)
-        out.set(np.ascontiguousarray(host))  # synchronous without a stream argument
+        # set() queues an asynchronous copy on the current stream: wait for it, or a
+        # page-locked ``host`` could be overwritten (by MPI, say) before it is read
+        out.set(np.ascontiguousarray(host))
+        synchronize(xp)
         return out
     device = device_of(like)
     kw = {} if device is None else {"device": device}
@@ -212,7 +215,7 @@ def copy_to_host(src: Any, out: np.ndarray) -> np.ndarray:
     if is_numpy(xp):
         out[...] = src
     elif is_cupy(xp):  # pragma: no cover - GPU only
-        xp.ascontiguousarray(src).get(out=out)  # synchronous without a stream argument
+        xp.ascontiguousarray(src).get(out=out)  # blocking: synchronises the current stream
     else:
         out[...] = to_numpy(src)
     return out
@@ -224,7 +227,8 @@ def copy_from_host(dst: Any, host: np.ndarray) -> None:
     if is_numpy(xp):
         dst[...] = host
     elif is_cupy(xp) and is_c_contiguous(dst):  # pragma: no cover - GPU only
-        dst.set(host)
+        dst.set(host)  # asynchronous on the current stream: wait before ``host`` is reused
+        synchronize(xp)
     else:
         dst[...] = from_numpy(host, dst)
 
