@@ -74,7 +74,9 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     while the others wait and every rank returns the same plan (and
     ``planner`` None off rank 0); without ``comm`` in this process alone.
     A profile calibrated with ``--device gpu`` times the kernels on this
-    rank's GPU.
+    rank's GPU (chosen over ``comm``; without it, call
+    :func:`disttensor.use_device` first on a node with several GPUs, or
+    every process takes GPU 0).
 
     Raises
     ------

@@ -40,6 +40,7 @@ __all__ = [
     "cudnn_available",
     "use_cudnn",
     "calls",
+    "release_workspace",
     "WORKSPACE_BYTES",
 ]
 
@@ -62,6 +63,15 @@ def _cupy() -> Any:
     import cupy  # imported on first use: this module loads (for its documentation) without CuPy
 
     return cupy
+
+
+def release_workspace() -> None:
+    """Return the device memory cached by CuPy's pool, and cuDNN's workspaces, to the GPU.
+
+    Blocks still in use stay; the next kernels allocate afresh.
+    """
+    _graphs.clear()
+    _cupy().get_default_memory_pool().free_all_blocks()
 
 
 def cudnn_available() -> bool:
