@@ -12,6 +12,19 @@ from typing import Any
 
 from mpi4py import MPI
 
+# The convolution layers the conv benchmarks time (CPU: bench_conv.py, GPU: bench_gpu.py):
+# name, N, C, H (= W), F, kernel, stride, padding
+CONV_LAYERS = [
+    ("resnet_conv1_7x7s2", 8, 3, 224, 64, 7, 2, 3),
+    ("resnet_3x3_56", 8, 64, 56, 64, 3, 1, 1),
+    ("resnet_3x3_28", 8, 128, 28, 128, 3, 1, 1),
+    ("resnet_3x3_14", 8, 256, 14, 256, 3, 1, 1),
+    ("resnet_3x3_7", 8, 512, 7, 512, 3, 1, 1),
+    ("resnet_1x1_56", 8, 256, 56, 64, 1, 1, 0),
+    ("mesh_3x3_1024", 1, 16, 1024, 16, 3, 1, 1),
+    ("mesh_5x5s2_2048", 1, 18, 2048, 128, 5, 2, 2),
+]
+
 
 def time_collective(fn: Callable[[], Any], comm: MPI.Comm, reps: int, warmup: int = 2) -> float:
     """Median over ``reps`` of the slowest rank's wall time of ``fn()`` (seconds)."""

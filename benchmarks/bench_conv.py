@@ -52,6 +52,7 @@ import sys
 import time
 
 import numpy as np
+from _common import CONV_LAYERS, print_table, write_json
 
 from disttensor_nn.kernels import numpy_kernels as K
 
@@ -60,24 +61,13 @@ try:
 except ImportError:  # torch is an optional benchmark extra
     torch = None
 
-# name, N, C, H (= W), F, kernel, stride, padding
-LAYERS = [
-    ("resnet_conv1_7x7s2", 8, 3, 224, 64, 7, 2, 3),
-    ("resnet_3x3_56", 8, 64, 56, 64, 3, 1, 1),
-    ("resnet_3x3_28", 8, 128, 28, 128, 3, 1, 1),
-    ("resnet_3x3_14", 8, 256, 14, 256, 3, 1, 1),
-    ("resnet_3x3_7", 8, 512, 7, 512, 3, 1, 1),
-    ("resnet_1x1_56", 8, 256, 56, 64, 1, 1, 0),
-    ("mesh_3x3_1024", 1, 16, 1024, 16, 3, 1, 1),
-    ("mesh_5x5s2_2048", 1, 18, 2048, 128, 5, 2, 2),
-]
 MEMORY_LAYER = "mesh_5x5s2_2048"
 QUICK_SCALE = 4  # --quick: mesh layers 4x smaller per side
 
 
 def layer_list(quick: bool, names: list[str] | None):
     out = []
-    for name, n, c, h, f, k, s, p in LAYERS:
+    for name, n, c, h, f, k, s, p in CONV_LAYERS:
         if names and name not in names:
             continue
         if quick and name.startswith("mesh"):
@@ -223,7 +213,6 @@ def main() -> None:
         memory_child(args.memory_child, tuple(json.loads(args.memory_spec)))
         return
 
-    from _common import print_table, write_json
     from threadpoolctl import threadpool_info, threadpool_limits
 
     overrides = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")

@@ -47,17 +47,9 @@ from typing import Any
 
 import numpy as np
 
-# name, N, C, H(=W), F, K, stride, padding (N = 0: the --batch size)
-LAYERS = [
-    ("resnet_conv1_7x7s2", 0, 3, 224, 64, 7, 2, 3),
-    ("resnet_3x3_56", 0, 64, 56, 64, 3, 1, 1),
-    ("resnet_3x3_28", 0, 128, 28, 128, 3, 1, 1),
-    ("resnet_3x3_14", 0, 256, 14, 256, 3, 1, 1),
-    ("resnet_3x3_7", 0, 512, 7, 512, 3, 1, 1),
-    ("resnet_1x1_56", 0, 256, 56, 64, 1, 1, 0),
-    ("mesh_3x3_1024", 1, 16, 1024, 16, 3, 1, 1),
-    ("mesh_5x5s2_2048", 1, 18, 2048, 128, 5, 2, 2),
-]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import CONV_LAYERS as LAYERS  # noqa: E402  (the benchmarks' folder)
+
 DRY_SCALE = 8  # --dry-run: spatial sizes 8x smaller, batch 2, channels at most 16
 
 
@@ -95,7 +87,7 @@ def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name, n, c, h, f, k, s, pad in LAYERS:
         if name not in args.layers:
             continue
-        n = n or args.batch
+        n = args.batch if name.startswith("resnet") else n  # --batch for the ResNet layers
         if args.dry_run:
             n, c, f, h = min(n, 2), min(c, 16), min(f, 16), max(k + 1, h // DRY_SCALE)
         o = (h + 2 * pad - k) // s + 1
