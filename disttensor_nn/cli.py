@@ -93,16 +93,10 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         xp = use_device(profile.device, MPI.COMM_SELF if comm is None else comm)
         timer = KernelTimer(machine_id(profile), measure=measure, xp=xp)
     planner = Planner(model, batch_shape, CostModel(profile, nprocs, timer, itemsize), memory)
-    if comm is None:
-        try:
-            planner.calibrate()
-            return planner.plan(), planner
-        finally:
-            if timer is not None:
-                timer.save()
     planner.calibrate(comm)
+    root = comm is None or comm.Get_rank() == 0
     result: Any = None
-    if comm.Get_rank() == 0:
+    if root:
         try:
             result = planner.plan()
         except ValueError as exc:
@@ -110,11 +104,12 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         finally:
             if timer is not None:
                 timer.save()
-    wait_for_root(comm)  # rank 0 may still measure twins alone: the others sleep
-    result = comm.bcast(result, root=0)
+    if comm is not None:
+        wait_for_root(comm)  # rank 0 may still measure twins alone: the others sleep
+        result = comm.bcast(result, root=0)
     if isinstance(result, Exception):
         raise result
-    return result, planner if comm.Get_rank() == 0 else None
+    return result, planner if root else None
 
 
 def wait_for_root(comm: MPI.Comm, root: int = 0) -> None:
