@@ -261,6 +261,7 @@ class KernelTimer:
         oversubscribed = comm.allreduce(node.Get_size() > (os.cpu_count() or 1), op=MPI.LOR)
         node.Free()
         sync = comm.Barrier if oversubscribed else _nothing
+        # empty blocks cost nothing (CostModel never asks for them)
         live = [i for i, (_, shape, _, _) in enumerate(queries) if all(n > 0 for n in shape)]
         xp = self.xp
         twins = [self._twin(queries[i][0]) for i in live]
@@ -316,10 +317,6 @@ class KernelTimer:
             key = self.key(layer, shape, dtype, comm.Get_size())
             samples.setdefault(key, []).extend(
                 (f, b, flops) for f, b in zip(fwd[:, j], bwd[:, j]))
-        for i in set(range(len(queries))) - set(live):
-            layer, shape, dtype, flops = queries[i]
-            samples.setdefault(self.key(layer, shape, dtype, comm.Get_size()), []).append(
-                (0.0, 0.0, flops))
         for key, vals in samples.items():
             self.table[key] = [statistics.median(v[0] for v in vals),
                                statistics.median(v[1] for v in vals), vals[0][2]]
