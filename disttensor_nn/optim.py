@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
-from disttensor.backend import array_namespace, to_numpy
+from disttensor.backend import array_namespace, as_module
 
 from .module import Parameter
 
@@ -16,10 +14,8 @@ __all__ = ["SGD"]
 
 def _like(ref: Any, buf: Any) -> Any:
     """A copy of ``buf`` in the array module of ``ref`` (NumPy or CuPy)."""
-    xp = array_namespace(ref)
-    if array_namespace(buf) is xp:
-        return xp.array(buf, copy=True)
-    return xp.asarray(np.array(to_numpy(buf)))
+    moved = as_module(buf, array_namespace(ref))
+    return moved.copy() if moved is buf else moved
 
 
 class SGD:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
-import numpy as np
-
-from disttensor.backend import array_namespace, to_numpy
+from disttensor.backend import as_module
 
 from .module import Layer
 
@@ -15,12 +12,6 @@ __all__ = ["to_array_module"]
 
 BUFFER_ATTRS = ("running_mean", "running_var")
 """Layer attributes that hold non-trainable state arrays (batch-norm running statistics)."""
-
-
-def _move(a: Any, xp: ModuleType) -> Any:
-    if array_namespace(a) is xp:
-        return a
-    return xp.asarray(np.ascontiguousarray(to_numpy(a)))
 
 
 def _layers(layer: Layer):
@@ -56,10 +47,10 @@ def to_array_module(model: Layer, xp: ModuleType) -> Layer:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            p.data = _move(p.data, xp)
-            p.grad = _move(p.grad, xp)
+            p.data = as_module(p.data, xp)
+            p.grad = as_module(p.grad, xp)
         for attr in BUFFER_ATTRS:
             value = getattr(layer, attr, None)
             if value is not None and hasattr(value, "shape"):
-                setattr(layer, attr, _move(value, xp))
+                setattr(layer, attr, as_module(value, xp))
     return model

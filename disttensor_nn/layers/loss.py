@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import array_namespace, to_numpy
+from disttensor.backend import array_namespace, as_module
 
 from ..module import allreduce_, split_axes_comm
 
@@ -34,7 +34,7 @@ def _local_target(target: Any, dist, xp: ModuleType) -> Any:
         if tuple(target.shape) != dist.global_shape:
             raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
         local = target[dist.local_slices()]
-    return local if array_namespace(local) is xp else xp.asarray(to_numpy(local))
+    return as_module(local, xp)
 
 
 def _global_sum(value: float, dist) -> float:
