@@ -45,7 +45,7 @@ from mpi4py import MPI
 from disttensor import DistArray, Distribution
 from disttensor.backend import to_numpy
 
-from .module import Layer, Parameter
+from .module import BUFFER_ATTRS, Layer, Parameter
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "FORMAT", "VERSION"]
 
@@ -53,7 +53,6 @@ FORMAT = "disttensor_nn.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 STATE = "state.npz"
-BUFFER_ATTRS = ("running_mean", "running_var")
 _CHUNK = 1 << 22
 
 

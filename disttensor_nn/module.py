@@ -13,6 +13,9 @@ from disttensor.transport import allreduce as transport_allreduce
 
 __all__ = ["Parameter", "Layer", "Layout", "split_axes_comm", "check_input"]
 
+BUFFER_ATTRS = ("running_mean", "running_var")
+"""Layer attributes that hold non-trainable state arrays (batch-norm running statistics)."""
+
 
 class Parameter:
     """A trainable array, replicated on every rank.
@@ -153,6 +156,12 @@ class Layer:
     def children(self) -> Iterator[Layer]:
         """Direct sub-layers."""
         return iter(())
+
+    def layers(self) -> Iterator[Layer]:
+        """This layer and all its sub-layers, depth first."""
+        yield self
+        for child in self.children():
+            yield from child.layers()
 
     def own_parameters(self) -> list[Parameter]:
         """Parameters of this layer itself (not its children)."""

@@ -6,18 +6,9 @@ from types import ModuleType
 
 from disttensor.backend import as_module
 
-from .module import Layer
+from .module import BUFFER_ATTRS, Layer
 
 __all__ = ["to_array_module"]
-
-BUFFER_ATTRS = ("running_mean", "running_var")
-"""Layer attributes that hold non-trainable state arrays (batch-norm running statistics)."""
-
-
-def _layers(layer: Layer):
-    yield layer
-    for child in layer.children():
-        yield from _layers(child)
 
 
 def to_array_module(model: Layer, xp: ModuleType) -> Layer:
@@ -41,14 +32,10 @@ def to_array_module(model: Layer, xp: ModuleType) -> Layer:
     Layer
         ``model`` itself.
     """
-    seen: set[int] = set()
-    for layer in _layers(model):
-        for p in layer.own_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            p.data = as_module(p.data, xp)
-            p.grad = as_module(p.grad, xp)
+    for p in model.parameters():  # a shared parameter is already in xp the second time
+        p.data = as_module(p.data, xp)
+        p.grad = as_module(p.grad, xp)
+    for layer in model.layers():
         for attr in BUFFER_ATTRS:
             value = getattr(layer, attr, None)
             if value is not None and hasattr(value, "shape"):
