@@ -36,26 +36,7 @@ from disttensor_nn.plan import CostModel, KernelTimer, Planner, apply_plan, load
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.plan.machine import this_machine_path
 from disttensor_nn.plan.planner import _nodes, trace
-
-
-def timed_layers(model, shape):
-    """Wrap every layer's forward/backward with timers; return the nodes and their clocks."""
-    nodes = _nodes(trace(model, shape))
-    clocks = [[0.0] for _ in nodes]
-    for node, clock in zip(nodes, clocks):
-        layer = node.layer
-
-        def wrap(fn, clock=clock):
-            def inner(*a, **k):
-                t0 = time.perf_counter()
-                out = fn(*a, **k)
-                clock[0] += time.perf_counter() - t0
-                return out
-            return inner
-
-        layer.forward = wrap(layer.forward)
-        layer.backward = wrap(layer.backward)
-    return nodes, clocks
+from disttensor_nn.train import _timed
 
 
 def measure(model, shape, plan, comm, iters, target):
@@ -66,7 +47,8 @@ def measure(model, shape, plan, comm, iters, target):
     time is the layer's own cost.
     """
     apply_plan(model, plan, shape)
-    nodes, clocks = timed_layers(model, shape)
+    nodes = _nodes(trace(model, shape))
+    clocks = _timed(nodes)  # the training driver's per-layer clocks
     first = nodes[0].layer.layout
     x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)
     loss_fn = nn.MSELoss()
