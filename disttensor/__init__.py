@@ -1,11 +1,19 @@
-"""disttensor: distributed N-D arrays over MPI, with halos and redistribution."""
+"""disttensor: distributed N-D arrays over MPI, with halos and redistribution.
 
-from . import random
+Importing the package completes :class:`DistArray`: :mod:`.redistribute`,
+:mod:`.halo` and :mod:`.ops` attach its data-movement methods and NumPy
+protocols (the array module itself imports none of them).
+"""
+
+from . import (
+    ops,  # noqa: F401  (importing it attaches the NumPy protocols to DistArray)
+    random,
+)
 from .array import DistArray
 from .creation import arange, asarray, empty, full, make_distribution, ones, zeros
 from .device import gpu_aware_mpi, nccl_enabled, node_local_rank, set_transport, use_device
 from .distribution import Distribution, block_boundaries
-from .grid import ProcessGrid
+from .grid import ProcessGrid, factorizations
 from .halo import halo_accumulate, halo_plan
 from .redistribute import redistribution_plan
 from .runtime import abort_on_exception, limit_blas_threads
@@ -19,6 +27,7 @@ __all__ = [
     "asarray",
     "block_boundaries",
     "empty",
+    "factorizations",
     "full",
     "gpu_aware_mpi",
     "halo_accumulate",

@@ -1,4 +1,20 @@
-"""DistArray: a Distribution plus this rank's block, stored with optional halo margins."""
+"""DistArray: a Distribution plus this rank's block, stored with optional halo margins.
+
+This module is the core of the array type: its storage and metadata. It
+imports neither the NumPy-style operations nor the halo and redistribution
+machinery; those modules import it and attach their methods to
+:class:`DistArray` (``redistribute`` from :mod:`disttensor.redistribute`,
+``exchange_halo`` from :mod:`disttensor.halo`, the operators and NumPy
+protocols from :mod:`disttensor.ops`). Importing :mod:`disttensor` imports
+them all.
+
+The storage API, the seams that halo exchange, redistribution and layer
+authors use: :attr:`DistArray.buffer` (the block with its halo margins),
+:attr:`DistArray.margins`, :meth:`DistArray.reserve_halo` (grow the margins),
+:meth:`DistArray.extended` (the block extended by given widths, a view) and
+:attr:`DistArray.halo_token` with :meth:`DistArray.mark_halo_filled` (which
+halo fill the margins hold).
+"""
 
 from __future__ import annotations
 
@@ -21,13 +37,56 @@ from .backend import (
     to_numpy,
 )
 from .device import resolve_array_module
-from .distribution import Distribution, block_boundaries
+from .distribution import Distribution
 from .grid import ProcessGrid
-from .ops import ArrayOperators
 
-__all__ = ["DistArray"]
+__all__ = ["DistArray", "normalize_widths"]
 
 Margins = tuple[tuple[int, int], ...]
+
+
+def _is_normalized(widths: Any, ndim: int) -> bool:
+    return (type(widths) is tuple and len(widths) == ndim
+            and all(type(w) is tuple and len(w) == 2 and type(w[0]) is int
+                    and type(w[1]) is int and w[0] >= 0 and w[1] >= 0 for w in widths))
+
+
+def normalize_widths(widths: Any, ndim: int) -> Margins:
+    """Per-dimension ``(before, after)`` widths, as ``numpy.pad`` reads ``pad_width``.
+
+    Parameters
+    ----------
+    widths : int, (int, int) or sequence of (int, int)
+        The widths; a tuple of ``ndim`` pairs of non-negative Python ints is
+        returned as it is, without further work.
+    ndim : int
+        Number of dimensions.
+
+    Returns
+    -------
+    tuple of (int, int)
+        One ``(before, after)`` pair per dimension.
+
+    Raises
+    ------
+    ValueError
+        For negative widths or a value that is not one of the forms above.
+    """
+    if _is_normalized(widths, ndim):
+        return widths
+    try:
+        arr = np.asarray(widths)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError
+        arr = np.broadcast_to(arr.astype(np.int64), (ndim, 2))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"halo widths {widths!r} must be an int, a (before, after) pair, or one pair "
+            f"per dimension of {ndim}"
+        ) from None
+    if (arr < 0).any():
+        raise ValueError(f"halo widths must be non-negative, got {widths!r}")
+    return tuple((int(a), int(b)) for a, b in arr)
 
 
 def _check_dist(dist: Distribution) -> None:
@@ -66,13 +125,17 @@ def _native(a: Any) -> Any:
     return a
 
 
-class DistArray(ArrayOperators):
+class DistArray:
     """A global N-D array split into blocks over a process grid.
 
     Each rank stores its block of the global array (:attr:`local`) inside a
     buffer that may carry halo margins around it; :meth:`exchange_halo` fills
     those margins from neighbouring blocks. Replicas (ranks that hold the same
     block) are expected to hold identical values.
+
+    Besides the methods defined here, :mod:`disttensor` gives every
+    DistArray NumPy's operators and protocols (:class:`disttensor.ops.ArrayOperators`),
+    :meth:`redistribute` and :meth:`exchange_halo`.
 
     Use the creation functions (:func:`disttensor.zeros`, :meth:`from_global`,
     :meth:`from_local`, ...) rather than the constructor.
@@ -100,7 +163,7 @@ class DistArray(ArrayOperators):
         self._margins = tuple((int(lo), int(hi)) for lo, hi in margins)
         self.dist = dist
         self.xp: ModuleType = array_namespace(buffer)
-        self._halo_key: object | None = None  # identifies the last halo fill
+        self._halo_token: object | None = None  # identifies the last halo fill
 
     # ----------------------------------------------------------- creation
     @classmethod
@@ -141,7 +204,7 @@ class DistArray(ArrayOperators):
               device: Any = None, margins: Margins | None = None) -> DistArray:
         """Array of zeros with distribution ``dist`` (keywords as :meth:`empty`)."""
         out = cls.empty(dist, dtype, xp=xp, device=device, margins=margins)
-        out._buffer[...] = 0
+        out.buffer[...] = 0
         return out
 
     @classmethod
@@ -234,6 +297,17 @@ class DistArray(ArrayOperators):
         ]
 
     @property
+    def buffer(self) -> Any:
+        """The local buffer: this rank's block with its halo margins around it.
+
+        Of shape ``local_shape[d] + margins[d][0] + margins[d][1]`` per
+        dimension, C-contiguous; :attr:`local` is a view into it. The buffer is
+        replaced (not grown in place) when :meth:`reserve_halo` needs wider
+        margins.
+        """
+        return self._buffer
+
+    @property
     def margins(self) -> Margins:
         """Halo margin (before, after) of the local buffer, per dimension."""
         return self._margins
@@ -286,18 +360,6 @@ class DistArray(ArrayOperators):
         out = self.redistribute(target).local
         return out if self.grid.rank == root else None
 
-    def redistribute(self, dist: Distribution, out: DistArray | None = None) -> DistArray:
-        """This array moved to another Distribution of the same global shape.
-
-        Collective. The plan is computed from the two distributions alone and
-        cached; the data moves in one collective. ``out`` (with ``dist`` and this
-        dtype) receives the result when given.
-        """
-        from .redistribute import redistribution_plan
-
-        _check_dist(dist)
-        return redistribution_plan(self.dist, dist)(self, out)
-
     def astype(self, dtype: Any, copy: bool = True) -> DistArray:
         """Copy with elements cast to ``dtype`` (same distribution)."""
         if not copy and numpy_dtype(dtype) == self.dtype:
@@ -308,19 +370,21 @@ class DistArray(ArrayOperators):
         """Deep copy (same distribution, margins dropped)."""
         return DistArray(contiguous(self.local, copy=True), self.dist)
 
-    # ----------------------------------------------------------- halos
+    # ----------------------------------------------------------- storage
     def reserve_halo(self, widths: Any) -> None:
         """Grow the buffer's margins to at least ``widths`` (one copy, only if needed).
 
         After this, :meth:`exchange_halo` with these widths copies no interior
         data. Views of :attr:`local` taken before a growth no longer alias the
-        array.
+        array, and a growth resets :attr:`halo_token` to None.
+
+        Parameters
+        ----------
+        widths : int, (int, int) or sequence of (int, int)
+            As :func:`normalize_widths` reads them; already normalised widths
+            (a tuple of ``ndim`` pairs of ints) cost no conversion.
         """
-        from .halo import normalize_widths
-
-        self._reserve(normalize_widths(widths, self.ndim))
-
-    def _reserve(self, widths: Margins) -> None:
+        widths = normalize_widths(widths, self.ndim)
         if all(a >= lo and b >= hi for (a, b), (lo, hi) in zip(self._margins, widths)):
             return
         grown = tuple((max(a, lo), max(b, hi)) for (a, b), (lo, hi) in zip(self._margins, widths))
@@ -330,10 +394,36 @@ class DistArray(ArrayOperators):
             self.local
         )
         self._buffer, self._margins = buffer, grown
-        self._halo_key = None
+        self._halo_token = None
 
-    def _extended(self, widths: Margins) -> Any:
-        """View of the buffer: the block extended by ``widths`` (within the margins)."""
+    def extended(self, widths: Any) -> Any:
+        """View of the buffer: this rank's block extended by ``widths`` into the margins.
+
+        No communication, and no copy: the margin cells hold whatever the last
+        halo fill (:meth:`exchange_halo`) wrote, or garbage before any; check
+        :attr:`halo_token` to know whether they are still fresh.
+
+        Parameters
+        ----------
+        widths : int, (int, int) or sequence of (int, int)
+            As :func:`normalize_widths` reads them; each at most the margin.
+
+        Returns
+        -------
+        array
+            A view of shape ``local_shape[d] + widths[d][0] + widths[d][1]``.
+
+        Raises
+        ------
+        ValueError
+            If a width exceeds the buffer's margin (see :meth:`reserve_halo`).
+        """
+        widths = normalize_widths(widths, self.ndim)
+        if not all(a >= lo and b >= hi for (a, b), (lo, hi) in zip(self._margins, widths)):
+            raise ValueError(
+                f"widths {widths} exceed the buffer's margins {self._margins}; "
+                "call reserve_halo first"
+            )
         return self._buffer[
             tuple(
                 slice(m - lo, m + n + hi)
@@ -341,48 +431,31 @@ class DistArray(ArrayOperators):
             )
         ]
 
-    def exchange_halo(self, widths: Any, mode: str = "constant", constant_values: Any = 0,
-                      *, copy: bool = False) -> Any:
-        """This rank's block extended by ``widths``, filled as :func:`numpy.pad` would.
+    @property
+    def halo_token(self) -> object | None:
+        """An object that identifies the last halo fill of the margins (None: no fill yet).
 
-        Collective over the grid. The result holds exactly the values that
-        ``numpy.pad(global_array, widths, mode, constant_values=...)`` has at
-        the positions of this block extended by ``widths``.
-
-        Parameters
-        ----------
-        widths : int, (int, int) or sequence of (int, int)
-            Halo width before and after the block per dimension, read like
-            ``numpy.pad``'s ``pad_width``. Widths may exceed a neighbour's block.
-        mode : {'constant', 'wrap', 'reflect', 'symmetric', 'edge'}
-            Values beyond the global edges, with ``numpy.pad``'s meaning.
-        constant_values : scalar or pairs
-            Fill value(s) for ``mode='constant'``, as in ``numpy.pad``.
-        copy : bool
-            Return a copy instead of a view.
-
-        Returns
-        -------
-        array
-            By default a view into this array's storage (its halo margins, grown
-            once if too small): it stays valid until the next exchange.
-
-        See Also
-        --------
-        disttensor.halo.HaloPlan : the reusable plan, with a non-blocking form.
-        disttensor.halo_accumulate : the adjoint.
+        Every completed halo exchange sets a new token (:meth:`mark_halo_filled`),
+        and growing the margins resets it to None. A layer that keeps the
+        token of the fill it used can tell later whether the margins still
+        hold that fill (``x.halo_token is token``). Writes to :attr:`local`
+        do not change it.
         """
-        from .halo import halo_plan, normalize_widths
+        return self._halo_token
 
-        plan = halo_plan(self.dist, normalize_widths(widths, self.ndim), mode)
-        ext = plan.exchange(self, constant_values)
-        return contiguous(ext, copy=True) if copy else ext
+    def mark_halo_filled(self) -> object:
+        """Record that the margins were just filled: set and return a new :attr:`halo_token`.
+
+        Called by the halo exchange when it completes; a layer that fills
+        the margins by other means calls it too.
+        """
+        self._halo_token = object()
+        return self._halo_token
 
     # ----------------------------------------------------------- display
     def __repr__(self) -> str:
         # metadata only, so every rank prints the same; splits only where not the block rule
-        b = self.dist.boundaries
-        splits = [None if c == block_boundaries(c[-1], len(c) - 1) else list(c[1:-1]) for c in b]
+        splits = [None if c is None else list(c) for c in self.dist.splits]
         return (
             f"DistArray(shape={self.shape}, dtype={self.dtype}, grid={self.dist.grid_shape}, "
             f"axes={self.dist.axes}"

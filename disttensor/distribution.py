@@ -7,7 +7,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 
-from .grid import ProcessGrid, coords_of, rank_of
+from .grid import ProcessGrid, _normalize_shape, coords_of, rank_of
 
 __all__ = ["Distribution", "block_boundaries"]
 
@@ -93,8 +93,6 @@ class Distribution:
         if isinstance(grid, ProcessGrid):
             gshape = grid.shape
         else:
-            from .grid import _normalize_shape
-
             gshape = _normalize_shape(grid)
             grid = None
         ndim = len(shape)
@@ -315,18 +313,80 @@ class Distribution:
         return tuple(out)
 
     # ----------------------------------------------------------- derivation
+    @cached_property
+    def splits(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Per dimension: the cut indices of its blocks, or None where the block rule holds.
+
+        In the form the constructor's ``splits=`` takes, so
+        ``Distribution(d.global_shape, d.grid, d.axes, d.splits) == d``. A
+        dimension whose boundaries are those of :func:`block_boundaries` (an
+        unsplit one included) reads None.
+        """
+        return tuple(
+            None if b == block_boundaries(b[-1], len(b) - 1) else tuple(b[1:-1])
+            for b in self.boundaries
+        )
+
+    def replace(
+        self,
+        *,
+        global_shape: Iterable[int] | None = None,
+        splits: Sequence[Sequence[int] | None] | None = None,
+        axes: Sequence[AxisSpec] | None = None,
+    ) -> Distribution:
+        """A Distribution on the same grid (or grid shape) with some fields changed.
+
+        Validated like the constructor. Pure: no communication.
+
+        Parameters
+        ----------
+        global_shape : sequence of int, optional
+            The new global shape; by default this one.
+        splits : sequence, optional
+            The new cut indices, as the constructor takes them (None entries:
+            the block rule). By default this Distribution's :attr:`splits` when
+            neither ``global_shape`` nor ``axes`` is given, else the block rule
+            in every dimension.
+        axes : sequence, optional
+            The new grid axes per dimension, as the constructor takes them; by
+            default these :attr:`axes` (which needs an unchanged number of
+            dimensions).
+
+        Returns
+        -------
+        Distribution
+
+        Raises
+        ------
+        ValueError, TypeError
+            As the constructor, for a result that is not a valid distribution.
+
+        Examples
+        --------
+        >>> d = Distribution((10, 7), (2, 3))
+        >>> d.replace(splits=[[3], [1, 1]]).local_shape(0)
+        (3, 1)
+        >>> d.replace(global_shape=(4, 5)).local_shape(5)
+        (2, 1)
+        """
+        if splits is None and global_shape is None and axes is None:
+            splits = self.splits
+        shape = self.global_shape if global_shape is None else global_shape
+        return Distribution(shape, self.grid_arg, self.axes if axes is None else axes, splits)
+
     def with_axes(
         self, axes: Sequence[AxisSpec], splits: Sequence[Sequence[int] | None] | None = None
     ) -> Distribution:
         """The same global shape and grid, split by other ``axes``."""
-        return Distribution(self.global_shape, self._grid_arg, axes, splits)
+        return Distribution(self.global_shape, self.grid_arg, axes, splits)
 
     def replicated(self) -> Distribution:
         """Every rank holds the whole array."""
         return self.with_axes((None,) * self.ndim)
 
     @property
-    def _grid_arg(self) -> ProcessGrid | tuple[int, ...]:
+    def grid_arg(self) -> ProcessGrid | tuple[int, ...]:
+        """The grid as the constructor took it: the ProcessGrid, or the grid shape without one."""
         return self.grid if self.grid is not None else self.grid_shape
 
     @cached_property
@@ -346,10 +406,7 @@ class Distribution:
         return hash(self._key)
 
     def __repr__(self) -> str:
-        splits = [
-            None if b == block_boundaries(b[-1], len(b) - 1) else list(b[1:-1])
-            for b in self.boundaries
-        ]
+        splits = [None if c is None else list(c) for c in self.splits]
         s = f"Distribution(shape={self.global_shape}, grid={self.grid_shape}, axes={self.axes}"
         if any(x is not None for x in splits):
             s += f", splits={splits}"

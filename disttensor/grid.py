@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["ProcessGrid", "coords_of", "rank_of"]
+__all__ = ["ProcessGrid", "coords_of", "factorizations", "rank_of"]
 
 
 def coords_of(rank: int, shape: Sequence[int]) -> tuple[int, ...]:
@@ -27,6 +27,42 @@ def rank_of(coords: Sequence[int], shape: Sequence[int]) -> int:
     for c, extent in zip(coords, shape):
         rank = rank * extent + c
     return rank
+
+
+def factorizations(p: int, k: int) -> list[tuple[int, ...]]:
+    """All ordered ``k``-tuples of positive integers whose product is ``p`` (pure).
+
+    The candidate grid shapes of ``p`` processes with ``k`` axes, in
+    lexicographic order.
+
+    Parameters
+    ----------
+    p : int
+        The product, at least 1.
+    k : int
+        The tuple length, at least 1.
+
+    Returns
+    -------
+    list of tuple of int
+
+    Raises
+    ------
+    ValueError
+        If ``p`` or ``k`` is below 1.
+
+    Examples
+    --------
+    >>> factorizations(4, 2)
+    [(1, 4), (2, 2), (4, 1)]
+    """
+    p, k = operator.index(p), operator.index(k)
+    if p < 1 or k < 1:
+        raise ValueError(f"factorizations needs p >= 1 and k >= 1, got p={p}, k={k}")
+    if k == 1:
+        return [(p,)]
+    return [(f, *rest) for f in range(1, p + 1) if p % f == 0
+            for rest in factorizations(p // f, k - 1)]
 
 
 def _normalize_shape(shape: int | Iterable[int]) -> tuple[int, ...]:
@@ -168,13 +204,34 @@ class ProcessGrid:
                 self._subcomms[key] = self.comm.Split(color, self.rank)
         return self._subcomms[key]
 
+    def same_processes(self, other: ProcessGrid) -> bool:
+        """Whether ``other`` spans the same processes, in the same rank order (any shape).
+
+        True when the two communicators are identical or congruent (a
+        ``Dup`` of this one, say): data can then move between arrays on the
+        two grids. Local: no communication.
+
+        Parameters
+        ----------
+        other : ProcessGrid
+            The grid to compare with.
+
+        Raises
+        ------
+        TypeError
+            If ``other`` is not a ProcessGrid.
+        """
+        if not isinstance(other, ProcessGrid):
+            raise TypeError(f"expected a ProcessGrid, got {type(other).__name__}")
+        return self is other or (
+            self.size == other.size
+            and MPI.Comm.Compare(self.comm, other.comm) in (MPI.IDENT, MPI.CONGRUENT)
+        )
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ProcessGrid):
             return NotImplemented
-        return self is other or (
-            self.shape == other.shape
-            and MPI.Comm.Compare(self.comm, other.comm) in (MPI.IDENT, MPI.CONGRUENT)
-        )
+        return self is other or (self.shape == other.shape and self.same_processes(other))
 
     def __hash__(self) -> int:
         return hash(self.shape)

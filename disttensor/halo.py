@@ -11,6 +11,12 @@ neighbour's block: the plan then receives from ranks further away.
 :func:`halo_accumulate` is the adjoint: it takes an extended block (a gradient
 with respect to the extended input, say) and adds each halo cell into the
 cell of the global array it was copied from.
+
+Importing this module gives :class:`~disttensor.DistArray` its
+:meth:`~disttensor.DistArray.exchange_halo` method. The plans work on the
+array's storage API (:meth:`~disttensor.DistArray.reserve_halo`,
+:meth:`~disttensor.DistArray.extended`,
+:meth:`~disttensor.DistArray.mark_halo_filled`).
 """
 
 from __future__ import annotations
@@ -18,17 +24,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from .array import DistArray, normalize_widths
 from .backend import array_namespace, contiguous
 from .distribution import Distribution
 from .transport import transport_for
-
-if TYPE_CHECKING:
-    from .array import DistArray
 
 __all__ = ["MODES", "AccumulateRequest", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate",
            "normalize_widths"]
@@ -39,23 +43,6 @@ _MAX_DIMS = 32
 _TAG_SPAN = _RUNS_PER_DIM * _MAX_DIMS  # tags one exchange uses; exchanges in flight differ above
 
 Widths = tuple[tuple[int, int], ...]
-
-
-def normalize_widths(widths: Any, ndim: int) -> Widths:
-    """Per-dimension ``(before, after)`` widths, as ``numpy.pad`` reads ``pad_width``."""
-    try:
-        arr = np.asarray(widths)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError
-        arr = np.broadcast_to(arr.astype(np.int64), (ndim, 2))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"halo widths {widths!r} must be an int, a (before, after) pair, or one pair "
-            f"per dimension of {ndim}"
-        ) from None
-    if (arr < 0).any():
-        raise ValueError(f"halo widths must be non-negative, got {widths!r}")
-    return tuple((int(a), int(b)) for a, b in arr)
 
 
 def source_index(t: int, n: int, mode: str) -> int | None:
@@ -240,7 +227,7 @@ class HaloPlan:
         """
         if x.dist != self.dist:
             raise ValueError(f"halo plan is for {self.dist}, got an array with {x.dist}")
-        x._reserve(self.widths)
+        x.reserve_halo(self.widths)
         constants = _constants(constant_values, len(self.widths)).astype(x.dtype)
         return HaloRequest(self, x, constants)
 
@@ -331,7 +318,7 @@ class HaloRequest(_DimRequest):
     def __init__(self, plan: HaloPlan, x: DistArray, constants: np.ndarray):
         self.x = x
         self.constants = [[c.item() for c in pair] for pair in constants]  # Python scalars
-        self.ext = x._extended(plan.widths)
+        self.ext = x.extended(plan.widths)
         self.transport = transport_for(x.xp)
         self._incoming: list[tuple[Any, Any]] = []  # (face, message buffer)
         self._outgoing: list[Any] = []  # packed or staged copies being sent
@@ -371,7 +358,7 @@ class HaloRequest(_DimRequest):
         self._incoming, self._outgoing = [], []
 
     def _done(self) -> None:
-        self.x._halo_key = object()  # a new fill: layers compare it to detect overwrites
+        self.x.mark_halo_filled()  # a new fill: layers compare tokens to detect overwrites
 
     def finish(self) -> Any:
         """Wait for every dimension's messages; return the extended block (a view)."""
@@ -426,8 +413,6 @@ class AccumulateRequest(_DimRequest):
 
     def finish(self) -> DistArray:
         """Wait for the remaining messages; return the accumulated DistArray."""
-        from .array import DistArray
-
         self._wait()
         # The work buffer becomes the result's storage, its halo cells as margins: no copy.
         return DistArray(self.work, self.plan.dist, self.plan.widths)
@@ -489,3 +474,42 @@ def halo_accumulate(
     return halo_plan(dist, normalize_widths(widths, dist.ndim), mode).accumulate(
         extended, overwrite_input
     )
+
+
+def exchange_halo(self: DistArray, widths: Any, mode: str = "constant",
+                  constant_values: Any = 0, *, copy: bool = False) -> Any:
+    """This rank's block extended by ``widths``, filled as :func:`numpy.pad` would.
+
+    Collective over the grid. The result holds exactly the values that
+    ``numpy.pad(global_array, widths, mode, constant_values=...)`` has at
+    the positions of this block extended by ``widths``.
+
+    Parameters
+    ----------
+    widths : int, (int, int) or sequence of (int, int)
+        Halo width before and after the block per dimension, read like
+        ``numpy.pad``'s ``pad_width``. Widths may exceed a neighbour's block.
+    mode : {'constant', 'wrap', 'reflect', 'symmetric', 'edge'}
+        Values beyond the global edges, with ``numpy.pad``'s meaning.
+    constant_values : scalar or pairs
+        Fill value(s) for ``mode='constant'``, as in ``numpy.pad``.
+    copy : bool
+        Return a copy instead of a view.
+
+    Returns
+    -------
+    array
+        By default a view into this array's storage (its halo margins, grown
+        once if too small): it stays valid until the next exchange.
+
+    See Also
+    --------
+    disttensor.halo.HaloPlan : the reusable plan, with a non-blocking form.
+    disttensor.halo_accumulate : the adjoint.
+    """
+    plan = halo_plan(self.dist, normalize_widths(widths, self.ndim), mode)
+    ext = plan.exchange(self, constant_values)
+    return contiguous(ext, copy=True) if copy else ext
+
+
+DistArray.exchange_halo = exchange_halo  # type: ignore[attr-defined]

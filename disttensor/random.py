@@ -11,7 +11,7 @@ from .array import DistArray
 from .backend import astype, device_kw, reshape
 from .creation import make_distribution
 
-__all__ = ["Generator", "default_rng"]
+__all__ = ["Generator", "default_rng", "splitmix64"]
 
 # Python ints: uint64 arrays of any module combine with them without changing type
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -19,8 +19,27 @@ _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
 
-def _mix(x: Any, key: int) -> Any:
-    """SplitMix64 finaliser of ``x * golden + key``: a stateless 64-bit hash."""
+def splitmix64(x: Any, key: int) -> Any:
+    """SplitMix64 finaliser of ``x * golden + key``: a stateless 64-bit hash.
+
+    The counter-based generator of this module applies it twice to the
+    global index of each element; layers and data sets that need random
+    numbers which do not depend on the distribution can hash their own
+    counters with it.
+
+    Parameters
+    ----------
+    x : array of uint64 (any array module) or int
+        The counters.
+    key : int
+        The stream key (a Python int or ``numpy.uint64``).
+
+    Returns
+    -------
+    array of uint64
+        The hash of every counter, of ``x``'s module and shape; the
+        multiplications wrap modulo 2**64.
+    """
     with np.errstate(over="ignore"):  # wrapping multiplication is the point
         z = x * _GOLDEN + key
         z ^= z >> 30
@@ -75,7 +94,7 @@ class Generator:
 
     def _bits(self, out: DistArray, n: int = 1) -> list[Any]:
         idx = _flat_index(out)
-        return [_mix(_mix(idx, k), k) for k in self._keys(n)]
+        return [splitmix64(splitmix64(idx, k), k) for k in self._keys(n)]
 
     def random(self, shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
                device: Any = None, **dist_kw: Any) -> DistArray:

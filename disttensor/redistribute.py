@@ -1,20 +1,23 @@
-"""Redistribution plans: move a DistArray from any Distribution to any other in one collective."""
+"""Redistribution plans: move a DistArray from any Distribution to any other in one collective.
+
+Importing this module gives :class:`~disttensor.DistArray` its
+:meth:`~disttensor.DistArray.redistribute` method (on which ``to_global`` and
+``from_global`` with a root build).
+"""
 
 from __future__ import annotations
 
 import itertools
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mpi4py import MPI
 
+from .array import DistArray, _check_dist
 from .backend import device_of, reshape, view_datatype
 from .distribution import Distribution
 from .transport import transport_for
-
-if TYPE_CHECKING:
-    from .array import DistArray
 
 __all__ = ["RedistributionPlan", "redistribution_plan", "check_compatible"]
 
@@ -29,10 +32,7 @@ def check_compatible(src: Distribution, dst: Distribution) -> None:
         )
     if src.grid is None or dst.grid is None:
         raise ValueError("redistribution needs Distributions built on a ProcessGrid")
-    if src.nprocs != dst.nprocs or MPI.Comm.Compare(src.grid.comm, dst.grid.comm) not in (
-        MPI.IDENT,
-        MPI.CONGRUENT,
-    ):
+    if not src.grid.same_processes(dst.grid):
         raise ValueError(
             "cannot redistribute between grids over different communicators "
             f"({src.grid} and {dst.grid})"
@@ -128,25 +128,23 @@ class RedistributionPlan:
         ``out`` must have distribution ``dst`` and the dtype of ``x``; reusing it
         across calls saves an allocation per call.
         """
-        from .array import DistArray
-
         if x.dist != self.src:
             raise ValueError(f"plan is for {self.src}, got an array with {x.dist}")
         if out is None:
-            out = DistArray.empty(self.dst, dtype=x.dtype, xp=x.xp, device=device_of(x._buffer))
+            out = DistArray.empty(self.dst, dtype=x.dtype, xp=x.xp, device=device_of(x.buffer))
         elif out.dist != self.dst or out.dtype != x.dtype:
             raise ValueError(
                 f"out must have {self.dst} and dtype {x.dtype}, got {out.dist} and {out.dtype}"
             )
         if not self.local_only:
             t = transport_for(x.xp)
-            xb, xl = t.region_to_send(x._buffer, x.local)
-            ob, ol = t.region_to_receive(out._buffer, out.local)
+            xb, xl = t.region_to_send(x.buffer, x.local)
+            ob, ol = t.region_to_receive(out.buffer, out.local)
             t.ready()
             self._alltoallw(xb, [(p, xl[sl]) for p, sl in self.sends],
                             ob, [(p, ol[sl]) for p, sl in self.recvs])
             t.deliver_region(out.local, ob)
-            if xb is not x._buffer:
+            if xb is not x.buffer:
                 t.release(xb)
         if self.keep is not None:  # after a staged copy, which writes the whole block
             out.local[self.keep[1]] = x.local[self.keep[0]]
@@ -160,11 +158,9 @@ class RedistributionPlan:
         that came from one source block, their values are added up; replicas of
         ``src`` that sent nothing receive zeros.
         """
-        from .array import DistArray
-
         if y.dist != self.dst:
             raise ValueError(f"plan maps to {self.dst}, got an array with {y.dist}")
-        out = DistArray.zeros(self.src, dtype=y.dtype, xp=y.xp, device=device_of(y._buffer))
+        out = DistArray.zeros(self.src, dtype=y.dtype, xp=y.xp, device=device_of(y.buffer))
         if self.keep is not None:
             out.local[self.keep[0]] += y.local[self.keep[1]]
         if self.local_only:
@@ -176,11 +172,11 @@ class RedistributionPlan:
         tmp = t.region_empty(y.local, (sum(sizes),))
         offsets = list(itertools.accumulate([0] + sizes))
         views = [reshape(tmp[a:b], shp) for a, b, shp in zip(offsets, offsets[1:], shapes)]
-        yb, yl = t.region_to_send(y._buffer, y.local)
+        yb, yl = t.region_to_send(y.buffer, y.local)
         t.ready()
         self._alltoallw(yb, [(p, yl[sl]) for p, sl in self.recvs],
                         tmp, [(p, v) for (p, _), v in zip(self.sends, views)])
-        if yb is not y._buffer:
+        if yb is not y.buffer:
             t.release(yb)
         olocal = out.local
         pieces = t.region_array(tmp, olocal)
@@ -205,3 +201,17 @@ def _blocks_overlapping(src: Distribution, box: tuple[slice, ...]):
 def redistribution_plan(src: Distribution, dst: Distribution) -> RedistributionPlan:
     """The cached :class:`RedistributionPlan` from ``src`` to ``dst``."""
     return RedistributionPlan(src, dst)
+
+
+def redistribute(self: DistArray, dist: Distribution, out: DistArray | None = None) -> DistArray:
+    """This array moved to another Distribution of the same global shape.
+
+    Collective. The plan is computed from the two distributions alone and
+    cached; the data moves in one collective. ``out`` (with ``dist`` and this
+    dtype) receives the result when given.
+    """
+    _check_dist(dist)
+    return redistribution_plan(self.dist, dist)(self, out)
+
+
+DistArray.redistribute = redistribute  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution
-from disttensor.random import _mix
+from disttensor.random import splitmix64 as _mix
 
 from .module import Layout
 

@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
 
+from ..array import DistArray
 from ..backend import is_numpy, mpi_dtype, to_numpy
 from ..distribution import Distribution
 from ..grid import coords_of, rank_of
-
-if TYPE_CHECKING:
-    from ..array import DistArray
 
 __all__ = [
     "is_dist",
     "wrap",
     "contiguous",
     "make_dist",
-    "cuts_of",
     "normalize_axes",
     "normalize_axis_index",
     "split_grid_axes",
@@ -35,15 +32,7 @@ __all__ = [
 
 def is_dist(x: Any) -> bool:
     """Whether ``x`` is a DistArray."""
-    from ..array import DistArray
-
     return isinstance(x, DistArray)
-
-
-def dist_array_type() -> type:
-    from ..array import DistArray
-
-    return DistArray
 
 
 def contiguous(a: Any, xp: Any = np) -> Any:
@@ -60,12 +49,7 @@ def wrap(local: Any, dist: Distribution, xp: Any = np) -> DistArray:
     want = dist.local_shape()
     if tuple(local.shape) != want:  # a bug in the caller, never a user error
         raise AssertionError(f"local block {tuple(local.shape)} does not match {want} of {dist}")
-    return dist_array_type()(local, dist)
-
-
-def cuts_of(boundaries: Sequence[int]) -> list[int]:
-    """The interior cut indices of a boundary tuple."""
-    return [int(b) for b in boundaries[1:-1]]
+    return DistArray(local, dist)
 
 
 def make_dist(
@@ -76,7 +60,7 @@ def make_dist(
 ) -> Distribution:
     """A Distribution from per-dimension grid axes and boundaries (None: the block rule)."""
     axes = [tuple(e) for e in dim_axes]
-    splits = [None if b is None else cuts_of(b) for b in boundaries]
+    splits = [None if b is None else b[1:-1] for b in boundaries]
     return Distribution(tuple(int(s) for s in shape), grid, axes, splits)
 
 
@@ -146,11 +130,7 @@ def bcast_array(buf: Any, comm: MPI.Comm, root: int, xp: Any = np) -> Any:
 
 def same_comm(a: Distribution, b: Distribution) -> bool:
     """Whether two distributions live on grids over the same group of processes."""
-    if a.grid is b.grid:
-        return True
-    if a.nprocs != b.nprocs:
-        return False
-    return MPI.Comm.Compare(a.grid.comm, b.grid.comm) in (MPI.IDENT, MPI.CONGRUENT)
+    return a.grid.same_processes(b.grid)
 
 
 def axis_index(axis: Any, ndim: int) -> int:

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..array import DistArray
 from ..distribution import Distribution
 from ..redistribute import redistribution_plan
 from ._config import implicit_redistribution_enabled
 from ._util import is_dist, make_dist, same_comm
-
-if TYPE_CHECKING:
-    from ..array import DistArray
 
 __all__ = [
     "as_operand",

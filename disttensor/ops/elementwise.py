@@ -9,15 +9,14 @@ rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..array import DistArray
 from ._util import is_dist, wrap
+from .reductions import all as dall
 from .ufuncs import local_function
-
-if TYPE_CHECKING:
-    from ..array import DistArray
 
 __all__ = [
     "where",
@@ -85,8 +84,6 @@ def isclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
 def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
              equal_nan: bool = False) -> bool:
     """Whether all elements are close, like :func:`numpy.allclose` (collective; a bool)."""
-    from .reductions import all as dall
-
     return bool(dall(isclose(a, b, rtol, atol, equal_nan)).local[()])
 
 
@@ -95,8 +92,6 @@ def array_equal(a1: Any, a2: Any, equal_nan: bool = False) -> bool:
     if tuple(np.shape(a1) if not is_dist(a1) else a1.shape) != tuple(
             np.shape(a2) if not is_dist(a2) else a2.shape):
         return False
-    from .reductions import all as dall
-
     if equal_nan:
         eq = local_function(lambda x, y: (x == y) | (np.isnan(x) & np.isnan(y)), [a1, a2])
     else:

@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from . import elementwise, indexing, linalg, reductions, shape
+import disttensor.ops.elementwise as elementwise
+import disttensor.ops.indexing as indexing
+import disttensor.ops.linalg as linalg
+import disttensor.ops.reductions as reductions
+import disttensor.ops.shape as shape
+
+from ..array import DistArray
 from ._util import is_dist, wrap
 
 __all__ = ["HANDLED", "array_function", "implements"]
@@ -155,10 +161,7 @@ def array_function(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
     impl = HANDLED.get(func)
     if impl is None:
         return NotImplemented
-    from ._util import dist_array_type
-
-    dist_type = dist_array_type()
     for t in types:
-        if not (issubclass(t, dist_type) or issubclass(t, np.ndarray)):
+        if not (issubclass(t, DistArray) or issubclass(t, np.ndarray)):
             return NotImplemented
     return impl(*args, **kwargs)

@@ -31,10 +31,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..array import DistArray
 from ..backend import is_numpy, mpi_dtype, to_numpy
 from ..distribution import Distribution
 from ..grid import rank_of
@@ -55,9 +56,6 @@ from .align import (
     numpy_part,
     operand_distribution,
 )
-
-if TYPE_CHECKING:
-    from ..array import DistArray
 
 __all__ = ["getitem", "setitem", "parse_key"]
 
@@ -452,15 +450,13 @@ def nonzero(x: DistArray) -> tuple[DistArray, ...]:
 
 def flatnonzero(x: DistArray) -> DistArray:
     """Indices of the non-zero elements of the flattened array, like :func:`numpy.flatnonzero`."""
-    from .shape import ravel
-
-    return nonzero(ravel(x))[0]
+    if not is_dist(x):
+        raise TypeError(f"flatnonzero: expected a DistArray, got {type(x).__name__}")
+    return nonzero(x.ravel())[0]  # the method: this module sits below ops.shape
 
 
 def argwhere(x: DistArray) -> DistArray:
     """Indices of the non-zero elements, one row each, like :func:`numpy.argwhere`."""
-    from .shape import stack
-
     if not is_dist(x) or x.ndim == 0:
         raise TypeError("argwhere needs a DistArray of at least one dimension")
-    return stack(nonzero(x), axis=1)
+    return np.stack(nonzero(x), axis=1)  # dispatches to ops.shape.stack, which sits above

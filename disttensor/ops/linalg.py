@@ -21,10 +21,11 @@ processes. Operands that are not laid out like that are redistributed first
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..array import DistArray
 from ..distribution import Distribution
 from ._util import (
     bcast_array,
@@ -34,9 +35,11 @@ from ._util import (
     wrap,
 )
 from .align import aligned, as_operand, check_move
-
-if TYPE_CHECKING:
-    from ..array import DistArray
+from .reductions import _store, count_nonzero
+from .reductions import max as dmax
+from .reductions import min as dmin
+from .reductions import sum as dsum
+from .shape import expand_dims, ravel, reshape, squeeze
 
 __all__ = ["matmul", "matmul_distributions", "dot", "vdot", "vecdot", "outer", "inner"]
 
@@ -72,8 +75,6 @@ def matmul_distributions(a: Distribution, b: Distribution
 
 def _to_dist(v: Any, like: DistArray) -> DistArray:
     """A NumPy operand as a replicated DistArray on ``like``'s grid (no communication)."""
-    from ..array import DistArray
-
     a = like.xp.asarray(v)
     return DistArray.from_global(a, Distribution(a.shape, like.grid, (None,) * a.ndim))
 
@@ -167,8 +168,6 @@ def matmul(a: Any, b: Any, out: Any = None) -> DistArray:
             f"signature (n?,k),(k,m?)->(n?,m?) (size {kb} is different from {ka})"
         )
     dtype = np.matmul(np.empty((0, 0), a.dtype), np.empty((0, 0), b.dtype)).dtype
-    from .shape import expand_dims, reshape
-
     a2 = expand_dims(a, 0) if a.ndim == 1 else a
     b2 = expand_dims(b, 1) if b.ndim == 1 else b
     da, db, dc = matmul_distributions(a2.dist, b2.dist)
@@ -177,8 +176,6 @@ def matmul(a: Any, b: Any, out: Any = None) -> DistArray:
         shape = (() if a.ndim == 1 else (a.shape[0],)) + (() if b.ndim == 1 else (b.shape[1],))
         c = reshape(c, shape)
     if out is not None:
-        from .reductions import _store
-
         return _store(c, out)
     return c
 
@@ -200,15 +197,11 @@ def matmul_ufunc(inputs: Any, kwargs: dict[str, Any]) -> Any:
     if dtype is not None:
         c = c.astype(dtype)
     if out is not None:
-        from .reductions import _store
-
         return _store(c, out)
     return c
 
 
 def _reduce_last(prod: DistArray, keepdims: bool = False) -> DistArray:
-    from .reductions import sum as dsum
-
     return dsum(prod, axis=-1, keepdims=keepdims)
 
 
@@ -223,16 +216,12 @@ def dot(a: Any, b: Any, out: Any = None) -> Any:
     else:
         raise TypeError("dot of DistArrays supports operands of at most 2 dimensions")
     if out is not None:
-        from .reductions import _store
-
         return _store(r, out)
     return r
 
 
 def vdot(a: Any, b: Any) -> DistArray:
     """``numpy.vdot``: the flattened, conjugated dot product (a 0-d DistArray)."""
-    from .shape import ravel
-
     a = ravel(a) if is_dist(a) else np.ravel(a)
     b = ravel(b) if is_dist(b) else np.ravel(b)
     if a.shape != b.shape:
@@ -251,9 +240,6 @@ def vecdot(x1: Any, x2: Any, /, *, axis: int = -1, out: Any = None, **kwargs: An
     n2 = x2.shape[axis] if np.ndim(x2) or is_dist(x2) else None
     if n1 is None or n2 is None or n1 != n2:
         raise ValueError("vecdot: the contracted dimensions must have the same size")
-    from .reductions import _store
-    from .reductions import sum as dsum
-
     r = dsum(np.multiply(np.conjugate(x1), x2), axis=axis)
     return _store(r, out) if out is not None else r
 
@@ -273,8 +259,6 @@ def inner(a: Any, b: Any) -> Any:
 
 def outer(a: Any, b: Any, out: Any = None) -> DistArray:
     """``numpy.outer``: ``ravel(a)[:, None] * ravel(b)[None, :]``."""
-    from .shape import expand_dims, ravel
-
     a = expand_dims(ravel(a), 1) if is_dist(a) else np.ravel(a)[:, None]
     b = expand_dims(ravel(b), 0) if is_dist(b) else np.ravel(b)[None, :]
     return np.multiply(a, b, out=out)
@@ -293,11 +277,6 @@ def vector_norm(x: DistArray, /, *, axis: Any = None, keepdims: bool = False,
                 ord: Any = 2) -> DistArray:  # noqa: A002
     """Vector norm over ``axis`` (all elements by default), like
     :func:`numpy.linalg.vector_norm`: reductions of ``abs(x)``."""
-    from .reductions import count_nonzero
-    from .reductions import max as dmax
-    from .reductions import min as dmin
-    from .reductions import sum as dsum
-
     x = _inexact(x)
     a = np.abs(x)
     if ord == np.inf:
@@ -328,10 +307,6 @@ def norm(x: DistArray, ord: Any = None, axis: Any = None, keepdims: bool = False
     Vector norms of every order; matrix norms ``None``/``'fro'``, 1, -1, inf
     and -inf. Norms that need an SVD (2, -2, ``'nuc'``) raise a TypeError.
     """
-    from .reductions import max as dmax
-    from .reductions import min as dmin
-    from .reductions import sum as dsum
-
     if not is_dist(x):
         raise TypeError(f"norm: expected a DistArray, got {type(x).__name__}")
     x = _inexact(x)
@@ -368,6 +343,4 @@ def norm(x: DistArray, ord: Any = None, axis: Any = None, keepdims: bool = False
         raise TypeError(f"norm(ord={ord!r}) of a DistArray needs an SVD and is not supported")
     if keepdims:
         return out
-    from .shape import squeeze
-
     return squeeze(out, (r, c))

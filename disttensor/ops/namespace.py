@@ -22,11 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from .. import creation
+import disttensor.creation as creation
+import disttensor.ops.elementwise as elementwise
+import disttensor.ops.linalg as linalg
+import disttensor.ops.reductions as reductions
+import disttensor.ops.shape as _shape
+
 from ..array import DistArray
-from . import elementwise, linalg, reductions
-from . import shape as _shape
 from ._util import is_dist, wrap
+from .indexing import nonzero as nz
 
 __array_api_version__ = "2023.12"
 
@@ -195,8 +199,6 @@ def diff(x: DistArray, /, *, axis: int = -1, n: int = 1, prepend: Any = None,
 
 def nonzero(x: DistArray, /) -> tuple[DistArray, ...]:
     """Indices of the non-zero elements."""
-    from .indexing import nonzero as nz
-
     return nz(x)
 
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import to_numpy_dtype
 
+from ..array import DistArray
 from ..backend import mpi_dtype, numpy_dtype, to_numpy
 from ..distribution import Distribution
 from ..transport import allreduce as transport_allreduce
@@ -35,9 +36,8 @@ from ._util import (
     subcomm_members,
     wrap,
 )
-
-if TYPE_CHECKING:
-    from ..array import DistArray
+from .indexing import setitem
+from .shape import concatenate, reshape
 
 __all__ = [
     "reduced_distribution",
@@ -62,6 +62,7 @@ __all__ = [
 _builtin_sum, _builtin_all, _builtin_any, _builtin_min, _builtin_max = (
     sum, all, any, min, max
 )
+
 _NoValue = np._NoValue  # type: ignore[attr-defined]
 
 
@@ -169,8 +170,6 @@ def _store(result: DistArray, out: Any) -> DistArray:
         raise TypeError(f"out= must be a DistArray, got {type(out).__name__}")
     if out.shape != result.shape:
         raise ValueError(f"out has shape {out.shape} but the result has shape {result.shape}")
-    from .indexing import setitem
-
     setitem(out, Ellipsis, result)
     return out
 
@@ -481,8 +480,6 @@ def _scan(name: str, x: DistArray, axis: Any, dtype: Any, out: Any) -> DistArray
     x = _as_dist(x, name)
     ufunc = np.add if name == "cumsum" else np.multiply
     if axis is None:
-        from .shape import reshape
-
         x = reshape(x, (-1,))
         axis = 0
     a = axis_index(axis, x.ndim)
@@ -715,8 +712,6 @@ def _cumulative(name: str, x: DistArray, axis: Any, dtype: Any, out: Any,
     a = axis_index(axis, _builtin_max(x.ndim, 1))
     r = _scan("cumsum" if name == "cumulative_sum" else "cumprod", x, a, dtype, None)
     if include_initial:
-        from .shape import concatenate
-
         shape = tuple(1 if d == a else s for d, s in enumerate(r.shape))
         ident = np.full(shape, 0 if name == "cumulative_sum" else 1, dtype=r.dtype)
         r = concatenate([ident, r], axis=a)

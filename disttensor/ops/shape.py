@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..array import DistArray
 from ..distribution import Distribution, block_boundaries
 from ._util import axis_index, is_dist, make_dist, normalize_axes, wrap
 from .align import (
@@ -35,9 +36,7 @@ from .align import (
     operand_distribution,
     result_distribution,
 )
-
-if TYPE_CHECKING:
-    from ..array import DistArray
+from .indexing import getitem, setitem
 
 __all__ = [
     "transpose",
@@ -166,8 +165,6 @@ def squeeze(x: DistArray, axis: Any = None) -> DistArray:
             if x.shape[d] != 1:
                 raise ValueError("cannot select an axis to squeeze out which has size not "
                                  "equal to one")
-    from .indexing import getitem
-
     return getitem(x, tuple(0 if d in dims else slice(None) for d in range(x.ndim)))
 
 
@@ -248,8 +245,6 @@ def reshape(x: DistArray, newshape: Any, order: str = "C", *, copy: Any = None,
             dist = Distribution(new, d.grid, (None,) * len(new))
             return wrap(xp.empty(dist.local_shape(), x.dtype), dist, xp)
         if not new:  # one element, maybe on some ranks only: read it like x[0, 0, ...]
-            from .indexing import getitem
-
             return getitem(x, (0,) * x.ndim)
         dist = Distribution(new, d.grid, (None,) * len(new))  # from 0-d: replicated
         return wrap(xp.reshape(x.local, dist.local_shape()).copy(), dist, xp)
@@ -437,8 +432,6 @@ def flip(x: DistArray, axis: Any = None) -> DistArray:
     """
     x = _dist(x, "flip")
     dims = normalize_axes(axis, x.ndim)
-    from .indexing import getitem
-
     return getitem(x, tuple(slice(None, None, -1) if d in dims else slice(None)
                             for d in range(x.ndim)))
 
@@ -459,8 +452,6 @@ def roll(x: DistArray, shift: Any, axis: Any = None) -> DistArray:
     amount = [0] * x.ndim
     for s, a in zip(shifts.ravel().tolist(), axes.ravel().tolist()):
         amount[axis_index(a, x.ndim)] += int(s)
-    from .indexing import setitem
-
     out = x
     for d, s in enumerate(amount):
         n = x.shape[d]
@@ -472,8 +463,6 @@ def roll(x: DistArray, shift: Any, axis: Any = None) -> DistArray:
         tail = tuple(slice(None) if e != d else slice(None, n - k) for e in range(x.ndim))
         dst_head = tuple(slice(None) if e != d else slice(None, k) for e in range(x.ndim))
         dst_tail = tuple(slice(None) if e != d else slice(k, None) for e in range(x.ndim))
-        from .indexing import getitem
-
         setitem(res, dst_head, getitem(src, head))
         setitem(res, dst_tail, getitem(src, tail))
         out = res
@@ -495,8 +484,6 @@ def diff(x: DistArray, n: int = 1, axis: int = -1, prepend: Any = np._NoValue,  
     if x.ndim == 0:
         raise ValueError("diff requires input that is at least one dimensional")
     a = axis_index(axis, x.ndim)
-    from .indexing import getitem
-
     hi = tuple(slice(1, None) if d == a else slice(None) for d in range(x.ndim))
     lo = tuple(slice(None, -1) if d == a else slice(None) for d in range(x.ndim))
     op = np.not_equal if x.dtype == np.bool_ else np.subtract
@@ -554,6 +541,4 @@ def unstack(x: DistArray, /, *, axis: int = 0) -> tuple[DistArray, ...]:
     if x.ndim == 0:
         raise ValueError("Input array must be at least 1-d.")
     a = axis_index(axis, x.ndim)
-    from .indexing import getitem
-
     return tuple(getitem(x, (slice(None),) * a + (i,)) for i in range(x.shape[a]))

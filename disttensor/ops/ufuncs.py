@@ -12,10 +12,11 @@ dtypes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..array import DistArray
 from ._util import is_dist, wrap
 from .align import (
     align_locals,
@@ -25,9 +26,8 @@ from .align import (
     result_distribution,
     shape_of,
 )
-
-if TYPE_CHECKING:
-    from ..array import DistArray
+from .linalg import matmul_ufunc, vecdot
+from .reductions import ufunc_accumulate, ufunc_reduce
 
 __all__ = ["array_ufunc", "elementwise", "local_function", "dummy"]
 
@@ -167,22 +167,14 @@ def array_ufunc(ufunc: np.ufunc, method: str, inputs: Sequence[Any],
                 return NotImplemented  # another array library: let it (or NumPy) decide
     if method == "__call__":
         if ufunc is np.matmul:
-            from .linalg import matmul_ufunc
-
             return matmul_ufunc(inputs, kwargs)
         if ufunc.signature is not None:
             if ufunc is getattr(np, "vecdot", None):
-                from .linalg import vecdot
-
                 return vecdot(*inputs, **kwargs)
             return NotImplemented
         return elementwise(ufunc, inputs, kwargs)
     if method == "reduce":
-        from .reductions import ufunc_reduce
-
         return ufunc_reduce(ufunc, inputs, kwargs)
     if method == "accumulate":
-        from .reductions import ufunc_accumulate
-
         return ufunc_accumulate(ufunc, inputs, kwargs)
     return NotImplemented
