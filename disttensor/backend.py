@@ -161,17 +161,37 @@ def is_c_contiguous(a: Any) -> bool:
     return bool(flags is not None and flags.c_contiguous)
 
 
-def contiguous(x: Any, copy: bool = False) -> Any:
-    """``x`` as a C-contiguous array of its module (always a new array when ``copy``).
+def contiguous(x: Any, copy: bool = False, *, writeable: bool = False) -> Any:
+    """``x`` as a C-contiguous array of its module, copied only when needed.
 
-    Array API namespaces without a notion of memory layout return ``x``
-    itself, or a copy.
+    The one contiguity helper of the project: MPI buffers, wrapped blocks and
+    in-place reductions all go through it. 0-d arrays stay 0-d (unlike
+    ``numpy.ascontiguousarray``).
+
+    Parameters
+    ----------
+    x : array
+        A NumPy, CuPy or other array API array.
+    copy : bool
+        Always return a new array.
+    writeable : bool
+        Also copy a read-only array (a broadcast view, say), so that the
+        result can be written to.
+
+    Returns
+    -------
+    array
+        ``x`` itself when it already qualifies; array API namespaces without
+        a notion of memory layout return ``x`` itself, or a copy.
     """
     xp = array_namespace(x)
     if is_numpy(xp):
-        return np.array(x, order="C") if copy else np.asarray(x, order="C")
+        out = np.array(x, order="C") if copy else np.asarray(x, order="C")
+        return out.copy() if writeable and not out.flags.writeable else out
     if is_cupy(xp):  # pragma: no cover - GPU only
-        return xp.array(x, order="C", copy=True) if copy else xp.ascontiguousarray(x)
+        if copy or not x.flags.c_contiguous:
+            return xp.array(x, order="C", copy=True)
+        return x
     return xp.asarray(x, copy=True) if copy else x
 
 

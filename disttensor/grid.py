@@ -204,7 +204,7 @@ class ProcessGrid:
                 self._subcomms[key] = self.comm.Split(color, self.rank)
         return self._subcomms[key]
 
-    def same_processes(self, other: ProcessGrid) -> bool:
+    def same_processes(self, other: ProcessGrid | MPI.Comm) -> bool:
         """Whether ``other`` spans the same processes, in the same rank order (any shape).
 
         True when the two communicators are identical or congruent (a
@@ -213,20 +213,23 @@ class ProcessGrid:
 
         Parameters
         ----------
-        other : ProcessGrid
-            The grid to compare with.
+        other : ProcessGrid or mpi4py.MPI.Comm
+            The grid, or a communicator, to compare with.
 
         Raises
         ------
         TypeError
-            If ``other`` is not a ProcessGrid.
+            If ``other`` is neither.
         """
-        if not isinstance(other, ProcessGrid):
-            raise TypeError(f"expected a ProcessGrid, got {type(other).__name__}")
-        return self is other or (
-            self.size == other.size
-            and MPI.Comm.Compare(self.comm, other.comm) in (MPI.IDENT, MPI.CONGRUENT)
-        )
+        if isinstance(other, ProcessGrid):
+            if self is other:
+                return True
+            other = other.comm
+        elif not isinstance(other, MPI.Comm):
+            raise TypeError(f"expected a ProcessGrid or an MPI communicator, got "
+                            f"{type(other).__name__}")
+        return (self.comm.Get_size() == other.Get_size()
+                and MPI.Comm.Compare(self.comm, other) in (MPI.IDENT, MPI.CONGRUENT))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ProcessGrid):

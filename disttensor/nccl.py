@@ -1,6 +1,6 @@
 """NCCL through CuPy: one cached NCCL communicator per MPI communicator, sum allreduce, send/recv.
 
-Imported only when NCCL is enabled (:func:`disttensor.nccl_enabled`); CuPy's
+Used only when NCCL is enabled (:func:`disttensor.nccl_enabled`); CuPy's
 ``cupy.cuda.nccl`` is imported on first use. Every operation is queued on
 CuPy's current stream, so kernels queued after it see its results without a
 host synchronisation.

@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from .backend import (
     array_namespace,
+    contiguous,
     copy_from_host,
     copy_to_host,
     device_of,
@@ -40,6 +41,7 @@ from .backend import (
     synchronize,
 )
 from .device import gpu_aware_mpi, nccl_enabled
+from .nccl import allreduce_sum, exchange, supports
 
 __all__ = ["Transport", "allreduce", "transport_for"]
 
@@ -162,8 +164,6 @@ class Transport:
         synchronised; NCCL runs on the stream that filled them and needs no wait.
         """
         if self.nccl:
-            from .nccl import exchange
-
             exchange(comm, [(b, p) for b, p, _ in recvs], [(b, p) for b, p, _ in sends])
             return []
         if self._p2p_direct and self._device and (recvs or sends):
@@ -220,15 +220,13 @@ class Transport:
         if comm.Get_size() == 1 or a.size == 0:
             return a
         if self.nccl and op == MPI.SUM:
-            from .nccl import allreduce_sum, supports
-
             if supports(a.dtype):
-                buf = _contiguous_writeable(a, self.xp)
+                buf = contiguous(a, writeable=True)
                 allreduce_sum(buf, comm)
                 return buf
         # user-defined operations run on the host: MPI calls them with host pointers
         if self.direct and (not self._device or op.is_predefined):
-            buf = _contiguous_writeable(a, self.xp)
+            buf = contiguous(a, writeable=True)
             self.ready()
             comm.Allreduce(MPI.IN_PLACE, buf, op=op)
             return buf
@@ -237,13 +235,6 @@ class Transport:
         out = from_numpy(host, a)
         self.release(host)
         return out
-
-
-def _contiguous_writeable(a: Any, xp: ModuleType) -> Any:
-    buf = xp.ascontiguousarray(a)
-    if buf is a and not getattr(a.flags, "writeable", True):
-        buf = buf.copy()
-    return buf
 
 
 _NUMPY = Transport(np, direct=True)
@@ -268,11 +259,35 @@ def transport_for(xp: ModuleType) -> Transport:
     return t
 
 
-def allreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM) -> Any:
+def allreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM, *,
+              in_place: bool = False) -> Any:
     """``a`` combined with ``op`` over ``comm`` through its module's transport.
 
-    The result is an array of ``a``'s module and device; ``a`` itself may be
-    overwritten with it (and is returned) when it is contiguous and writeable.
-    Collective over ``comm``.
+    The one allreduce helper of the project: reductions, gradient sums and
+    layers use it, whatever module and device ``a`` lives on (device memory,
+    host staging, or NCCL for sums of GPU arrays). Collective over ``comm``;
+    nothing moves on one rank or for an empty ``a``.
+
+    Parameters
+    ----------
+    a : array
+        This rank's contribution.
+    comm : MPI.Intracomm
+        The ranks to combine over.
+    op : MPI.Op
+        The operation (``MPI.SUM`` by default).
+    in_place : bool
+        Write the result into ``a`` (which must be writeable) and return ``a``.
+
+    Returns
+    -------
+    array
+        The result, an array of ``a``'s module and device. Without
+        ``in_place``, ``a`` itself may be overwritten with it (and is
+        returned) when it is contiguous and writeable.
     """
-    return transport_for(array_namespace(a)).allreduce(a, comm, op)
+    out = transport_for(array_namespace(a)).allreduce(a, comm, op)
+    if in_place and out is not a:
+        a[...] = out
+        return a
+    return out

@@ -324,8 +324,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
             if not isinstance(name, str) or not isinstance(a, DistArray):
                 raise TypeError(f"arrays must map str to DistArray, got {name!r}: "
                                 f"{type(a).__name__}")
-            if a.comm.Get_size() != comm.Get_size() or \
-                    MPI.Comm.Compare(a.comm, comm) not in (MPI.IDENT, MPI.CONGRUENT):
+            if not a.grid.same_processes(comm):
                 raise ValueError(f"array {name!r} lives on another communicator than the "
                                  "checkpoint's")
             dist_arrays.append((name, f"array_{k:03d}.npy", a))

@@ -147,7 +147,7 @@ class Dataset:
         shape = (dist_x.global_shape[0], *self.target_shape)
         axes = list(dist_x.axes)
         axes[1] = None
-        splits: list[Any] = [list(b[1:-1]) for b in dist_x.boundaries]
+        splits: list[Any] = list(dist_x.splits)
         splits[1] = None
         return Distribution(shape, dist_x.grid, axes, splits)
 

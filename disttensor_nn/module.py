@@ -107,11 +107,7 @@ def allreduce_(arr: Any, comm: MPI.Intracomm) -> Any:
     transport (:func:`disttensor.transport.allreduce`: device memory, host
     staging, or NCCL for GPU gradients).
     """
-    if comm.Get_size() > 1:
-        out = transport_allreduce(arr, comm, MPI.SUM)
-        if out is not arr:
-            arr[...] = out
-    return arr
+    return transport_allreduce(arr, comm, MPI.SUM, in_place=True)
 
 
 def check_input(x: Any, ndim: int, name: str, channels: int | None = None,

@@ -158,14 +158,13 @@ def output_layout(spec: WindowSpec, in_dist: Distribution) -> tuple[Distribution
     """
     nd = len(spec.kernel)
     shape = in_dist.global_shape
-    splits: list = [None if in_dist.nblocks[0] == 1 else list(in_dist.boundaries[0][1:-1]),
-                    None]
+    splits: list = [in_dist.splits[0], None]
     out_bounds = []
     for i in range(nd):
         ob = _out_boundaries(spec, i, in_dist.boundaries[2 + i], shape[2 + i])
         out_bounds.append(ob)
         splits.append(ob[1:-1] if len(ob) > 2 else None)
-    out_dist = Distribution(spec.out_shape(shape), in_dist._grid_arg, in_dist.dim_axes, splits)
+    out_dist = in_dist.replace(global_shape=spec.out_shape(shape), splits=splits)
     widths = [(0, 0), (0, 0)]
     for i in range(nd):
         s, d, k = spec.stride[i], spec.dilation[i], spec.kernel[i]

@@ -11,14 +11,13 @@ from mpi4py import MPI
 from numpy.lib.array_utils import normalize_axis_index, normalize_axis_tuple
 
 from ..array import DistArray
-from ..backend import is_numpy, mpi_dtype, to_numpy
+from ..backend import contiguous, is_numpy, mpi_dtype, to_numpy
 from ..distribution import Distribution
 from ..grid import coords_of, rank_of
 
 __all__ = [
     "is_dist",
     "wrap",
-    "contiguous",
     "make_dist",
     "normalize_axes",
     "normalize_axis_index",
@@ -35,17 +34,9 @@ def is_dist(x: Any) -> bool:
     return isinstance(x, DistArray)
 
 
-def contiguous(a: Any, xp: Any = np) -> Any:
-    """``a`` as a C-contiguous array of the module ``xp`` (0-d stays 0-d, no needless copy)."""
-    a = xp.asarray(a)
-    if not a.flags.c_contiguous:
-        a = a.copy()
-    return a
-
-
 def wrap(local: Any, dist: Distribution, xp: Any = np) -> DistArray:
     """A DistArray from this rank's block ``local`` of ``dist`` (not copied when contiguous)."""
-    local = contiguous(local, xp)
+    local = contiguous(xp.asarray(local))
     want = dist.local_shape()
     if tuple(local.shape) != want:  # a bug in the caller, never a user error
         raise AssertionError(f"local block {tuple(local.shape)} does not match {want} of {dist}")

@@ -26,7 +26,7 @@ from mpi4py.util.dtlib import to_numpy_dtype
 from ..array import DistArray
 from ..backend import mpi_dtype, numpy_dtype, to_numpy
 from ..distribution import Distribution
-from ..transport import allreduce as transport_allreduce
+from ..transport import allreduce as allreduce_over
 from ._util import (
     axis_index,
     is_dist,
@@ -145,11 +145,9 @@ def allreduce(partial: Any, dist: Distribution, dims: tuple[int, ...], ufunc: np
     if not axes:
         return partial
     comm = dist.grid.subcomm(axes)
-    if comm.Get_size() == 1 or partial.size == 0:
-        return partial
     # through the array module's transport (device memory, host staging or NCCL); a plain
     # buffer, so that mpi4py picks the predefined datatype that built-in ops need
-    return transport_allreduce(partial, comm, mpi_op(ufunc, numpy_dtype(partial.dtype)))
+    return allreduce_over(partial, comm, mpi_op(ufunc, numpy_dtype(partial.dtype)))
 
 
 def _local_empty(dist: Distribution, dims: tuple[int, ...]) -> bool:

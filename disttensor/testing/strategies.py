@@ -16,10 +16,11 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from mpi4py import MPI
 
 from ..array import DistArray
 from ..distribution import Distribution
-from ..grid import ProcessGrid
+from ..grid import ProcessGrid, factorizations
 
 __all__ = ["grids", "process_grids", "distributions", "dist_arrays", "MPI_PROFILE"]
 
@@ -34,16 +35,6 @@ settings.register_profile(
 )
 
 
-def _factorizations(n: int, ndim: int) -> list[tuple[int, ...]]:
-    if ndim == 1:
-        return [(n,)]
-    out = []
-    for f in range(1, n + 1):
-        if n % f == 0:
-            out += [(f, *rest) for rest in _factorizations(n // f, ndim - 1)]
-    return out
-
-
 @st.composite
 def grids(draw: st.DrawFn, max_ranks: int = 8, max_ndim: int = 3) -> tuple[int, ...]:
     """Grid shapes (tuples of ints >= 1) with at most ``max_ranks`` processes.
@@ -53,7 +44,7 @@ def grids(draw: st.DrawFn, max_ranks: int = 8, max_ndim: int = 3) -> tuple[int, 
     """
     ndim = draw(st.integers(1, max_ndim))
     nprocs = draw(st.integers(1, max_ranks))
-    return draw(st.sampled_from(_factorizations(nprocs, ndim)))
+    return draw(st.sampled_from(factorizations(nprocs, ndim)))
 
 
 @st.composite
@@ -63,11 +54,9 @@ def process_grids(draw: st.DrawFn, comm: Any = None, max_ndim: int = 3) -> Proce
     Creating a ProcessGrid communicates nothing, so drawing one is safe as
     long as every rank draws the same examples.
     """
-    from mpi4py import MPI
-
     comm = MPI.COMM_WORLD if comm is None else comm
     ndim = draw(st.integers(1, max_ndim))
-    shape = draw(st.sampled_from(_factorizations(comm.Get_size(), ndim)))
+    shape = draw(st.sampled_from(factorizations(comm.Get_size(), ndim)))
     return ProcessGrid(shape, comm)
 
 

@@ -16,7 +16,7 @@ __all__ = ["Flatten", "Linear"]
 def sample_parallel(dist: Distribution) -> Distribution:
     """``dist`` with only the sample dimension split (as before); other grid axes hold replicas."""
     axes = (dist.axes[0],) + (None,) * (dist.ndim - 1)
-    splits = [None if len(dist.boundaries[0]) == 2 else list(dist.boundaries[0][1:-1])]
+    splits = [dist.splits[0]]
     return Distribution(dist.global_shape, dist.grid, axes, splits + [None] * (dist.ndim - 1))
 
 
@@ -33,20 +33,20 @@ class Flatten(Layer):
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 2:
             raise ValueError("Flatten expects an (N, ...) DistArray")
-        self._dist = x.dist
+        self._in_dist = x.dist
         target = sample_parallel(x.dist)
         xs = x if target == x.dist else x.redistribute(target)
         self._mid = target
         n = x.shape[0]
         features = int(np.prod(x.shape[1:]))
         out = Distribution((n, features), x.grid, (x.dist.axes[0], None),
-                           [target.boundaries[0][1:-1] or None, None])
+                           [target.splits[0], None])
         return DistArray(xs.local.reshape(xs.local_shape[0], features), out)
 
     def backward(self, dy: DistArray) -> DistArray:
         local = dy.local.reshape(self._mid.local_shape())
         g = DistArray(dy.xp.ascontiguousarray(local), self._mid)
-        return g if self._mid == self._dist else g.redistribute(self._dist)
+        return g if self._mid == self._in_dist else g.redistribute(self._in_dist)
 
 
 class Linear(Layer):
@@ -93,7 +93,7 @@ class Linear(Layer):
         if self.bias is not None:
             y = y + self.bias.data
         out = Distribution((x.shape[0], self.out_features), x.grid, (x.dist.axes[0], None),
-                           [x.dist.boundaries[0][1:-1] or None, None])
+                           [x.dist.splits[0], None])
         return DistArray(x.xp.ascontiguousarray(y), out)
 
     def backward(self, dy: DistArray) -> DistArray:

@@ -54,7 +54,7 @@ class SoftmaxCrossEntropy:
         if logits.dist.nblocks[1] > 1:
             raise ValueError("the class dimension of the logits must not be split")
         ldist = Distribution((logits.shape[0],), logits.grid, (logits.dist.axes[0],),
-                             [logits.dist.boundaries[0][1:-1] or None])
+                             [logits.dist.splits[0]])
         xp = logits.xp
         y = _local_target(labels, ldist, xp).astype(np.int64)
         # out-of-range labels may sit on some ranks only: count them in the loss's

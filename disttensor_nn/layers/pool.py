@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray, Distribution
+from disttensor import DistArray
 from disttensor.backend import array_namespace
 
 from ..kernels import kernels_for
@@ -120,9 +120,8 @@ class GlobalAvgPool(Layer):
         count = int(np.prod(x.shape[2:]))
         sums = x.xp.ascontiguousarray(x.local.sum(axis=spatial, dtype=np.float64))
         allreduce_(sums, split_axes_comm(x.dist, spatial))
-        n_splits = [None if len(x.dist.boundaries[0]) == 2 else list(x.dist.boundaries[0][1:-1]),
-                    None]
-        out_dist = Distribution(x.shape[:2], x.grid, (x.dist.axes[0], None), n_splits)
+        out_dist = x.dist.replace(global_shape=x.shape[:2], axes=(x.dist.axes[0], None),
+                                  splits=(x.dist.splits[0], None))
         self._in = (x.dist, x.local_shape, count)
         return DistArray.from_local((sums / count).astype(x.dtype), out_dist)
 

@@ -58,8 +58,7 @@ class WindowLayer(Layer):
         shape = list(geo.out_dist.global_shape)
         shape[1] = self._channels_out(shape[1])
         d = geo.out_dist
-        splits = [None if len(b) == 2 else list(b[1:-1]) for b in d.boundaries]
-        return type(d)(tuple(shape), d._grid_arg, d.dim_axes, splits)
+        return d.replace(global_shape=shape, splits=d.splits)
 
     # ------------------------------------------------------------ forward
     def forward(self, x: DistArray) -> DistArray:
@@ -85,7 +84,7 @@ class WindowLayer(Layer):
                 boxes = []
         for box in boxes:
             self._run_box(ext, geo, box, y)
-        self._saved = (x, geo, plan, x._halo_key)
+        self._saved = (x, geo, plan, x.halo_token)
         return out
 
     def _out_dtype(self, x: DistArray) -> np.dtype:
@@ -100,9 +99,9 @@ class WindowLayer(Layer):
     # ------------------------------------------------------------ backward
     def _extended_input(self) -> tuple[DistArray, WindowGeometry, Any, Any]:
         x, geo, plan, key = self._saved
-        if x._halo_key != key or key is None:  # the halo was overwritten since forward
+        if x.halo_token is not key or key is None:  # the halo was overwritten since forward
             plan.exchange(x, self._pad_value())
-        return x, geo, plan, x._extended(geo.widths)
+        return x, geo, plan, x.extended(geo.widths)
 
     def backward(self, dy: DistArray) -> DistArray:
         x, geo, plan, ext = self._extended_input()

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from disttensor import Distribution
+from disttensor import Distribution, factorizations
 from disttensor.backend import is_numpy
 
 from ..kernels import kernels_for, synchronize
@@ -49,11 +49,7 @@ Candidate = tuple[int, ...]
 
 def candidates(nprocs: int, nspatial: int) -> list[Candidate]:
     """Every ordered factorisation of ``nprocs`` over (N, S1, ..., Sk)."""
-    def rec(n: int, k: int) -> list[tuple[int, ...]]:
-        if k == 1:
-            return [(n,)]
-        return [(f, *rest) for f in range(1, n + 1) if n % f == 0 for rest in rec(n // f, k - 1)]
-    return rec(nprocs, nspatial + 1)
+    return factorizations(nprocs, nspatial + 1)
 
 
 def dist_for(shape: tuple[int, ...], cand: Candidate) -> Distribution:
