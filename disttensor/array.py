@@ -40,7 +40,7 @@ from .device import resolve_array_module
 from .distribution import Distribution
 from .grid import ProcessGrid
 
-__all__ = ["DistArray", "normalize_widths"]
+__all__ = ["DistArray"]
 
 Margins = tuple[tuple[int, int], ...]
 
