@@ -41,7 +41,7 @@ def _check_modules(*objs: Any) -> None:
     for obj in objs:
         items = obj if isinstance(obj, (list, tuple)) else (obj,)
         for item in items:
-            xp = getattr(item, "xp", None) if isinstance(item, ArrayOperators) else None
+            xp = getattr(item, "xp", None) if isinstance(item, DistArray) else None
             if xp is not None and not (is_numpy(xp) or is_cupy(xp)):
                 raise TypeError(
                     "NumPy-style operations on DistArrays need NumPy or CuPy blocks; these "
@@ -61,7 +61,7 @@ def _s(x: Any) -> Any:
 
 
 class ArrayOperators(NDArrayOperatorsMixin, metaclass=ABCMeta):
-    """Operators, NumPy protocols and NumPy-style methods that DistArray inherits.
+    """Operators, NumPy protocols and NumPy-style methods that DistArray gets.
 
     Arithmetic, comparison, bitwise and ``@`` operators come from
     :class:`numpy.lib.mixins.NDArrayOperatorsMixin`, which routes them through
