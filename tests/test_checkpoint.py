@@ -273,7 +273,7 @@ def test_mismatched_model_optimizer_or_arrays_are_refused(shared_dir):
     msg = refusal(load_checkpoint, path, wider, nn.SGD(wider.parameters(), lr=0.1))
     collective_assert("different model" in msg and "0.weight" in msg, msg)
 
-    shorter = nn.Sequential(*make_model().layers[:3])
+    shorter = nn.Sequential(*list(make_model())[:3])
     msg = refusal(load_checkpoint, path, shorter, None)
     collective_assert("different model" in msg, msg)
 
