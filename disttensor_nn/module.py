@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from functools import cache
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -186,11 +185,15 @@ _REGISTRIES = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_fo
 """The per-layer dictionaries that :meth:`Layer.__new__` creates."""
 
 
-@cache
-def _reserved() -> frozenset[str]:
-    """Names of Layer's methods: no attribute, parameter, buffer or sub-layer may take them."""
-    return frozenset(name for name in dir(Layer)
-                     if not name.startswith("_") and callable(getattr(Layer, name)))
+_RESERVED = frozenset((
+    "forward", "backward", "call_backward", "output_shape", "children", "named_children",
+    "modules", "named_modules", "layers", "parameters", "named_parameters", "own_parameters",
+    "buffers", "named_buffers", "state_dict", "load_state_dict", "to", "zero_grad", "train",
+    "eval", "register_parameter", "register_buffer", "add_module", "register_module",
+    "register_forward_pre_hook", "register_forward_hook", "register_full_backward_pre_hook",
+    "register_full_backward_hook"))
+"""Layer methods of the calling and state protocol: no attribute, parameter, buffer or
+sub-layer may take their names (an attribute ``layers`` would hide ``layers()``)."""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -202,7 +205,7 @@ def _check_name(owner: Layer, name: Any, kind: str, registry: dict[str, Any]) ->
         raise TypeError(f"{kind} name must be a str, got {type(name).__name__}")
     if not name or "." in name:
         raise KeyError(f"{kind} name must be non-empty and contain no '.', got {name!r}")
-    if name in _reserved():
+    if name in _RESERVED:
         raise KeyError(f"{kind} name {name!r} would hide the Layer method {name}()")
     if hasattr(owner, name) and name not in registry:
         raise KeyError(f"attribute {name!r} already exists on {type(owner).__name__}")
@@ -251,7 +254,7 @@ class Layer:
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _reserved():
+        if name in _RESERVED:
             raise AttributeError(f"{type(self).__name__}.{name} is a Layer method; an "
                                  f"attribute of that name would hide it")
         d = self.__dict__
