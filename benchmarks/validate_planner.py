@@ -48,7 +48,7 @@ def measure(model, shape, plan, comm, iters, target):
     """
     apply_plan(model, plan, shape)
     nodes = _nodes(trace(model, shape))
-    clocks = _timed(nodes)  # the training driver's per-layer clocks
+    clocks, hooks = _timed(nodes)  # the training driver's per-layer clocks
     first = nodes[0].layer.layout
     x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)
     loss_fn = nn.MSELoss()
@@ -73,8 +73,8 @@ def measure(model, shape, plan, comm, iters, target):
             per_iter.append(t)
             per_layer.append(lt)
             per_layer_min.append(lmin)
-    for node in nodes:  # unwrap
-        del node.layer.forward, node.layer.backward
+    for hook in hooks:
+        hook.remove()
     return (np.median(np.array(per_layer), axis=0), np.median(np.array(per_layer_min), axis=0),
             statistics.median(per_iter))
 

@@ -36,16 +36,16 @@ import operator
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import to_numpy
+from disttensor.backend import numpy_dtype, to_numpy
 
-from .module import BUFFER_ATTRS, Layer, Parameter
+from .module import Layer, Parameter
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "FORMAT", "VERSION"]
 
@@ -60,51 +60,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, or is refused on loading (raised on every rank)."""
 
 
-# --------------------------------------------------------------------------- model walking
-def _attr_name(owner: object, value: object) -> str | None:
-    for name, v in vars(owner).items():
-        if v is value:
-            return name
-    return None
-
-
-def _layers(layer: Layer, prefix: str = "") -> Iterator[tuple[str, Layer]]:
-    """(dotted path, layer) of ``layer`` and all its sub-layers, depth first, in a fixed order."""
-    yield prefix, layer
-    for i, child in enumerate(layer.children()):
-        name = _attr_name(layer, child) or str(i)
-        yield from _layers(child, f"{prefix}.{name}" if prefix else name)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
+# --------------------------------------------------------------------------- model state
 def named_parameters(model: Layer | None) -> list[tuple[str, Parameter]]:
-    """``model.parameters()`` in order, each with a dotted name such as ``"0.weight"``.
-
-    Sub-layers are named by the attribute that holds them (``branch``) or by
-    their position among the children (``0``); parameters by their attribute.
-    """
-    if model is None:
-        return []
-    names: dict[int, str] = {}
-    for path, layer in _layers(model):
-        for j, p in enumerate(layer.own_parameters()):
-            names.setdefault(id(p), _join(path, _attr_name(layer, p) or f"param{j}"))
-    return [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(model.parameters())]
+    """``model.named_parameters()`` as a list (empty for None): names such as ``"0.weight"``."""
+    return [] if model is None else list(model.named_parameters())
 
 
 def named_buffers(model: Layer | None) -> list[tuple[str, Layer, str]]:
-    """(name, layer, attribute) of every NumPy ``running_mean`` / ``running_var``, in order."""
+    """(name, layer, attribute) of every buffer of ``model``, in ``model.named_buffers()`` order."""
     if model is None:
         return []
-    out = []
-    for path, layer in _layers(model):
-        for attr in BUFFER_ATTRS:
-            if isinstance(getattr(layer, attr, None), np.ndarray):
-                out.append((_join(path, attr), layer, attr))
-    return out
+    return [(key, layer, key.rpartition(".")[2]) for path, layer in model.named_modules()
+            for key, _ in layer.named_buffers(prefix=path, recurse=False)]
+
+
+def _host(a: Any) -> np.ndarray:
+    """``a`` (an array of any module) as a C-contiguous NumPy array."""
+    return _contiguous(to_numpy(a))
 
 
 # --------------------------------------------------------------------------- trees
@@ -271,8 +243,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
         a non-empty directory that is not a checkpoint is never replaced. Rank
         0's path is used.
     model : Layer or None
-        Its parameters (``model.parameters()``, replicated) and the
-        ``running_mean`` / ``running_var`` arrays of every sub-layer.
+        Its parameters (``model.named_parameters()``, replicated) and buffers
+        (``model.named_buffers()``, such as batch-norm running statistics),
+        arrays of any array module; they are stored as NumPy arrays.
     optimizer : object or None
         Anything with ``state_dict()`` returning a tree of None, bool, int,
         float, str, NumPy arrays, lists, tuples and dicts, such as :class:`SGD`.
@@ -341,15 +314,14 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
             manifest["parameters"] = []
             for i, (name, p) in enumerate(params):
                 key = f"param_{i:04d}"
-                state[key] = _contiguous(p.data)
+                state[key] = value = _host(p.data)
                 manifest["parameters"].append({"name": name, "key": key,
-                                               "shape": list(p.data.shape),
-                                               "dtype": p.data.dtype.str})
+                                               "shape": list(value.shape),
+                                               "dtype": value.dtype.str})
             manifest["buffers"] = []
             for i, (name, layer, attr) in enumerate(buffers):
                 key = f"buffer_{i:04d}"
-                value = _contiguous(getattr(layer, attr))
-                state[key] = value
+                state[key] = value = _host(getattr(layer, attr))
                 manifest["buffers"].append({"name": name, "key": key,
                                             "shape": list(value.shape),
                                             "dtype": value.dtype.str})
@@ -467,9 +439,10 @@ def _verify(directory: str, model: Layer | None, optimizer: Any,
             _refuse(f"{directory}: the manifest lacks {key!r}")
     _check_files(directory, manifest)
     _compare("parameters", manifest["parameters"],
-             [(n, p.data.shape, p.data.dtype) for n, p in named_parameters(model)])
+             [(n, tuple(p.data.shape), numpy_dtype(p.data.dtype))
+              for n, p in named_parameters(model)])
     _compare("buffers", manifest["buffers"],
-             [(n, getattr(lay, a).shape, getattr(lay, a).dtype)
+             [(n, tuple(getattr(lay, a).shape), numpy_dtype(getattr(lay, a).dtype))
               for n, lay, a in named_buffers(model)])
     saved_arrays = {e["name"]: e for e in manifest["arrays"]}
     for name, target in arrays.items():
@@ -519,9 +492,9 @@ def _check_optimizer_state(state: Any, model: Layer | None, optimizer: Any) -> N
         _refuse(f"the optimizer state is for {len(bufs)} parameters, the optimizer has "
                 f"{len(params)}")
     for i, (b, p) in enumerate(zip(bufs, params)):
-        if b is not None and np.shape(b) != p.data.shape:
+        if b is not None and np.shape(b) != tuple(p.data.shape):
             _refuse(f"optimizer state {i} has shape {np.shape(b)}, its parameter "
-                    f"{p.data.shape}")
+                    f"{tuple(p.data.shape)}")
 
 
 def _bcast_arrays(comm: MPI.Comm, state: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
@@ -549,7 +522,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
 
     Nothing is changed unless the whole checkpoint passes rank 0's checks:
     manifest format, version and self-checksum; presence, size and sha256 of
-    every file; parameter and running-statistics names, shapes and dtypes
+    every file; parameter and buffer names, shapes and dtypes
     equal to the model's; the optimizer's class and buffer shapes; requested
     arrays present with the expected shape (and dtype).
 
@@ -558,8 +531,9 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     directory : path
         The checkpoint (rank 0's path is used).
     model : Layer or None
-        Its parameters are overwritten in place (``p.data[...] = ...``) and its
-        layers' running statistics replaced.
+        Its parameters and buffers are overwritten in place
+        (:meth:`~disttensor_nn.Layer.load_state_dict`), in the array module
+        and on the device where they live.
     optimizer : object, optional
         Gets ``load_state_dict`` with the saved state; None skips it.
     arrays : mapping of str to DistArray or Distribution, optional
@@ -608,10 +582,10 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     opt = manifest["optimizer"]
     if optimizer is not None:
         optimizer.load_state_dict(_decode(opt["state"], state))
-    for (_, p), e in zip(named_parameters(model), manifest["parameters"]):
-        p.data[...] = state[e["key"]]
-    for (_, layer, attr), e in zip(named_buffers(model), manifest["buffers"]):
-        setattr(layer, attr, state[e["key"]].copy())
+    if model is not None:  # names, shapes and dtypes were checked: every entry is accepted
+        model.load_state_dict({e["name"]: state[e["key"]]
+                               for e in manifest["parameters"] + manifest["buffers"]},
+                              strict=False)
 
     saved = {e["name"]: e for e in manifest["arrays"]}
     out: dict[str, DistArray] = {}

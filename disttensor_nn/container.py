@@ -18,47 +18,57 @@ class Sequential(Layer):
     When a layer has ``layout`` set and the incoming activation is laid out
     differently, the activation is redistributed first; the backward pass
     moves the gradient back (the reverse redistribution).
+
+    The layers are the sub-layers ``"0"``, ``"1"``, ... (so state_dict keys
+    read ``"0.weight"``); ``model[i]``, ``len(model)`` and ``iter(model)``
+    work as for a list, and ``model[a:b]`` is a Sequential of the same layers.
     """
 
     def __init__(self, *layers: Layer):
-        self.layers = list(layers)
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Sequential takes Layers, got a {type(layer).__name__} at {i}")
+            self.add_module(str(i), layer)
 
-    def children(self) -> Iterator[Layer]:
-        return iter(self.layers)
-
-    def __getitem__(self, i: int) -> Layer:
-        return self.layers[i]
+    def __getitem__(self, i: int | slice) -> Layer:
+        """The ``i``-th layer, or a Sequential of the same layer objects for a slice."""
+        layers = list(self)
+        return Sequential(*layers[i]) if isinstance(i, slice) else layers[i]
 
     def __len__(self) -> int:
-        return len(self.layers)
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Layer]:
+        """The layers in order (a layer given twice comes twice)."""
+        return iter(self._modules.values())
 
     def forward(self, x: DistArray) -> DistArray:
         self._moves = []
-        for layer in self.layers:
+        for layer in self:
             x, moved_from = _to_layout(x, layer.layout)
             self._moves.append(moved_from)
-            x = layer.forward(x)
+            x = layer(x)
         return x
 
     def backward(self, dy: DistArray) -> DistArray:
-        for layer, moved_from in zip(reversed(self.layers), reversed(self._moves)):
-            dy = layer.backward(dy)
+        for layer, moved_from in zip(reversed(list(self)), reversed(self._moves)):
+            dy = layer.call_backward(dy)
             if moved_from is not None:
                 dy = dy.redistribute(moved_from)
         return dy
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        for layer in self.layers:
+        for layer in self:
             in_shape = layer.output_shape(in_shape)
         return tuple(in_shape)
 
     def set_layouts(self, layouts: Iterable[Layout | None]) -> None:
         """Give every layer its input layout (None: take the input as it comes)."""
-        for layer, layout in zip(self.layers, layouts, strict=True):
+        for layer, layout in zip(self, layouts, strict=True):
             layer.layout = layout
 
     def __repr__(self) -> str:
-        inner = "\n".join(f"  ({i}) {layer!r}" for i, layer in enumerate(self.layers))
+        inner = "\n".join(f"  ({i}) {layer!r}" for i, layer in enumerate(self))
         return f"Sequential(\n{inner}\n)"
 
 
@@ -74,15 +84,15 @@ class Residual(Layer):
     """``branch(x) + shortcut(x)`` (identity shortcut when None), as in ResNet blocks.
 
     The shortcut's output is redistributed to the branch's distribution when
-    they differ; the input gradient is the sum of both paths' gradients.
+    they differ; the input gradient is the sum of both paths' gradients. The
+    sub-layers are named ``branch``, ``shortcut`` and ``post``.
     """
 
     def __init__(self, branch: Layer, shortcut: Layer | None = None, post: Layer | None = None):
-        self.branch, self.shortcut, self.post = branch, shortcut, post
+        self.add_module("branch", branch)
+        self.add_module("shortcut", shortcut)
+        self.add_module("post", post)
         self._add = Add()
-
-    def children(self) -> Iterator[Layer]:
-        return iter([m for m in (self.branch, self.shortcut, self.post) if m is not None])
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         out = self.branch.output_shape(in_shape)
@@ -90,18 +100,18 @@ class Residual(Layer):
 
     def forward(self, x: DistArray) -> DistArray:
         x, self._moved = _to_layout(x, self.layout)
-        a = self.branch.forward(x)
-        b = self.shortcut.forward(x) if self.shortcut is not None else x
+        a = self.branch(x)
+        b = self.shortcut(x) if self.shortcut is not None else x
         y = self._add(a, b)
-        return self.post.forward(y) if self.post is not None else y
+        return self.post(y) if self.post is not None else y
 
     def backward(self, dy: DistArray) -> DistArray:
         if self.post is not None:
-            dy = self.post.backward(dy)
+            dy = self.post.call_backward(dy)
         da, db = self._add.backward(dy)
-        dx = self.branch.backward(da)
+        dx = self.branch.call_backward(da)
         if self.shortcut is not None:
-            db = self.shortcut.backward(db)
+            db = self.shortcut.call_backward(db)
         if db.dist != dx.dist:
             db = db.redistribute(dx.dist)
         dx = DistArray(dx.local + db.local, dx.dist)

@@ -1,45 +1,64 @@
-"""Parameters, the layer interface, and the layout that maps array dims to grid axes."""
+"""Parameters, the layer interface with its state protocol, and the layout of arrays on grids."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor.backend import (
+    array_namespace,
+    as_module,
+    astype,
+    contiguous,
+    device_of,
+    fill,
+    numpy_dtype,
+)
 from disttensor.transport import allreduce as transport_allreduce
 
-__all__ = ["Parameter", "Layer", "Layout", "split_axes_comm", "check_input"]
-
-BUFFER_ATTRS = ("running_mean", "running_var")
-"""Layer attributes that hold non-trainable state arrays (batch-norm running statistics)."""
+__all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
+           "split_axes_comm", "check_input"]
 
 
 class Parameter:
     """A trainable array, replicated on every rank.
 
-    ``data`` and ``grad`` are NumPy arrays of the full (global) shape; after a
-    backward pass ``grad`` holds the same values on every rank. Gradients
-    accumulate (``+=``) until :meth:`zero_grad`.
+    ``data`` and ``grad`` are arrays of the full (global) shape, of any array
+    module (NumPy, CuPy, or another array API namespace such as
+    ``array_api_strict``); ``grad`` lives in the module and on the device of
+    ``data``. After a backward pass ``grad`` holds the same values on every
+    rank. Gradients accumulate (``+=``) until :meth:`zero_grad`.
+    :meth:`Layer.to` moves both to another array module.
+
+    Parameters
+    ----------
+    data : array
+        The initial value (an array of any module; array_likes become NumPy
+        arrays). Kept C-contiguous.
     """
 
-    def __init__(self, data: np.ndarray):
-        self.data = np.ascontiguousarray(data)
-        self.grad = np.zeros_like(self.data)
+    def __init__(self, data: Any):
+        data = data if hasattr(data, "shape") else np.asarray(data)
+        self.data = contiguous(data)
+        self.grad = array_namespace(self.data).zeros_like(self.data)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the parameter."""
-        return self.data.shape
+        return tuple(self.data.shape)
 
     def zero_grad(self) -> None:
         """Set the gradient to zero."""
-        self.grad[...] = 0
+        fill(self.grad, 0)
 
     def __repr__(self) -> str:
-        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
+        return f"Parameter(shape={self.shape}, dtype={self.data.dtype})"
 
 
 class Layout:
@@ -125,49 +144,481 @@ def check_input(x: Any, ndim: int, name: str, channels: int | None = None,
         raise TypeError(f"{name} has {np.dtype(dtype)} parameters but the input is {x.dtype}")
 
 
+class RemovableHandle:
+    """What the ``register_*_hook`` methods of :class:`Layer` return: :meth:`remove` undoes it.
+
+    Also a context manager that removes the hook on exit (as PyTorch's handle).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, hooks: dict[int, Callable[..., Any]]):
+        self._hooks = hooks
+        self.id = next(self._ids)
+
+    def remove(self) -> None:
+        """Unregister the hook (nothing happens the second time)."""
+        self._hooks.pop(self.id, None)
+
+    def __enter__(self) -> RemovableHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class IncompatibleKeys(NamedTuple):
+    """Keys that :meth:`Layer.load_state_dict` with ``strict=False`` did not match."""
+
+    missing_keys: list[str]
+    """Keys of the layer's state that the given state lacks (left unchanged)."""
+    unexpected_keys: list[str]
+    """Keys of the given state that the layer does not have (ignored)."""
+
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks",
+               "_backward_pre_hooks", "_backward_hooks")
+"""The per-layer dictionaries that :meth:`Layer.__new__` creates."""
+
+
+_RESERVED = frozenset((
+    "forward", "backward", "call_backward", "output_shape", "children", "named_children",
+    "modules", "named_modules", "layers", "parameters", "named_parameters", "own_parameters",
+    "buffers", "named_buffers", "state_dict", "load_state_dict", "to", "zero_grad", "train",
+    "eval", "register_parameter", "register_buffer", "add_module", "register_module",
+    "register_forward_pre_hook", "register_forward_hook", "register_full_backward_pre_hook",
+    "register_full_backward_hook"))
+"""Layer methods of the calling and state protocol: no attribute, parameter, buffer or
+sub-layer may take their names (an attribute ``layers`` would hide ``layers()``)."""
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _check_name(owner: Layer, name: Any, kind: str, registry: dict[str, Any]) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{kind} name must be a str, got {type(name).__name__}")
+    if not name or "." in name:
+        raise KeyError(f"{kind} name must be non-empty and contain no '.', got {name!r}")
+    if name in _RESERVED:
+        raise KeyError(f"{kind} name {name!r} would hide the Layer method {name}()")
+    if hasattr(owner, name) and name not in registry:
+        raise KeyError(f"attribute {name!r} already exists on {type(owner).__name__}")
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    """Write ``src`` (an array of any module) into ``dst``, in ``dst``'s module and dtype."""
+    src = as_module(src, array_namespace(dst), device_of(dst))
+    if numpy_dtype(src.dtype) != numpy_dtype(dst.dtype):
+        src = astype(src, dst.dtype)
+    dst[...] = src
+
+
 class Layer:
     """Base class of distributed layers: ``forward(x) -> y`` and ``backward(dy) -> dx``.
 
     Inputs and outputs are DistArrays; a layer keeps what its backward pass
     needs from the last forward call. ``layout`` (optional) asks the
     containers to redistribute the input to that layout first.
+
+    The state protocol follows ``torch.nn.Module``. Assigning a
+    :class:`Parameter` or a Layer to an attribute registers it (in that
+    order) as a parameter or a sub-layer; arrays that are state but not
+    trained (batch-norm running statistics) are registered with
+    :meth:`register_buffer`. From these registries come
+    :meth:`named_parameters`, :meth:`named_buffers`, :meth:`named_children`,
+    :meth:`named_modules`, :meth:`state_dict` and :meth:`load_state_dict`,
+    :meth:`to` and :meth:`train`. A layer author writes only ``__init__``,
+    ``forward`` and ``backward`` (and ``output_shape`` where the shape
+    changes); calling ``super().__init__()`` is not needed.
+
+    Calling a layer (``layer(x)``) runs :meth:`forward` between the forward
+    hooks; :meth:`call_backward` runs :meth:`backward` between the backward
+    hooks. Containers call their sub-layers these two ways, so hooks fire for
+    every layer of a model.
     """
 
     training: bool = True
     layout: Layout | None = None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Layer:
+        self = super().__new__(cls)
+        d = self.__dict__
+        for name in _REGISTRIES:
+            d[name] = {}
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _RESERVED:
+            raise AttributeError(f"{type(self).__name__}.{name} is a Layer method; an "
+                                 f"attribute of that name would hide it")
+        d = self.__dict__
+        params, buffers, modules = d["_parameters"], d["_buffers"], d["_modules"]
+        if isinstance(value, Parameter):
+            buffers.pop(name, None)
+            modules.pop(name, None)
+            params[name] = value
+        elif isinstance(value, Layer):
+            params.pop(name, None)
+            buffers.pop(name, None)
+            modules[name] = value
+        elif name in params or name in modules:
+            if value is not None:
+                kind = "Parameter" if name in params else "Layer"
+                raise TypeError(f"cannot assign a {type(value).__name__} to {name!r} of "
+                                f"{type(self).__name__}: a {kind} or None is expected")
+            (params if name in params else modules)[name] = None
+        elif name in buffers:
+            buffers[name] = value
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        for registry in (self._parameters, self._buffers, self._modules):
+            registry.pop(name, None)
+        object.__delattr__(self, name)
+
+    def __copy__(self) -> Layer:
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for name in _REGISTRIES:  # a copy registers and hooks on its own
+            new.__dict__[name] = dict(self.__dict__[name])
+        return new
+
+    # ------------------------------------------------------------ calling
     def forward(self, x: DistArray) -> DistArray:  # pragma: no cover - interface
+        """The layer's output for the input ``x``."""
         raise NotImplementedError
 
     def backward(self, dy: DistArray) -> DistArray:  # pragma: no cover - interface
+        """The input gradient for the output gradient ``dy`` (after :meth:`forward`)."""
         raise NotImplementedError
 
     def __call__(self, x: DistArray) -> DistArray:
-        return self.forward(x)
+        """:meth:`forward` with the forward pre-hooks before and the forward hooks after."""
+        for hook in tuple(self._forward_pre_hooks.values()):
+            result = hook(self, x)
+            if result is not None:
+                x = result
+        y = self.forward(x)
+        for hook in tuple(self._forward_hooks.values()):
+            result = hook(self, x, y)
+            if result is not None:
+                y = result
+        return y
+
+    def call_backward(self, dy: DistArray) -> DistArray:
+        """:meth:`backward` with the backward pre-hooks before and the backward hooks after.
+
+        Containers call their sub-layers' backward passes this way; a training
+        loop may call ``model.backward(dy)`` (no hooks of the model itself) or
+        ``model.call_backward(dy)``.
+        """
+        for hook in tuple(self._backward_pre_hooks.values()):
+            result = hook(self, dy)
+            if result is not None:
+                dy = result
+        dx = self.backward(dy)
+        for hook in tuple(self._backward_hooks.values()):
+            result = hook(self, dx, dy)
+            if result is not None:
+                dx = result
+        return dx
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Global output shape for a global input shape (element-wise layers keep it)."""
         return tuple(in_shape)
 
+    # ------------------------------------------------------------ hooks
+    def register_forward_pre_hook(self, hook: Callable[[Layer, Any], Any]) -> RemovableHandle:
+        """Call ``hook(layer, input)`` before every call of the layer.
+
+        A result other than None replaces the input. Returns a handle whose
+        ``remove()`` unregisters the hook.
+        """
+        return self._add_hook(self._forward_pre_hooks, hook)
+
+    def register_forward_hook(self, hook: Callable[[Layer, Any, Any], Any]) -> RemovableHandle:
+        """Call ``hook(layer, input, output)`` after every call of the layer.
+
+        A result other than None replaces the output. Returns a handle whose
+        ``remove()`` unregisters the hook.
+        """
+        return self._add_hook(self._forward_hooks, hook)
+
+    def register_full_backward_pre_hook(self, hook: Callable[[Layer, Any], Any]
+                                        ) -> RemovableHandle:
+        """Call ``hook(layer, grad_output)`` before every :meth:`call_backward`.
+
+        A result other than None replaces ``grad_output``. Returns a handle
+        whose ``remove()`` unregisters the hook.
+        """
+        return self._add_hook(self._backward_pre_hooks, hook)
+
+    def register_full_backward_hook(self, hook: Callable[[Layer, Any, Any], Any]
+                                    ) -> RemovableHandle:
+        """Call ``hook(layer, grad_input, grad_output)`` after every :meth:`call_backward`.
+
+        ``grad_input`` is the gradient with respect to the layer's input (what
+        :meth:`backward` returned), ``grad_output`` the one it was given. A
+        result other than None replaces ``grad_input``. Returns a handle
+        whose ``remove()`` unregisters the hook.
+        """
+        return self._add_hook(self._backward_hooks, hook)
+
+    @staticmethod
+    def _add_hook(hooks: dict[int, Callable[..., Any]], hook: Callable[..., Any]
+                  ) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"a hook must be callable, got {type(hook).__name__}")
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    # ------------------------------------------------------------ registration
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        """Register ``param`` as the parameter ``name`` (None: registered, but no state)."""
+        _check_name(self, name, "parameter", self._parameters)
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"parameter {name!r} must be a Parameter or None, got "
+                            f"{type(param).__name__}")
+        self._parameters[name] = param
+        setattr(self, name, param)
+
+    def register_buffer(self, name: str, value: Any) -> None:
+        """Register the array ``value`` (any array module, or None) as the buffer ``name``.
+
+        Buffers are state that is not trained, such as batch-norm running
+        statistics: they are in :meth:`state_dict` and move with :meth:`to`.
+        Later assignments to the attribute ``name`` replace the buffer.
+        """
+        _check_name(self, name, "buffer", self._buffers)
+        if value is not None and not hasattr(value, "shape"):
+            raise TypeError(f"buffer {name!r} must be an array or None, got "
+                            f"{type(value).__name__}")
+        self._buffers[name] = value
+        setattr(self, name, value)
+
+    def add_module(self, name: str, module: Layer | None) -> None:
+        """Register ``module`` as the sub-layer ``name`` (None: registered, but empty)."""
+        _check_name(self, name, "sub-layer", self._modules)
+        if module is not None and not isinstance(module, Layer):
+            raise TypeError(f"sub-layer {name!r} must be a Layer or None, got "
+                            f"{type(module).__name__}")
+        self._modules[name] = module
+        setattr(self, name, module)
+
+    register_module = add_module
+
+    # ------------------------------------------------------------ walking
+    def named_children(self) -> Iterator[tuple[str, Layer]]:
+        """(name, layer) of the direct sub-layers, in registration order, each once."""
+        seen: set[int] = set()
+        for name, child in self._modules.items():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                yield name, child
+
     def children(self) -> Iterator[Layer]:
         """Direct sub-layers."""
-        return iter(())
+        for _, child in self.named_children():
+            yield child
 
-    def layers(self) -> Iterator[Layer]:
-        """This layer and all its sub-layers, depth first."""
-        yield self
-        for child in self.children():
-            yield from child.layers()
+    def named_modules(self, memo: set[int] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Layer]]:
+        """(dotted name, layer) of this layer (named ``prefix``) and all its sub-layers.
+
+        Depth first, in registration order; a layer reachable twice is given
+        once unless ``remove_duplicate`` is False.
+        """
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
+        yield prefix, self
+        for name, child in self._modules.items():
+            if child is not None:
+                yield from child.named_modules(memo, _join(prefix, name), remove_duplicate)
+
+    def modules(self) -> Iterator[Layer]:
+        """This layer and all its sub-layers, depth first, each once."""
+        for _, layer in self.named_modules():
+            yield layer
+
+    layers = modules
+
+    def _named_members(self, registry: str, prefix: str, recurse: bool,
+                       remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
+        seen: set[int] = set()
+        modules = self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) \
+            if recurse else iter([(prefix, self)])
+        for path, layer in modules:
+            for name, value in getattr(layer, registry).items():
+                if value is None or (remove_duplicate and id(value) in seen):
+                    continue
+                seen.add(id(value))
+                yield _join(path, name), value
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, Parameter]]:
+        """(dotted name, parameter) of every parameter, such as ``("3.branch.0.weight", p)``.
+
+        A layer's own parameters come before its sub-layers', each layer in
+        :meth:`named_modules` order; a shared parameter is given once (under
+        its first name) unless ``remove_duplicate`` is False. With
+        ``recurse=False`` only this layer's own parameters.
+        """
+        yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        """The parameters of :meth:`named_parameters`, in the same fixed order."""
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
 
     def own_parameters(self) -> list[Parameter]:
         """Parameters of this layer itself (not its children)."""
-        return []
+        return list(self.parameters(recurse=False))
 
-    def parameters(self) -> Iterator[Parameter]:
-        """All parameters of this layer and its sub-layers, in a fixed order."""
-        yield from self.own_parameters()
-        for child in self.children():
-            yield from child.parameters()
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
+        """(dotted name, array) of every buffer, such as ``("1.running_mean", a)``."""
+        yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator[Any]:
+        """The arrays of :meth:`named_buffers`, in the same order."""
+        for _, b in self.named_buffers(recurse=recurse):
+            yield b
+
+    # ------------------------------------------------------------ state
+    def _state_entries(self) -> Iterator[tuple[str, Layer, str, Any]]:
+        """(key, owner, attribute, value) of every state_dict entry, in state_dict order."""
+        for path, layer in self.named_modules(remove_duplicate=False):
+            for registry in (layer._parameters, layer._buffers):
+                for name, value in registry.items():
+                    if value is not None:
+                        yield _join(path, name), layer, name, value
+
+    def state_dict(self, *, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """Every parameter's and buffer's array under its dotted name, in a fixed order.
+
+        The keys are those of :meth:`named_parameters` and :meth:`named_buffers`
+        (a layer's parameters, then its buffers, then its sub-layers'), and a
+        shared parameter appears under each of its names, as in PyTorch. The
+        values are the arrays themselves, not copies (``Parameter.data``, or
+        the Parameter with ``keep_vars=True``); copy them to keep a snapshot.
+
+        Parameters
+        ----------
+        prefix : str
+            Put before every key (``prefix + key``).
+        keep_vars : bool
+            Give parameters as :class:`Parameter` objects instead of their data.
+
+        Returns
+        -------
+        dict
+            Ordered name -> array.
+        """
+        out: dict[str, Any] = {}
+        for key, _, _, value in self._state_entries():
+            if isinstance(value, Parameter) and not keep_vars:
+                value = value.data
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True
+                        ) -> IncompatibleKeys:
+        """Copy arrays (of any array module) into the parameters and buffers, in place.
+
+        Every value is moved to its target's array module and device and cast
+        to its dtype. Nothing is changed unless the whole ``state_dict`` is
+        accepted: a missing or unexpected key (with ``strict``), a value that is
+        not an array or one of another shape raise one ValueError that lists
+        them all.
+
+        Parameters
+        ----------
+        state_dict : mapping of str to array
+            As :meth:`state_dict` returns (its values may be Parameters too).
+        strict : bool
+            Require exactly this layer's keys. With False, missing keys are
+            left unchanged and unexpected keys ignored (shapes are still
+            checked).
+
+        Returns
+        -------
+        IncompatibleKeys
+            ``(missing_keys, unexpected_keys)``; both empty when ``strict``.
+
+        Raises
+        ------
+        ValueError
+            On a refused ``state_dict``; the layer is then unchanged.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        targets: dict[str, Any] = {}
+        for key, _, _, value in self._state_entries():
+            targets.setdefault(key, value.data if isinstance(value, Parameter) else value)
+        missing = [k for k in targets if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in targets]
+        problems = []
+        if strict and missing:
+            problems.append(f"missing keys {missing}")
+        if strict and unexpected:
+            problems.append(f"unexpected keys {unexpected}")
+        for key, dst in targets.items():
+            if key not in state_dict:
+                continue
+            src = state_dict[key]
+            src = src.data if isinstance(src, Parameter) else src
+            if not hasattr(src, "shape"):
+                problems.append(f"{key!r} is a {type(src).__name__}, not an array")
+            elif tuple(src.shape) != tuple(dst.shape):
+                problems.append(f"{key!r} has shape {tuple(src.shape)}, the layer's "
+                                f"{tuple(dst.shape)}")
+        if problems:
+            raise ValueError(f"load_state_dict refused for {type(self).__name__} (nothing "
+                             f"changed): " + "; ".join(problems))
+        for key, dst in targets.items():
+            if key in state_dict:
+                src = state_dict[key]
+                _copy_into(dst, src.data if isinstance(src, Parameter) else src)
+        return IncompatibleKeys(missing if not strict else [],
+                                unexpected if not strict else [])
+
+    def to(self, xp: ModuleType, device: Any = None) -> Layer:
+        """Move every parameter (data and gradient) and buffer to the array module ``xp``.
+
+        Layers compute with their input's array module, and their parameters
+        must live there too: call ``model.to(cupy)`` before feeding the model
+        DistArrays whose blocks are CuPy arrays (``model.to(numpy)`` brings it
+        back). Arrays already there are kept as they are. An optimiser's
+        momentum buffers follow on its next step only if it has none yet, so
+        move the model before creating the optimiser.
+
+        Parameters
+        ----------
+        xp : module
+            The target array module (``numpy``, ``cupy``, ``array_api_strict``...).
+        device : optional
+            The device of array API namespaces that have several (None: the
+            module's default).
+
+        Returns
+        -------
+        Layer
+            This layer itself.
+        """
+        for p in self.parameters():
+            p.data = as_module(p.data, xp, device)
+            p.grad = as_module(p.grad, xp, device)
+        for layer in self.modules():
+            for name, value in layer._buffers.items():
+                if value is not None:
+                    setattr(layer, name, as_module(value, xp, device))
+        return self
 
     def zero_grad(self) -> None:
         """Zero every parameter's gradient."""
@@ -184,3 +635,4 @@ class Layer:
     def eval(self) -> Layer:
         """Evaluation mode."""
         return self.train(False)
+

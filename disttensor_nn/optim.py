@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from disttensor.backend import array_namespace, as_module
+import numpy as np
+
+from disttensor.backend import array_namespace, as_module, astype, contiguous, device_of, to_numpy
 
 from .module import Parameter
 
@@ -13,9 +15,9 @@ __all__ = ["SGD"]
 
 
 def _like(ref: Any, buf: Any) -> Any:
-    """A copy of ``buf`` in the array module of ``ref`` (NumPy or CuPy)."""
-    moved = as_module(buf, array_namespace(ref))
-    return moved.copy() if moved is buf else moved
+    """A copy of ``buf`` in the array module and on the device of ``ref``."""
+    moved = as_module(buf, array_namespace(ref), device_of(ref))
+    return contiguous(moved, copy=True) if moved is buf else moved
 
 
 class SGD:
@@ -23,7 +25,9 @@ class SGD:
 
     Gradients of replicated parameters are already summed over ranks by the
     layers' backward passes, so every rank applies the same update and the
-    parameters stay identical without further communication.
+    parameters stay identical without further communication. The
+    parameters' arrays may be of any array module (NumPy, CuPy, an array API
+    namespace); the momentum buffers live beside them.
 
     Parameters
     ----------
@@ -53,12 +57,15 @@ class SGD:
             if self.momentum:
                 buf = self.state[i]
                 if buf is None:
-                    buf = self.state[i] = g.copy()
+                    buf = self.state[i] = contiguous(g, copy=True)
                 else:
                     buf *= self.momentum
                     buf += (1 - self.dampening) * g
                 g = g + self.momentum * buf if self.nesterov else buf
-            p.data -= (self.lr * g).astype(p.data.dtype, copy=False)
+            update = self.lr * g
+            if update.dtype != p.data.dtype:
+                update = astype(update, p.data.dtype)
+            p.data -= update
 
     def zero_grad(self) -> None:
         """Zero every parameter's gradient."""
@@ -66,12 +73,18 @@ class SGD:
             p.zero_grad()
 
     def state_dict(self) -> dict:
-        """Momentum buffers and hyper-parameters (for checkpoints)."""
-        return {"state": [None if b is None else b.copy() for b in self.state],
+        """Momentum buffers (NumPy copies, by parameter order) and hyper-parameters.
+
+        ``state[i]`` is the buffer of ``params[i]`` (None before its first
+        step), copied to host memory whatever module the parameters use, so
+        that checkpoints can store it.
+        """
+        return {"state": [None if b is None else np.array(to_numpy(b), copy=True)
+                          for b in self.state],
                 "lr": self.lr, "momentum": self.momentum}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (buffers go to their parameters' array module)."""
         self.state = [None if b is None else _like(p.data, b)
                       for p, b in zip(self.params, state["state"])]
         self.lr, self.momentum = state["lr"], state["momentum"]

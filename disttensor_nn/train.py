@@ -17,7 +17,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .cli import build_model, make_plan
 from .data import ImageNetSynthetic, Loader, MeshSynthetic
 from .layers.loss import MSELoss, SoftmaxCrossEntropy
-from .module import Layout
+from .module import Layer, Layout, RemovableHandle
 from .optim import SGD
 from .plan import Plan, apply_plan
 from .plan.planner import _nodes, trace
@@ -48,26 +48,29 @@ class TrainConfig:
     progress: bool = True
 
 
-def _timed(nodes: list) -> list[list[float]]:
-    """Accumulate each layer's forward+backward wall time (to compare with the plan)."""
-    clocks = []
+def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
+    """Accumulate each layer's forward+backward wall time (to compare with the plan).
+
+    Returns one clock (``[seconds]``) per node, kept by forward and backward
+    hooks on the node's layer, and the hooks' handles (``remove()`` them to stop).
+    """
+    clocks, handles = [], []
     for node in nodes:
-        clock = [0.0]
+        clock, start = [0.0], [0.0]
+
+        def begin(layer: Layer, *args: Any, start: list[float] = start) -> None:
+            start[0] = time.perf_counter()
+
+        def end(layer: Layer, *args: Any, clock: list[float] = clock,
+                start: list[float] = start) -> None:
+            clock[0] += time.perf_counter() - start[0]
+
         layer = node.layer
-
-        def wrap(fn, clock=clock):
-            def inner(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    clock[0] += time.perf_counter() - t0
-            return inner
-
-        layer.forward = wrap(layer.forward)
-        layer.backward = wrap(layer.backward)
+        handles += [layer.register_forward_pre_hook(begin), layer.register_forward_hook(end),
+                    layer.register_full_backward_pre_hook(begin),
+                    layer.register_full_backward_hook(end)]
         clocks.append(clock)
-    return clocks
+    return clocks, handles
 
 
 def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) -> Plan:
@@ -121,7 +124,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         step = int(state["step"])
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
-    clocks = _timed(nodes)
+    clocks, _ = _timed(nodes)
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
@@ -139,9 +142,9 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         comm.Barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        out = model.forward(x)
+        out = model(x)
         loss = loss_fn(out, y)
-        model.backward(loss_fn.backward())
+        model.call_backward(loss_fn.backward())
         opt.step()
         dt_step = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         step += 1

@@ -259,7 +259,7 @@ def test_calibration_in_network_order(tmp_path_factory):
     cache = comm.bcast(str(tmp_path_factory.mktemp("kernels")) if comm.rank == 0 else None)
     model = _small_net()
     before = [q.data.copy() for q in model.parameters()]
-    bn = model.layers[1]
+    bn = model[1]
     stats = (bn.running_mean.copy(), bn.running_var.copy())
     shape = (4, 3, 12, 10)
     prof = profile(measured=True, cores_per_node=2)

@@ -71,9 +71,6 @@ class ConvNd(WindowLayer):
         self.bias = Parameter(rng.uniform(-bound, bound, out_channels).astype(self.dtype)) \
             if bias else None
 
-    def own_parameters(self) -> list[Parameter]:
-        return [self.weight] + ([self.bias] if self.bias is not None else [])
-
     def _check(self, x: DistArray) -> None:
         check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype)
 

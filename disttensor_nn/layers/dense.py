@@ -74,9 +74,6 @@ class Linear(Layer):
         self.bias = Parameter(rng.uniform(-bound, bound, out_features).astype(self.dtype)) \
             if bias else None
 
-    def own_parameters(self) -> list[Parameter]:
-        return [self.weight] + ([self.bias] if self.bias is not None else [])
-
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (in_shape[0], self.out_features)
 

@@ -31,7 +31,8 @@ class BatchNormNd(Layer):
     the same ranks; the scale and shift gradients are summed over all ranks.
 
     All arithmetic uses the input's array module (NumPy or CuPy); the running
-    statistics (float64) move to it on first use.
+    statistics (float64 buffers ``running_mean`` and ``running_var``, in the
+    :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
 
     Parameters
     ----------
@@ -56,11 +57,8 @@ class BatchNormNd(Layer):
         self.affine, self.track_running_stats = affine, track_running_stats
         self.weight = Parameter(np.ones(num_features, self.dtype)) if affine else None
         self.bias = Parameter(np.zeros(num_features, self.dtype)) if affine else None
-        self.running_mean = np.zeros(num_features, np.float64)
-        self.running_var = np.ones(num_features, np.float64)
-
-    def own_parameters(self) -> list[Parameter]:
-        return [self.weight, self.bias] if self.affine else []
+        self.register_buffer("running_mean", np.zeros(num_features, np.float64))
+        self.register_buffer("running_var", np.ones(num_features, np.float64))
 
     def _shape(self, x: DistArray) -> tuple[int, ...]:
         return (1, self.num_features) + (1,) * (x.ndim - 2)

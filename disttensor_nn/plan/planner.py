@@ -62,7 +62,7 @@ def trace(model: Layer, in_shape: tuple[int, ...], prefix: str = "") -> list:
     """Flatten ``model`` into a chain of :class:`Node` and :class:`Block` items."""
     items: list = []
     if isinstance(model, Sequential):
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(model):
             sub = trace(layer, in_shape, f"{prefix}{i}.")
             items += sub
             in_shape = (sub[-1].out_shape if sub else in_shape)
