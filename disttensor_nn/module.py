@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -10,6 +12,8 @@ from mpi4py import MPI
 
 from disttensor import DistArray, Distribution, ProcessGrid
 from disttensor.transport import allreduce as transport_allreduce
+
+from .costspec import CostSpec, largest_block
 
 __all__ = ["Parameter", "Layer", "Layout", "split_axes_comm", "check_input"]
 
@@ -188,3 +192,37 @@ class Layer:
     def eval(self) -> Layer:
         """Evaluation mode."""
         return self.train(False)
+
+    # ------------------------------------------------------------ cost model
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """What the planner's cost model needs of this layer on an input split as ``dist``.
+
+        ``dist`` is a pure :class:`~disttensor.Distribution` (a grid shape,
+        no communicator) of the global input; ``itemsize`` is the bytes per
+        activation element. The default describes a local element-wise
+        layer: one FLOP per element of the largest block, which is read and
+        written once and kept for backward; no communication. Layers that
+        do other work override it (see :mod:`disttensor_nn.costspec`).
+        """
+        block = largest_block(dist)
+        n = math.prod(block)
+        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n * itemsize)
+
+    def kernel_signature(self) -> str:
+        """What determines this layer's local kernel time besides the input: the timer's cache key.
+
+        Two layers with the same signature take the same time on the same
+        local input shape and dtype. The default is the class name (right for
+        layers without parameters or options that change their work).
+        """
+        return type(self).__name__
+
+    def local_twin(self) -> Layer:
+        """A 1-process copy that does the same local work, for timing the kernels.
+
+        The twin runs on the halo-extended local block on a 1-process grid,
+        so window layers drop their padding, and it has its own parameters
+        and statistics, so timing never changes this layer's. The default, a
+        shallow copy, suits layers without parameters or running statistics.
+        """
+        return copy.copy(self)
