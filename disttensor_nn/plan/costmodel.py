@@ -12,7 +12,6 @@ the allreduces of its weight gradients and batch-norm statistics.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -30,16 +29,10 @@ import numpy as np
 from disttensor import Distribution
 from disttensor.backend import is_numpy
 
+from ..costspec import largest_block
 from ..kernels import kernels_for, synchronize
-from ..layers.conv import ConvNd
-from ..layers.dense import Flatten, Linear
-from ..layers.elementwise import LeakyReLU, Sigmoid
-from ..layers.norm import BatchNormNd
-from ..layers.pool import GlobalAvgPool, _Pool
-from ..layers.window_layer import WindowLayer
 from ..module import Layer
 from ..placement import to_array_module
-from ..window import output_layout
 from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["candidates", "dist_for", "LayerCost", "CostModel", "KernelTimer", "QueryRecorder"]
@@ -68,10 +61,6 @@ def dist_for(shape: tuple[int, ...], cand: Candidate) -> Distribution:
     return Distribution(shape, cand, axes)
 
 
-def _max_block(dist: Distribution) -> tuple[int, ...]:
-    return tuple(max(b[i + 1] - b[i] for i in range(len(b) - 1)) for b in dist.boundaries)
-
-
 @dataclass
 class LayerCost:
     """Predicted seconds and bytes of one layer under one candidate, per rank."""
@@ -86,43 +75,6 @@ class LayerCost:
     def total(self) -> float:
         """Forward + backward + communication."""
         return self.fwd + self.bwd + self.comm
-
-
-def _local_twin(layer: Layer) -> Layer:
-    """A 1-process copy of ``layer`` that does the same local work (windows without padding).
-
-    Twins have their own parameters and statistics, so measuring never
-    changes the model's weights, gradients or batch-norm running averages.
-    """
-    if isinstance(layer, ConvNd):
-        s = layer.spec
-        return type(layer)(layer.in_channels, layer.out_channels, s.kernel, s.stride, 0,
-                           s.dilation, layer.groups, layer.bias is not None, dtype=layer.dtype)
-    if isinstance(layer, _Pool):
-        s = layer.spec
-        return type(layer)(s.kernel, s.stride, 0, s.dilation)
-    if isinstance(layer, BatchNormNd):
-        return type(layer)(layer.num_features, layer.eps, layer.momentum, layer.affine,
-                           layer.track_running_stats, stats=layer.stats, dtype=layer.dtype)
-    if isinstance(layer, Linear):
-        return Linear(layer.in_features, layer.out_features, layer.bias is not None,
-                      dtype=layer.dtype)
-    return copy.copy(layer)
-
-
-def _signature(layer: Layer) -> str:
-    if isinstance(layer, ConvNd):
-        s = layer.spec
-        return (f"conv{layer.nd}:{layer.in_channels}>{layer.out_channels}:k{s.kernel}s{s.stride}"
-                f"d{s.dilation}g{layer.groups}b{layer.bias is not None}")
-    if isinstance(layer, _Pool):
-        s = layer.spec
-        return f"{type(layer).__name__}:k{s.kernel}s{s.stride}d{s.dilation}"
-    if isinstance(layer, Linear):
-        return f"linear:{layer.in_features}>{layer.out_features}"
-    if isinstance(layer, BatchNormNd):
-        return f"bn:{layer.num_features}:{layer.stats}"
-    return type(layer).__name__
 
 
 class KernelTimer:
@@ -167,7 +119,8 @@ class KernelTimer:
             corun: int = 0) -> str:
         """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks."""
         where = f"seq{corun}" if corun else "alone"
-        return f"{_signature(layer)}|{tuple(local_in)}|{np.dtype(dtype).str}|{where}{self._where}"
+        return (f"{layer.kernel_signature()}|{tuple(local_in)}|{np.dtype(dtype).str}|{where}"
+                f"{self._where}")
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
               flops: float, corun: int = 1) -> tuple[float, float, bool, int]:
@@ -192,7 +145,7 @@ class KernelTimer:
             self.table[key] = [fwd, bwd, flops]
             self._dirty = True
             return fwd, bwd, False, 1
-        rate = self._rate(_signature(layer).split(":")[0])
+        rate = self._rate(layer.kernel_signature().split(":")[0])
         return flops / rate, 2 * flops / rate, True, 1
 
     def _rate(self, kind: str) -> float:
@@ -201,7 +154,7 @@ class KernelTimer:
         return statistics.median(rates) if rates else 5e9
 
     def _twin(self, layer: Layer) -> Layer:
-        twin = _local_twin(layer)
+        twin = layer.local_twin()
         return twin if is_numpy(self.xp) else to_array_module(twin, self.xp)
 
     def _clock(self) -> float:
@@ -426,71 +379,35 @@ class CostModel:
         return t, 2 * t, True
 
     def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate) -> LayerCost:
-        """Cost of ``layer`` on an input of global ``in_shape`` split by ``cand``."""
-        p, isz = self.profile, self.itemsize
+        """Cost of ``layer`` on an input of global ``in_shape`` split by ``cand``.
+
+        The layer states its work (:meth:`~disttensor_nn.Layer.cost_spec`);
+        this prices it on the machine profile, with kernel times from the
+        timer where there is one.
+        """
         dist = dist_for(in_shape, cand)
-        block = _max_block(dist)
-        n_in = math.prod(block)
-        cost = LayerCost()
-        split_ranks = self.nprocs // dist.nreplicas
-        if isinstance(layer, WindowLayer):
-            out_dist, widths = output_layout(layer.spec, dist)
-            ext = tuple(n + lo + hi for n, (lo, hi) in zip(block, widths))
-            out_block = list(_max_block(out_dist))
-            out_block[1] = layer.output_shape(in_shape)[1]
-            if isinstance(layer, ConvNd):
-                flops = 2.0 * math.prod(out_block) * layer.in_channels // layer.groups * \
-                    math.prod(layer.spec.kernel)
-                params = sum(q.data.size for q in layer.own_parameters())
-                cost.comm += p.allreduce(params * isz, split_ranks)
-                ck = layer.in_channels // layer.groups * math.prod(layer.spec.kernel)
-                work = min(64 * 2**20, ck * math.prod(out_block) // max(out_block[1], 1) * isz)
-            else:
-                flops = float(math.prod(out_block) * math.prod(layer.spec.kernel))
-                work = 0
-            f, b, est = self._compute(layer, ext, flops, (math.prod(ext) + math.prod(out_block))
-                                      * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            cost.comm += 2 * self._halo(block, widths, cand)
-            cost.memory = math.prod(ext) * isz * 2 + work  # kept input, gradient of extended
-        elif isinstance(layer, BatchNormNd):
-            f, b, est = self._compute(layer, block, 8.0 * n_in, 4 * n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            group = split_ranks if layer.stats == "global" else split_ranks // cand[0]
-            cost.comm = 2 * p.allreduce(2 * layer.num_features * 8, group)
-            cost.memory = 2 * n_in * isz
-        elif isinstance(layer, (LeakyReLU, Sigmoid)):
-            f, b, est = self._compute(layer, block, float(n_in), 2 * n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            cost.memory = n_in * (1 if isinstance(layer, LeakyReLU) else isz)
-        elif isinstance(layer, GlobalAvgPool):
-            t = n_in * isz / p.mem_bandwidth
-            cost.fwd = cost.bwd = t
-            cost.comm = p.allreduce(block[0] * block[1] * 8, math.prod(cand[1:]))
-        elif isinstance(layer, Flatten):
-            if len(in_shape) > 2 and math.prod(cand[1:]) > 1:
-                target = (cand[0],) + (1,) * (len(cand) - 1)
-                cost.comm = 2 * self.shuffle(in_shape, dist, target)
-        elif isinstance(layer, Linear):
-            flops = 2.0 * block[0] * layer.in_features * layer.out_features
-            f, b, est = self._compute(layer, block, flops, n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            params = sum(q.data.size for q in layer.own_parameters())
-            cost.comm = p.allreduce(params * 8, cand[0])
-            cost.memory = n_in * isz
-        else:  # other local layers (DepthToSpace, ...): measured like the rest
-            f, b, est = self._compute(layer, block, float(n_in), 2 * n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            cost.memory = n_in * isz
+        spec = layer.cost_spec(dist, self.itemsize)
+        cost = LayerCost(memory=spec.memory)
+        if spec.timed:
+            cost.fwd, cost.bwd, cost.estimated = self._compute(layer, spec.local_shape,
+                                                               spec.flops, spec.nbytes)
+        else:
+            cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
+        cost.comm = sum((self.profile.allreduce(a.nbytes, _ranks_splitting(dist, a.dims))
+                         for a in spec.allreduces), 0.0)
+        if spec.halo is not None:  # the exchange forward, its accumulation backward
+            cost.comm += 2 * self._halo(dist, spec.halo)
+        for target in spec.redistributions:  # there forward, back backward
+            cost.comm += 2 * self.redistribution(dist, target)
         return cost
 
-    def _halo(self, block: tuple[int, ...], widths, cand: Candidate) -> float:
+    def _halo(self, dist: Distribution, widths: Sequence[tuple[int, int]]) -> float:
         """Forward halo exchange: dimension by dimension, both sides at once."""
         t = 0.0
-        extent = list(block)
-        for d in range(2, len(block)):
+        extent = list(largest_block(dist))
+        for d in range(2, len(extent)):
             lo, hi = widths[d]
-            if cand[d - 1] > 1 and (lo or hi):
+            if dist.nblocks[d] > 1 and (lo or hi):
                 face = math.prod(extent[:d] + extent[d + 1:]) * self.itemsize
                 t += self.profile.p2p(face * max(lo, hi))
             extent[d] += lo + hi
@@ -499,15 +416,26 @@ class CostModel:
     # ------------------------------------------------------------ shuffles
     def shuffle(self, shape: tuple[int, ...], src: Distribution, dst: Candidate) -> float:
         """Time to redistribute an activation laid out as ``src`` to candidate ``dst``."""
-        target = dist_for(shape, dst)
-        if target.dim_axes == src.dim_axes and target.grid_shape == src.grid_shape:
+        return self.redistribution(src, dist_for(shape, dst))
+
+    def redistribution(self, src: Distribution, dst: Distribution) -> float:
+        """Time to redistribute an activation from ``src`` to ``dst`` (pure distributions).
+
+        The all-to-all of the largest number of elements one rank receives.
+        """
+        if dst.dim_axes == src.dim_axes and dst.grid_shape == src.grid_shape:
             return 0.0
-        recv, peers = _received(src, target)
+        recv, peers = _received(src, dst)
         return self.profile.alltoall(recv * self.itemsize, peers)
 
     def params_memory(self, model: Layer) -> float:
         """Bytes per rank of parameters, their gradients and momentum buffers."""
         return 3.0 * sum(p.data.nbytes for p in model.parameters())
+
+
+def _ranks_splitting(dist: Distribution, dims: Sequence[int]) -> int:
+    """Number of ranks that split ``dims`` of ``dist`` (the size of ``split_axes_comm``)."""
+    return math.prod(dist.grid_shape[a] for d in dims for a in dist.dim_axes[d])
 
 
 def _boxes(dist: Distribution, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
