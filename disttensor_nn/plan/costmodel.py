@@ -4,10 +4,14 @@ A candidate distribution is a factorisation of the rank count over the
 sample dimension and the spatial dimensions, ``(pN, pS1, ..., pSk)``: the
 activation ``(N, C, S1, ..., Sk)`` is split by a grid of that shape (channels
 are never split); 2-D activations ``(N, F)`` keep the sample split and the
-spatial factors become replicas. A layer's cost under a candidate is the
-compute of its local kernels on the largest local block (halo included),
-plus its halo exchanges (forward) and halo accumulations (backward), plus
-the allreduces of its weight gradients and batch-norm statistics.
+spatial factors become replicas. A layer states its work under a candidate
+(:meth:`disttensor_nn.Layer.cost_spec`, a :class:`~disttensor_nn.costspec.CostSpec`);
+the cost model prices it on a machine profile: the compute of its local
+kernels on the largest local block (halo included; measured by a
+:class:`~disttensor_nn.plan.KernelTimer` or from the profile's rates), plus
+its halo exchanges (forward) and halo accumulations (backward), its
+allreduces (weight gradients, batch-norm statistics) and its
+redistributions. Nothing here depends on the layer's class.
 """
 
 from __future__ import annotations
