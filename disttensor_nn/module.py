@@ -197,12 +197,23 @@ class Layer:
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """What the planner's cost model needs of this layer on an input split as ``dist``.
 
-        ``dist`` is a pure :class:`~disttensor.Distribution` (a grid shape,
-        no communicator) of the global input; ``itemsize`` is the bytes per
-        activation element. The default describes a local element-wise
-        layer: one FLOP per element of the largest block, which is read and
-        written once and kept for backward; no communication. Layers that
-        do other work override it (see :mod:`disttensor_nn.costspec`).
+        The default describes a local element-wise layer: one FLOP per
+        element of the largest block, which is read and written once and
+        kept for backward; no communication. Layers that do other work
+        override it (see :mod:`disttensor_nn.costspec`).
+
+        Parameters
+        ----------
+        dist : Distribution
+            The global input's distribution, pure (built on a grid shape, no
+            communicator): the planner asks for every candidate.
+        itemsize : int
+            Bytes per activation element.
+
+        Returns
+        -------
+        CostSpec
+            The work on the largest local block, per training iteration.
         """
         block = largest_block(dist)
         n = math.prod(block)

@@ -82,7 +82,7 @@ def cudnn_available() -> bool:
     if not _cudnn_checked:
         _cudnn_checked = True
         try:
-            import cudnn
+            import cudnn  # optional: imported where the frontend is installed
 
             _cudnn = cudnn
         except Exception:  # ImportError, or a library that fails to load
