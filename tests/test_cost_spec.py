@@ -231,3 +231,21 @@ def test_plan_names_no_layer_class():
                 target = "." * node.level + (node.module or "")
                 assert not target.lstrip(".").startswith(("layers", "models")) and \
                     "disttensor_nn.layers" not in target, f"{path.name} imports {target}"
+
+
+class BadSpec(Stencil):
+    def __init__(self, **spec):
+        self.spec = spec
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        return CostSpec(largest_block(dist), **self.spec)
+
+
+def test_a_spec_that_does_not_fit_its_input_is_refused_clearly():
+    cm = CostModel(profile(), 2)
+    with pytest.raises(ValueError, match="BadSpec.cost_spec on a 4-D input: halo"):
+        cm.layer(BadSpec(halo=((1, 1),) * 3), (4, 3, 8, 6), (1, 2, 1))
+    with pytest.raises(ValueError, match="halo"):
+        cm.layer(BadSpec(halo=((0, 0),) * 3 + ((-1, 0),)), (4, 3, 8, 6), (1, 2, 1))
+    with pytest.raises(ValueError, match=r"allreduce over dimensions \(0, 4\) out of range"):
+        cm.layer(BadSpec(allreduces=(Allreduce(8, (0, 4)),)), (4, 3, 8, 6), (1, 2, 1))

@@ -24,7 +24,7 @@ import numpy as np
 
 from disttensor import Distribution
 
-from ..costspec import largest_block
+from ..costspec import CostSpec, largest_block
 from ..module import Layer
 from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
@@ -119,6 +119,7 @@ class CostModel:
         """
         dist = dist_for(in_shape, cand)
         spec = layer.cost_spec(dist, self.itemsize)
+        _check_spec(layer, spec, dist)
         cost = LayerCost(memory=spec.memory)
         if spec.timed:
             cost.fwd, cost.bwd, cost.estimated = self._compute(layer, spec.local_shape,
@@ -163,6 +164,18 @@ class CostModel:
     def params_memory(self, model: Layer) -> float:
         """Bytes per rank of parameters, their gradients and momentum buffers."""
         return 3.0 * sum(p.data.nbytes for p in model.parameters())
+
+
+def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:
+    """A clear error for a cost spec that does not fit the input it was asked about."""
+    where = f"{type(layer).__name__}.cost_spec on a {dist.ndim}-D input"
+    if spec.halo is not None and (len(spec.halo) != dist.ndim or
+                                  any(lo < 0 or hi < 0 for lo, hi in spec.halo)):
+        raise ValueError(f"{where}: halo needs a (before, after) pair of widths >= 0 per "
+                         f"dimension, got {spec.halo}")
+    for a in spec.allreduces:
+        if any(not 0 <= d < dist.ndim for d in a.dims):
+            raise ValueError(f"{where}: allreduce over dimensions {a.dims} out of range")
 
 
 def _ranks_splitting(dist: Distribution, dims: Sequence[int]) -> int:
