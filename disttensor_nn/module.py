@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -21,6 +23,8 @@ from disttensor.backend import (
     numpy_dtype,
 )
 from disttensor.transport import allreduce as transport_allreduce
+
+from .costspec import CostSpec, largest_block
 
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
            "split_axes_comm", "check_input"]
@@ -636,3 +640,54 @@ class Layer:
         """Evaluation mode."""
         return self.train(False)
 
+    # ------------------------------------------------------------ cost model
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """What the planner's cost model needs of this layer on an input split as ``dist``.
+
+        The default describes a local element-wise layer: one FLOP per
+        element of the largest block, which is read and written once and
+        kept for backward; no communication. Layers that do other work
+        override it (see :mod:`disttensor_nn.costspec`).
+
+        Parameters
+        ----------
+        dist : Distribution
+            The global input's distribution, pure (built on a grid shape, no
+            communicator): the planner asks for every candidate.
+        itemsize : int
+            Bytes per activation element.
+
+        Returns
+        -------
+        CostSpec
+            The work on the largest local block, per training iteration.
+        """
+        block = largest_block(dist)
+        n = math.prod(block)
+        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n * itemsize)
+
+    def kernel_signature(self) -> str:
+        """What determines this layer's local kernel time besides the input: the timer's cache key.
+
+        Two layers with the same signature take the same time on the same
+        local input shape and dtype. The default is the class name (right for
+        layers without parameters or options that change their work).
+        """
+        return type(self).__name__
+
+    def local_twin(self) -> Layer:
+        """A 1-process copy that does the same local work, for timing the kernels.
+
+        The twin runs on the halo-extended local block on a 1-process grid,
+        so window layers drop their padding, and it has its own parameters
+        and statistics, so timing never changes this layer's. The default is
+        a shallow copy with copies of this layer's own parameters and buffers.
+        """
+        twin = copy.copy(self)
+        for name, p in self._parameters.items():
+            if p is not None:
+                setattr(twin, name, Parameter(contiguous(p.data, copy=True)))
+        for name, b in self._buffers.items():
+            if b is not None:
+                setattr(twin, name, contiguous(b, copy=True))
+        return twin

@@ -296,9 +296,9 @@ def test_make_plan_collective_gives_every_rank_the_same_plan(tmp_path_factory, m
 
     comm = MPI.COMM_WORLD
     cache = comm.bcast(str(tmp_path_factory.mktemp("home")) if comm.rank == 0 else None)
-    from disttensor_nn.plan import costmodel
+    from disttensor_nn.plan import timer
 
-    monkeypatch.setattr(costmodel, "default_cache_dir", lambda: cache)
+    monkeypatch.setattr(timer, "default_cache_dir", lambda: cache)
     path = f"{cache}/prof.json"
     if comm.rank == 0:
         profile(name="prof", measured=True, cores_per_node=2).save(path)

@@ -24,7 +24,7 @@ from typing import Any
 from disttensor.backend import array_namespace, is_cupy, is_numpy
 from disttensor.backend import synchronize as backend_synchronize
 
-from . import numpy_kernels
+from . import cupy_kernels, numpy_kernels, xp_kernels
 
 __all__ = ["kernels_for", "synchronize"]
 
@@ -45,13 +45,9 @@ def kernels_for(array: Any) -> ModuleType:
     if is_numpy(xp):
         return numpy_kernels
     if is_cupy(xp):
-        from . import cupy_kernels
-
         return cupy_kernels
     strided = getattr(getattr(getattr(xp, "lib", None), "stride_tricks", None), "as_strided", None)
     if strided is not None and all(hasattr(xp, name) for name in _GENERIC_NEEDS):
-        from . import xp_kernels
-
         return xp_kernels
     raise NotImplementedError(
         f"no local kernels for arrays of {getattr(xp, '__name__', xp)}: its array module lacks "

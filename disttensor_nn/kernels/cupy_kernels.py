@@ -31,7 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from . import xp_kernels
+from .xp_kernels import WORKSPACE_BYTES as _IM2COL_WORKSPACE_BYTES
+from .xp_kernels import conv_backward as _im2col_conv_backward
+from .xp_kernels import conv_forward as _im2col_conv_forward
 from .xp_kernels import out_shape, pool_backward, pool_forward, windows  # noqa: F401
 
 __all__ = [
@@ -44,7 +46,7 @@ __all__ = [
     "WORKSPACE_BYTES",
 ]
 
-WORKSPACE_BYTES = xp_kernels.WORKSPACE_BYTES
+WORKSPACE_BYTES = _IM2COL_WORKSPACE_BYTES
 """Bound on the im2col buffer of one tile (bytes) on the im2col path."""
 
 use_cudnn: bool = os.environ.get("DISTTENSOR_CUDNN", "1") != "0"
@@ -80,7 +82,7 @@ def cudnn_available() -> bool:
     if not _cudnn_checked:
         _cudnn_checked = True
         try:
-            import cudnn
+            import cudnn  # optional: imported where the frontend is installed
 
             _cudnn = cudnn
         except Exception:  # ImportError, or a library that fails to load
@@ -207,7 +209,7 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
         y = _run("fprop", x, w, tuple(x.shape), tuple(w.shape), ys, stride, dilation)
     if y is None:
         calls["im2col"] += 1
-        return xp_kernels.conv_forward(x, w, b, stride, dilation, groups, workspace_bytes)
+        return _im2col_conv_forward(x, w, b, stride, dilation, groups, workspace_bytes)
     calls["cudnn"] += 1
     y = y.reshape(ys)
     if b is not None:
@@ -237,8 +239,8 @@ def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequ
         usable = dw is not None
     if not usable:
         calls["im2col"] += 1
-        return xp_kernels.conv_backward(dy, x, w, stride, dilation, groups, need_dx, need_dw,
-                                        workspace_bytes)
+        return _im2col_conv_backward(dy, x, w, stride, dilation, groups, need_dx, need_dw,
+                                     workspace_bytes)
     calls["cudnn"] += 1
     db = dy.sum(axis=(0, *range(2, 2 + nd)), dtype=dtype)
     return (None if dx is None else dx.reshape(xs),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray
+from disttensor import DistArray, Distribution
 
+from ..costspec import Allreduce, CostSpec
 from ..kernels import kernels_for
 from ..module import Parameter, allreduce_, check_input, split_axes_comm
 from ..window import WindowSpec
@@ -110,6 +113,33 @@ class ConvNd(WindowLayer):
         return (f"{type(self).__name__}({self.in_channels}, {self.out_channels}, "
                 f"kernel_size={s.kernel}, stride={s.stride}, padding={s.padding}, "
                 f"dilation={s.dilation}, groups={self.groups})")
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """As :meth:`WindowLayer.cost_spec`, with the convolution's FLOPs and im2col workspace.
+
+        The weight and bias gradients are summed over every rank that splits
+        the input.
+        """
+        ext, out_block, _ = self._window_blocks(dist)
+        ck = self.in_channels // self.groups * math.prod(self.spec.kernel)
+        params = sum(q.data.size for q in self.own_parameters())
+        return dataclasses.replace(
+            super().cost_spec(dist, itemsize),
+            flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
+            math.prod(self.spec.kernel),
+            allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim))),),
+            workspace=min(64 * 2**20, ck * math.prod(out_block) // max(out_block[1], 1) *
+                          itemsize))
+
+    def kernel_signature(self) -> str:
+        s = self.spec
+        return (f"conv{self.nd}:{self.in_channels}>{self.out_channels}:k{s.kernel}s{s.stride}"
+                f"d{s.dilation}g{self.groups}b{self.bias is not None}")
+
+    def local_twin(self) -> ConvNd:
+        s = self.spec
+        return type(self)(self.in_channels, self.out_channels, s.kernel, s.stride, 0,
+                          s.dilation, self.groups, self.bias is not None, dtype=self.dtype)
 
 
 class Conv1d(ConvNd):

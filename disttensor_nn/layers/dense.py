@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from disttensor import DistArray, Distribution
 
+from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import Layer, Parameter, allreduce_, split_axes_comm
 
 __all__ = ["Flatten", "Linear"]
@@ -47,6 +49,20 @@ class Flatten(Layer):
         local = dy.local.reshape(self._mid.local_shape())
         g = DistArray(dy.xp.ascontiguousarray(local), self._mid)
         return g if self._mid == self._in_dist else g.redistribute(self._in_dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """No kernel work; a spatially split input is gathered into whole samples and back.
+
+        The gathered layout keeps the grid axes that split N and shrinks the
+        others to one rank (ranks along them hold copies and receive the same).
+        """
+        block = largest_block(dist)
+        if not any(n > 1 for n in dist.nblocks[1:]):
+            return CostSpec(block, timed=False)
+        samples = set(dist.dim_axes[0])
+        grid = tuple(n if a in samples else 1 for a, n in enumerate(dist.grid_shape))
+        return CostSpec(block, timed=False,
+                        redistributions=(Distribution(dist.global_shape, grid, dist.axes),))
 
 
 class Linear(Layer):
@@ -104,3 +120,23 @@ class Linear(Layer):
         if self.bias is not None:
             self.bias.grad += flat[self.weight.data.size:].astype(self.dtype)
         return DistArray(xp.ascontiguousarray(g @ self.weight.data), x.dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """A GEMM on the sample block, which is kept for backward.
+
+        The weight and bias gradients (float64) are summed over the ranks
+        that split N.
+        """
+        block = largest_block(dist)
+        n = math.prod(block)
+        params = sum(q.data.size for q in self.own_parameters())
+        return CostSpec(block, flops=2.0 * block[0] * self.in_features * self.out_features,
+                        nbytes=n * itemsize, allreduces=(Allreduce(params * 8, (0,)),),
+                        saved=n * itemsize)
+
+    def kernel_signature(self) -> str:
+        return f"linear:{self.in_features}>{self.out_features}"
+
+    def local_twin(self) -> Linear:
+        return Linear(self.in_features, self.out_features, self.bias is not None,
+                      dtype=self.dtype)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from disttensor import DistArray
+import math
 
+from disttensor import DistArray, Distribution
+
+from ..costspec import CostSpec, largest_block
 from ..module import Layer
 
 __all__ = ["ReLU", "LeakyReLU", "Sigmoid", "Add"]
@@ -26,6 +29,12 @@ class LeakyReLU(Layer):
         g = dy.local
         return DistArray(dy.xp.where(self._mask, g, g * dy.dtype.type(self.negative_slope)),
                          dy.dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """As :meth:`Layer.cost_spec`, but what backward keeps is a one-byte mask per element."""
+        block = largest_block(dist)
+        n = math.prod(block)
+        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n)
 
 
 class ReLU(LeakyReLU):

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray
+from disttensor import DistArray, Distribution
 
+from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import Layer, Parameter, allreduce_, check_input, split_axes_comm
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
@@ -140,6 +142,29 @@ class BatchNormNd(Layer):
         else:
             dx = scale * g
         return DistArray.from_local(dx.astype(dy.dtype, copy=False), dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """Eight FLOPs per element; the normalised input and one more block kept for backward.
+
+        Two allreduces of ``2 C`` float64 sums (statistics forward, the
+        input gradient's sums backward) over the ranks that share the
+        statistics: those splitting N and space (``stats="global"``) or space
+        only (``"group"``).
+        """
+        block = largest_block(dist)
+        n = math.prod(block)
+        spatial = tuple(range(2, dist.ndim))
+        sums = Allreduce(2 * self.num_features * 8,
+                         (0, *spatial) if self.stats == "global" else spatial)
+        return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, allreduces=(sums, sums),
+                        saved=2 * n * itemsize)
+
+    def kernel_signature(self) -> str:
+        return f"bn:{self.num_features}:{self.stats}"
+
+    def local_twin(self) -> BatchNormNd:
+        return type(self)(self.num_features, self.eps, self.momentum, self.affine,
+                          self.track_running_stats, stats=self.stats, dtype=self.dtype)
 
 
 class BatchNorm1d(BatchNormNd):

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray
+from disttensor import DistArray, Distribution
 from disttensor.backend import array_namespace
 
+from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
 from ..module import Layer, allreduce_, check_input, split_axes_comm
 from ..window import WindowSpec
@@ -59,6 +61,14 @@ class _Pool(WindowLayer):
         s = self.spec
         return f"{type(self).__name__}(kernel_size={s.kernel}, stride={s.stride}, " \
                f"padding={s.padding})"
+
+    def kernel_signature(self) -> str:
+        s = self.spec
+        return f"{type(self).__name__}:k{s.kernel}s{s.stride}d{s.dilation}"
+
+    def local_twin(self) -> _Pool:
+        s = self.spec
+        return type(self)(s.kernel, s.stride, 0, s.dilation)
 
 
 class MaxPool1d(_Pool):
@@ -130,3 +140,13 @@ class GlobalAvgPool(Layer):
         xp = dy.xp
         grad = xp.broadcast_to((dy.local / count)[(...,) + (None,) * (len(shape) - 2)], shape)
         return DistArray.from_local(xp.ascontiguousarray(grad), dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """Not timed: forward and backward each stream the block once.
+
+        The (N, C) sums (float64) are reduced over the ranks that split space.
+        """
+        block = largest_block(dist)
+        sums = Allreduce(block[0] * block[1] * 8, tuple(range(2, dist.ndim)))
+        return CostSpec(block, nbytes=math.prod(block) * itemsize, timed=False,
+                        allreduces=(sums,))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray, halo_plan
+from disttensor import DistArray, Distribution, halo_plan
 
+from ..costspec import CostSpec, largest_block
 from ..module import Layer, check_input
-from ..window import WindowGeometry, WindowSpec, geometry
+from ..window import WindowGeometry, WindowSpec, geometry, output_layout
 
 __all__ = ["WindowLayer", "PADDING_MODES"]
 
@@ -124,3 +126,23 @@ class WindowLayer(Layer):
 
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         """Gradients of the layer's parameters (``xwin`` is None on an empty block)."""
+
+    # ------------------------------------------------------------ cost model
+    def _window_blocks(self, dist: Distribution) -> tuple[tuple[int, ...], list[int], Any]:
+        """Largest extended input block, largest output block and the halo widths."""
+        out_dist, widths = output_layout(self.spec, dist)
+        ext = tuple(n + lo + hi for n, (lo, hi) in zip(largest_block(dist), widths))
+        out_block = list(largest_block(out_dist))
+        out_block[1] = self.output_shape(dist.global_shape)[1]
+        return ext, out_block, widths
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """The kernel runs on the halo-extended block: one FLOP per window element and output.
+
+        The halo widths are those of :func:`~disttensor_nn.window.output_layout`;
+        the extended input and its gradient are kept for backward.
+        """
+        ext, out_block, widths = self._window_blocks(dist)
+        return CostSpec(ext, flops=float(math.prod(out_block) * math.prod(self.spec.kernel)),
+                        nbytes=(math.prod(ext) + math.prod(out_block)) * itemsize, halo=widths,
+                        saved=math.prod(ext) * itemsize * 2)

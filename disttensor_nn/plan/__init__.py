@@ -1,8 +1,9 @@
 """The performance model and the planner that picks every layer's distribution."""
 
-from .costmodel import CostModel, KernelTimer, LayerCost, candidates
+from .costmodel import CostModel, LayerCost, candidates
 from .machine import MachineProfile, builtin_profiles, load_profile
 from .planner import Plan, Planner, apply_plan, trace
+from .timer import KernelTimer
 
 __all__ = ["CostModel", "KernelTimer", "LayerCost", "MachineProfile", "Plan", "Planner",
            "apply_plan", "builtin_profiles", "candidates", "load_profile", "trace"]

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from disttensor import DistArray, Distribution, ProcessGrid
 from disttensor.backend import synchronize
 from disttensor.device import use_device
 from disttensor.transport import transport_for
@@ -69,8 +70,6 @@ def _p2p(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     dimension of a window layer, so its constants include the library's own
     work per exchange (plans, packing, requests), not only the wire's.
     """
-    from disttensor import DistArray, Distribution, ProcessGrid
-
     p = comm.Get_size()
     grid = ProcessGrid((p,), comm)
     feats, times = [], []
@@ -105,8 +104,6 @@ def _allreduce(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
 
 def _alltoall(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     """Shuffles as the library runs them: a redistribution from a row split to a column split."""
-    from disttensor import DistArray, Distribution, ProcessGrid
-
     p = comm.Get_size()
     grid = ProcessGrid((p,), comm)
     feats, times = [], []

@@ -4,45 +4,32 @@ A candidate distribution is a factorisation of the rank count over the
 sample dimension and the spatial dimensions, ``(pN, pS1, ..., pSk)``: the
 activation ``(N, C, S1, ..., Sk)`` is split by a grid of that shape (channels
 are never split); 2-D activations ``(N, F)`` keep the sample split and the
-spatial factors become replicas. A layer's cost under a candidate is the
-compute of its local kernels on the largest local block (halo included),
-plus its halo exchanges (forward) and halo accumulations (backward), plus
-the allreduces of its weight gradients and batch-norm statistics.
+spatial factors become replicas. A layer states its work under a candidate
+(:meth:`disttensor_nn.Layer.cost_spec`, a :class:`~disttensor_nn.costspec.CostSpec`);
+the cost model prices it on a machine profile: the compute of its local
+kernels on the largest local block (halo included; measured by a
+:class:`~disttensor_nn.plan.KernelTimer` or from the profile's rates), plus
+its halo exchanges (forward) and halo accumulations (backward), its
+allreduces (weight gradients, batch-norm statistics) and its
+redistributions. Nothing here depends on the layer's class.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import math
-import os
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from types import ModuleType
-from typing import Any
 
 import numpy as np
 
 from disttensor import Distribution, factorizations
-from disttensor.backend import is_numpy
 
-from ..kernels import kernels_for, synchronize
-from ..layers.conv import ConvNd
-from ..layers.dense import Flatten, Linear
-from ..layers.elementwise import LeakyReLU, Sigmoid
-from ..layers.norm import BatchNormNd
-from ..layers.pool import GlobalAvgPool, _Pool
-from ..layers.window_layer import WindowLayer
+from ..costspec import CostSpec, largest_block
 from ..module import Layer
-from ..placement import to_array_module
-from ..window import output_layout
-from .machine import MachineProfile, default_cache_dir
+from .machine import MachineProfile
+from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
 
-__all__ = ["candidates", "dist_for", "LayerCost", "CostModel", "KernelTimer", "QueryRecorder"]
+__all__ = ["candidates", "dist_for", "LayerCost", "CostModel"]
 
 Candidate = tuple[int, ...]
 
@@ -64,10 +51,6 @@ def dist_for(shape: tuple[int, ...], cand: Candidate) -> Distribution:
     return Distribution(shape, cand, axes)
 
 
-def _max_block(dist: Distribution) -> tuple[int, ...]:
-    return tuple(max(b[i + 1] - b[i] for i in range(len(b) - 1)) for b in dist.boundaries)
-
-
 @dataclass
 class LayerCost:
     """Predicted seconds and bytes of one layer under one candidate, per rank."""
@@ -82,304 +65,6 @@ class LayerCost:
     def total(self) -> float:
         """Forward + backward + communication."""
         return self.fwd + self.bwd + self.comm
-
-
-def _local_twin(layer: Layer) -> Layer:
-    """A 1-process copy of ``layer`` that does the same local work (windows without padding).
-
-    Twins have their own parameters and statistics, so measuring never
-    changes the model's weights, gradients or batch-norm running averages.
-    """
-    if isinstance(layer, ConvNd):
-        s = layer.spec
-        return type(layer)(layer.in_channels, layer.out_channels, s.kernel, s.stride, 0,
-                           s.dilation, layer.groups, layer.bias is not None, dtype=layer.dtype)
-    if isinstance(layer, _Pool):
-        s = layer.spec
-        return type(layer)(s.kernel, s.stride, 0, s.dilation)
-    if isinstance(layer, BatchNormNd):
-        return type(layer)(layer.num_features, layer.eps, layer.momentum, layer.affine,
-                           layer.track_running_stats, stats=layer.stats, dtype=layer.dtype)
-    if isinstance(layer, Linear):
-        return Linear(layer.in_features, layer.out_features, layer.bias is not None,
-                      dtype=layer.dtype)
-    return copy.copy(layer)
-
-
-def _signature(layer: Layer) -> str:
-    if isinstance(layer, ConvNd):
-        s = layer.spec
-        return (f"conv{layer.nd}:{layer.in_channels}>{layer.out_channels}:k{s.kernel}s{s.stride}"
-                f"d{s.dilation}g{layer.groups}b{layer.bias is not None}")
-    if isinstance(layer, _Pool):
-        s = layer.spec
-        return f"{type(layer).__name__}:k{s.kernel}s{s.stride}d{s.dilation}"
-    if isinstance(layer, Linear):
-        return f"linear:{layer.in_features}>{layer.out_features}"
-    if isinstance(layer, BatchNormNd):
-        return f"bn:{layer.num_features}:{layer.stats}"
-    return type(layer).__name__
-
-
-class KernelTimer:
-    """Measured forward and backward times of layers' local kernels, cached on disk.
-
-    Two kinds of measurement, each keyed by layer signature, local input
-    shape and dtype and stored in ``cache_dir/kernels-<machine>.json`` so
-    that it is taken once per machine:
-
-    - *in sequence* (:meth:`measure_chain`): 1-process twins of a whole
-      network's layers, at the local shapes of one candidate distribution,
-      run forward in order and backward in reverse, as in a training
-      iteration, on every rank of a communicator at once. Each layer then
-      meets the caches, allocator state and memory-bandwidth sharing it meets
-      in the network; a layer's time is the slowest rank's, median over
-      repetitions. The number of ranks that ran at once is part of the key.
-    - *alone* (:meth:`times` on a miss): the twin on its own, forward on a
-      freshly written input and backward after the caches were flushed (what
-      a layer sees when the rest of the network ran in between); fastest of
-      ``reps`` runs.
-
-    With ``measure=False`` a missing entry is estimated from the FLOP rate of
-    measured entries of the same kind (the cost is then marked estimated).
-    With ``xp`` (e.g. ``cupy``) the twins and their data live in that array
-    module, and the device is synchronised before every clock reading
-    (:func:`disttensor_nn.kernels.synchronize`); its name is part of the keys.
-    """
-
-    def __init__(self, machine: str, cache_dir: str | None = None, measure: bool = True,
-                 reps: int = 5, xp: ModuleType | None = None):
-        self.path = os.path.join(cache_dir or default_cache_dir(), f"kernels-{machine}.json")
-        self.measure, self.reps = measure, reps
-        self.xp = np if xp is None else xp
-        self._where = "" if is_numpy(self.xp) else f"|{self.xp.__name__}"
-        self.table: dict[str, list[float]] = {}
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.table = json.load(f)
-        self._dirty = False
-
-    def key(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
-            corun: int = 0) -> str:
-        """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks."""
-        where = f"seq{corun}" if corun else "alone"
-        return f"{_signature(layer)}|{tuple(local_in)}|{np.dtype(dtype).str}|{where}{self._where}"
-
-    def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
-              flops: float, corun: int = 1) -> tuple[float, float, bool, int]:
-        """(forward s, backward s, estimated, ranks that ran at once) of ``layer``.
-
-        An in-sequence measurement taken on ``corun`` ranks is preferred, then
-        one taken in sequence on a single rank, then one of the twin alone
-        (measured now if missing and ``measure`` is on); the last element
-        says on how many ranks at once the time was taken, so that the
-        caller can account for ranks sharing the node otherwise.
-        """
-        for co in dict.fromkeys((corun, 1)):
-            entry = self.table.get(self.key(layer, local_in, dtype, co))
-            if entry is not None:
-                return entry[0], entry[1], False, co
-        key = self.key(layer, local_in, dtype)
-        if key in self.table:
-            fwd, bwd = self.table[key][:2]
-            return fwd, bwd, False, 1
-        if self.measure:
-            fwd, bwd = self._run(layer, local_in, dtype)
-            self.table[key] = [fwd, bwd, flops]
-            self._dirty = True
-            return fwd, bwd, False, 1
-        rate = self._rate(_signature(layer).split(":")[0])
-        return flops / rate, 2 * flops / rate, True, 1
-
-    def _rate(self, kind: str) -> float:
-        rates = [v[2] / max(v[0], 1e-9) for k, v in self.table.items()
-                 if k.split(":")[0] == kind and len(v) > 2 and v[2] > 0]
-        return statistics.median(rates) if rates else 5e9
-
-    def _twin(self, layer: Layer) -> Layer:
-        twin = _local_twin(layer)
-        return twin if is_numpy(self.xp) else to_array_module(twin, self.xp)
-
-    def _clock(self) -> float:
-        synchronize(self.xp)
-        return time.perf_counter()
-
-    def _run(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype) -> tuple[float, float]:
-        if any(n == 0 for n in local_in):
-            return 0.0, 0.0
-        xp = self.xp
-        twin = self._twin(layer)
-        x = _self_array(xp.asarray(np.random.default_rng(0).standard_normal(local_in)
-                                   .astype(dtype)))
-        fwd, bwd = [], []
-        for _ in range(self.reps + 1):
-            x.local[...] = x.local
-            t0 = self._clock()
-            y = twin.forward(x)
-            t1 = self._clock()
-            dy = _self_array(xp.ones(y.local_shape, y.dtype))
-            _evict_caches()
-            t2 = self._clock()
-            twin.backward(dy)
-            t3 = self._clock()
-            fwd.append(t1 - t0)
-            bwd.append(t3 - t2)
-        del twin, x, y, dy
-        self._release_workspace()
-        return min(fwd[1:]), min(bwd[1:])
-
-    def _release_workspace(self) -> None:
-        # scratch buffers grown for measured shapes would stay allocated during training
-        release = getattr(kernels_for(self.xp.zeros(1)), "release_workspace", None)
-        if release is not None:
-            release()
-
-    def measure_chain(self, queries: Sequence[tuple[Layer, tuple[int, ...], Any, float]],
-                      comm: Any = None, reps: int = 3, max_seconds: float = 10.0) -> None:
-        """Time a sequence of layers as in a training iteration (collective over ``comm``).
-
-        ``queries`` lists, in network order, each layer with its local input
-        shape, dtype and FLOP count (what :meth:`CostModel.layer` asks
-        :meth:`times` for). Every rank of ``comm`` runs the same twins at the
-        same time; the results, identical on every rank afterwards, are
-        stored under the ``corun = comm size`` key. After one untimed round,
-        rounds repeat ``reps`` times or until ``max_seconds`` have passed.
-
-        When a node holds more of these ranks than it has cores, ranks wait at
-        every synchronisation in training for peers that the operating system
-        has descheduled; each layer's time then includes a barrier after it,
-        so that this wait is measured too.
-        """
-        from mpi4py import MPI
-
-        comm = MPI.COMM_SELF if comm is None else comm
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        oversubscribed = comm.allreduce(node.Get_size() > (os.cpu_count() or 1), op=MPI.LOR)
-        node.Free()
-        sync = comm.Barrier if oversubscribed else _nothing
-        # empty blocks cost nothing (CostModel never asks for them)
-        live = [i for i, (_, shape, _, _) in enumerate(queries) if all(n > 0 for n in shape)]
-        xp = self.xp
-        twins = [self._twin(queries[i][0]) for i in live]
-        rng = np.random.default_rng(0)
-        inputs = [xp.asarray(rng.standard_normal(queries[i][1]).astype(queries[i][2]))
-                  for i in live]
-        grads: list[np.ndarray | None] = [None] * len(live)
-        fwd = np.zeros((reps, len(live)))
-        bwd = np.zeros((reps, len(live)))
-        start, done = time.perf_counter(), 0
-        for r in range(-1, reps):
-            comm.Barrier()
-            outs, prev = [], None
-            for j, twin in enumerate(twins):
-                # the layer before wrote this input just now: hand its output on where
-                # it fits, otherwise write a fresh copy (untimed)
-                x = _self_array(prev if prev is not None and prev.shape == inputs[j].shape
-                                else inputs[j].copy())
-                t0 = self._clock()
-                y = twin.forward(x)
-                sync()
-                t1 = self._clock()
-                outs.append(y)
-                prev = y.local
-                if r >= 0:
-                    fwd[r, j] = t1 - t0
-            for j in reversed(range(len(twins))):
-                y = outs.pop()
-                if grads[j] is None:
-                    grads[j] = xp.asarray(rng.standard_normal(y.local_shape).astype(y.dtype))
-                dy = _self_array(grads[j].copy())  # the layer after wrote it just now
-                t0 = self._clock()
-                twins[j].backward(dy)
-                sync()
-                t1 = self._clock()
-                if r >= 0:
-                    bwd[r, j] = t1 - t0
-            for twin in twins:
-                twin.zero_grad()
-            if r >= 0:
-                done = r + 1
-                stop = comm.allreduce(time.perf_counter() - start > max_seconds, op=MPI.LOR)
-                if stop:
-                    break
-        del twins, inputs, grads, outs
-        self._release_workspace()
-        fwd, bwd = fwd[:done], bwd[:done]
-        comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
-        comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)
-        samples: dict[str, list[tuple[float, float, float]]] = {}
-        for j, i in enumerate(live):
-            layer, shape, dtype, flops = queries[i]
-            key = self.key(layer, shape, dtype, comm.Get_size())
-            samples.setdefault(key, []).extend(
-                (f, b, flops) for f, b in zip(fwd[:, j], bwd[:, j]))
-        for key, vals in samples.items():
-            self.table[key] = [statistics.median(v[0] for v in vals),
-                               statistics.median(v[1] for v in vals), vals[0][2]]
-        self._dirty = True
-
-    def save(self) -> None:
-        """Write new measurements to the cache file."""
-        if not self._dirty:
-            return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.table, f)
-        os.replace(tmp, self.path)
-        self._dirty = False
-
-
-class QueryRecorder:
-    """Stands in for a :class:`KernelTimer` and records what a :class:`CostModel` asks it.
-
-    ``CostModel(profile, p, QueryRecorder())`` answers zero compute time; its
-    ``queries`` then hold, in order, the ``(layer, local shape, dtype, flops)``
-    that :meth:`KernelTimer.measure_chain` takes.
-    """
-
-    def __init__(self) -> None:
-        self.queries: list[tuple[Layer, tuple[int, ...], np.dtype, float]] = []
-
-    def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype, flops: float,
-              corun: int = 1) -> tuple[float, float, bool, int]:
-        self.queries.append((layer, tuple(local_in), np.dtype(dtype), flops))
-        return 0.0, 0.0, False, corun
-
-
-def _nothing() -> None:
-    pass
-
-
-def _self_array(local: Any):
-    """``local`` as a DistArray on a 1-process grid."""
-    from disttensor import DistArray
-
-    grid = _self_grid(local.ndim)
-    return DistArray(local, Distribution(local.shape, grid, tuple(range(local.ndim))))
-
-
-def _evict_caches(nbytes: int = 64 * 2**20) -> None:
-    """Write a buffer larger than the last-level cache so that earlier data is evicted.
-
-    The buffer is freed again: memory held by the planner would be missing
-    for training.
-    """
-    np.ones(nbytes // 8)
-
-
-@lru_cache(maxsize=8)
-def _self_grid(ndim: int):
-    from mpi4py import MPI
-
-    from disttensor import ProcessGrid
-
-    return ProcessGrid((1,) * ndim, MPI.COMM_SELF)
-
-
-def machine_id(profile: MachineProfile) -> str:
-    """A short identifier of a profile, for cache file names."""
-    return hashlib.sha1(profile.name.encode()).hexdigest()[:8] + "-" + profile.name
 
 
 class CostModel:
@@ -422,71 +107,36 @@ class CostModel:
         return t, 2 * t, True
 
     def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate) -> LayerCost:
-        """Cost of ``layer`` on an input of global ``in_shape`` split by ``cand``."""
-        p, isz = self.profile, self.itemsize
+        """Cost of ``layer`` on an input of global ``in_shape`` split by ``cand``.
+
+        The layer states its work (:meth:`~disttensor_nn.Layer.cost_spec`);
+        this prices it on the machine profile, with kernel times from the
+        timer where there is one.
+        """
         dist = dist_for(in_shape, cand)
-        block = _max_block(dist)
-        n_in = math.prod(block)
-        cost = LayerCost()
-        split_ranks = self.nprocs // dist.nreplicas
-        if isinstance(layer, WindowLayer):
-            out_dist, widths = output_layout(layer.spec, dist)
-            ext = tuple(n + lo + hi for n, (lo, hi) in zip(block, widths))
-            out_block = list(_max_block(out_dist))
-            out_block[1] = layer.output_shape(in_shape)[1]
-            if isinstance(layer, ConvNd):
-                flops = 2.0 * math.prod(out_block) * layer.in_channels // layer.groups * \
-                    math.prod(layer.spec.kernel)
-                params = sum(q.data.size for q in layer.own_parameters())
-                cost.comm += p.allreduce(params * isz, split_ranks)
-                ck = layer.in_channels // layer.groups * math.prod(layer.spec.kernel)
-                work = min(64 * 2**20, ck * math.prod(out_block) // max(out_block[1], 1) * isz)
-            else:
-                flops = float(math.prod(out_block) * math.prod(layer.spec.kernel))
-                work = 0
-            f, b, est = self._compute(layer, ext, flops, (math.prod(ext) + math.prod(out_block))
-                                      * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            cost.comm += 2 * self._halo(block, widths, cand)
-            cost.memory = math.prod(ext) * isz * 2 + work  # kept input, gradient of extended
-        elif isinstance(layer, BatchNormNd):
-            f, b, est = self._compute(layer, block, 8.0 * n_in, 4 * n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            group = split_ranks if layer.stats == "global" else split_ranks // cand[0]
-            cost.comm = 2 * p.allreduce(2 * layer.num_features * 8, group)
-            cost.memory = 2 * n_in * isz
-        elif isinstance(layer, (LeakyReLU, Sigmoid)):
-            f, b, est = self._compute(layer, block, float(n_in), 2 * n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            cost.memory = n_in * (1 if isinstance(layer, LeakyReLU) else isz)
-        elif isinstance(layer, GlobalAvgPool):
-            t = n_in * isz / p.mem_bandwidth
-            cost.fwd = cost.bwd = t
-            cost.comm = p.allreduce(block[0] * block[1] * 8, math.prod(cand[1:]))
-        elif isinstance(layer, Flatten):
-            if len(in_shape) > 2 and math.prod(cand[1:]) > 1:
-                target = (cand[0],) + (1,) * (len(cand) - 1)
-                cost.comm = 2 * self.shuffle(in_shape, dist, target)
-        elif isinstance(layer, Linear):
-            flops = 2.0 * block[0] * layer.in_features * layer.out_features
-            f, b, est = self._compute(layer, block, flops, n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            params = sum(q.data.size for q in layer.own_parameters())
-            cost.comm = p.allreduce(params * 8, cand[0])
-            cost.memory = n_in * isz
-        else:  # other local layers (DepthToSpace, ...): measured like the rest
-            f, b, est = self._compute(layer, block, float(n_in), 2 * n_in * isz)
-            cost.fwd, cost.bwd, cost.estimated = f, b, est
-            cost.memory = n_in * isz
+        spec = layer.cost_spec(dist, self.itemsize)
+        _check_spec(layer, spec, dist)
+        cost = LayerCost(memory=spec.memory)
+        if spec.timed:
+            cost.fwd, cost.bwd, cost.estimated = self._compute(layer, spec.local_shape,
+                                                               spec.flops, spec.nbytes)
+        else:
+            cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
+        cost.comm = sum((self.profile.allreduce(a.nbytes, _ranks_splitting(dist, a.dims))
+                         for a in spec.allreduces), 0.0)
+        if spec.halo is not None:  # the exchange forward, its accumulation backward
+            cost.comm += 2 * self._halo(dist, spec.halo)
+        for target in spec.redistributions:  # there forward, back backward
+            cost.comm += 2 * self.redistribution(dist, target)
         return cost
 
-    def _halo(self, block: tuple[int, ...], widths, cand: Candidate) -> float:
+    def _halo(self, dist: Distribution, widths: Sequence[tuple[int, int]]) -> float:
         """Forward halo exchange: dimension by dimension, both sides at once."""
         t = 0.0
-        extent = list(block)
-        for d in range(2, len(block)):
+        extent = list(largest_block(dist))
+        for d in range(2, len(extent)):
             lo, hi = widths[d]
-            if cand[d - 1] > 1 and (lo or hi):
+            if dist.nblocks[d] > 1 and (lo or hi):
                 face = math.prod(extent[:d] + extent[d + 1:]) * self.itemsize
                 t += self.profile.p2p(face * max(lo, hi))
             extent[d] += lo + hi
@@ -495,15 +145,38 @@ class CostModel:
     # ------------------------------------------------------------ shuffles
     def shuffle(self, shape: tuple[int, ...], src: Distribution, dst: Candidate) -> float:
         """Time to redistribute an activation laid out as ``src`` to candidate ``dst``."""
-        target = dist_for(shape, dst)
-        if target.dim_axes == src.dim_axes and target.grid_shape == src.grid_shape:
+        return self.redistribution(src, dist_for(shape, dst))
+
+    def redistribution(self, src: Distribution, dst: Distribution) -> float:
+        """Time to redistribute an activation from ``src`` to ``dst`` (pure distributions).
+
+        The all-to-all of the largest number of elements one rank receives.
+        """
+        if dst.dim_axes == src.dim_axes and dst.grid_shape == src.grid_shape:
             return 0.0
-        recv, peers = _received(src, target)
+        recv, peers = _received(src, dst)
         return self.profile.alltoall(recv * self.itemsize, peers)
 
     def params_memory(self, model: Layer) -> float:
         """Bytes per rank of parameters, their gradients and momentum buffers."""
         return 3.0 * sum(p.data.nbytes for p in model.parameters())
+
+
+def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:
+    """A clear error for a cost spec that does not fit the input it was asked about."""
+    where = f"{type(layer).__name__}.cost_spec on a {dist.ndim}-D input"
+    if spec.halo is not None and (len(spec.halo) != dist.ndim or
+                                  any(lo < 0 or hi < 0 for lo, hi in spec.halo)):
+        raise ValueError(f"{where}: halo needs a (before, after) pair of widths >= 0 per "
+                         f"dimension, got {spec.halo}")
+    for a in spec.allreduces:
+        if any(not 0 <= d < dist.ndim for d in a.dims):
+            raise ValueError(f"{where}: allreduce over dimensions {a.dims} out of range")
+
+
+def _ranks_splitting(dist: Distribution, dims: Sequence[int]) -> int:
+    """Number of ranks that split ``dims`` of ``dist`` (the size of ``split_axes_comm``)."""
+    return math.prod(dist.grid_shape[a] for d in dims for a in dist.dim_axes[d])
 
 
 def _boxes(dist: Distribution, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

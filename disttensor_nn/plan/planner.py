@@ -20,18 +20,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
+
+from disttensor import ProcessGrid
 
 from ..container import Residual, Sequential
 from ..module import Layer, Layout
-from .costmodel import (
-    Candidate,
-    CostModel,
-    KernelTimer,
-    LayerCost,
-    QueryRecorder,
-    candidates,
-    dist_for,
-)
+from .costmodel import Candidate, CostModel, LayerCost, candidates, dist_for
+from .timer import KernelTimer, QueryRecorder
 
 __all__ = ["Node", "Block", "trace", "Planner", "Plan", "PlanEntry", "apply_plan"]
 
@@ -259,8 +255,6 @@ class Planner:
         fall back to measurements of each twin alone. Returns the number of
         candidates measured. Without a :class:`KernelTimer` this does nothing.
         """
-        from mpi4py import MPI
-
         timer = self.cost.timer
         if not isinstance(timer, KernelTimer) or not timer.measure:
             return 0
@@ -466,10 +460,6 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
     Layers are matched in traversal order; their input shapes must match the
     plan's, so a plan is only applied to the model and batch shape it was made for.
     """
-    from mpi4py import MPI
-
-    from disttensor import ProcessGrid
-
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_size() != plan.nprocs:
         raise ValueError(f"the plan is for {plan.nprocs} ranks, the job has {comm.Get_size()}")

@@ -1,0 +1,96 @@
+"""What a layer tells the planner's cost model about its work on one rank.
+
+A layer describes, for an input split as a given
+:class:`~disttensor.Distribution`, the work of the largest local block: its
+local kernels (the block they run on, FLOPs, bytes moved), the bytes it keeps
+for backward and its workspace, its halo widths, its allreduces and its
+redistributions (:class:`CostSpec`, returned by :meth:`Layer.cost_spec
+<disttensor_nn.Layer.cost_spec>`). The cost model
+(:class:`disttensor_nn.plan.CostModel`) turns that into seconds and bytes on a
+machine profile, with kernel times measured on the layer's 1-process twin
+(:meth:`Layer.local_twin <disttensor_nn.Layer.local_twin>`) under its
+:meth:`~disttensor_nn.Layer.kernel_signature`. A new layer type is planned
+by implementing these three methods; nothing in :mod:`disttensor_nn.plan`
+names layer classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttensor import Distribution
+
+__all__ = ["CostSpec", "Allreduce", "largest_block"]
+
+
+@dataclass(frozen=True)
+class Allreduce:
+    """One allreduce per training iteration.
+
+    Parameters
+    ----------
+    nbytes : float
+        Bytes summed (per rank).
+    dims : tuple of int
+        The sum runs over the ranks that split these dimensions of the
+        layer's input (the communicator
+        :func:`~disttensor_nn.module.split_axes_comm` gives for them); ranks
+        holding replicas take no part.
+    """
+
+    nbytes: float
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """The work of a layer on the largest local block of its input, per training iteration.
+
+    Parameters
+    ----------
+    local_shape : tuple of int
+        The local array the layer's kernels run on (its halo included): the
+        shape under which the kernel timer measures the layer's twin.
+    flops : float
+        Floating-point operations of the forward kernels on that block (the
+        rate model charges backward twice the forward time).
+    nbytes : float
+        Bytes the forward kernels read and write.
+    timed : bool
+        Whether the kernels are timed (measured on the twin, or estimated by
+        the rate model). ``False``: forward and backward each take
+        ``nbytes`` at the memory bandwidth, and are never measured (layers
+        whose work is a reduction or nothing at all).
+    halo : tuple of (int, int), optional
+        Halo widths ``(before, after)`` per dimension of the input: one halo
+        exchange forward and its accumulation backward.
+    allreduces : tuple of Allreduce
+        Allreduces per iteration (parameter gradients, statistics).
+    redistributions : tuple of Distribution
+        Layouts the input is redistributed to forward (and the gradient back
+        from, backward), as pure distributions on grid shapes.
+    saved : int
+        Bytes kept from forward for backward.
+    workspace : int
+        Bytes of scratch memory the kernels use.
+    """
+
+    local_shape: tuple[int, ...]
+    flops: float = 0.0
+    nbytes: float = 0.0
+    timed: bool = True
+    halo: tuple[tuple[int, int], ...] | None = None
+    allreduces: tuple[Allreduce, ...] = ()
+    redistributions: tuple[Distribution, ...] = ()
+    saved: int = 0
+    workspace: int = 0
+
+    @property
+    def memory(self) -> int:
+        """Bytes per rank the layer holds: what it keeps for backward plus its workspace."""
+        return self.saved + self.workspace
+
+
+def largest_block(dist: Distribution) -> tuple[int, ...]:
+    """Shape of the largest local block of ``dist`` (per dimension, the longest block)."""
+    return tuple(max(b[i + 1] - b[i] for i in range(len(b) - 1)) for b in dist.boundaries)
