@@ -29,7 +29,7 @@ from mpi4py import MPI
 from disttensor import DistArray, Distribution
 from disttensor.random import splitmix64 as _mix
 
-from .module import Layout
+from ..module import Layout
 
 __all__ = [
     "Dataset",

@@ -16,11 +16,11 @@ from mpi4py import MPI
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cli import build_model, make_plan
 from .data import ImageNetSynthetic, Loader, MeshSynthetic
-from .layers.loss import MSELoss, SoftmaxCrossEntropy
-from .module import Layer, Layout, RemovableHandle
-from .optim import SGD
-from .plan import Plan, apply_plan
-from .plan.planner import _nodes, trace
+from ..layers.loss import MSELoss, SoftmaxCrossEntropy
+from ..module import Layer, Layout, RemovableHandle
+from ..optim import SGD
+from ..plan import Plan, apply_plan
+from ..plan.planner import _nodes, trace
 
 __all__ = ["TrainConfig", "train"]
 
@@ -77,11 +77,11 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) 
     if cfg.layout != "auto":
         with open(cfg.layout) as f:
             return Plan.from_json(f.read())
-    from .plan.machine import this_machine_path
+    from ..plan.machine import this_machine_path
 
     if cfg.machine == "this" and not os.path.exists(this_machine_path()):
         if comm.Get_size() > 1:
-            from .plan.calibrate import calibrate
+            from ..plan.calibrate import calibrate
 
             calibrate(comm)
         else:

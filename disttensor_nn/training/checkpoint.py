@@ -45,7 +45,7 @@ from mpi4py import MPI
 from disttensor import DistArray, Distribution
 from disttensor.backend import numpy_dtype, to_numpy
 
-from .module import Layer, Parameter
+from ..module import Layer, Parameter
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "FORMAT", "VERSION"]
 

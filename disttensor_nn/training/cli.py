@@ -41,7 +41,7 @@ def parse_size(text: str) -> tuple[int, ...]:
 def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
                 dtype: Any = np.float32, seed: int = 0) -> tuple[Any, tuple[int, ...]]:
     """A model from the registry and the global batch shape it trains on."""
-    from .models import mesh_fcn, resnet
+    from ..models import mesh_fcn, resnet
 
     if name.startswith("resnet"):
         depth = int(name[len("resnet"):])
@@ -83,8 +83,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     ValueError
         When nothing fits the memory budget (on every rank of ``comm``).
     """
-    from .plan import CostModel, KernelTimer, Planner, load_profile
-    from .plan.costmodel import machine_id
+    from ..plan import CostModel, KernelTimer, Planner, load_profile
+    from ..plan.costmodel import machine_id
 
     profile = load_profile(machine)
     memory = profile.memory_per_rank if memory is None else memory
@@ -151,7 +151,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
     limit_blas_threads(comm=comm)
     if args.calibrate:
-        from .plan.calibrate import calibrate
+        from ..plan.calibrate import calibrate
 
         profile = calibrate(comm, device=args.device)
         if comm.Get_rank() == 0:
@@ -269,7 +269,7 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
 
 def train_main(argv: Sequence[str] | None = None) -> int:
     """``disttensor-train MODEL [...]``: train with the planner's (or a given) plan."""
-    from .train import TrainConfig, train
+    from .driver import TrainConfig, train
 
     d = TrainConfig()
     parser = argparse.ArgumentParser(

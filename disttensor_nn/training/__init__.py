@@ -1,0 +1,1 @@
+"""The training application built on the layer library: driver, data, checkpoints, tools."""
