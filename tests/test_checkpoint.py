@@ -1,4 +1,4 @@
-"""disttensor_nn.checkpoint: round trips, refusal of bad checkpoints, atomic saves.
+"""disttensor_nn.training.checkpoint: round trips, refusal of bad checkpoints, atomic saves.
 
 Every refusal must raise the same CheckpointError (type and message) on every
 rank and leave the model untouched; a failed save must leave the target as it
@@ -19,8 +19,8 @@ from mpi4py import MPI
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import assert_equal, collective_assert
-from disttensor_nn import checkpoint as ckpt
-from disttensor_nn.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from disttensor_nn.training import checkpoint as ckpt
+from disttensor_nn.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 comm = MPI.COMM_WORLD
 SIZES = [1, 2, 3, 4]

@@ -6,7 +6,7 @@ network and what it trains on by default; :func:`register_model` adds one,
 after which the driver and the command-line tools (``--model``) accept it::
 
     register_model("tiny", ModelSpec(
-        builder=lambda dtype, seed: Sequential(Conv2d(4, 2, 3, padding=1, dtype=dtype,
+        builder=lambda dtype, seed: Sequential(Conv2d(4, 1, 3, padding=1, dtype=dtype,
                                                       seed=seed)),
         in_channels=4, size=(16, 16),
         dataset=lambda n, shape, seed: MeshSynthetic(n, shape[1:], channels=shape[0],
