@@ -17,7 +17,7 @@ __all__ = ["plot_metrics", "plot_main"]
 
 def plot_metrics(path: str, out_prefix: str | None = None) -> list[str]:
     """Write the loss and per-layer plots of a metrics JSON file; return their paths."""
-    import matplotlib
+    import matplotlib  # optional (the test extra): only plotting needs it, so imported here
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
