@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +210,23 @@ def test_nothing_imports_the_former_paths_and_only_tools_import_the_cli():
     # reads its memory-size arguments the same way
     assert cli_users <= {"tests/test_plan.py", "tests/test_train.py", "disttensor_nn/cli.py",
                          "benchmarks/validate_planner.py"}, cli_users
+
+
+def test_scaling_command_line_prints_and_writes_one_plan_per_rank_count(tmp_path, capsys):
+    path = tmp_path / "scaling.json"
+    assert plan_main(["test-pixel-regression", "--machine", V100, "--scaling", "1,2,3",
+                      "--memory-per-rank", "1GiB", "--json", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"predicted strong scaling of test-pixel-regression, batch "
+                        f"{(BATCH, C, *SIZE)}, machine {V100}")
+    assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
+    rows = json.loads(path.read_text())["rows"]
+    model, shape = training.build_model("test-pixel-regression", batch=BATCH)
+    for row, p in zip(rows, [1, 2, 3]):
+        want, _ = plan.make_plan(model, shape, p, V100, 2.0**30)
+        assert row["ranks"] == p and row["time_ms"] == pytest.approx(1e3 * want.time)
+        assert row["peak_MiB"] == pytest.approx(want.peak_memory / 2**20)
+    assert rows[0]["sample_parallel_ms"] == pytest.approx(rows[0]["time_ms"])  # the one plan
+    with pytest.raises(SystemExit):
+        plan_main(["test-pixel-regression", "--scaling", "1,x"])
+    assert "expected positive rank counts" in capsys.readouterr().err

@@ -2,9 +2,9 @@
 
 from .costmodel import CostModel, KernelTimer, LayerCost, candidates
 from .machine import MachineProfile, builtin_profiles, load_profile
-from .make import make_plan, wait_for_root
+from .make import make_plan, predict_scaling, wait_for_root
 from .planner import Plan, Planner, apply_plan, trace
 
 __all__ = ["CostModel", "KernelTimer", "LayerCost", "MachineProfile", "Plan", "Planner",
            "apply_plan", "builtin_profiles", "candidates", "load_profile", "trace"]
-__all__ += ["make_plan", "wait_for_root"]
+__all__ += ["make_plan", "predict_scaling", "wait_for_root"]

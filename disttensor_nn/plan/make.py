@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from mpi4py import MPI
@@ -13,7 +14,7 @@ from .costmodel import CostModel, KernelTimer, machine_id
 from .machine import load_profile
 from .planner import Plan, Planner
 
-__all__ = ["make_plan", "wait_for_root"]
+__all__ = ["make_plan", "predict_scaling", "wait_for_root"]
 
 
 def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
@@ -89,6 +90,53 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     if isinstance(result, Exception):
         raise result
     return result, planner if root else None
+
+
+def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[int],
+                    machine: str = "this", memory: float | None = None,
+                    measure: bool = True) -> list[dict[str, Any]]:
+    """Predicted strong scaling: a plan of ``model`` for each rank count, in this process.
+
+    Parameters
+    ----------
+    model : Layer
+        The network to plan.
+    batch_shape : tuple of int
+        Global shape of one input batch, (N, C, *S), the same for every rank count.
+    ranks : sequence of int
+        The rank counts.
+    machine, memory, measure
+        As for :func:`make_plan`.
+
+    Returns
+    -------
+    list of dict
+        One row per rank count: ``ranks``, ``time_ms`` (predicted time per
+        iteration, None when nothing fits, with the reason in ``note``),
+        ``peak_MiB``, ``grids`` (the candidates the plan uses) and
+        ``sample_parallel_ms`` (the plan that splits only the samples, None
+        when the batch cannot be split so).
+    """
+    rows: list[dict[str, Any]] = []
+    for p in ranks:
+        try:
+            plan, planner = make_plan(model, batch_shape, p, machine, memory, measure)
+        except ValueError as exc:
+            rows.append({"ranks": p, "time_ms": None, "note": str(exc)})
+            continue
+        grids = sorted({e.grid for e in plan.entries}, key=str)
+        sample_parallel = (p,) + (1,) * (len(batch_shape) - 2)
+        rows.append({"ranks": p, "time_ms": 1e3 * plan.time,
+                     "peak_MiB": plan.peak_memory / 2**20,
+                     "grids": [list(g) for g in grids],
+                     "sample_parallel_ms": _uniform_ms(planner, sample_parallel)})
+    return rows
+
+
+def _uniform_ms(planner: Planner, cand: tuple[int, ...]) -> float | None:
+    if tuple(cand) not in planner.cands:
+        return None
+    return 1e3 * planner.uniform_plan(cand).time
 
 
 def wait_for_root(comm: MPI.Comm, root: int = 0) -> None:

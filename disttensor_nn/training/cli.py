@@ -16,9 +16,10 @@ from mpi4py import MPI
 
 from disttensor import limit_blas_threads
 
-from ..plan import make_plan, wait_for_root
+from ..plan import make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from .driver import TrainConfig, train
+from .plot import plot_scaling
 from .registry import build_model, model_names, model_spec
 
 __all__ = ["parse_bytes", "parse_size", "plan_main", "train_main"]
@@ -32,6 +33,17 @@ def parse_bytes(text: str) -> float:
     value, unit, binary = float(m.group(1)), m.group(2), m.group(3)
     power = " KMGT".index(unit) if unit else 0
     return value * (1024 if binary or not unit else 1000) ** power
+
+
+def _rank_counts(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (positive ints)."""
+    try:
+        ranks = [int(v) for v in text.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive rank counts like 1,4,16, got {text!r}")
+    return ranks
 
 
 def parse_size(text: str) -> tuple[int, ...]:
@@ -63,7 +75,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="with --calibrate: ranks compute on CPU cores or one GPU each; the "
                         "GPU profile is then --machine this-gpu")
-    parser.add_argument("--scaling", help="comma-separated rank counts: predicted strong scaling")
+    parser.add_argument("--scaling", type=_rank_counts,
+                        help="comma-separated rank counts: predicted strong scaling")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
@@ -118,20 +131,8 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
 
 
 def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> int:
-    ranks = [int(v) for v in args.scaling.split(",")]
-    rows = []
-    for p in ranks:
-        try:
-            plan, planner = make_plan(model, shape, p, args.machine, args.memory_per_rank,
-                                      not args.no_measure)
-        except ValueError as exc:
-            rows.append({"ranks": p, "time_ms": None, "note": str(exc)})
-            continue
-        grids = sorted({e.grid for e in plan.entries}, key=str)
-        rows.append({"ranks": p, "time_ms": 1e3 * plan.time,
-                     "peak_MiB": plan.peak_memory / 2**20,
-                     "grids": [list(g) for g in grids],
-                     "sample_parallel_ms": _uniform_ms(planner, (p,) + (1,) * (len(shape) - 2))})
+    rows = predict_scaling(model, shape, args.scaling, args.machine, args.memory_per_rank,
+                           not args.no_measure)
     base = next((r["time_ms"] for r in rows if r["time_ms"]), None)
     print(f"predicted strong scaling of {args.model}, batch {shape}, machine {args.machine}")
     print(f"{'ranks':>6} {'ms/iter':>10} {'speedup':>8} {'sample-par ms':>14} {'peak MiB':>9}"
@@ -148,39 +149,9 @@ def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> in
             json.dump({"model": args.model, "batch_shape": shape, "machine": args.machine,
                        "rows": rows}, f, indent=1)
     if args.plot:
-        _plot(rows, args.plot, f"{args.model} {shape} on {args.machine}")
+        plot_scaling(rows, args.plot, f"{args.model} {shape} on {args.machine}")
+        print(f"wrote {args.plot}")
     return 0
-
-
-def _uniform_ms(planner: Any, cand: tuple[int, ...]) -> float | None:
-    if tuple(cand) not in planner.cands:
-        return None
-    plan = planner.uniform_plan(cand)
-    return 1e3 * plan.time
-
-
-def _plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib  # optional (only --plot needs it): imported when asked for
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["time_ms"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.loglog([r["ranks"] for r in ok], [r["time_ms"] for r in ok], "o-", label="planned")
-    sp = [r for r in ok if r.get("sample_parallel_ms")]
-    if sp:
-        ax.loglog([r["ranks"] for r in sp], [r["sample_parallel_ms"] for r in sp], "s--",
-                  label="sample parallel only")
-    ideal = ok[0]["time_ms"] * ok[0]["ranks"]
-    ax.loglog([r["ranks"] for r in ok], [ideal / r["ranks"] for r in ok], ":", label="ideal")
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("predicted time per iteration (ms)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:

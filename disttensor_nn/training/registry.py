@@ -47,13 +47,13 @@ class ModelSpec:
         :class:`~disttensor_nn.Layer` that is the same on every rank for the
         same seed.
     in_channels : int
-        Channels C of an input sample (N, C, \\*S).
+        Channels C of an input sample (N, C, *S).
     size : tuple of int
         Default spatial size S of an input sample.
     dataset : callable
         ``dataset(num_samples, sample_shape, seed)`` returns the default
         :class:`~disttensor_nn.training.Dataset` of ``num_samples`` samples of
-        shape ``sample_shape`` = (C, \\*S).
+        shape ``sample_shape`` = (C, *S).
     loss : callable
         ``loss()`` returns a new loss layer for the network's output and the
         data set's targets.
@@ -166,7 +166,7 @@ def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
     model : Layer
         The network.
     shape : tuple of int
-        The global batch shape (N, C, \\*S).
+        The global batch shape (N, C, *S).
 
     Raises
     ------
