@@ -119,7 +119,7 @@ done
 
 # the planner on the GPU: twins timed on the device, the machine calibrated with device buffers,
 # then a plan for a 2-rank job from that calibration
-PLAN=(-c "from disttensor_nn.cli import plan_main; raise SystemExit(plan_main())")
+PLAN=(-c "from disttensor_nn.training.cli import plan_main; raise SystemExit(plan_main())")
 stage plan_gpu_twins 60 "$PY" -m pytest -q -p no:cacheprovider -m "parallel[1]" \
     tests/test_plan.py -k gpu
 stage calibrate_gpu 60 "$MPIEXEC" -n 2 "$PY" "${PLAN[@]}" --calibrate --device gpu

@@ -31,12 +31,20 @@ from mpi4py import MPI
 
 import disttensor as dt
 import disttensor_nn as nn
-from disttensor_nn.cli import build_model, parse_bytes, wait_for_root
-from disttensor_nn.plan import CostModel, KernelTimer, Planner, apply_plan, load_profile
+from disttensor_nn.plan import (
+    CostModel,
+    KernelTimer,
+    Planner,
+    apply_plan,
+    load_profile,
+    wait_for_root,
+)
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.plan.machine import this_machine_path
-from disttensor_nn.plan.planner import _nodes, trace
-from disttensor_nn.train import _timed
+from disttensor_nn.plan.planner import leaf_nodes, trace
+from disttensor_nn.training import build_model
+from disttensor_nn.training.cli import parse_bytes
+from disttensor_nn.training.driver import _timed
 
 
 def measure(model, shape, plan, comm, iters, target):
@@ -47,7 +55,7 @@ def measure(model, shape, plan, comm, iters, target):
     time is the layer's own cost.
     """
     apply_plan(model, plan, shape)
-    nodes = _nodes(trace(model, shape))
+    nodes = leaf_nodes(trace(model, shape))
     clocks, hooks = _timed(nodes)  # the training driver's per-layer clocks
     first = nodes[0].layer.layout
     x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)

@@ -1,4 +1,4 @@
-"""disttensor_nn.checkpoint: round trips, refusal of bad checkpoints, atomic saves.
+"""disttensor_nn.training.checkpoint: round trips, refusal of bad checkpoints, atomic saves.
 
 Models whose arrays live in another array module (``array_api_strict``, on its
 CPU device and on one that behaves like an accelerator's memory) checkpoint
@@ -24,8 +24,8 @@ import disttensor as dt
 import disttensor_nn as nn
 from disttensor.backend import array_namespace, as_module, device_of, to_numpy
 from disttensor.testing import assert_equal, collective_assert
-from disttensor_nn import checkpoint as ckpt
-from disttensor_nn.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from disttensor_nn.training import checkpoint as ckpt
+from disttensor_nn.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 comm = MPI.COMM_WORLD
 SIZES = [1, 2, 3, 4]

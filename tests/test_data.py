@@ -1,4 +1,4 @@
-"""disttensor_nn.data: synthetic data sets, the loader and .npy data sets.
+"""disttensor_nn.training.data: synthetic data sets, the loader and .npy data sets.
 
 The reference for every distributed batch is the same batch generated whole
 by each rank alone (a 1-process grid on ``MPI.COMM_SELF``); blocks must match
@@ -18,7 +18,7 @@ from mpi4py import MPI
 import disttensor as dt
 from disttensor.testing import assert_equal, collective_assert
 from disttensor_nn import Layout
-from disttensor_nn.data import (
+from disttensor_nn.training.data import (
     ImageNetSynthetic,
     Loader,
     MeshSynthetic,

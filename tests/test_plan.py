@@ -15,8 +15,8 @@ from mpi4py import MPI
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import assert_allclose, collective_assert
-from disttensor_nn.cli import parse_bytes, plan_main
 from disttensor_nn.plan import CostModel, MachineProfile, Plan, Planner, apply_plan, candidates
+from disttensor_nn.training.cli import parse_bytes, plan_main
 
 F64 = np.float64
 
@@ -292,7 +292,7 @@ def test_calibration_in_network_order(tmp_path_factory):
 
 @pytest.mark.parallel([1, 3])
 def test_make_plan_collective_gives_every_rank_the_same_plan(tmp_path_factory, monkeypatch):
-    from disttensor_nn.cli import make_plan
+    from disttensor_nn.plan import make_plan
 
     comm = MPI.COMM_WORLD
     cache = comm.bcast(str(tmp_path_factory.mktemp("home")) if comm.rank == 0 else None)

@@ -10,9 +10,8 @@ import pytest
 from mpi4py import MPI
 
 from disttensor.testing import collective_assert
-from disttensor_nn.cli import build_model
 from disttensor_nn.plan import CostModel, Planner, builtin_profiles
-from disttensor_nn.train import TrainConfig, train
+from disttensor_nn.training import TrainConfig, build_model, train
 
 V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
 
@@ -91,7 +90,7 @@ def test_default_demo_halves_the_loss():
 
 
 def test_plot_writes_png_files(tmp_path):
-    from disttensor_nn.plot import plot_metrics
+    from disttensor_nn.training import plot_metrics
 
     prefix = str(tmp_path / "run")
     train(config(steps=2, metrics=prefix), comm=MPI.COMM_SELF)
@@ -103,7 +102,7 @@ def test_plot_writes_png_files(tmp_path):
 
 
 def test_train_command_line(tmp_path, capsys):
-    from disttensor_nn.cli import train_main
+    from disttensor_nn.training.cli import train_main
 
     prefix = str(tmp_path / "cli")
     assert train_main(["mesh-demo", "--size", "64x64", "--batch", "2", "--steps", "2",

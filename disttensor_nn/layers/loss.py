@@ -88,7 +88,7 @@ class _Pointwise:
         t = _local_target(target, pred.dist, pred.xp).astype(np.float64)
         p = pred.local.astype(np.float64)
         count = pred.size
-        loss, grad = self._local(p, t)
+        loss, grad = self._block_loss(p, t)
         self._saved = (pred, grad / count)
         return _global_sum(loss, pred.dist) / count
 
@@ -104,7 +104,7 @@ class MSELoss(_Pointwise):
     """Mean squared error over every element; stays in the prediction's distribution."""
 
     @staticmethod
-    def _local(p: Any, t: Any) -> tuple[float, Any]:
+    def _block_loss(p: Any, t: Any) -> tuple[float, Any]:
         d = p - t
         return float((d * d).sum()), 2 * d
 
@@ -113,7 +113,7 @@ class BCEWithLogitsLoss(_Pointwise):
     """Mean binary cross-entropy of sigmoid(logits) against targets in [0, 1]."""
 
     @staticmethod
-    def _local(p: Any, t: Any) -> tuple[float, Any]:
+    def _block_loss(p: Any, t: Any) -> tuple[float, Any]:
         xp = array_namespace(p)
         loss = xp.maximum(p, 0) - p * t + xp.log1p(xp.exp(-xp.abs(p)))
         sig = xp.where(p >= 0, 1 / (1 + xp.exp(-p)), xp.exp(p) / (1 + xp.exp(p)))

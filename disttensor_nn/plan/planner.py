@@ -29,7 +29,8 @@ from ..module import Layer, Layout
 from .costmodel import Candidate, CostModel, LayerCost, candidates, dist_for
 from .timer import KernelTimer, QueryRecorder
 
-__all__ = ["Node", "Block", "trace", "Planner", "Plan", "PlanEntry", "apply_plan"]
+__all__ = ["Node", "Block", "trace", "leaf_nodes", "Planner", "Plan", "PlanEntry",
+           "apply_plan"]
 
 
 @dataclass
@@ -75,14 +76,15 @@ def trace(model: Layer, in_shape: tuple[int, ...], prefix: str = "") -> list:
     return [Node(prefix.rstrip(".") or type(model).__name__, model, tuple(in_shape), out)]
 
 
-def _nodes(items: list) -> list[Node]:
+def leaf_nodes(items: list) -> list[Node]:
+    """The :class:`Node` s of a traced chain (:func:`trace`) in network order, blocks opened."""
     out = []
     for it in items:
         if isinstance(it, Node):
             out.append(it)
         else:
-            out += _nodes(it.branch) + (_nodes(it.shortcut) if it.shortcut else []) + \
-                _nodes(it.post)
+            out += leaf_nodes(it.branch) + (leaf_nodes(it.shortcut) if it.shortcut else []) + \
+                leaf_nodes(it.post)
     return out
 
 
@@ -177,7 +179,7 @@ class Planner:
                  memory_budget: float | None = None, allowed: list[Candidate] | None = None):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
         self.items = trace(model, self.batch_shape)
-        self.nodes = _nodes(self.items)
+        self.nodes = leaf_nodes(self.items)
         nsp = len(self.batch_shape) - 2
         self.cands = list(allowed) if allowed is not None else candidates(cost.nprocs, nsp)
         self.budget = memory_budget
@@ -368,7 +370,7 @@ class Planner:
                     memory += lc.memory
                     current = c
                 else:
-                    start = current if current is not None else assign[id(_nodes([it])[0])]
+                    start = current if current is not None else assign[id(leaf_nodes([it])[0])]
                     out = walk(it.branch, start)
                     if it.shortcut is None:
                         s = start
@@ -463,7 +465,7 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_size() != plan.nprocs:
         raise ValueError(f"the plan is for {plan.nprocs} ranks, the job has {comm.Get_size()}")
-    nodes = _nodes(trace(model, tuple(batch_shape)))
+    nodes = leaf_nodes(trace(model, tuple(batch_shape)))
     if len(nodes) != len(plan.entries) or any(
         tuple(n.in_shape) != tuple(e.in_shape) for n, e in zip(nodes, plan.entries)
     ):

@@ -1,1 +1,27 @@
-"""The training application built on the layer library: driver, data, checkpoints, tools."""
+"""The training application built on the layer library.
+
+* :mod:`~disttensor_nn.training.train`: the training driver, :func:`train`
+  configured by a :class:`TrainConfig` (plan, load data in the planned
+  layout, train, checkpoint, report);
+* :mod:`~disttensor_nn.training.registry`: the named models the driver and
+  the tools know (:func:`register_model`, :func:`build_model`);
+* :mod:`~disttensor_nn.training.data`: data sets and the :class:`Loader`,
+  each rank producing only its own block of a batch;
+* :mod:`~disttensor_nn.training.checkpoint`: collective, atomic checkpoints;
+* :mod:`~disttensor_nn.training.plot`: plots of a run's metrics;
+* :mod:`~disttensor_nn.training.cli`: the ``disttensor-train`` and
+  ``disttensor-plan`` command lines (not imported here).
+"""
+
+from .checkpoint import FORMAT, VERSION, CheckpointError, load_checkpoint, save_checkpoint
+from .data import Dataset, ImageNetSynthetic, Loader, MeshSynthetic, NpyDataset, save_npy_dataset
+from .driver import TrainConfig, train
+from .plot import plot_main, plot_metrics, plot_scaling
+from .registry import ModelSpec, build_model, model_names, model_spec, register_model
+
+__all__ = [
+    "FORMAT", "VERSION", "CheckpointError", "Dataset", "ImageNetSynthetic", "Loader",
+    "MeshSynthetic", "ModelSpec", "NpyDataset", "TrainConfig", "build_model", "load_checkpoint",
+    "model_names", "model_spec", "plot_main", "plot_metrics", "plot_scaling", "register_model",
+    "save_checkpoint", "save_npy_dataset", "train",
+]

@@ -1,4 +1,7 @@
-"""Entry points ``disttensor-plan`` and ``disttensor-train``, and their model registry."""
+"""Entry points ``disttensor-plan`` and ``disttensor-train``: parse arguments, call the library.
+
+The models they accept are those of :mod:`disttensor_nn.training.registry`.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +9,20 @@ import argparse
 import json
 import re
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
-from disttensor.device import use_device
+from disttensor import limit_blas_threads
 
-__all__ = ["build_model", "parse_bytes", "parse_size", "plan_main", "make_plan", "train_main"]
+from ..plan import make_plan, predict_scaling, wait_for_root
+from ..plan.calibrate import calibrate
+from .driver import TrainConfig, train
+from .plot import plot_scaling
+from .registry import build_model, model_names, model_spec
 
-MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mesh", "mesh-small", "mesh-demo")
+__all__ = ["parse_bytes", "parse_size", "plan_main", "train_main"]
 
 
 def parse_bytes(text: str) -> float:
@@ -30,6 +35,17 @@ def parse_bytes(text: str) -> float:
     return value * (1024 if binary or not unit else 1000) ** power
 
 
+def _rank_counts(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (positive ints)."""
+    try:
+        ranks = [int(v) for v in text.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive rank counts like 1,4,16, got {text!r}")
+    return ranks
+
+
 def parse_size(text: str) -> tuple[int, ...]:
     """``"256x256"`` -> ``(256, 256)``."""
     try:
@@ -38,96 +54,12 @@ def parse_size(text: str) -> tuple[int, ...]:
         raise ValueError(f"size must look like 256x256, got {text!r}") from None
 
 
-def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
-                dtype: Any = np.float32, seed: int = 0) -> tuple[Any, tuple[int, ...]]:
-    """A model from the registry and the global batch shape it trains on."""
-    from ..models import mesh_fcn, resnet
-
-    if name.startswith("resnet"):
-        depth = int(name[len("resnet"):])
-        size = size or (224, 224)
-        return resnet(depth, dtype=dtype, seed=seed), (batch, 3, *size)
-    if name == "mesh":
-        size = size or (2048, 2048)
-        return mesh_fcn(dtype=dtype, seed=seed), (batch, 18, *size)
-    if name == "mesh-small":
-        size = size or (256, 256)
-        return mesh_fcn(widths=(8, 16, 16, 24, 24, 8), dtype=dtype, seed=seed), \
-            (batch, 18, *size)
-    if name == "mesh-demo":  # three stages: fine enough output patches to learn in a minute
-        size = size or (256, 256)
-        return mesh_fcn(widths=(16, 24, 32), convs_per_stage=2, dtype=dtype, seed=seed), \
-            (batch, 18, *size)
-    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-
-
-def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
-              memory: float | None = None, measure: bool = True, itemsize: int = 4,
-              comm: MPI.Comm | None = None):
-    """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
-
-    ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
-    the calibrated profile of this machine, kernel times missing from the
-    cache are first measured in network order (:meth:`Planner.calibrate`):
-    with ``comm`` on all its ranks at once (a collective call: every rank of
-    ``comm`` calls this, and ``comm`` should be the job's), then rank 0 plans
-    while the others wait and every rank returns the same plan (and
-    ``planner`` None off rank 0); without ``comm`` in this process alone.
-    A profile calibrated with ``--device gpu`` times the kernels on this
-    rank's GPU (chosen over ``comm``; without it, call
-    :func:`disttensor.use_device` first on a node with several GPUs, or
-    every process takes GPU 0).
-
-    Raises
-    ------
-    ValueError
-        When nothing fits the memory budget (on every rank of ``comm``).
-    """
-    from ..plan import CostModel, KernelTimer, Planner, load_profile
-    from ..plan.costmodel import machine_id
-
-    profile = load_profile(machine)
-    memory = profile.memory_per_rank if memory is None else memory
-    timer = None
-    if profile.measured:  # kernels are timed where the profile's ranks compute (CPU or GPU)
-        xp = use_device(profile.device, MPI.COMM_SELF if comm is None else comm)
-        timer = KernelTimer(machine_id(profile), measure=measure, xp=xp)
-    planner = Planner(model, batch_shape, CostModel(profile, nprocs, timer, itemsize), memory)
-    planner.calibrate(comm)
-    root = comm is None or comm.Get_rank() == 0
-    result: Any = None
-    if root:
-        try:
-            result = planner.plan()
-        except ValueError as exc:
-            result = exc
-        finally:
-            if timer is not None:
-                timer.save()
-    if comm is not None:
-        wait_for_root(comm)  # rank 0 may still measure twins alone: the others sleep
-        result = comm.bcast(result, root=0)
-    if isinstance(result, Exception):
-        raise result
-    return result, planner if root else None
-
-
-def wait_for_root(comm: MPI.Comm, root: int = 0) -> None:
-    """Non-root ranks wait for ``root`` without spinning a core (sleep-polled barrier)."""
-    req = comm.Ibarrier()
-    if comm.Get_rank() == root:
-        req.Wait()
-        return
-    while not req.Test():
-        time.sleep(0.005)
-
-
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """``disttensor-plan MODEL --ranks P --batch N [...]``: print (and save) a plan."""
     parser = argparse.ArgumentParser(
         prog="disttensor-plan",
         description="Choose every layer's distribution for a network and print the plan.")
-    parser.add_argument("model", nargs="?", choices=MODELS)
+    parser.add_argument("model", nargs="?", choices=model_names())
     parser.add_argument("--ranks", type=int, help="number of ranks (default: this job's)")
     parser.add_argument("--batch", type=int, default=None, help="global mini-batch size")
     parser.add_argument("--size", type=parse_size, help="input spatial size, e.g. 256x256")
@@ -143,16 +75,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="with --calibrate: ranks compute on CPU cores or one GPU each; the "
                         "GPU profile is then --machine this-gpu")
-    parser.add_argument("--scaling", help="comma-separated rank counts: predicted strong scaling")
+    parser.add_argument("--scaling", type=_rank_counts,
+                        help="comma-separated rank counts: predicted strong scaling")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
-    from disttensor import limit_blas_threads
-
     limit_blas_threads(comm=comm)
     if args.calibrate:
-        from ..plan.calibrate import calibrate
-
         profile = calibrate(comm, device=args.device)
         if comm.Get_rank() == 0:
             print(f"calibrated {profile.name}: p2p alpha {profile.p2p_alpha * 1e6:.1f} us, "
@@ -177,7 +106,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     """Plan and print on rank 0 of ``comm`` (collective), or in this process alone."""
-    batch = args.batch or (32 if args.model.startswith("resnet") else 4)
+    batch = args.batch or model_spec(args.model).batch
     model, shape = build_model(args.model, args.size, batch)
     if args.scaling:
         return _scaling(args, model, shape)
@@ -202,20 +131,8 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
 
 
 def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> int:
-    ranks = [int(v) for v in args.scaling.split(",")]
-    rows = []
-    for p in ranks:
-        try:
-            plan, planner = make_plan(model, shape, p, args.machine, args.memory_per_rank,
-                                      not args.no_measure)
-        except ValueError as exc:
-            rows.append({"ranks": p, "time_ms": None, "note": str(exc)})
-            continue
-        grids = sorted({e.grid for e in plan.entries}, key=str)
-        rows.append({"ranks": p, "time_ms": 1e3 * plan.time,
-                     "peak_MiB": plan.peak_memory / 2**20,
-                     "grids": [list(g) for g in grids],
-                     "sample_parallel_ms": _uniform_ms(planner, (p,) + (1,) * (len(shape) - 2))})
+    rows = predict_scaling(model, shape, args.scaling, args.machine, args.memory_per_rank,
+                           not args.no_measure)
     base = next((r["time_ms"] for r in rows if r["time_ms"]), None)
     print(f"predicted strong scaling of {args.model}, batch {shape}, machine {args.machine}")
     print(f"{'ranks':>6} {'ms/iter':>10} {'speedup':>8} {'sample-par ms':>14} {'peak MiB':>9}"
@@ -232,51 +149,19 @@ def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> in
             json.dump({"model": args.model, "batch_shape": shape, "machine": args.machine,
                        "rows": rows}, f, indent=1)
     if args.plot:
-        _plot(rows, args.plot, f"{args.model} {shape} on {args.machine}")
+        plot_scaling(rows, args.plot, f"{args.model} {shape} on {args.machine}")
+        print(f"wrote {args.plot}")
     return 0
-
-
-def _uniform_ms(planner: Any, cand: tuple[int, ...]) -> float | None:
-    if tuple(cand) not in planner.cands:
-        return None
-    plan = planner.uniform_plan(cand)
-    return 1e3 * plan.time
-
-
-def _plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["time_ms"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.loglog([r["ranks"] for r in ok], [r["time_ms"] for r in ok], "o-", label="planned")
-    sp = [r for r in ok if r.get("sample_parallel_ms")]
-    if sp:
-        ax.loglog([r["ranks"] for r in sp], [r["sample_parallel_ms"] for r in sp], "s--",
-                  label="sample parallel only")
-    ideal = ok[0]["time_ms"] * ok[0]["ranks"]
-    ax.loglog([r["ranks"] for r in ok], [ideal / r["ranks"] for r in ok], ":", label="ideal")
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("predicted time per iteration (ms)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
     """``disttensor-train MODEL [...]``: train with the planner's (or a given) plan."""
-    from .driver import TrainConfig, train
-
     d = TrainConfig()
     parser = argparse.ArgumentParser(
         prog="disttensor-train",
         description="Train a network on synthetic data with per-layer distributions chosen by "
                     "the planner (run under mpiexec -n P).")
-    parser.add_argument("model", nargs="?", default=d.model, choices=MODELS)
+    parser.add_argument("model", nargs="?", default=d.model, choices=model_names())
     parser.add_argument("--ranks-layout", default="auto",
                         help="'auto' (plan on this machine) or a plan JSON from disttensor-plan")
     parser.add_argument("--batch", type=int, default=d.batch)
@@ -296,8 +181,6 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-per-rank", type=parse_bytes)
     parser.add_argument("--no-progress", action="store_true")
     a = parser.parse_args(argv)
-    from disttensor import limit_blas_threads
-
     limit_blas_threads()
     cfg = TrainConfig(model=a.model, layout=a.ranks_layout, batch=a.batch, steps=a.steps,
                       size=a.size, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,

@@ -12,15 +12,17 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from tqdm import tqdm
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .cli import build_model, make_plan
-from .data import ImageNetSynthetic, Loader, MeshSynthetic
-from ..layers.loss import MSELoss, SoftmaxCrossEntropy
 from ..module import Layer, Layout, RemovableHandle
 from ..optim import SGD
-from ..plan import Plan, apply_plan
-from ..plan.planner import _nodes, trace
+from ..plan import Plan, apply_plan, make_plan
+from ..plan.calibrate import calibrate
+from ..plan.machine import this_machine_path
+from ..plan.planner import leaf_nodes, trace
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import Loader
+from .registry import build_model, model_spec
 
 __all__ = ["TrainConfig", "train"]
 
@@ -77,12 +79,8 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) 
     if cfg.layout != "auto":
         with open(cfg.layout) as f:
             return Plan.from_json(f.read())
-    from ..plan.machine import this_machine_path
-
     if cfg.machine == "this" and not os.path.exists(this_machine_path()):
         if comm.Get_size() > 1:
-            from ..plan.calibrate import calibrate
-
             calibrate(comm)
         else:
             cfg.machine = "v100-nvlink-edr"  # nothing to calibrate communication with
@@ -91,29 +89,23 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) 
     return plan
 
 
-def _dataset(cfg: TrainConfig, shape: tuple[int, ...]):
-    if cfg.model.startswith("resnet"):
-        return ImageNetSynthetic(cfg.samples, shape[2:], seed=cfg.seed), SoftmaxCrossEntropy()
-    return MeshSynthetic(cfg.samples, tuple(shape[2:]), channels=shape[1], seed=cfg.seed), \
-        MSELoss()
-
-
 def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     """Run the training loop; collective. Returns the summary (same on every rank)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
+    spec = model_spec(cfg.model)
     model, shape = build_model(cfg.model, cfg.size, cfg.batch, seed=cfg.seed)
     plan = _plan(cfg, model, shape, comm)
     apply_plan(model, plan, shape, comm)
-    nodes = _nodes(trace(model, shape))
-    data, loss_fn = _dataset(cfg, shape)
+    nodes = leaf_nodes(trace(model, shape))
+    data, loss_fn = spec.dataset(cfg.samples, tuple(shape[1:]), cfg.seed), spec.loss()
     first: Layout = nodes[0].layer.layout
     target_layout = None
     if data.has_spatial_target:
         target_layout = Layout(first.grid, first.axes)
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
                     target_layout=target_layout)
-    lr = cfg.lr if cfg.lr is not None else (0.1 if cfg.model.startswith("mesh") else 0.01)
+    lr = cfg.lr if cfg.lr is not None else spec.lr
     opt = SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     step = 0
     history: list[dict[str, float]] = []
@@ -127,8 +119,6 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     clocks, _ = _timed(nodes)
     bar = None
     if rank == 0 and cfg.progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=cfg.steps, initial=step, desc=f"{cfg.model} on {comm.Get_size()} ranks",
                    unit="step")
     it = iter(loader)

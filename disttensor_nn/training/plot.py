@@ -12,12 +12,12 @@ import json
 import sys
 from collections.abc import Sequence
 
-__all__ = ["plot_metrics", "plot_main"]
+__all__ = ["plot_metrics", "plot_main", "plot_scaling"]
 
 
 def plot_metrics(path: str, out_prefix: str | None = None) -> list[str]:
     """Write the loss and per-layer plots of a metrics JSON file; return their paths."""
-    import matplotlib
+    import matplotlib  # optional (the test extra): only plotting needs it, so imported here
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -55,6 +55,41 @@ def plot_metrics(path: str, out_prefix: str | None = None) -> list[str]:
         plt.close(fig)
         written.append(f"{prefix}-layers.png")
     return written
+
+
+def plot_scaling(rows: list[dict], path: str, title: str) -> None:
+    """Draw predicted strong scaling (rows of :func:`disttensor_nn.plan.predict_scaling`) as a PNG.
+
+    Parameters
+    ----------
+    rows : list of dict
+        The predictions; rows without a time (nothing fitted) are left out.
+    path : str
+        The PNG file to write.
+    title : str
+        The plot's title.
+    """
+    import matplotlib  # optional (the test extra): only plotting needs it, so imported here
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["time_ms"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog([r["ranks"] for r in ok], [r["time_ms"] for r in ok], "o-", label="planned")
+    sp = [r for r in ok if r.get("sample_parallel_ms")]
+    if sp:
+        ax.loglog([r["ranks"] for r in sp], [r["sample_parallel_ms"] for r in sp], "s--",
+                  label="sample parallel only")
+    ideal = ok[0]["time_ms"] * ok[0]["ranks"]
+    ax.loglog([r["ranks"] for r in ok], [ideal / r["ranks"] for r in ok], ":", label="ideal")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted time per iteration (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_main(argv: Sequence[str] | None = None) -> int:

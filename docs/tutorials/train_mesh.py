@@ -19,8 +19,8 @@ import tempfile
 from mpi4py import MPI
 
 from disttensor import limit_blas_threads
-from disttensor_nn.cli import build_model, make_plan
-from disttensor_nn.train import TrainConfig, train
+from disttensor_nn.plan import make_plan
+from disttensor_nn.training import TrainConfig, build_model, train
 
 comm = MPI.COMM_WORLD
 P = comm.size

@@ -1,0 +1,19 @@
+"""Former path of :mod:`disttensor_nn.training.data`, kept as an alias."""
+
+from .training.data import (
+    Dataset,
+    ImageNetSynthetic,
+    Loader,
+    MeshSynthetic,
+    NpyDataset,
+    save_npy_dataset,
+)
+
+__all__ = [
+    "Dataset",
+    "ImageNetSynthetic",
+    "MeshSynthetic",
+    "NpyDataset",
+    "Loader",
+    "save_npy_dataset",
+]

@@ -1,0 +1,158 @@
+"""Plan a model on a machine profile, alone or on all ranks of a job at once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mpi4py import MPI
+
+from disttensor.device import use_device
+
+from .costmodel import CostModel
+from .machine import load_profile
+from .planner import Plan, Planner
+from .timer import KernelTimer, machine_id
+
+__all__ = ["make_plan", "predict_scaling", "wait_for_root"]
+
+
+def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
+              memory: float | None = None, measure: bool = True, itemsize: int = 4,
+              comm: MPI.Comm | None = None) -> tuple[Plan, Planner | None]:
+    """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
+
+    ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
+    the calibrated profile of this machine, kernel times missing from the
+    cache are first measured in network order (:meth:`Planner.calibrate`):
+    with ``comm`` on all its ranks at once (a collective call: every rank of
+    ``comm`` calls this, and ``comm`` should be the job's), then rank 0 plans
+    while the others wait and every rank returns the same plan (and
+    ``planner`` None off rank 0); without ``comm`` in this process alone.
+    A profile calibrated with ``--device gpu`` times the kernels on this
+    rank's GPU (chosen over ``comm``; without it, call
+    :func:`disttensor.use_device` first on a node with several GPUs, or
+    every process takes GPU 0).
+
+    Parameters
+    ----------
+    model : Layer
+        The network to plan.
+    batch_shape : tuple of int
+        Global shape of one input batch, (N, C, *S).
+    nprocs : int
+        Number of ranks to plan for.
+    machine : str
+        ``"this"``, ``"this-gpu"``, a builtin profile's name or a JSON profile
+        (:func:`load_profile`).
+    memory : float, optional
+        Memory budget per rank in bytes.
+    measure : bool
+        Measure kernel times missing from the cache (else estimate them).
+    itemsize : int
+        Bytes per array element.
+    comm : mpi4py.MPI.Comm, optional
+        Plan on all ranks of ``comm`` (collective); None plans in this process.
+
+    Returns
+    -------
+    plan : Plan
+        The same on every rank.
+    planner : Planner or None
+        The planner that made it (None off rank 0 of ``comm``).
+
+    Raises
+    ------
+    ValueError
+        When nothing fits the memory budget (on every rank of ``comm``).
+    """
+    profile = load_profile(machine)
+    memory = profile.memory_per_rank if memory is None else memory
+    timer = None
+    if profile.measured:  # kernels are timed where the profile's ranks compute (CPU or GPU)
+        xp = use_device(profile.device, MPI.COMM_SELF if comm is None else comm)
+        timer = KernelTimer(machine_id(profile), measure=measure, xp=xp)
+    planner = Planner(model, batch_shape, CostModel(profile, nprocs, timer, itemsize), memory)
+    planner.calibrate(comm)
+    root = comm is None or comm.Get_rank() == 0
+    result: Any = None
+    if root:
+        try:
+            result = planner.plan()
+        except ValueError as exc:
+            result = exc
+        finally:
+            if timer is not None:
+                timer.save()
+    if comm is not None:
+        wait_for_root(comm)  # rank 0 may still measure twins alone: the others sleep
+        result = comm.bcast(result, root=0)
+    if isinstance(result, Exception):
+        raise result
+    return result, planner if root else None
+
+
+def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[int],
+                    machine: str = "this", memory: float | None = None,
+                    measure: bool = True) -> list[dict[str, Any]]:
+    """Predicted strong scaling: a plan of ``model`` for each rank count, in this process.
+
+    Parameters
+    ----------
+    model : Layer
+        The network to plan.
+    batch_shape : tuple of int
+        Global shape of one input batch, (N, C, *S), the same for every rank count.
+    ranks : sequence of int
+        The rank counts.
+    machine, memory, measure
+        As for :func:`make_plan`.
+
+    Returns
+    -------
+    list of dict
+        One row per rank count: ``ranks``, ``time_ms`` (predicted time per
+        iteration, None when nothing fits, with the reason in ``note``),
+        ``peak_MiB``, ``grids`` (the candidates the plan uses) and
+        ``sample_parallel_ms`` (the plan that splits only the samples, None
+        when the batch cannot be split so).
+    """
+    rows: list[dict[str, Any]] = []
+    for p in ranks:
+        try:
+            plan, planner = make_plan(model, batch_shape, p, machine, memory, measure)
+        except ValueError as exc:
+            rows.append({"ranks": p, "time_ms": None, "note": str(exc)})
+            continue
+        grids = sorted({e.grid for e in plan.entries}, key=str)
+        sample_parallel = (p,) + (1,) * (len(batch_shape) - 2)
+        rows.append({"ranks": p, "time_ms": 1e3 * plan.time,
+                     "peak_MiB": plan.peak_memory / 2**20,
+                     "grids": [list(g) for g in grids],
+                     "sample_parallel_ms": _uniform_ms(planner, sample_parallel)})
+    return rows
+
+
+def _uniform_ms(planner: Planner, cand: tuple[int, ...]) -> float | None:
+    if tuple(cand) not in planner.cands:
+        return None
+    return 1e3 * planner.uniform_plan(cand).time
+
+
+def wait_for_root(comm: MPI.Comm, root: int = 0) -> None:
+    """Non-root ranks wait for ``root`` without spinning a core (sleep-polled barrier).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm
+        Every rank of it calls this (collective).
+    root : int
+        The rank the others wait for.
+    """
+    req = comm.Ibarrier()
+    if comm.Get_rank() == root:
+        req.Wait()
+        return
+    while not req.Test():
+        time.sleep(0.005)

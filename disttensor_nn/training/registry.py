@@ -1,0 +1,198 @@
+"""The model registry: each named model with the data, loss and settings it trains with.
+
+``disttensor-train``, ``disttensor-plan`` and :func:`~disttensor_nn.training.train`
+know a model only by its name here. A :class:`ModelSpec` says how to build the
+network and what it trains on by default; :func:`register_model` adds one,
+after which the driver and the command-line tools (``--model``) accept it::
+
+    register_model("tiny", ModelSpec(
+        builder=lambda dtype, seed: Sequential(Conv2d(4, 1, 3, padding=1, dtype=dtype,
+                                                      seed=seed)),
+        in_channels=4, size=(16, 16),
+        dataset=lambda n, shape, seed: MeshSynthetic(n, shape[1:], channels=shape[0],
+                                                     seed=seed),
+        loss=MSELoss, lr=0.05))
+
+The built-in entries are the ResNets (``resnet18`` ... ``resnet152``, on
+ImageNet-shaped synthetic images with a softmax cross-entropy) and three
+sizes of the mesh-tangling network (``mesh``, ``mesh-small``, ``mesh-demo``,
+on synthetic mesh fields with a mean squared error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from ..layers.loss import MSELoss, SoftmaxCrossEntropy
+from ..models import mesh_fcn, resnet
+from ..module import Layer
+from .data import Dataset, ImageNetSynthetic, MeshSynthetic
+
+__all__ = ["ModelSpec", "build_model", "model_names", "model_spec", "register_model"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build a named model, and what it trains on unless told otherwise.
+
+    Attributes
+    ----------
+    builder : callable
+        ``builder(dtype=..., seed=...)`` returns the network, a
+        :class:`~disttensor_nn.Layer` that is the same on every rank for the
+        same seed.
+    in_channels : int
+        Channels C of an input sample (N, C, *S).
+    size : tuple of int
+        Default spatial size S of an input sample.
+    dataset : callable
+        ``dataset(num_samples, sample_shape, seed)`` returns the default
+        :class:`~disttensor_nn.training.Dataset` of ``num_samples`` samples of
+        shape ``sample_shape`` = (C, *S).
+    loss : callable
+        ``loss()`` returns a new loss layer for the network's output and the
+        data set's targets.
+    lr : float
+        Default learning rate of the training driver.
+    batch : int
+        Default global batch size of ``disttensor-plan``.
+    """
+
+    builder: Callable[..., Layer]
+    in_channels: int
+    size: tuple[int, ...]
+    dataset: Callable[[int, tuple[int, ...], int], Dataset]
+    loss: Callable[[], Layer]
+    lr: float
+    batch: int = 4
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def _check_spec(name: Any, spec: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a model name must be a non-empty string, got {name!r}")
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"model {name!r}: expected a ModelSpec, got {type(spec).__name__}")
+    for field in ("builder", "dataset", "loss"):
+        if not callable(getattr(spec, field)):
+            raise TypeError(f"model {name!r}: {field} must be callable")
+    if not isinstance(spec.in_channels, int) or spec.in_channels < 1:
+        raise ValueError(f"model {name!r}: in_channels must be a positive int, "
+                         f"got {spec.in_channels!r}")
+    if not isinstance(spec.size, tuple) or not spec.size or \
+            not all(isinstance(s, int) and s >= 1 for s in spec.size):
+        raise ValueError(f"model {name!r}: size must be a tuple of positive ints, "
+                         f"got {spec.size!r}")
+    if not spec.lr > 0:
+        raise ValueError(f"model {name!r}: lr must be > 0, got {spec.lr!r}")
+    if not isinstance(spec.batch, int) or spec.batch < 1:
+        raise ValueError(f"model {name!r}: batch must be a positive int, got {spec.batch!r}")
+
+
+def register_model(name: str, spec: ModelSpec, *, replace: bool = False) -> None:
+    """Make ``name`` known to the training driver and the command-line tools.
+
+    Call it identically on every rank (e.g. at import time of the module that
+    defines the model), before :func:`~disttensor_nn.training.train` or the
+    tools' ``main`` functions.
+
+    Parameters
+    ----------
+    name : str
+        The model's name (``TrainConfig.model``, ``disttensor-train NAME``).
+    spec : ModelSpec
+        How to build and train it.
+    replace : bool
+        Allow replacing a model of the same name.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a malformed name or spec, or a name already registered without
+        ``replace``.
+    """
+    _check_spec(name, spec)
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"model {name!r} is already registered (pass replace=True)")
+    _REGISTRY[name] = spec
+
+
+def model_names() -> tuple[str, ...]:
+    """The registered model names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` registered as ``name``.
+
+    Raises
+    ------
+    ValueError
+        For a name that is not registered; the message lists the known ones.
+    """
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model {name!r}; choose from "
+                         f"{', '.join(model_names())}") from None
+
+
+def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
+                dtype: Any = np.float32, seed: int = 0) -> tuple[Any, tuple[int, ...]]:
+    """A model from the registry and the global batch shape it trains on.
+
+    Parameters
+    ----------
+    name : str
+        A registered name (:func:`model_names`).
+    size : tuple of int, optional
+        Spatial size of a sample (default: the model's :attr:`ModelSpec.size`).
+    batch : int
+        Global batch size N.
+    dtype : dtype
+        Element type of the parameters.
+    seed : int
+        Seed of the initial weights.
+
+    Returns
+    -------
+    model : Layer
+        The network.
+    shape : tuple of int
+        The global batch shape (N, C, *S).
+
+    Raises
+    ------
+    ValueError
+        For an unknown name.
+    """
+    spec = model_spec(name)
+    size = tuple(size) if size else spec.size
+    return spec.builder(dtype=dtype, seed=seed), (batch, spec.in_channels, *size)
+
+
+def _imagenet(num_samples: int, sample_shape: tuple[int, ...], seed: int) -> Dataset:
+    return ImageNetSynthetic(num_samples, sample_shape[1:], seed=seed)
+
+
+def _mesh(num_samples: int, sample_shape: tuple[int, ...], seed: int) -> Dataset:
+    return MeshSynthetic(num_samples, sample_shape[1:], channels=sample_shape[0], seed=seed)
+
+
+for _depth in (18, 34, 50, 101, 152):
+    register_model(f"resnet{_depth}", ModelSpec(
+        partial(resnet, _depth), 3, (224, 224), _imagenet, SoftmaxCrossEntropy, 0.01, 32))
+register_model("mesh", ModelSpec(mesh_fcn, 18, (2048, 2048), _mesh, MSELoss, 0.1))
+register_model("mesh-small", ModelSpec(
+    partial(mesh_fcn, widths=(8, 16, 16, 24, 24, 8)), 18, (256, 256), _mesh, MSELoss, 0.1))
+# three stages: fine enough output patches to learn in a minute
+register_model("mesh-demo", ModelSpec(
+    partial(mesh_fcn, widths=(16, 24, 32), convs_per_stage=2), 18, (256, 256), _mesh, MSELoss,
+    0.1))
