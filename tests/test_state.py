@@ -26,7 +26,7 @@ from disttensor.backend import array_namespace, to_numpy
 from disttensor.testing import assert_equal, collective_assert
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.module import IncompatibleKeys, RemovableHandle
-from disttensor_nn.train import _timed
+from disttensor_nn.training.driver import _timed
 
 xps = pytest.importorskip("array_api_strict")
 
