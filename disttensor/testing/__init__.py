@@ -22,7 +22,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("grids", "process_grids", "distributions", "dist_arrays", "MPI_PROFILE"):
-        from . import strategies
+        from . import strategies  # needs hypothesis (the test extra): loaded only when asked
 
         return getattr(strategies, name)
     raise AttributeError(name)
