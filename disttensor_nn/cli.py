@@ -6,9 +6,15 @@
 
 import sys
 
-from .plan.make import make_plan
+from .plan.make import (
+    make_plan,
+    wait_for_root,  # noqa: F401 (a former public name outside __all__)
+)
 from .training.cli import parse_bytes, parse_size, plan_main, train_main
-from .training.registry import build_model
+from .training.registry import build_model, model_names
+
+MODELS = tuple(model_names())
+"""The registered model names when this alias was imported (see ``model_names()``)."""
 
 __all__ = ["build_model", "parse_bytes", "parse_size", "plan_main", "make_plan", "train_main"]
 

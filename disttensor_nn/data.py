@@ -6,6 +6,7 @@ from .training.data import (
     Loader,
     MeshSynthetic,
     NpyDataset,
+    Slices,  # noqa: F401 (a former public name outside __all__)
     save_npy_dataset,
 )
 

@@ -274,6 +274,9 @@ class Layer:
                                 f"{type(self).__name__}: a {kind} or None is expected")
             (params if name in params else modules)[name] = None
         elif name in buffers:
+            if value is not None and not hasattr(value, "shape"):
+                raise TypeError(f"buffer {name!r} must be an array or None, got "
+                                f"{type(value).__name__}")
             buffers[name] = value
         object.__setattr__(self, name, value)
 
@@ -631,6 +634,8 @@ class Layer:
 
     def train(self, mode: bool = True) -> Layer:
         """Training mode (batch statistics) or, with ``mode=False``, evaluation mode."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"train(mode) takes a bool, got {type(mode).__name__}")
         self.training = mode
         for child in self.children():
             child.train(mode)
@@ -681,9 +686,13 @@ class Layer:
         The twin runs on the halo-extended local block on a 1-process grid,
         so window layers drop their padding, and it has its own parameters
         and statistics, so timing never changes this layer's. The default is
-        a shallow copy with copies of this layer's own parameters and buffers.
+        a shallow copy with copies of this layer's own parameters and buffers,
+        and twins of its sub-layers.
         """
         twin = copy.copy(self)
+        for name, child in self._modules.items():
+            if child is not None:
+                setattr(twin, name, child.local_twin())
         for name, p in self._parameters.items():
             if p is not None:
                 setattr(twin, name, Parameter(contiguous(p.data, copy=True)))

@@ -59,6 +59,8 @@ class SGD:
                 if buf is None:
                     buf = self.state[i] = contiguous(g, copy=True)
                 else:
+                    if array_namespace(buf) is not array_namespace(g):  # the model moved
+                        buf = self.state[i] = _like(g, buf)
                     buf *= self.momentum
                     buf += (1 - self.dampening) * g
                 g = g + self.momentum * buf if self.nesterov else buf

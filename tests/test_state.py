@@ -307,6 +307,52 @@ def test_sgd_on_another_array_module_matches_the_formula(place):
     assert array_namespace(opt.state[0]) is xp and opt.state[0].device == p.data.device
 
 
+def test_sgd_follows_a_model_moved_after_its_first_step():
+    lr, mom = 0.1, 0.9
+    g0, g1 = np.array([1.0, -2.0]), np.array([0.5, 0.25])
+    buf = g0.copy()  # torch.optim.SGD's momentum, written out: buf = g0, then mom * buf + g1
+    want = np.zeros(2) - lr * g0 - lr * (mom * buf + g1)
+    layer = nn.Linear(2, 1, bias=False, dtype=np.float64)
+    layer.weight = nn.Parameter(np.zeros((1, 2)))
+    opt = nn.SGD(layer.parameters(), lr=lr, momentum=mom)
+    layer.weight.grad[...] = g0
+    opt.step()
+    layer.to(xps)
+    layer.weight.grad = xps.asarray(g1.reshape(1, 2))
+    opt.step()
+    assert array_namespace(layer.weight.data) is xps and array_namespace(opt.state[0]) is xps
+    np.testing.assert_allclose(to_numpy(layer.weight.data)[0], want, rtol=1e-14)
+
+
+def test_buffers_take_arrays_or_none():
+    bn = nn.BatchNorm2d(3)
+    with pytest.raises(TypeError, match="buffer 'running_mean' must be an array or None"):
+        bn.running_mean = 0.5
+    bn.running_mean = None
+    assert "running_mean" not in bn.state_dict()
+    with pytest.raises(TypeError, match="bool"):
+        bn.train(0)
+
+
+def test_default_twin_owns_its_parameters_buffers_and_sub_layers():
+    class Wrapper(nn.Layer):  # a custom leaf for the planner, with state of its own below it
+        def __init__(self):
+            self.inner = nn.Linear(2, 2, dtype=np.float64)
+            self.register_buffer("count", np.zeros(1))
+
+        def forward(self, x):
+            return self.inner(x)
+
+    layer = Wrapper()
+    twin = layer.local_twin()
+    assert twin.inner is not layer.inner and twin.count is not layer.count
+    for (name, a), (_, b) in zip(layer.state_dict().items(), twin.state_dict().items()):
+        assert a is not b and np.array_equal(a, b), name
+    twin.zero_grad()
+    twin.inner.weight.data[...] = 7
+    assert not np.any(layer.inner.weight.data == 7)
+
+
 # --------------------------------------------------------------------------- built-in models
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -67,7 +67,7 @@ def matmul_distributions(a: Distribution, b: Distribution
     rows, cols = _groups(a, b)
     m, k = a.global_shape
     n = b.global_shape[-1]
-    grid = a.grid if a.grid is not None else a.grid_shape
+    grid = a.grid_arg
     return (Distribution((m, k), grid, (rows, cols)),
             Distribution((k, n), grid, (rows, cols)),
             Distribution((m, n), grid, (rows, cols)))

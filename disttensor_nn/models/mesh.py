@@ -74,8 +74,7 @@ class DepthToSpace(Layer):
         scale = (1, 1, *b)
         shape = (n, cb // prod, *(s * k for s, k in zip(space, b)))
         splits = [[c * f for c in bounds[1:-1]] for bounds, f in zip(in_dist.boundaries, scale)]
-        grid = in_dist.grid if in_dist.grid is not None else in_dist.grid_shape
-        return Distribution(shape, grid, in_dist.axes, splits)
+        return in_dist.replace(global_shape=shape, splits=splits)
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 3:

@@ -1,6 +1,6 @@
 """The training application built on the layer library.
 
-* :mod:`~disttensor_nn.training.train`: the training driver, :func:`train`
+* :mod:`~disttensor_nn.training.driver`: the training driver, :func:`train`
   configured by a :class:`TrainConfig` (plan, load data in the planned
   layout, train, checkpoint, report);
 * :mod:`~disttensor_nn.training.registry`: the named models the driver and
