@@ -65,6 +65,24 @@ def factorizations(p: int, k: int) -> list[tuple[int, ...]]:
             for rest in factorizations(p // f, k - 1)]
 
 
+def _grid_axis(axis: object, ndim: int, what: str) -> int:
+    """``axis`` as a grid axis in ``[0, ndim)`` (negative counts from the end, as NumPy)."""
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {axis!r}")
+    a = int(axis)
+    if not -ndim <= a < ndim:
+        raise ValueError(f"{what} {a} is out of range for a grid of {ndim} axes")
+    return a % ndim
+
+
+def _check_comm(comm: object) -> MPI.Intracomm:
+    if comm is None:
+        return MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+    return comm
+
+
 def _normalize_shape(shape: int | Iterable[int]) -> tuple[int, ...]:
     if isinstance(shape, numbers.Integral):  # a single int, NumPy integers included
         shape = (shape,)
@@ -100,6 +118,8 @@ class ProcessGrid:
     ValueError
         On every rank, before any communication, if the product of ``shape``
         differs from the communicator size.
+    TypeError
+        If ``comm`` is not an intracommunicator or ``shape`` holds non-integers.
 
     Examples
     --------
@@ -109,7 +129,7 @@ class ProcessGrid:
 
     def __init__(self, shape: int | Iterable[int], comm: MPI.Intracomm | None = None):
         self.shape = _normalize_shape(shape)
-        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.comm = _check_comm(comm)
         if math.prod(self.shape) != self.comm.Get_size():
             raise ValueError(
                 f"process grid {self.shape} has {math.prod(self.shape)} processes but "
@@ -123,8 +143,19 @@ class ProcessGrid:
 
     @classmethod
     def create(cls, ndim: int = 1, comm: MPI.Intracomm | None = None) -> ProcessGrid:
-        """A balanced ``ndim``-axis grid over ``comm`` (``MPI.Compute_dims``)."""
-        comm = MPI.COMM_WORLD if comm is None else comm
+        """A balanced ``ndim``-axis grid over ``comm`` (``MPI.Compute_dims``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            If ``ndim`` is not an int of at least 1, or ``comm`` is not an
+            intracommunicator.
+        """
+        comm = _check_comm(comm)
+        if isinstance(ndim, bool) or not isinstance(ndim, numbers.Integral):
+            raise TypeError(f"ProcessGrid.create: ndim must be an int, got {ndim!r}")
+        if ndim < 1:
+            raise ValueError(f"ProcessGrid.create: ndim must be >= 1, got {ndim}")
         return cls(MPI.Compute_dims(comm.Get_size(), ndim), comm)
 
     @property
@@ -175,9 +206,18 @@ class ProcessGrid:
         return rank_of(coords, self.shape)
 
     def neighbor(self, axis: int, offset: int, periodic: bool = False) -> int | None:
-        """Rank ``offset`` steps away along ``axis``; None off the edge unless ``periodic``."""
+        """Rank ``offset`` steps away along ``axis``; None off the edge unless ``periodic``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            If ``axis`` is not a grid axis or ``offset`` is not an int.
+        """
+        axis = _grid_axis(axis, self.ndim, "neighbor: axis")
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+            raise TypeError(f"neighbor: offset must be an int, got {offset!r}")
         c = list(self.coords)
-        c[axis] += offset
+        c[axis] += int(offset)
         if periodic:
             c[axis] %= self.shape[axis]
         elif not 0 <= c[axis] < self.shape[axis]:
@@ -190,10 +230,17 @@ class ProcessGrid:
         This is collective over the grid the first time a given set of axes is
         requested; the communicator is cached afterwards. With ``axes=()`` each
         rank gets a communicator of its own (``MPI.COMM_SELF``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            If an entry of ``axes`` is not an int in ``[-ndim, ndim)``.
         """
-        if isinstance(axes, int):
+        if isinstance(axes, numbers.Integral):
             axes = (axes,)
-        key = tuple(sorted({int(a) % self.ndim for a in axes}))
+        if not isinstance(axes, Iterable):
+            raise TypeError(f"subcomm: axes must be an int or a sequence of ints, got {axes!r}")
+        key = tuple(sorted({_grid_axis(a, self.ndim, "subcomm: axis") for a in axes}))
         if key not in self._subcomms:
             if not key:
                 self._subcomms[key] = MPI.COMM_SELF

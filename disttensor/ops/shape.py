@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,7 +175,13 @@ def squeeze(x: DistArray, axis: Any = None) -> DistArray:
 def _resolve_shape(newshape: Any, size: int) -> tuple[int, ...]:
     if isinstance(newshape, (int, np.integer)):
         newshape = (newshape,)
-    newshape = [int(s) for s in newshape]
+    try:
+        # operator.index, not int: 4.0 or 24.9 must not pass for a dimension (as NumPy)
+        newshape = [operator.index(s) for s in newshape]
+    except TypeError:
+        raise TypeError(
+            f"reshape: shape must be an int or a sequence of ints, got {newshape!r}"
+        ) from None
     unknown = [i for i, s in enumerate(newshape) if s == -1]
     if len(unknown) > 1:
         raise ValueError("can only specify one unknown dimension")
