@@ -40,6 +40,7 @@ from .backend import (
 from .device import resolve_array_module
 from .distribution import Distribution
 from .grid import ProcessGrid
+from .settings import collective
 
 __all__ = ["DistArray"]
 
@@ -225,6 +226,7 @@ class DistArray:
         return cls(_native(contiguous(local, copy=True)), dist)
 
     @classmethod
+    @collective(ignore=("array",))
     def from_global(cls, array: Any, dist: Distribution, root: int | None = None, *,
                     xp: ModuleType | None = None, device: Any = None) -> DistArray:
         """Distribute a global array.
@@ -359,6 +361,7 @@ class DistArray:
         return self.dist.grid.comm
 
     # ----------------------------------------------------------- conversions
+    @collective
     def to_global(self, root: int | None = None) -> Any:
         """Gather the global array.
 

@@ -12,6 +12,7 @@ from .array import DistArray
 from .backend import astype, device_kw, fill, namespace_dtype, numpy_dtype
 from .distribution import Distribution
 from .grid import ProcessGrid
+from .settings import collective
 
 __all__ = ["make_distribution", "empty", "zeros", "ones", "full", "arange", "asarray"]
 
@@ -61,6 +62,7 @@ def make_distribution(
     return Distribution(shape, grid, axes, splits)
 
 
+@collective
 def empty(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
           device: Any = None, **dist_kw: Any) -> DistArray:
     """Uninitialised DistArray (see :func:`make_distribution` for the layout keywords).
@@ -73,6 +75,7 @@ def empty(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
                            device=device)
 
 
+@collective
 def zeros(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
           device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray of zeros, like :func:`numpy.zeros`.
@@ -85,12 +88,14 @@ def zeros(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
     return full(shape, 0, dtype, xp=xp, device=device, **dist_kw)
 
 
+@collective
 def ones(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
          device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray of ones, like :func:`numpy.ones`."""
     return full(shape, 1, dtype, xp=xp, device=device, **dist_kw)
 
 
+@collective
 def full(shape: Any, fill_value: Any, dtype: Any = None, *, xp: ModuleType | None = None,
          device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray filled with ``fill_value``, like :func:`numpy.full`."""
@@ -100,6 +105,7 @@ def full(shape: Any, fill_value: Any, dtype: Any = None, *, xp: ModuleType | Non
     return out
 
 
+@collective
 def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any = None, *,
            xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
     """1-D DistArray of evenly spaced values, like :func:`numpy.arange`."""
@@ -123,6 +129,7 @@ def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any 
     return out
 
 
+@collective(ignore=("array",))
 def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = None,
             xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
     """Distribute ``array`` (every rank passes the same one, or only ``root``).

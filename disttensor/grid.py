@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
 
+from .settings import collective
+
 __all__ = ["ProcessGrid", "coords_of", "factorizations", "rank_of"]
 
 
@@ -224,6 +226,7 @@ class ProcessGrid:
             return None
         return rank_of(c, self.shape)
 
+    @collective
     def subcomm(self, axes: int | Iterable[int]) -> MPI.Intracomm:
         """Communicator of the ranks that differ only along ``axes``.
 

@@ -32,6 +32,7 @@ from mpi4py import MPI
 from .array import DistArray, normalize_widths
 from .backend import array_namespace, contiguous
 from .distribution import Distribution
+from .settings import collective
 from .transport import transport_for
 
 __all__ = ["MODES", "AccumulateRequest", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate",
@@ -218,6 +219,7 @@ class HaloPlan:
         return ext[tuple(idx)]
 
     # ------------------------------------------------------------- forward
+    @collective
     def start(self, x: DistArray, constant_values: Any = 0) -> HaloRequest:
         """Begin filling the halo of ``x`` (grown in place if its margins are too small).
 
@@ -246,6 +248,7 @@ class HaloPlan:
         """
         return self.start_accumulate(extended, overwrite_input).finish()
 
+    @collective(ignore=("extended",))
     def start_accumulate(self, extended: Any, overwrite_input: bool = False
                          ) -> AccumulateRequest:
         """Non-blocking :meth:`accumulate`: returns a request whose ``finish()`` gives the result.
@@ -490,6 +493,7 @@ def halo_plan(dist: Distribution, widths: Any, mode: str = "constant") -> HaloPl
     return _cached_plan(dist, normalize_widths(widths, dist.ndim), mode)
 
 
+@collective(ignore=("extended",))
 def halo_accumulate(
     extended: Any,
     dist: Distribution,
@@ -522,6 +526,7 @@ def halo_accumulate(
     return halo_plan(dist, widths, mode).accumulate(extended, overwrite_input)
 
 
+@collective
 def exchange_halo(self: DistArray, widths: Any, mode: str = "constant",
                   constant_values: Any = 0, *, copy: bool = False) -> Any:
     """This rank's block extended by ``widths``, filled as :func:`numpy.pad` would.

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from .array import DistArray, _check_dist
 from .backend import device_of, reshape, view_datatype
 from .distribution import Distribution
+from .settings import collective
 from .transport import transport_for
 
 __all__ = ["RedistributionPlan", "redistribution_plan", "check_compatible"]
@@ -122,6 +123,7 @@ class RedistributionPlan:
             spec.append([base, (counts, zeros), types])
         self.comm.Alltoallw(*spec)
 
+    @collective
     def __call__(self, x: DistArray, out: DistArray | None = None) -> DistArray:
         """Return ``x`` redistributed to ``dst``, in ``out`` if given (else a new array).
 
@@ -150,6 +152,7 @@ class RedistributionPlan:
             out.local[self.keep[1]] = x.local[self.keep[0]]
         return out
 
+    @collective
     def adjoint(self, y: DistArray) -> DistArray:
         """Apply the adjoint: move ``y`` (on ``dst``) back to ``src``, summing replicas.
 
@@ -203,6 +206,7 @@ def redistribution_plan(src: Distribution, dst: Distribution) -> RedistributionP
     return RedistributionPlan(src, dst)
 
 
+@collective
 def redistribute(self: DistArray, dist: Distribution, out: DistArray | None = None) -> DistArray:
     """This array moved to another Distribution of the same global shape.
 
