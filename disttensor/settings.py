@@ -145,7 +145,8 @@ def _describe(value: Any, depth: int = 0) -> str:
     ):
         return repr(value)
     if isinstance(value, type) or inspect.isroutine(value) or inspect.ismodule(value):
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
+        name = getattr(value, "__qualname__", value.__name__)
+        return f"{getattr(value, '__module__', '')}.{name}"
     if isinstance(value, slice):
         return f"slice({value.start!r}, {value.stop!r}, {value.step!r})"
     if isinstance(value, MPI.Comm):
