@@ -231,22 +231,29 @@ def check_arguments(name: str, arguments: Mapping[str, Any], comm: MPI.Comm | No
                     MPI.COMM_WORLD)
     if comm.Get_size() == 1:
         return
-    mine = [(k, _describe(v)) for k, v in arguments.items()]
+    mine = (name, [(k, _describe(v)) for k, v in arguments.items()])
     gathered = comm.allgather(mine)
+    # every rank reads the same gathered list, so every rank raises the same message
     first = gathered[0]
     for rank, theirs in enumerate(gathered[1:], start=1):
         if theirs == first:
             continue
-        if len(theirs) != len(first):
-            names0, names = [k for k, _ in first], [k for k, _ in theirs]
+        if not (isinstance(theirs, tuple) and isinstance(first, tuple)) or theirs[0] != first[0]:
+            calls = [g[0] if isinstance(g, tuple) else "another collective" for g in gathered]
             raise CollectiveMismatchError(
-                f"{name}: ranks 0 and {rank} pass different arguments ({names0} and {names}); "
-                "every rank must make the same collective call"
+                f"ranks are in different collective calls: rank 0 in {calls[0]}, rank {rank} in "
+                f"{calls[rank]}; every rank must make the same calls in the same order"
             )
-        for (k0, v0), (k, v) in zip(first, theirs):
-            if (k0, v0) != (k, v):
+        call, args0, args = first[0], first[1], theirs[1]
+        if [k for k, _ in args0] != [k for k, _ in args]:
+            raise CollectiveMismatchError(
+                f"{call}: ranks 0 and {rank} pass different arguments ({[k for k, _ in args0]} "
+                f"and {[k for k, _ in args]}); every rank must make the same collective call"
+            )
+        for (k, v0), (_, v) in zip(args0, args):
+            if v0 != v:
                 raise CollectiveMismatchError(
-                    f"{name}: argument {k0!r} differs across ranks: rank 0 passes "
+                    f"{call}: argument {k!r} differs across ranks: rank 0 passes "
                     f"{_short(v0)}, rank {rank} passes {_short(v)}; every rank must pass "
                     "the same value to a collective call"
                 )
@@ -277,6 +284,7 @@ def collective(func: F | None = None, *, ignore: tuple[str, ...] = ()) -> Any:
     def decorate(f: F) -> F:
         signature = inspect.signature(f)
         name = f.__qualname__
+        var_kw = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -286,7 +294,10 @@ def collective(func: F | None = None, *, ignore: tuple[str, ...] = ()) -> Any:
                 bound = signature.bind(*args, **kwargs)
             except TypeError:  # a wrong call: f raises its own TypeError, alike everywhere
                 return f(*args, **kwargs)
-            arguments = {k: v for k, v in bound.arguments.items() if k not in ignore}
+            arguments = {k: v for k, v in bound.arguments.items()
+                         if k not in ignore and k not in var_kw}
+            for k in var_kw:  # **keywords compared one by one, under their own names
+                arguments.update(sorted(bound.arguments.get(k, {}).items()))
             check_arguments(name, arguments)
             _nesting.depth = 1
             try:
