@@ -539,11 +539,15 @@ def exchange_halo(self: DistArray, widths: Any, mode: str = "constant",
     ----------
     widths : int, (int, int) or sequence of (int, int)
         Halo width before and after the block per dimension, read like
-        ``numpy.pad``'s ``pad_width``. Widths may exceed a neighbour's block.
+        ``numpy.pad``'s ``pad_width``. Widths may exceed a neighbour's block,
+        and the whole array, in every mode (as ``numpy.pad``).
     mode : {'constant', 'wrap', 'reflect', 'symmetric', 'edge'}
         Values beyond the global edges, with ``numpy.pad``'s meaning.
     constant_values : scalar or pairs
-        Fill value(s) for ``mode='constant'``, as in ``numpy.pad``.
+        Fill value(s) for ``mode='constant'``, as in ``numpy.pad``, and
+        converted to the dtype as ``numpy.pad`` converts them: a value the
+        dtype cannot hold raises ``numpy.pad``'s error (OverflowError for
+        300 in int8, ValueError for NaN in an integer dtype) on every rank.
     copy : bool
         Return a copy instead of a view.
 
