@@ -98,10 +98,18 @@ def _check_dist(dist: Distribution) -> None:
         raise ValueError("a DistArray needs a Distribution built on a ProcessGrid, not a shape")
 
 
+def check_root(root: Any, grid: ProcessGrid) -> int:
+    """``root`` as a rank of ``grid``, or the same TypeError/ValueError on every rank."""
+    if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"root must be an int (a rank of {grid}), got {root!r}")
+    if not 0 <= root < grid.size:
+        raise ValueError(f"root must be a rank of {grid}, got {root!r}")
+    return int(root)
+
+
 def root_distribution(shape: tuple[int, ...], grid: ProcessGrid, root: int) -> Distribution:
     """A Distribution in which rank ``root`` holds the whole array and others nothing."""
-    if not 0 <= root < grid.size:
-        raise ValueError(f"root {root} is not a rank of {grid}")
+    root = check_root(root, grid)
     if not shape:
         return Distribution(shape, grid, ())
     n, p = shape[0], grid.size
@@ -268,8 +276,7 @@ class DistArray:
                 )
             return cls(_native(contiguous(array[dist.local_slices()], copy=True)), dist)
         grid = dist.grid
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < grid.size:
-            raise ValueError(f"root must be a rank of {grid}, got {root!r}")
+        root = check_root(root, grid)
         meta: Any = None
         if grid.rank == root:
             try:

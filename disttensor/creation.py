@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from .array import DistArray
+from .array import DistArray, check_root
 from .backend import astype, device_kw, fill, namespace_dtype, numpy_dtype
 from .distribution import Distribution
 from .grid import ProcessGrid
@@ -54,6 +54,8 @@ def make_distribution(
         return dist
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
+    if not isinstance(shape, Iterable):
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
     shape = tuple(shape)
     if grid is None:
         grid = default_grid()
@@ -147,7 +149,9 @@ def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = 
         if root is None:
             shape = np.shape(array)
         else:
-            comm = (dist_kw.get("grid") or default_grid()).comm
+            grid = dist_kw.get("grid") or default_grid()
+            root = check_root(root, grid)
+            comm = grid.comm
             shape = comm.bcast(np.shape(array) if comm.Get_rank() == root else None, root=root)
         dist = make_distribution(shape, **dist_kw)
     return DistArray.from_global(array, dist, root=root, xp=xp, device=device)

@@ -179,6 +179,8 @@ class ProcessGrid:
         several of them can be in flight without their messages matching each
         other's receives.
         """
+        if isinstance(span, bool) or not isinstance(span, numbers.Integral) or span < 1:
+            raise ValueError(f"tag_block: span must be an int >= 1, got {span!r}")
         slots = max(1, self.p2p_comm.Get_attr(MPI.TAG_UB) // span)
         self._tag_seq = (self._tag_seq + 1) % slots
         return self._tag_seq * span
@@ -195,12 +197,17 @@ class ProcessGrid:
 
     def coords_of(self, rank: int) -> tuple[int, ...]:
         """Coordinates of ``rank``."""
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise TypeError(f"coords_of: rank must be an int, got {rank!r}")
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is not in a grid of {self.size} processes")
         return coords_of(rank, self.shape)
 
     def rank_of(self, coords: Sequence[int]) -> int:
         """Rank at ``coords``; each coordinate must lie inside the grid."""
+        if not isinstance(coords, Sequence) or any(
+                isinstance(c, bool) or not isinstance(c, numbers.Integral) for c in coords):
+            raise TypeError(f"rank_of: coordinates must be a sequence of ints, got {coords!r}")
         if len(coords) != self.ndim or any(
             not 0 <= c < s for c, s in zip(coords, self.shape)
         ):

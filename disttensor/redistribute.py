@@ -27,6 +27,9 @@ Piece = tuple[int, tuple[slice, ...]]  # (peer rank, slices into the local block
 
 def check_compatible(src: Distribution, dst: Distribution) -> None:
     """Raise unless data can move between ``src`` and ``dst`` (pure, no communication)."""
+    for name, d in (("src", src), ("dst", dst)):
+        if not isinstance(d, Distribution):
+            raise TypeError(f"{name} must be a Distribution, got {type(d).__name__}")
     if src.global_shape != dst.global_shape:
         raise ValueError(
             f"cannot redistribute between global shapes {src.global_shape} and {dst.global_shape}"

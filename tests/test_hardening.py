@@ -229,3 +229,24 @@ def test_random_sizes():
     raises(ValueError, ("global shape entries must be >= 0",), rng.integers, 0, 5, (-1,), grid=g)
     raises(TypeError, ("global shape entry",), rng.random, (2.5,), grid=g)
     raises(ValueError, ("integers needs",), rng.integers, 5, 5, (3,), grid=g)
+
+
+@pytest.mark.parallel([2, 3])
+def test_roots_ranks_and_plans():
+    g = grid1()
+    x = dt.arange(6.0, grid=g)
+    for root in (True, 0.5, "0"):
+        raises(TypeError, ("root must be an int",), x.to_global, root=root)
+        raises(TypeError, ("root must be an int",), dt.DistArray.from_global, np.arange(6.0),
+               x.dist, root=root)
+        raises(TypeError, ("root must be an int",), dt.asarray, np.arange(6.0), root=root, grid=g)
+    raises(ValueError, ("root must be a rank",), x.to_global, root=P)
+    raises(ValueError, ("root must be a rank",), x.to_global, root=-1)
+    got = x.to_global(root=np.int32(P - 1))
+    collective_assert(np.array_equal(got, np.arange(6.0)) if g.rank == P - 1 else got is None)
+    raises(TypeError, ("coords_of: rank",), g.coords_of, 0.5)
+    raises(TypeError, ("rank_of: coordinates",), g.rank_of, (0.5,))
+    raises(ValueError, ("tag_block: span",), g.tag_block, 0)
+    raises(TypeError, ("shape must be an int or a sequence",), dt.zeros, 2.5, grid=g)
+    raises(TypeError, ("dst must be a Distribution",), dt.redistribution_plan, x.dist, "y")
+    raises(TypeError, ("expected a Distribution",), x.redistribute, (6,))
