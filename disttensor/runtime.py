@@ -10,7 +10,10 @@ every rank:
   ``SystemExit`` in a thread ends only that thread, as in Python;
 * ``sys.exit(status)`` with a non-zero status that ends the interpreter
   (a ``SystemExit`` that the program catches and survives ends nothing);
-  the job's exit status is then ``status``.
+  the job's exit status is then ``status``. When every rank exits so
+  within a few seconds of each other (a command-line tool refusing its
+  arguments on all ranks, say), the job ends normally with that status,
+  without the abort and its messages.
 
 A rank that ends with status 0 while others still wait is a normal end to
 MPI, so it is not covered; neither are ``os._exit`` nor a signal (the MPI
@@ -23,6 +26,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 import traceback
 from types import TracebackType
 from typing import Any
@@ -35,6 +39,7 @@ _previous_hook = None
 _previous_thread_hook = None
 _previous_exit = None
 _exit_status: int | None = None  # set when sys.exit(non-zero) ends the interpreter
+_EXIT_GRACE_S = 5.0  # how long an exiting rank waits for the others to exit too
 
 
 def _abort(status: int, why: str) -> None:
@@ -83,9 +88,28 @@ def _recording_exit(status: Any = None) -> None:
     raise _RankExit(status)
 
 
+def _all_exiting(comm: MPI.Comm, seconds: float) -> bool:
+    """Whether every rank reaches this point within ``seconds`` (a non-blocking barrier).
+
+    A non-blocking barrier matches no blocking collective that the other
+    ranks may be waiting in, so it completes only if they all exit too.
+    """
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _at_exit() -> None:
-    if _exit_status and sys.exit is _recording_exit and MPI.COMM_WORLD.Get_size() > 1:
-        _abort(_exit_status, f"sys.exit({_exit_status})")
+    if not (_exit_status and sys.exit is _recording_exit):
+        return
+    world = MPI.COMM_WORLD
+    if MPI.Is_finalized() or world.Get_size() == 1 or _all_exiting(world, _EXIT_GRACE_S):
+        return
+    _abort(_exit_status, f"sys.exit({_exit_status})")
 
 
 def abort_on_exception(enable: bool = True) -> None:

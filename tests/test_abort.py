@@ -172,3 +172,24 @@ def test_caught_exit_and_thread_exit_end_nothing(tmp_path, nprocs):
     report = f"exit {rc}\nstdout:\n{out}\nstderr:\n{err}"
     assert rc == 0, report
     assert out.count("finished") == nprocs, report
+
+
+ALL_EXIT_SCRIPT = """
+    import sys
+    from mpi4py import MPI
+
+    import disttensor  # noqa: F401
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print("error: a bad argument", file=sys.stderr, flush=True)
+    sys.exit(2)  # every rank refuses, as a command-line tool does
+"""
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_every_rank_exiting_ends_the_job_quietly(tmp_path, nprocs):
+    rc, out, err = _run_job(tmp_path, "all_exit.py", ALL_EXIT_SCRIPT, nprocs)
+    report = f"exit {rc}\nstdout:\n{out}\nstderr:\n{err}"
+    assert rc == 2, report
+    assert err.count("error: a bad argument") == 1, report
+    assert "abort" not in err.lower(), report
