@@ -250,3 +250,22 @@ def test_roots_ranks_and_plans():
     raises(TypeError, ("shape must be an int or a sequence",), dt.zeros, 2.5, grid=g)
     raises(TypeError, ("dst must be a Distribution",), dt.redistribution_plan, x.dist, "y")
     raises(TypeError, ("expected a Distribution",), x.redistribute, (6,))
+
+
+@pytest.mark.parallel([2, 3])
+def test_string_operations_match_numpy():
+    g = grid1()
+    a = STRINGS.astype("<U3")
+    x = dt.DistArray.from_global(a, dt.Distribution(a.shape, g))
+    item, err = collective_outcome(lambda: x[2].item())
+    collective_assert(err is None and item == a[2], f"{item!r} {err!r}")
+    assert_equal(x[1:6:2], a[1:6:2])
+    assert_equal(x[::-1], a[::-1])
+    assert_equal(np.concatenate([x, x]), np.concatenate([a, a]))
+    assert_equal(x == "ab", a == "ab")
+    x[0:2] = "zz"
+    b = a.copy()
+    b[0:2] = "zz"
+    assert_equal(x, b)
+    _, err = collective_outcome(x.sum)  # NumPy has no sum of strings either
+    collective_assert(isinstance(err, TypeError), repr(err))
