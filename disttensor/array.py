@@ -99,9 +99,9 @@ def _check_dist(dist: Distribution) -> None:
 
 
 def check_root(root: Any, grid: ProcessGrid) -> int:
-    """``root`` as a rank of ``grid``, or the same TypeError/ValueError on every rank."""
+    """``root`` as a rank of ``grid``, or the same ValueError on every rank (non-ints too)."""
     if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
-        raise TypeError(f"root must be an int (a rank of {grid}), got {root!r}")
+        raise ValueError(f"root must be an int (a rank of {grid}), got {root!r}")
     if not 0 <= root < grid.size:
         raise ValueError(f"root must be a rank of {grid}, got {root!r}")
     return int(root)

@@ -236,10 +236,11 @@ def test_roots_ranks_and_plans():
     g = grid1()
     x = dt.arange(6.0, grid=g)
     for root in (True, 0.5, "0"):
-        raises(TypeError, ("root must be an int",), x.to_global, root=root)
-        raises(TypeError, ("root must be an int",), dt.DistArray.from_global, np.arange(6.0),
+        raises(ValueError, ("root must be an int",), x.to_global, root=root)
+        raises(ValueError, ("root must be an int",), dt.DistArray.from_global, np.arange(6.0),
                x.dist, root=root)
-        raises(TypeError, ("root must be an int",), dt.asarray, np.arange(6.0), root=root, grid=g)
+        raises(ValueError, ("root must be an int",), dt.asarray, np.arange(6.0), root=root,
+               grid=g)
     raises(ValueError, ("root must be a rank",), x.to_global, root=P)
     raises(ValueError, ("root must be a rank",), x.to_global, root=-1)
     got = x.to_global(root=np.int32(P - 1))
