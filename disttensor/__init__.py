@@ -17,8 +17,10 @@ from .grid import ProcessGrid, factorizations
 from .halo import halo_accumulate, halo_plan
 from .redistribute import redistribution_plan
 from .runtime import abort_on_exception, limit_blas_threads
+from .settings import CollectiveMismatchError, get_options, options, set_options
 
 __all__ = [
+    "CollectiveMismatchError",
     "DistArray",
     "Distribution",
     "ProcessGrid",
@@ -29,6 +31,7 @@ __all__ = [
     "empty",
     "factorizations",
     "full",
+    "get_options",
     "gpu_aware_mpi",
     "halo_accumulate",
     "halo_plan",
@@ -37,8 +40,10 @@ __all__ = [
     "nccl_enabled",
     "node_local_rank",
     "ones",
+    "options",
     "random",
     "redistribution_plan",
+    "set_options",
     "set_transport",
     "use_device",
     "zeros",

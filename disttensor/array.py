@@ -30,6 +30,7 @@ from .backend import (
     array_namespace,
     as_module,
     astype,
+    check_movable,
     contiguous,
     device_of,
     empty,
@@ -39,6 +40,7 @@ from .backend import (
 from .device import resolve_array_module
 from .distribution import Distribution
 from .grid import ProcessGrid
+from .settings import collective
 
 __all__ = ["DistArray"]
 
@@ -96,10 +98,18 @@ def _check_dist(dist: Distribution) -> None:
         raise ValueError("a DistArray needs a Distribution built on a ProcessGrid, not a shape")
 
 
+def check_root(root: Any, grid: ProcessGrid) -> int:
+    """``root`` as a rank of ``grid``, or the same ValueError on every rank (non-ints too)."""
+    if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
+        raise ValueError(f"root must be an int (a rank of {grid}), got {root!r}")
+    if not 0 <= root < grid.size:
+        raise ValueError(f"root must be a rank of {grid}, got {root!r}")
+    return int(root)
+
+
 def root_distribution(shape: tuple[int, ...], grid: ProcessGrid, root: int) -> Distribution:
     """A Distribution in which rank ``root`` holds the whole array and others nothing."""
-    if not 0 <= root < grid.size:
-        raise ValueError(f"root {root} is not a rank of {grid}")
+    root = check_root(root, grid)
     if not shape:
         return Distribution(shape, grid, ())
     n, p = shape[0], grid.size
@@ -159,6 +169,7 @@ class DistArray:
         want = tuple(n + lo + hi for n, (lo, hi) in zip(local_shape, margins))
         if tuple(buffer.shape) != want:
             raise ValueError(f"buffer shape {tuple(buffer.shape)} does not match {want}")
+        check_movable(buffer.dtype)
         self._buffer = buffer
         self._margins = tuple((int(lo), int(hi)) for lo, hi in margins)
         self.dist = dist
@@ -196,7 +207,7 @@ class DistArray:
         xp, place = resolve_array_module(xp, device, dist.grid.comm)
         margins = margins or ((0, 0),) * dist.ndim
         shape = tuple(n + lo + hi for n, (lo, hi) in zip(dist.local_shape(), margins))
-        dtype = numpy_dtype(dtype).newbyteorder("=")
+        dtype = check_movable(dtype).newbyteorder("=")
         return cls(empty(xp, shape, dtype, place), dist, margins)
 
     @classmethod
@@ -223,6 +234,7 @@ class DistArray:
         return cls(_native(contiguous(local, copy=True)), dist)
 
     @classmethod
+    @collective(ignore=("array",))
     def from_global(cls, array: Any, dist: Distribution, root: int | None = None, *,
                     xp: ModuleType | None = None, device: Any = None) -> DistArray:
         """Distribute a global array.
@@ -248,6 +260,9 @@ class DistArray:
         ValueError
             On every rank (with ``root``, after a small broadcast of the shape
             and dtype) when the shape does not match ``dist``.
+        TypeError
+            On every rank alike for a dtype a DistArray cannot hold
+            (:func:`disttensor.backend.check_movable`: object dtypes).
         """
         _check_dist(dist)
         chosen = None
@@ -261,16 +276,21 @@ class DistArray:
                 )
             return cls(_native(contiguous(array[dist.local_slices()], copy=True)), dist)
         grid = dist.grid
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < grid.size:
-            raise ValueError(f"root must be a rank of {grid}, got {root!r}")
+        root = check_root(root, grid)
+        meta: Any = None
         if grid.rank == root:
-            array = _native(_as_array(array, chosen))
-            where = chosen or (array_namespace(array).__name__, device_of(array))
-            meta = (tuple(array.shape), numpy_dtype(array.dtype).str,
-                    where if chosen is None else None)
-        else:
-            meta = None
-        shape, dtype, where = grid.comm.bcast(meta, root=root)
+            try:
+                array = _native(_as_array(array, chosen))
+                where = chosen or (array_namespace(array).__name__, device_of(array))
+                # the dtype itself, not its .str: a record's str ('|V12') drops its fields
+                dtype = check_movable(array.dtype)
+                meta = (tuple(array.shape), dtype, where if chosen is None else None)
+            except Exception as exc:  # sent on, so that every rank raises it, not root alone
+                meta = exc
+        meta = grid.comm.bcast(meta, root=root)
+        if isinstance(meta, Exception):
+            raise meta
+        shape, dtype, where = meta
         if chosen is None:  # the root's array decides: its module by name, its device
             chosen = (importlib.import_module(where[0]), where[1])
         if shape != dist.global_shape:
@@ -348,6 +368,7 @@ class DistArray:
         return self.dist.grid.comm
 
     # ----------------------------------------------------------- conversions
+    @collective
     def to_global(self, root: int | None = None) -> Any:
         """Gather the global array.
 

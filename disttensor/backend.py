@@ -21,6 +21,7 @@ __all__ = [
     "array_namespace",
     "as_module",
     "astype",
+    "check_movable",
     "contiguous",
     "copy_from_host",
     "copy_to_host",
@@ -33,6 +34,7 @@ __all__ = [
     "is_c_contiguous",
     "is_cupy",
     "is_numpy",
+    "mpi_buffer",
     "mpi_dtype",
     "namespace_dtype",
     "numpy_dtype",
@@ -273,10 +275,77 @@ def synchronize(xp: ModuleType) -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
+# Kinds MPI has no element type for, moved as their raw bytes: fixed-width strings
+# ('U', 'S'), structured and void records ('V'), datetimes and timedeltas ('M', 'm').
+_BYTE_KINDS = "USVMm"
+
+
+def check_movable(dtype: Any) -> np.dtype:
+    """``dtype`` as a NumPy dtype, or a TypeError if a DistArray cannot hold it.
+
+    Every dtype whose values are plain memory can travel between ranks:
+    numbers and booleans as MPI element types, fixed-width unicode and bytes
+    strings, structured records, datetimes and timedeltas as their bytes.
+    Object dtypes (and records with object fields) hold pointers into one
+    process's memory, which mean nothing on another rank, so they are
+    refused. Pure: the same answer on every rank for the same dtype.
+
+    Parameters
+    ----------
+    dtype : dtype-like
+        The element type.
+
+    Returns
+    -------
+    numpy.dtype
+
+    Raises
+    ------
+    TypeError
+        For an object dtype, a record with object fields, or a dtype NumPy
+        does not know.
+    """
+    dt = numpy_dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(
+            f"a DistArray cannot hold dtype {dt}: object elements are pointers into one "
+            "process's memory and cannot move between ranks; use a numeric, boolean, "
+            "fixed-width string ('U', 'S') or structured dtype"
+        )
+    return dt
+
+
 @cache
 def mpi_dtype(dtype: np.dtype) -> MPI.Datatype:
-    """The MPI datatype of a NumPy dtype."""
-    return from_numpy_dtype(np.dtype(dtype))
+    """The MPI datatype of a NumPy dtype (see :func:`check_movable` for those allowed).
+
+    Strings, records, datetimes and timedeltas map to a contiguous run of
+    ``itemsize`` bytes, so they move unchanged (records with their padding).
+
+    Raises
+    ------
+    TypeError
+        For a dtype :func:`check_movable` refuses.
+    """
+    dt = check_movable(dtype)
+    if dt.kind in _BYTE_KINDS:
+        t = MPI.BYTE.Create_contiguous(dt.itemsize)
+        t.Commit()
+        return t
+    return from_numpy_dtype(dt)
+
+
+def mpi_buffer(a: Any) -> Any:
+    """``a`` as an mpi4py message: the array itself, or ``[a, datatype]`` for byte kinds.
+
+    mpi4py reads the element type of a NumPy buffer from its format, which it
+    cannot map for strings, records, datetimes and timedeltas; those are
+    passed with their :func:`mpi_dtype` (a run of bytes).
+    """
+    dt = getattr(a, "dtype", None)
+    if isinstance(dt, np.dtype) and dt.kind in _BYTE_KINDS:
+        return [a, mpi_dtype(dt)]
+    return a
 
 
 def _address(a: Any) -> int:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from .array import DistArray
+from .array import DistArray, check_root
 from .backend import astype, device_kw, fill, namespace_dtype, numpy_dtype
 from .distribution import Distribution
 from .grid import ProcessGrid
+from .settings import collective
 
 __all__ = ["make_distribution", "empty", "zeros", "ones", "full", "arange", "asarray"]
 
@@ -53,6 +54,8 @@ def make_distribution(
         return dist
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
+    if not isinstance(shape, Iterable):
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
     shape = tuple(shape)
     if grid is None:
         grid = default_grid()
@@ -61,6 +64,7 @@ def make_distribution(
     return Distribution(shape, grid, axes, splits)
 
 
+@collective
 def empty(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
           device: Any = None, **dist_kw: Any) -> DistArray:
     """Uninitialised DistArray (see :func:`make_distribution` for the layout keywords).
@@ -73,6 +77,7 @@ def empty(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
                            device=device)
 
 
+@collective
 def zeros(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
           device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray of zeros, like :func:`numpy.zeros`.
@@ -85,12 +90,14 @@ def zeros(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
     return full(shape, 0, dtype, xp=xp, device=device, **dist_kw)
 
 
+@collective
 def ones(shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
          device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray of ones, like :func:`numpy.ones`."""
     return full(shape, 1, dtype, xp=xp, device=device, **dist_kw)
 
 
+@collective
 def full(shape: Any, fill_value: Any, dtype: Any = None, *, xp: ModuleType | None = None,
          device: Any = None, **dist_kw: Any) -> DistArray:
     """DistArray filled with ``fill_value``, like :func:`numpy.full`."""
@@ -100,6 +107,7 @@ def full(shape: Any, fill_value: Any, dtype: Any = None, *, xp: ModuleType | Non
     return out
 
 
+@collective
 def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any = None, *,
            xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
     """1-D DistArray of evenly spaced values, like :func:`numpy.arange`."""
@@ -123,6 +131,7 @@ def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any 
     return out
 
 
+@collective(ignore=("array",))
 def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = None,
             xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
     """Distribute ``array`` (every rank passes the same one, or only ``root``).
@@ -140,7 +149,9 @@ def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = 
         if root is None:
             shape = np.shape(array)
         else:
-            comm = (dist_kw.get("grid") or default_grid()).comm
+            grid = dist_kw.get("grid") or default_grid()
+            root = check_root(root, grid)
+            comm = grid.comm
             shape = comm.bcast(np.shape(array) if comm.Get_rank() == root else None, root=root)
         dist = make_distribution(shape, **dist_kw)
     return DistArray.from_global(array, dist, root=root, xp=xp, device=device)

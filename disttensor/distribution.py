@@ -19,12 +19,26 @@ def block_boundaries(n: int, p: int) -> tuple[int, ...]:
 
     The first ``n % p`` blocks get one element more than the others. The result
     has ``p + 1`` entries, from 0 to ``n``; block ``i`` is ``[b[i], b[i+1])``.
+
+    Raises
+    ------
+    TypeError
+        If ``n`` or ``p`` is not an integer.
+    ValueError
+        If ``n`` is negative or ``p`` is below 1.
     """
+    n, p = _as_int(n, "block_boundaries: n"), _as_int(p, "block_boundaries: p")
+    if n < 0:
+        raise ValueError(f"block_boundaries: n must be >= 0, got {n}")
+    if p < 1:
+        raise ValueError(f"block_boundaries: p (the number of blocks) must be >= 1, got {p}")
     q, r = divmod(n, p)
     return tuple(i * q + min(i, r) for i in range(p + 1))
 
 
 def _as_int(value: object, what: str) -> int:
+    if isinstance(value, bool):  # True is an int to Python, never a size, index or axis here
+        raise TypeError(f"{what} must be an integer, got {value!r}")
     try:
         return int(value.__index__())  # type: ignore[attr-defined]
     except AttributeError:
@@ -87,6 +101,10 @@ class Distribution:
     ):
         if isinstance(global_shape, numbers.Integral):  # a single int, NumPy ints included
             global_shape = (global_shape,)
+        if not isinstance(global_shape, Iterable):
+            raise TypeError(
+                f"global_shape must be an int or a sequence of ints, got {global_shape!r}"
+            )
         shape = tuple(_as_int(s, "a global shape entry") for s in global_shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"global shape entries must be >= 0, got {shape}")
@@ -100,6 +118,9 @@ class Distribution:
         if axes is None:
             norm_axes = tuple((i,) if i < len(gshape) else () for i in range(ndim))
         else:
+            if not isinstance(axes, Iterable):
+                raise TypeError(f"axes must be a sequence with one entry per dimension, "
+                                f"got {axes!r}")
             axes = tuple(axes)
             if len(axes) != ndim:
                 raise ValueError(
@@ -124,6 +145,9 @@ class Distribution:
         nblocks = tuple(math.prod(gshape[a] for a in entry) for entry in norm_axes)
         if splits is None:
             splits = (None,) * ndim
+        if not isinstance(splits, Iterable):
+            raise TypeError(f"splits must be a sequence with one entry per dimension, "
+                            f"got {splits!r}")
         splits = tuple(splits)
         if len(splits) != ndim:
             raise ValueError(f"splits has {len(splits)} entries but the array has {ndim} dims")
@@ -132,6 +156,9 @@ class Distribution:
             if cuts is None:
                 bounds.append(block_boundaries(n, p))
                 continue
+            if not isinstance(cuts, Iterable):
+                raise TypeError(f"splits[{d}] must be None or a sequence of cut indices, "
+                                f"got {cuts!r}")
             cuts = tuple(_as_int(c, "a split index") for c in cuts)
             if len(cuts) != p - 1:
                 raise ValueError(

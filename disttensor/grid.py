@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
 
+from .settings import collective
+
 __all__ = ["ProcessGrid", "coords_of", "factorizations", "rank_of"]
 
 
@@ -65,6 +67,24 @@ def factorizations(p: int, k: int) -> list[tuple[int, ...]]:
             for rest in factorizations(p // f, k - 1)]
 
 
+def _grid_axis(axis: object, ndim: int, what: str) -> int:
+    """``axis`` as a grid axis in ``[0, ndim)`` (negative counts from the end, as NumPy)."""
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {axis!r}")
+    a = int(axis)
+    if not -ndim <= a < ndim:
+        raise ValueError(f"{what} {a} is out of range for a grid of {ndim} axes")
+    return a % ndim
+
+
+def _check_comm(comm: object) -> MPI.Intracomm:
+    if comm is None:
+        return MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+    return comm
+
+
 def _normalize_shape(shape: int | Iterable[int]) -> tuple[int, ...]:
     if isinstance(shape, numbers.Integral):  # a single int, NumPy integers included
         shape = (shape,)
@@ -100,6 +120,8 @@ class ProcessGrid:
     ValueError
         On every rank, before any communication, if the product of ``shape``
         differs from the communicator size.
+    TypeError
+        If ``comm`` is not an intracommunicator or ``shape`` holds non-integers.
 
     Examples
     --------
@@ -109,7 +131,7 @@ class ProcessGrid:
 
     def __init__(self, shape: int | Iterable[int], comm: MPI.Intracomm | None = None):
         self.shape = _normalize_shape(shape)
-        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.comm = _check_comm(comm)
         if math.prod(self.shape) != self.comm.Get_size():
             raise ValueError(
                 f"process grid {self.shape} has {math.prod(self.shape)} processes but "
@@ -123,8 +145,19 @@ class ProcessGrid:
 
     @classmethod
     def create(cls, ndim: int = 1, comm: MPI.Intracomm | None = None) -> ProcessGrid:
-        """A balanced ``ndim``-axis grid over ``comm`` (``MPI.Compute_dims``)."""
-        comm = MPI.COMM_WORLD if comm is None else comm
+        """A balanced ``ndim``-axis grid over ``comm`` (``MPI.Compute_dims``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            If ``ndim`` is not an int of at least 1, or ``comm`` is not an
+            intracommunicator.
+        """
+        comm = _check_comm(comm)
+        if isinstance(ndim, bool) or not isinstance(ndim, numbers.Integral):
+            raise TypeError(f"ProcessGrid.create: ndim must be an int, got {ndim!r}")
+        if ndim < 1:
+            raise ValueError(f"ProcessGrid.create: ndim must be >= 1, got {ndim}")
         return cls(MPI.Compute_dims(comm.Get_size(), ndim), comm)
 
     @property
@@ -146,6 +179,8 @@ class ProcessGrid:
         several of them can be in flight without their messages matching each
         other's receives.
         """
+        if isinstance(span, bool) or not isinstance(span, numbers.Integral) or span < 1:
+            raise ValueError(f"tag_block: span must be an int >= 1, got {span!r}")
         slots = max(1, self.p2p_comm.Get_attr(MPI.TAG_UB) // span)
         self._tag_seq = (self._tag_seq + 1) % slots
         return self._tag_seq * span
@@ -162,12 +197,17 @@ class ProcessGrid:
 
     def coords_of(self, rank: int) -> tuple[int, ...]:
         """Coordinates of ``rank``."""
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise TypeError(f"coords_of: rank must be an int, got {rank!r}")
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is not in a grid of {self.size} processes")
         return coords_of(rank, self.shape)
 
     def rank_of(self, coords: Sequence[int]) -> int:
         """Rank at ``coords``; each coordinate must lie inside the grid."""
+        if not isinstance(coords, Sequence) or any(
+                isinstance(c, bool) or not isinstance(c, numbers.Integral) for c in coords):
+            raise TypeError(f"rank_of: coordinates must be a sequence of ints, got {coords!r}")
         if len(coords) != self.ndim or any(
             not 0 <= c < s for c, s in zip(coords, self.shape)
         ):
@@ -175,25 +215,42 @@ class ProcessGrid:
         return rank_of(coords, self.shape)
 
     def neighbor(self, axis: int, offset: int, periodic: bool = False) -> int | None:
-        """Rank ``offset`` steps away along ``axis``; None off the edge unless ``periodic``."""
+        """Rank ``offset`` steps away along ``axis``; None off the edge unless ``periodic``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            If ``axis`` is not a grid axis or ``offset`` is not an int.
+        """
+        axis = _grid_axis(axis, self.ndim, "neighbor: axis")
+        if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+            raise TypeError(f"neighbor: offset must be an int, got {offset!r}")
         c = list(self.coords)
-        c[axis] += offset
+        c[axis] += int(offset)
         if periodic:
             c[axis] %= self.shape[axis]
         elif not 0 <= c[axis] < self.shape[axis]:
             return None
         return rank_of(c, self.shape)
 
+    @collective
     def subcomm(self, axes: int | Iterable[int]) -> MPI.Intracomm:
         """Communicator of the ranks that differ only along ``axes``.
 
         This is collective over the grid the first time a given set of axes is
         requested; the communicator is cached afterwards. With ``axes=()`` each
         rank gets a communicator of its own (``MPI.COMM_SELF``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            If an entry of ``axes`` is not an int in ``[-ndim, ndim)``.
         """
-        if isinstance(axes, int):
+        if isinstance(axes, numbers.Integral):
             axes = (axes,)
-        key = tuple(sorted({int(a) % self.ndim for a in axes}))
+        if not isinstance(axes, Iterable):
+            raise TypeError(f"subcomm: axes must be an int or a sequence of ints, got {axes!r}")
+        key = tuple(sorted({_grid_axis(a, self.ndim, "subcomm: axis") for a in axes}))
         if key not in self._subcomms:
             if not key:
                 self._subcomms[key] = MPI.COMM_SELF

@@ -32,6 +32,7 @@ from mpi4py import MPI
 from .array import DistArray, normalize_widths
 from .backend import array_namespace, contiguous
 from .distribution import Distribution
+from .settings import collective
 from .transport import transport_for
 
 __all__ = ["MODES", "AccumulateRequest", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate",
@@ -175,12 +176,11 @@ class HaloPlan:
             k = count.get(sender, 0)
             count[sender] = k + 1
             src = g - bounds[sb] + lo  # position in the sender's extended block
-            if k >= _RUNS_PER_DIM:
-                raise ValueError(
-                    f"halo of width {self.widths[d]} needs more than {_RUNS_PER_DIM} pieces "
-                    f"from one rank along dimension {d}; use narrower halos"
-                )
-            out.append(Run(sender, receiver, dst, src, length, step, d * _RUNS_PER_DIM + k))
+            # Beyond _RUNS_PER_DIM runs from one sender (halos much wider than the array)
+            # tags repeat; messages with one tag between two ranks match in posting order,
+            # and both ranks post these runs in this same order.
+            tag = d * _RUNS_PER_DIM + k % _RUNS_PER_DIM
+            out.append(Run(sender, receiver, dst, src, length, step, tag))
         return out, fills
 
     def _plan_dim(self, d: int, me: int) -> _DimPlan:
@@ -219,6 +219,7 @@ class HaloPlan:
         return ext[tuple(idx)]
 
     # ------------------------------------------------------------- forward
+    @collective
     def start(self, x: DistArray, constant_values: Any = 0) -> HaloRequest:
         """Begin filling the halo of ``x`` (grown in place if its margins are too small).
 
@@ -227,8 +228,8 @@ class HaloPlan:
         """
         if x.dist != self.dist:
             raise ValueError(f"halo plan is for {self.dist}, got an array with {x.dist}")
+        constants = _constants(constant_values, x.dtype, len(self.widths))
         x.reserve_halo(self.widths)
-        constants = _constants(constant_values, len(self.widths)).astype(x.dtype)
         return HaloRequest(self, x, constants)
 
     def exchange(self, x: DistArray, constant_values: Any = 0) -> Any:
@@ -247,6 +248,7 @@ class HaloPlan:
         """
         return self.start_accumulate(extended, overwrite_input).finish()
 
+    @collective(ignore=("extended",))
     def start_accumulate(self, extended: Any, overwrite_input: bool = False
                          ) -> AccumulateRequest:
         """Non-blocking :meth:`accumulate`: returns a request whose ``finish()`` gives the result.
@@ -418,14 +420,33 @@ class AccumulateRequest(_DimRequest):
         return DistArray(self.work, self.plan.dist, self.plan.widths)
 
 
-def _constants(values: Any, ndim: int) -> np.ndarray:
-    arr = np.asarray(values)
+def _constants(values: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
+    """The ``(ndim, 2)`` fill values of ``dtype``, converted exactly as :func:`numpy.pad` does.
+
+    Values the dtype cannot hold (300 for int8, NaN for an integer dtype) raise
+    the error ``numpy.pad`` raises, on every rank alike (the check is local).
+    """
+    if not ndim:
+        return np.zeros((0, 2), dtype)
+    if type(values) is int and values == 0 and dtype.kind in "biufc":  # the default: no work
+        return np.zeros((ndim, 2), dtype)
     try:
-        return np.broadcast_to(arr, (ndim, 2))
+        shape = np.broadcast_shapes(np.shape(values), (ndim, 2))
     except ValueError:
+        shape = None
+    if shape != (ndim, 2) and np.size(values) not in (1, 2):
         raise ValueError(
             f"constant_values {values!r} must be a scalar, a pair or one pair per dimension"
-        ) from None
+        )
+    # numpy.pad on a one-element array: each padded cell beside the centre holds the
+    # value of one (dimension, side), cast (or refused) by numpy.pad's own rules
+    padded = np.pad(np.zeros((1,) * ndim, dtype), 1, "constant", constant_values=values)
+    centre = [1] * ndim
+    out = np.empty((ndim, 2), dtype)
+    for d in range(ndim):
+        for side in (0, 1):
+            out[d, side] = padded[tuple(centre[:d] + [2 * side] + centre[d + 1:])]
+    return out
 
 
 def _replica_position(dist: Distribution, rep_coords: Sequence[int]) -> int:
@@ -437,11 +458,42 @@ def _replica_position(dist: Distribution, rep_coords: Sequence[int]) -> int:
 
 
 @lru_cache(maxsize=256)
-def halo_plan(dist: Distribution, widths: Widths, mode: str = "constant") -> HaloPlan:
-    """The cached :class:`HaloPlan` for ``dist``, normalised ``widths`` and ``mode``."""
+def _cached_plan(dist: Distribution, widths: Widths, mode: str) -> HaloPlan:
     return HaloPlan(dist, widths, mode)
 
 
+def halo_plan(dist: Distribution, widths: Any, mode: str = "constant") -> HaloPlan:
+    """The cached :class:`HaloPlan` for ``dist``, ``widths`` and ``mode``.
+
+    Parameters
+    ----------
+    dist : Distribution
+        The distribution of the arrays the plan serves (on a ProcessGrid).
+    widths : int, (int, int) or sequence of (int, int)
+        As :func:`normalize_widths` reads them.
+    mode : str
+        One of :data:`MODES`.
+
+    Returns
+    -------
+    HaloPlan
+        Built once per ``(dist, widths, mode)``, without communication.
+
+    Raises
+    ------
+    TypeError
+        If ``dist`` is not a Distribution or ``mode`` not a string.
+    ValueError
+        For widths or a mode that :meth:`DistArray.exchange_halo` refuses.
+    """
+    if not isinstance(dist, Distribution):
+        raise TypeError(f"halo_plan: dist must be a Distribution, got {type(dist).__name__}")
+    if not isinstance(mode, str):
+        raise TypeError(f"halo mode must be a string, one of {MODES}, got {mode!r}")
+    return _cached_plan(dist, normalize_widths(widths, dist.ndim), mode)
+
+
+@collective(ignore=("extended",))
 def halo_accumulate(
     extended: Any,
     dist: Distribution,
@@ -471,11 +523,10 @@ def halo_accumulate(
         rank) whose source is in it. ``<exchange(x), e> == <x, accumulate(e)>``
         for the inner products that sum over all ranks.
     """
-    return halo_plan(dist, normalize_widths(widths, dist.ndim), mode).accumulate(
-        extended, overwrite_input
-    )
+    return halo_plan(dist, widths, mode).accumulate(extended, overwrite_input)
 
 
+@collective
 def exchange_halo(self: DistArray, widths: Any, mode: str = "constant",
                   constant_values: Any = 0, *, copy: bool = False) -> Any:
     """This rank's block extended by ``widths``, filled as :func:`numpy.pad` would.
@@ -488,11 +539,15 @@ def exchange_halo(self: DistArray, widths: Any, mode: str = "constant",
     ----------
     widths : int, (int, int) or sequence of (int, int)
         Halo width before and after the block per dimension, read like
-        ``numpy.pad``'s ``pad_width``. Widths may exceed a neighbour's block.
+        ``numpy.pad``'s ``pad_width``. Widths may exceed a neighbour's block,
+        and the whole array, in every mode (as ``numpy.pad``).
     mode : {'constant', 'wrap', 'reflect', 'symmetric', 'edge'}
         Values beyond the global edges, with ``numpy.pad``'s meaning.
     constant_values : scalar or pairs
-        Fill value(s) for ``mode='constant'``, as in ``numpy.pad``.
+        Fill value(s) for ``mode='constant'``, as in ``numpy.pad``, and
+        converted to the dtype as ``numpy.pad`` converts them: a value the
+        dtype cannot hold raises ``numpy.pad``'s error (OverflowError for
+        300 in int8, ValueError for NaN in an integer dtype) on every rank.
     copy : bool
         Return a copy instead of a view.
 
@@ -507,7 +562,7 @@ def exchange_halo(self: DistArray, widths: Any, mode: str = "constant",
     disttensor.halo.HaloPlan : the reusable plan, with a non-blocking form.
     disttensor.halo_accumulate : the adjoint.
     """
-    plan = halo_plan(self.dist, normalize_widths(widths, self.ndim), mode)
+    plan = halo_plan(self.dist, widths, mode)
     ext = plan.exchange(self, constant_values)
     return contiguous(ext, copy=True) if copy else ext
 

@@ -10,6 +10,7 @@ import numpy as np
 from .array import DistArray
 from .backend import astype, device_kw, reshape
 from .creation import make_distribution
+from .settings import collective
 
 __all__ = ["Generator", "default_rng", "splitmix64"]
 
@@ -96,6 +97,7 @@ class Generator:
         idx = _flat_index(out)
         return [splitmix64(splitmix64(idx, k), k) for k in self._keys(n)]
 
+    @collective
     def random(self, shape: Any, dtype: Any = np.float64, *, xp: ModuleType | None = None,
                device: Any = None, **dist_kw: Any) -> DistArray:
         """Uniform floats in ``[0, 1)``, like :meth:`numpy.random.Generator.random`."""
@@ -105,6 +107,7 @@ class Generator:
         out.local[...] = _unit(bits, dtype)
         return out
 
+    @collective
     def uniform(self, low: float = 0.0, high: float = 1.0, shape: Any = (), dtype: Any = np.float64,
                 *, xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
         """Uniform floats in ``[low, high)``."""
@@ -112,6 +115,7 @@ class Generator:
         out.local[...] = low + (high - low) * out.local
         return out
 
+    @collective
     def standard_normal(self, shape: Any, dtype: Any = np.float64, *,
                         xp: ModuleType | None = None, device: Any = None,
                         **dist_kw: Any) -> DistArray:
@@ -126,6 +130,7 @@ class Generator:
                                 out.dtype)
         return out
 
+    @collective
     def normal(self, loc: float = 0.0, scale: float = 1.0, shape: Any = (),
                dtype: Any = np.float64, *, xp: ModuleType | None = None, device: Any = None,
                **dist_kw: Any) -> DistArray:
@@ -134,6 +139,7 @@ class Generator:
         out.local[...] = loc + scale * out.local
         return out
 
+    @collective
     def integers(self, low: int, high: int | None = None, shape: Any = (),
                  dtype: Any = np.int64, *, xp: ModuleType | None = None, device: Any = None,
                  **dist_kw: Any) -> DistArray:

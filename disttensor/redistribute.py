@@ -17,6 +17,7 @@ from mpi4py import MPI
 from .array import DistArray, _check_dist
 from .backend import device_of, reshape, view_datatype
 from .distribution import Distribution
+from .settings import collective
 from .transport import transport_for
 
 __all__ = ["RedistributionPlan", "redistribution_plan", "check_compatible"]
@@ -26,6 +27,9 @@ Piece = tuple[int, tuple[slice, ...]]  # (peer rank, slices into the local block
 
 def check_compatible(src: Distribution, dst: Distribution) -> None:
     """Raise unless data can move between ``src`` and ``dst`` (pure, no communication)."""
+    for name, d in (("src", src), ("dst", dst)):
+        if not isinstance(d, Distribution):
+            raise TypeError(f"{name} must be a Distribution, got {type(d).__name__}")
     if src.global_shape != dst.global_shape:
         raise ValueError(
             f"cannot redistribute between global shapes {src.global_shape} and {dst.global_shape}"
@@ -122,6 +126,7 @@ class RedistributionPlan:
             spec.append([base, (counts, zeros), types])
         self.comm.Alltoallw(*spec)
 
+    @collective
     def __call__(self, x: DistArray, out: DistArray | None = None) -> DistArray:
         """Return ``x`` redistributed to ``dst``, in ``out`` if given (else a new array).
 
@@ -150,6 +155,7 @@ class RedistributionPlan:
             out.local[self.keep[1]] = x.local[self.keep[0]]
         return out
 
+    @collective
     def adjoint(self, y: DistArray) -> DistArray:
         """Apply the adjoint: move ``y`` (on ``dst``) back to ``src``, summing replicas.
 
@@ -203,6 +209,7 @@ def redistribution_plan(src: Distribution, dst: Distribution) -> RedistributionP
     return RedistributionPlan(src, dst)
 
 
+@collective
 def redistribute(self: DistArray, dist: Distribution, out: DistArray | None = None) -> DistArray:
     """This array moved to another Distribution of the same global shape.
 

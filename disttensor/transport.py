@@ -37,6 +37,7 @@ from .backend import (
     is_c_contiguous,
     is_cupy,
     is_numpy,
+    mpi_buffer,
     numpy_dtype,
     synchronize,
 )
@@ -168,8 +169,8 @@ class Transport:
             return []
         if self._p2p_direct and self._device and (recvs or sends):
             synchronize(self.xp)
-        reqs = [comm.Irecv(b, p, t) for b, p, t in recvs]
-        reqs += [comm.Isend(b, p, t) for b, p, t in sends]
+        reqs = [comm.Irecv(mpi_buffer(b), p, t) for b, p, t in recvs]
+        reqs += [comm.Isend(mpi_buffer(b), p, t) for b, p, t in sends]
         return reqs
 
     # ------------------------------------------------------------- whole blocks

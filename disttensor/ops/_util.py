@@ -59,7 +59,16 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     """Sorted, non-negative axes; None means all. Raises numpy's AxisError like NumPy."""
     if axis is None:
         return tuple(range(ndim))
+    _check_axis_ints(axis)
     return tuple(sorted(normalize_axis_tuple(axis, ndim)))
+
+
+def _check_axis_ints(axis: Any) -> None:
+    """TypeError naming ``axis`` unless it is an int or a sequence of ints (bools refused)."""
+    items = axis if isinstance(axis, (tuple, list)) else (axis,)
+    for a in items:
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+            raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}")
 
 
 def split_grid_axes(dist: Distribution, dims: Iterable[int]) -> tuple[int, ...]:
@@ -126,4 +135,6 @@ def same_comm(a: Distribution, b: Distribution) -> bool:
 
 def axis_index(axis: Any, ndim: int) -> int:
     """A single normalised axis (AxisError like NumPy)."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an int, got {axis!r}")
     return int(normalize_axis_index(axis, ndim))

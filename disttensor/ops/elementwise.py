@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..array import DistArray
+from ..settings import collective
 from ._util import is_dist, wrap
 from .reductions import all as dall
 from .ufuncs import local_function
@@ -34,6 +35,7 @@ __all__ = [
 _builtin_round = round
 
 
+@collective
 def where(condition: Any, x: Any = None, y: Any = None) -> DistArray:
     """``x`` where ``condition`` holds, else ``y``, like :func:`numpy.where` (3 arguments)."""
     if x is None or y is None:
@@ -42,6 +44,7 @@ def where(condition: Any, x: Any = None, y: Any = None) -> DistArray:
     return local_function(np.where, [condition, x, y])
 
 
+@collective
 def clip(a: Any, a_min: Any = np._NoValue, a_max: Any = np._NoValue,  # type: ignore[attr-defined]
          out: Any = None, *, min: Any = np._NoValue, max: Any = np._NoValue,  # type: ignore[attr-defined]
          **kwargs: Any) -> DistArray:
@@ -75,18 +78,21 @@ def nan_to_num(x: Any, copy: bool = True, nan: float = 0.0, posinf: Any = None,
     return local_function(np.nan_to_num, [x], nan=nan, posinf=posinf, neginf=neginf)
 
 
+@collective
 def isclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
             equal_nan: bool = False) -> DistArray:
     """Element-wise closeness, like :func:`numpy.isclose`."""
     return local_function(np.isclose, [a, b], rtol=rtol, atol=atol, equal_nan=equal_nan)
 
 
+@collective
 def allclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08,
              equal_nan: bool = False) -> bool:
     """Whether all elements are close, like :func:`numpy.allclose` (collective; a bool)."""
     return bool(dall(isclose(a, b, rtol, atol, equal_nan)).local[()])
 
 
+@collective
 def array_equal(a1: Any, a2: Any, equal_nan: bool = False) -> bool:
     """Whether two arrays have the same shape and elements (collective; a bool)."""
     if tuple(np.shape(a1) if not is_dist(a1) else a1.shape) != tuple(

@@ -22,6 +22,7 @@ import disttensor.ops.reductions as reductions
 import disttensor.ops.shape as shape
 
 from ..array import DistArray
+from ..settings import collective
 from ._util import is_dist, wrap
 
 __all__ = ["HANDLED", "array_function", "implements"]
@@ -156,6 +157,7 @@ def _result_type(*arrays_and_dtypes: Any) -> np.dtype:
 _register_all()
 
 
+@collective
 def array_function(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
     """The body of ``DistArray.__array_function__``."""
     impl = HANDLED.get(func)

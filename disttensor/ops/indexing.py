@@ -39,6 +39,7 @@ from ..array import DistArray
 from ..backend import is_numpy, mpi_dtype, to_numpy
 from ..distribution import Distribution
 from ..grid import rank_of
+from ..settings import collective
 from ._util import (
     bcast_array,
     block_coords,
@@ -264,6 +265,7 @@ def _swap_blocks(piece: Any, x: DistArray, p: _Plan) -> Any:
     return recv if is_numpy(xp) else xp.asarray(recv)
 
 
+@collective
 def getitem(x: DistArray, key: Any) -> DistArray:
     """``x[key]`` for basic keys and boolean masks (see the module docstring)."""
     mask = _mask_key(x, key)
@@ -306,6 +308,7 @@ def _strip_leading_ones(shape: tuple[int, ...], ndim: int) -> int:
     return k
 
 
+@collective
 def setitem(x: DistArray, key: Any, value: Any) -> None:
     """``x[key] = value`` (see the module docstring)."""
     mask = _mask_key(x, key)

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..array import DistArray
 from ..distribution import Distribution
+from ..settings import collective
 from ._util import (
     bcast_array,
     block_coords,
@@ -121,6 +122,7 @@ def _summa(a: DistArray, b: DistArray, da: Distribution, db: Distribution, dc: D
     return wrap(out, dc, xp)
 
 
+@collective
 def matmul(a: Any, b: Any, out: Any = None) -> DistArray:
     """Matrix product of 1-D or 2-D operands, like :func:`numpy.matmul` (SUMMA).
 
@@ -205,6 +207,7 @@ def _reduce_last(prod: DistArray, keepdims: bool = False) -> DistArray:
     return dsum(prod, axis=-1, keepdims=keepdims)
 
 
+@collective
 def dot(a: Any, b: Any, out: Any = None) -> Any:
     """``numpy.dot`` for scalars, vectors and matrices (N-D operands are not supported)."""
     a, b = as_operand(a), as_operand(b)
@@ -220,6 +223,7 @@ def dot(a: Any, b: Any, out: Any = None) -> Any:
     return r
 
 
+@collective
 def vdot(a: Any, b: Any) -> DistArray:
     """``numpy.vdot``: the flattened, conjugated dot product (a 0-d DistArray)."""
     a = ravel(a) if is_dist(a) else np.ravel(a)
@@ -229,6 +233,7 @@ def vdot(a: Any, b: Any) -> DistArray:
     return _reduce_last(np.multiply(np.conjugate(a), b))
 
 
+@collective
 def vecdot(x1: Any, x2: Any, /, *, axis: int = -1, out: Any = None, **kwargs: Any) -> DistArray:
     """``sum(conj(x1) * x2, axis)``, like :func:`numpy.vecdot` (broadcasting the others)."""
     for k in ("casting", "order", "subok", "dtype", "signature", "axes"):
@@ -244,6 +249,7 @@ def vecdot(x1: Any, x2: Any, /, *, axis: int = -1, out: Any = None, **kwargs: An
     return _store(r, out) if out is not None else r
 
 
+@collective
 def inner(a: Any, b: Any) -> Any:
     """``numpy.inner`` for vectors (and scalars)."""
     if np.ndim(a) == 0 or np.ndim(b) == 0 or (is_dist(a) and a.ndim == 0) or (
@@ -257,6 +263,7 @@ def inner(a: Any, b: Any) -> Any:
     return _reduce_last(np.multiply(a, b))
 
 
+@collective
 def outer(a: Any, b: Any, out: Any = None) -> DistArray:
     """``numpy.outer``: ``ravel(a)[:, None] * ravel(b)[None, :]``."""
     a = expand_dims(ravel(a), 1) if is_dist(a) else np.ravel(a)[:, None]

@@ -206,8 +206,8 @@ class ArrayOperators(NDArrayOperatorsMixin, metaclass=ABCMeta):
     # ------------------------------------------------------------ shape
     def reshape(self, *shape: Any, order: str = "C", copy: Any = None) -> Any:
         """See :func:`disttensor.ops.shape.reshape` (``x.reshape(2, 3)`` works too)."""
-        if len(shape) == 1 and not isinstance(shape[0], int):
-            shape = tuple(shape[0])
+        if len(shape) == 1:  # x.reshape((2, 3)) or x.reshape(6): the one argument is the shape
+            shape = shape[0]
         return _s(self).reshape(self, shape, order, copy=copy)
 
     def transpose(self, *axes: Any) -> Any:

@@ -26,6 +26,7 @@ from mpi4py.util.dtlib import to_numpy_dtype
 from ..array import DistArray
 from ..backend import mpi_dtype, numpy_dtype, to_numpy
 from ..distribution import Distribution
+from ..settings import collective
 from ..transport import allreduce as allreduce_over
 from ._util import (
     axis_index,
@@ -211,6 +212,7 @@ def _as_dist(x: Any, name: str) -> DistArray:
     return x
 
 
+@collective
 def sum(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
         keepdims: bool = False, initial: Any = _NoValue, where: Any = True) -> DistArray:
     """Sum over ``axis`` (all by default), like :func:`numpy.sum`.
@@ -241,24 +243,28 @@ def sum(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
     return _simple("sum", x, axis, dtype, out, keepdims, initial, where)
 
 
+@collective
 def prod(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
          keepdims: bool = False, initial: Any = _NoValue, where: Any = True) -> DistArray:
     """Product over ``axis``, like :func:`numpy.prod` (parameters as :func:`sum`)."""
     return _simple("prod", x, axis, dtype, out, keepdims, initial, where)
 
 
+@collective
 def all(x: DistArray, axis: Any = None, out: Any = None, keepdims: bool = False, *,
         where: Any = True) -> DistArray:
     """Whether all elements are true over ``axis``, like :func:`numpy.all`."""
     return _simple("all", x, axis, None, out, keepdims, _NoValue, where)
 
 
+@collective
 def any(x: DistArray, axis: Any = None, out: Any = None, keepdims: bool = False, *,
         where: Any = True) -> DistArray:
     """Whether any element is true over ``axis``, like :func:`numpy.any`."""
     return _simple("any", x, axis, None, out, keepdims, _NoValue, where)
 
 
+@collective
 def count_nonzero(x: DistArray, axis: Any = None, *, keepdims: bool = False) -> Any:
     """Number of non-zero elements over ``axis``, like :func:`numpy.count_nonzero`."""
     x = _as_dist(x, "count_nonzero")
@@ -310,12 +316,14 @@ def _extreme(name: str, x: DistArray, axis: Any, out: Any, keepdims: bool, initi
     return _store(_finish(partial, x.dist, dims, keepdims, xp), out)
 
 
+@collective
 def min(x: DistArray, axis: Any = None, out: Any = None, keepdims: bool = False,
         initial: Any = _NoValue, where: Any = True) -> DistArray:
     """Minimum over ``axis``, like :func:`numpy.min` (NaN propagates; complex order as NumPy)."""
     return _extreme("min", x, axis, out, keepdims, initial, where)
 
 
+@collective
 def max(x: DistArray, axis: Any = None, out: Any = None, keepdims: bool = False,
         initial: Any = _NoValue, where: Any = True) -> DistArray:
     """Maximum over ``axis``, like :func:`numpy.max`."""
@@ -335,6 +343,7 @@ def _mean_dtype(dtype: np.dtype, requested: Any) -> tuple[Any, bool]:
     return None, False
 
 
+@collective
 def mean(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
          keepdims: bool = False, *, where: Any = True) -> DistArray:
     """Arithmetic mean over ``axis``, like :func:`numpy.mean` (same dtype rules)."""
@@ -351,6 +360,7 @@ def mean(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None,
     return _store(_finish(partial, x.dist, dims, keepdims, x.xp), out)
 
 
+@collective
 def var(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0,
         keepdims: bool = False, *, where: Any = True, mean: Any = _NoValue,
         correction: Any = _NoValue) -> DistArray:
@@ -389,6 +399,7 @@ def _var_partial(x: DistArray, dims: tuple[int, ...], dtype: Any, ddof: float) -
             if ss.dtype.kind in "fc" else ss / _builtin_max(n - ddof, 0)
 
 
+@collective
 def std(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None, ddof: float = 0,
         keepdims: bool = False, *, where: Any = True, mean: Any = _NoValue,
         correction: Any = _NoValue) -> DistArray:
@@ -454,6 +465,7 @@ def _arg(name: str, x: DistArray, axis: Any, out: Any, keepdims: bool) -> DistAr
     return _store(_finish(idx, dist, dims, keepdims, xp), out)
 
 
+@collective
 def argmin(x: DistArray, axis: Any = None, out: Any = None, *, keepdims: bool = False
            ) -> DistArray:
     """Index of the minimum (first one on ties, first NaN), like :func:`numpy.argmin`.
@@ -465,6 +477,7 @@ def argmin(x: DistArray, axis: Any = None, out: Any = None, *, keepdims: bool = 
     return _arg("argmin", x, axis, out, keepdims)
 
 
+@collective
 def argmax(x: DistArray, axis: Any = None, out: Any = None, *, keepdims: bool = False
            ) -> DistArray:
     """Index of the maximum, like :func:`numpy.argmax` (see :func:`argmin`)."""
@@ -514,6 +527,7 @@ def _scan(name: str, x: DistArray, axis: Any, dtype: Any, out: Any) -> DistArray
     return _store(wrap(local, dist, xp), out)
 
 
+@collective
 def cumsum(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None) -> DistArray:
     """Cumulative sum along ``axis`` (flattened when None), like :func:`numpy.cumsum`.
 
@@ -523,6 +537,7 @@ def cumsum(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None) -
     return _scan("cumsum", x, axis, dtype, out)
 
 
+@collective
 def cumprod(x: DistArray, axis: Any = None, dtype: Any = None, out: Any = None) -> DistArray:
     """Cumulative product along ``axis``, like :func:`numpy.cumprod` (see :func:`cumsum`)."""
     return _scan("cumprod", x, axis, dtype, out)
@@ -534,6 +549,7 @@ _REDUCE = {np.add: "sum", np.multiply: "prod", np.logical_and: "all", np.logical
            np.minimum: "min", np.maximum: "max"}
 
 
+@collective
 def ufunc_reduce(ufunc: np.ufunc, inputs: Any, kwargs: dict[str, Any]) -> Any:
     """``ufunc.reduce`` for add, multiply, logical_and/or, minimum and maximum."""
     name = _REDUCE.get(ufunc)
@@ -560,6 +576,7 @@ def ufunc_reduce(ufunc: np.ufunc, inputs: Any, kwargs: dict[str, Any]) -> Any:
     return _simple(name, x, axis, dtype, out, keepdims, initial, where)
 
 
+@collective
 def ufunc_accumulate(ufunc: np.ufunc, inputs: Any, kwargs: dict[str, Any]) -> Any:
     """``np.add.accumulate`` and ``np.multiply.accumulate`` (cumsum and cumprod)."""
     if ufunc not in (np.add, np.multiply) or len(inputs) != 1 or not is_dist(inputs[0]):

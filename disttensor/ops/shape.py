@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..array import DistArray
 from ..distribution import Distribution, block_boundaries
+from ..settings import collective
 from ._util import axis_index, is_dist, make_dist, normalize_axes, wrap
 from .align import (
     aligned,
@@ -65,6 +67,7 @@ def _dist(x: Any, name: str) -> DistArray:
 # ------------------------------------------------------------------ axis permutations
 
 
+@collective
 def transpose(x: DistArray, axes: Sequence[int] | None = None) -> DistArray:
     """Permute the dimensions, like :func:`numpy.transpose` (metadata only, no messages).
 
@@ -84,11 +87,13 @@ def transpose(x: DistArray, axes: Sequence[int] | None = None) -> DistArray:
     return wrap(x.xp.transpose(x.local, perm).copy(), dist, x.xp)
 
 
+@collective
 def permute_dims(x: DistArray, axes: Sequence[int] | None = None) -> DistArray:
     """Array API name of :func:`transpose`."""
     return transpose(x, axes)
 
 
+@collective
 def moveaxis(x: DistArray, source: Any, destination: Any) -> DistArray:
     """Move dimensions to new positions, like :func:`numpy.moveaxis` (metadata only)."""
     x = _dist(x, "moveaxis")
@@ -105,6 +110,7 @@ def moveaxis(x: DistArray, source: Any, destination: Any) -> DistArray:
     return transpose(x, order)
 
 
+@collective
 def swapaxes(x: DistArray, axis1: int, axis2: int) -> DistArray:
     """Swap two dimensions, like :func:`numpy.swapaxes` (metadata only)."""
     x = _dist(x, "swapaxes")
@@ -114,6 +120,7 @@ def swapaxes(x: DistArray, axis1: int, axis2: int) -> DistArray:
     return transpose(x, perm)
 
 
+@collective
 def matrix_transpose(x: DistArray) -> DistArray:
     """Swap the last two dimensions (``x.mT``)."""
     x = _dist(x, "matrix_transpose")
@@ -125,6 +132,7 @@ def matrix_transpose(x: DistArray) -> DistArray:
 # ------------------------------------------------------------------ size-1 dimensions
 
 
+@collective
 def expand_dims(x: DistArray, axis: Any) -> DistArray:
     """Insert dimensions of size 1 (not split), like :func:`numpy.expand_dims`; no messages."""
     x = _dist(x, "expand_dims")
@@ -150,6 +158,7 @@ def expand_dims(x: DistArray, axis: Any) -> DistArray:
     return wrap(x.xp.reshape(x.local, dist.local_shape()).copy(), dist, x.xp)
 
 
+@collective
 def squeeze(x: DistArray, axis: Any = None) -> DistArray:
     """Drop dimensions of size 1, like :func:`numpy.squeeze`.
 
@@ -174,7 +183,13 @@ def squeeze(x: DistArray, axis: Any = None) -> DistArray:
 def _resolve_shape(newshape: Any, size: int) -> tuple[int, ...]:
     if isinstance(newshape, (int, np.integer)):
         newshape = (newshape,)
-    newshape = [int(s) for s in newshape]
+    try:
+        # operator.index, not int: 4.0 or 24.9 must not pass for a dimension (as NumPy)
+        newshape = [operator.index(s) for s in newshape]
+    except TypeError:
+        raise TypeError(
+            f"reshape: shape must be an int or a sequence of ints, got {newshape!r}"
+        ) from None
     unknown = [i for i, s in enumerate(newshape) if s == -1]
     if len(unknown) > 1:
         raise ValueError("can only specify one unknown dimension")
@@ -223,6 +238,7 @@ def _lead(shape: Sequence[int], lo: int, hi: int) -> int:
     return lo
 
 
+@collective
 def reshape(x: DistArray, newshape: Any, order: str = "C", *, copy: Any = None,
             shape: Any = None) -> DistArray:
     """Give a new shape, like :func:`numpy.reshape` (C order only).
@@ -287,6 +303,7 @@ def reshape(x: DistArray, newshape: Any, order: str = "C", *, copy: Any = None,
     return wrap(out if moved else out.copy(), dist, xp)
 
 
+@collective
 def ravel(x: DistArray, order: str = "C") -> DistArray:
     """The flattened array, like :func:`numpy.ravel` (a copy; see :func:`reshape`)."""
     return reshape(x, (-1,), order)
@@ -299,6 +316,7 @@ def _dtype_of(v: Any) -> np.dtype:
     return v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
 
 
+@collective
 def concatenate(arrays: Sequence[Any], axis: int | None = 0, out: Any = None, *,
                 dtype: Any = None, casting: str = "same_kind") -> DistArray:
     """Join arrays along an existing axis, like :func:`numpy.concatenate`.
@@ -373,6 +391,7 @@ def concatenate(arrays: Sequence[Any], axis: int | None = 0, out: Any = None, *,
     return wrap(local, target, xp)
 
 
+@collective
 def stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, *, dtype: Any = None,
           casting: str = "same_kind") -> DistArray:
     """Join arrays along a new axis, like :func:`numpy.stack`."""
@@ -391,6 +410,7 @@ def stack(arrays: Sequence[Any], axis: int = 0, out: Any = None, *, dtype: Any =
 # ------------------------------------------------------------------ broadcasting
 
 
+@collective
 def broadcast_to(x: DistArray, shape: Any) -> DistArray:
     """``x`` repeated to ``shape`` (a new array; the grid axes of ``x`` are kept)."""
     x = _dist(x, "broadcast_to")
@@ -409,6 +429,7 @@ def _broadcast_into(x: Any, target: Distribution) -> DistArray:
     return wrap(xp.broadcast_to(part, target.local_shape()).copy(), target, xp)
 
 
+@collective
 def broadcast_arrays(*args: Any) -> list[DistArray]:
     """All operands broadcast to one shape, laid out by the mixed-distribution rule."""
     ops = [as_operand(a) for a in args]
@@ -425,6 +446,7 @@ def broadcast_arrays(*args: Any) -> list[DistArray]:
     return out
 
 
+@collective
 def flip(x: DistArray, axis: Any = None) -> DistArray:
     """Reverse the order of elements along ``axis`` (all by default), like :func:`numpy.flip`.
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..array import DistArray
+from ..settings import collective
 from ._util import is_dist, wrap
 from .align import (
     align_locals,
@@ -157,6 +158,7 @@ def local_function(func: Callable[..., Any], operands: Sequence[Any], *,
     return wrap(local.astype(dtype, copy=False), target, xp)
 
 
+@collective
 def array_ufunc(ufunc: np.ufunc, method: str, inputs: Sequence[Any],
                 kwargs: dict[str, Any]) -> Any:
     """The body of ``DistArray.__array_ufunc__``."""

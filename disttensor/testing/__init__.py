@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .assertions import assert_allclose, assert_equal, collective_assert
+from .assertions import assert_allclose, assert_equal, collective_assert, collective_outcome
 
 __all__ = [
     "assert_allclose",
     "assert_equal",
     "collective_assert",
+    "collective_outcome",
     "grids",
     "process_grids",
     "distributions",

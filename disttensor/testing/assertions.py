@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ from mpi4py import MPI
 from ..array import DistArray
 from ..backend import to_numpy
 
-__all__ = ["assert_allclose", "assert_equal", "collective_assert"]
+__all__ = ["assert_allclose", "assert_equal", "collective_assert", "collective_outcome"]
 
 
 def collective_assert(ok: bool, msg: str = "", comm: MPI.Comm | None = None) -> None:
@@ -26,6 +27,43 @@ def collective_assert(ok: bool, msg: str = "", comm: MPI.Comm | None = None) -> 
     if failed:
         lines = [f"rank {r}: {m}" for r, m in failed]
         raise AssertionError(f"failed on ranks {[r for r, _ in failed]}\n" + "\n".join(lines))
+
+
+def collective_outcome(fn: Callable[..., Any], *args: Any, comm: MPI.Comm | None = None,
+                       **kwargs: Any) -> tuple[Any, Exception | None]:
+    """Call ``fn(*args, **kwargs)`` and assert that every rank of ``comm`` ends it alike.
+
+    Alike means: every rank returns, or every rank raises an exception of the
+    same type with the same message (the library's promise for bad input).
+    An exception on some ranks only, or different messages, fails on every
+    rank with an AssertionError that shows each rank's outcome.
+
+    Parameters
+    ----------
+    fn : callable
+        The call to make (a collective one: every rank calls it).
+    *args, **kwargs
+        Its arguments.
+    comm : mpi4py.MPI.Comm, optional
+        The ranks that must agree; ``COMM_WORLD`` by default.
+
+    Returns
+    -------
+    (result, exception)
+        The call's result and None, or None and the exception it raised.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    try:
+        result, error = fn(*args, **kwargs), None
+    except Exception as exc:  # compared across ranks below, then handed back
+        result, error = None, exc
+    mine = None if error is None else (type(error).__qualname__, str(error))
+    outcomes = comm.allgather(mine)
+    if any(o != outcomes[0] for o in outcomes):
+        lines = [f"rank {r}: " + ("returned" if o is None else f"{o[0]}: {o[1]}")
+                 for r, o in enumerate(outcomes)]
+        raise AssertionError("the ranks ended the call differently\n" + "\n".join(lines))
+    return result, error
 
 
 def _compare(x: Any, desired: Any, check: Any, comm: MPI.Comm | None) -> None:

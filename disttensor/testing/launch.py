@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m disttensor.testing.launch [--sizes 1,2,3,4] [--timeout S] [PYTEST ARGS...]
+    python -m disttensor.testing.launch [--sizes 1,2,3,4] [--timeout S] [--check-collective]
+                                        [PYTEST ARGS...]
 
 Tests are marked with mpi-pytest's ``@pytest.mark.parallel(nprocs=[...])``.
 For each world size P the launcher runs ``mpiexec -n P python -m pytest -m
@@ -11,6 +12,9 @@ mpiexec), so one interpreter per rank serves all tests of that size. Each run
 is bounded by ``--timeout`` seconds (``MPIEXEC_TIMEOUT``); a rank that fails
 alone aborts its job through :mod:`disttensor.testing.pytest_plugin` instead
 of hanging. The exit status is non-zero when any run fails.
+
+``--check-collective`` runs the tests in the collective-consistency check
+mode (it sets ``DISTTENSOR_CHECK_COLLECTIVE=1``; see :mod:`disttensor.settings`).
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1,2,3,4", help="comma-separated world sizes")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per world size")
+    parser.add_argument("--check-collective", action="store_true",
+                        help="run in check mode (DISTTENSOR_CHECK_COLLECTIVE=1)")
     args, pytest_args = parser.parse_known_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     totals: dict[str, int] = {}
     status = 0
     env = dict(os.environ, MPIEXEC_TIMEOUT=str(args.timeout), OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if args.check_collective:
+        env["DISTTENSOR_CHECK_COLLECTIVE"] = "1"
     for p in sizes:
         cmd = [sys.executable, "-m", "pytest", "-m", f"parallel[{p}]", *pytest_args]
         if p > 1:
