@@ -5,16 +5,8 @@ Importing the package completes :class:`DistArray`: :mod:`.redistribute`,
 protocols (the array module itself imports none of them).
 """
 
-try:  # one clear message instead of the MPI loader's traceback
-    from mpi4py import MPI as _MPI
-except (ImportError, RuntimeError) as _exc:
-    raise ImportError(
-        f"disttensor needs an MPI library and none could be loaded ({str(_exc).splitlines()[0]}"
-        "). Install one with `pip install \"disttensor[mpich]\"`, or load your cluster's MPI "
-        "(e.g. `module load mpi`) before starting Python.") from None
-del _MPI
-
 from . import (
+    _mpi_check,  # noqa: F401  (first: a missing MPI library raises one clear ImportError)
     ops,  # noqa: F401  (importing it attaches the NumPy protocols to DistArray)
     random,
 )
