@@ -193,7 +193,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         if step >= cfg.steps:
             raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {step}; --steps "
                              f"{cfg.steps} is not above it, so there is nothing to train (ask "
-                             f"for more than {step} steps)")
+                             f"for more than {_plural(step, 'step')})")
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
         _say(comm, f"resumed from step {step} ({cfg.checkpoint})")

@@ -31,7 +31,8 @@ def plot_metrics(path: str, out_prefix: str | None = None) -> list[str]:
     ax.plot([h["step"] for h in hist], [h["loss"] for h in hist])
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"{summary['model']} {tuple(summary['batch_shape'])} on {summary['ranks']} ranks",
+    ax.set_title(f"{summary['model']} {tuple(summary['batch_shape'])} on {summary['ranks']} "
+                 f"rank{'' if summary['ranks'] == 1 else 's'}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(f"{prefix}-loss.png", dpi=110)
