@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from tqdm import tqdm
 
 from disttensor import ProcessGrid
 
@@ -268,7 +269,11 @@ class Planner:
             return all(timer.key(q[0], q[1], q[2], co) in timer.table for q in queries)
 
         done = 0
-        for cand in self.cands:
+        # progress on rank 0, in a terminal (tqdm's disable=None: not into logs)
+        bar = tqdm(self.cands, desc="timing kernels", unit="grid", leave=False,
+                   disable=True if comm.Get_rank() else None)
+        for cand in bar:
+            bar.set_postfix_str(f"grid {cand}")
             queries, memory = self.kernel_queries(cand)
             if self.budget is not None and memory > self.budget:
                 continue
