@@ -287,3 +287,12 @@ def test_under_mpiexec_a_bad_argument_gives_one_message_and_exit_2():
         assert r.returncode == 2, (r.returncode, r.stderr)
         assert words in r.stderr and r.stderr.count("error:") == 1, r.stderr
         assert r.stderr.count("usage:") == 1, r.stderr
+
+
+def test_plot_help_shows_no_markup(capsys):
+    from disttensor_nn.training.plot import plot_main
+
+    with pytest.raises(SystemExit):
+        plot_main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text and "PREFIX-loss.png" in text, text
