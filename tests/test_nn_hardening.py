@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mpi4py import MPI
 from nn_reference import conv_ref_backward, grid
 
@@ -225,3 +227,39 @@ def test_bad_layer_arguments_name_the_argument(case):
     make, kind, word = BAD_ARGS[case]
     got, msg = same_error(make)
     collective_assert(got == kind and word in msg, f"{got}: {msg}")
+
+
+# --------------------------------------------------------------------------- random arguments
+ARG = st.one_of(st.integers(-3, 6), st.floats(-2, 6), st.just(float("nan")), st.booleans(),
+                st.none(),
+                st.text(max_size=2), st.tuples(st.integers(-1, 4), st.integers(-1, 4)),
+                st.lists(st.floats(0, 3), max_size=3))
+
+LAYERS = {
+    "Conv2d": lambda a, b, c, d: nn.Conv2d(a, b, c, stride=d),
+    "Conv2d padding": lambda a, b, c, d: nn.Conv2d(2, 2, 3, padding=a, dilation=b),
+    "MaxPool2d": lambda a, b, c, d: nn.MaxPool2d(a, stride=b, padding=c),
+    "AvgPool1d": lambda a, b, c, d: nn.AvgPool1d(a, stride=b, padding=c, dilation=d),
+    "Linear": lambda a, b, c, d: nn.Linear(a, b),
+    "BatchNorm2d": lambda a, b, c, d: nn.BatchNorm2d(a),
+}
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kind", list(LAYERS))
+@settings(max_examples=40, deadline=None)
+@given(a=ARG, b=ARG, c=ARG, d=ARG)
+def test_random_layer_arguments_give_a_layer_or_the_same_clear_error_everywhere(kind, a, b, c,
+                                                                                 d):
+    try:
+        layer = LAYERS[kind](a, b, c, d)
+        got = None
+    except (TypeError, ValueError) as exc:
+        got = (type(exc).__name__, str(exc))
+    except Exception as exc:  # noqa: BLE001 - anything else is an unclear error
+        got = ("unclear", f"{type(exc).__name__}: {exc}")
+    everyone = comm.allgather(got)
+    collective_assert(all(e == everyone[0] for e in everyone), f"ranks differ: {everyone}")
+    collective_assert(got is None or got[0] != "unclear", f"{kind}{(a, b, c, d)}: {got}")
+    if got is None and kind == "Conv2d":  # accepted: the arguments were valid ints
+        collective_assert(layer.weight.shape == (b, a) + (c, c), f"{layer.weight.shape}")

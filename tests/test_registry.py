@@ -152,7 +152,7 @@ def test_command_lines_take_their_model_choices_from_the_registry(capsys):
     assert "invalid choice: 'no-such-net'" in capsys.readouterr().err
     assert plan_main(["test-pixel-regression", "--machine", V100, "--ranks", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"test-pixel-regression, batch {(BATCH, C, *SIZE)}, 1 ranks")
+    assert out.startswith(f"test-pixel-regression, batch {(BATCH, C, *SIZE)}, 1 rank\n")
 
 
 FORMER = {  # the former modules and their __all__
