@@ -15,7 +15,7 @@
 
 from .checkpoint import FORMAT, VERSION, CheckpointError, load_checkpoint, save_checkpoint
 from .data import Dataset, ImageNetSynthetic, Loader, MeshSynthetic, NpyDataset, save_npy_dataset
-from .driver import TrainConfig, train
+from .driver import SetupError, TrainConfig, train
 from .plot import plot_main, plot_metrics, plot_scaling
 from .registry import (
     ModelSpec,
@@ -31,5 +31,5 @@ __all__ = [
     "MeshSynthetic", "ModelSpec", "NpyDataset", "TrainConfig", "build_model", "check_size",
     "load_checkpoint",
     "model_names", "model_spec", "plot_main", "plot_metrics", "plot_scaling", "register_model",
-    "save_checkpoint", "save_npy_dataset", "train",
+    "save_checkpoint", "save_npy_dataset", "SetupError", "train",
 ]

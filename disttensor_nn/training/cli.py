@@ -20,8 +20,7 @@ from disttensor import limit_blas_threads
 from ..plan import Plan, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
-from .checkpoint import CheckpointError
-from .driver import TrainConfig, plan_mismatch, train
+from .driver import SetupError, TrainConfig, plan_mismatch, train
 from .plot import plot_scaling
 from .registry import build_model, check_size, model_names, model_spec
 
@@ -331,7 +330,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate)
     try:
         train(cfg)
-    except (ValueError, CheckpointError, FileNotFoundError) as exc:  # raised on every rank
+    except SetupError as exc:  # raised on every rank, before training
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return 0
 

@@ -20,14 +20,25 @@ from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
 from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.planner import leaf_nodes, trace
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import Loader, NpyDataset
 from .registry import build_model, check_size, model_spec
 
-__all__ = ["TrainConfig", "train", "plan_mismatch"]
+__all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError"]
 
 HEAVY_LOAD = 0.5
 """Load average per core above which a calibration is flagged as measured under load."""
+
+
+class SetupError(ValueError):
+    """A configuration that cannot train, found by :func:`train` before its first step.
+
+    Raised with the same message on every rank (the checks use only what
+    every rank knows, or agreed results such as a checkpoint's verdict):
+    a plan file for another model, batch or number of ranks, a memory budget
+    no plan fits, a checkpoint that cannot be resumed or whose step is not
+    below ``steps``, data of the wrong shape.
+    """
 
 
 @dataclass
@@ -150,9 +161,8 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) 
     return plan
 
 
-def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
-    """Run the training loop; collective. Returns the summary (same on every rank)."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+def _setup(cfg: TrainConfig, comm: MPI.Comm) -> tuple:
+    """Everything before the first step: model, plan, data, optimizer, resumed state."""
     rank = comm.Get_rank()
     spec = model_spec(cfg.model)
     size = cfg.size
@@ -197,6 +207,25 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
         _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
+    return model, shape, plan, nodes, loss_fn, loader, opt, step, history
+
+
+def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
+    """Run the training loop; collective. Returns the summary (same on every rank).
+
+    Raises
+    ------
+    SetupError
+        On every rank, before the first step, for a configuration that cannot
+        train (see :class:`SetupError`).
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank = comm.Get_rank()
+    try:
+        state = _setup(cfg, comm)
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:
+        raise SetupError(str(exc)) from exc
+    model, shape, plan, nodes, loss_fn, loader, opt, step, history = state
     clocks, _ = _timed(nodes)
     bar = None
     if rank == 0 and cfg.progress:
