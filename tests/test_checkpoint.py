@@ -517,3 +517,17 @@ def test_load_refuses_bad_or_rank_dependent_arguments_before_changing_anything(s
                                                              (0, None, 1, None))})
     assert_equal(state["arrays"]["split"], dist_arrays()["split"].to_global())
     collective_assert(same(snapshot(other, other_opt), snapshot(model, opt)))
+
+
+@pytest.mark.parallel([2, 3])
+def test_save_refuses_rank_dependent_arguments_before_writing(shared_dir):
+    model, opt = untrained()
+    r = comm.Get_rank()
+    msg = refusal(save_checkpoint, shared_dir / "c", model, opt, step=5 + (r == 1))
+    collective_assert("rank(s) [1]" in msg and "every rank must pass the same" in msg, msg)
+    arrays = dist_arrays()
+    if r == comm.Get_size() - 1:
+        arrays["other name"] = arrays.pop("split")
+    msg = refusal(save_checkpoint, shared_dir / "c", model, opt, step=5, arrays=arrays)
+    collective_assert(f"rank(s) [{comm.Get_size() - 1}]" in msg, msg)
+    collective_assert(os.listdir(shared_dir) == [], str(os.listdir(shared_dir)))

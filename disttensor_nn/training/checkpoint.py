@@ -321,8 +321,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     Raises
     ------
     CheckpointError
-        On every rank, when anything fails on any rank; the target is then
-        left as it was and the temporary directory removed.
+        On every rank, when anything fails on any rank, or when the ranks
+        pass different steps, models, optimizers or arrays; the target is
+        then left as it was and the temporary directory removed.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
@@ -354,6 +355,12 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     except Exception as exc:
         error = exc
     _agree(comm, error, "save_checkpoint (arguments)")
+    everyone = comm.allgather((step, _describe_arguments(model, optimizer, arrays, comm)))
+    differ = [r for r, v in enumerate(everyone) if v != everyone[0]]
+    if differ:
+        raise CheckpointError(f"save_checkpoint refused (nothing written): the step, model, "
+                              f"optimizer or arrays of rank(s) {differ} differ from rank 0's; "
+                              "every rank must pass the same")
 
     # -- rank 0: replicated state, preallocated array files
     if rank == 0:
