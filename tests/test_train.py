@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,8 +13,8 @@ import pytest
 from mpi4py import MPI
 
 from disttensor.testing import collective_assert
-from disttensor_nn.plan import CostModel, Planner, builtin_profiles
-from disttensor_nn.training import TrainConfig, build_model, train
+from disttensor_nn.plan import CostModel, Planner, builtin_profiles, machine
+from disttensor_nn.training import TrainConfig, build_model, driver, train
 
 V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
 
@@ -296,3 +297,26 @@ def test_plot_help_shows_no_markup(capsys):
         plot_main(["--help"])
     text = capsys.readouterr().out
     assert "``" not in text and ":func:" not in text and "PREFIX-loss.png" in text, text
+
+
+@pytest.mark.parallel(2)
+def test_a_cached_calibration_says_when_and_under_what_load_it_was_taken(monkeypatch, capsys):
+    comm = MPI.COMM_WORLD
+    path = os.path.join(shared_tmpdir(comm), "machine.json")
+    busy = dataclasses.replace(builtin_profiles()[V100], name="this:test", load_per_core=9.0,
+                               notes="calibrated with 2 ranks on 2026-01-01 10:00 under a load "
+                                     "average of 18.0 on 2 cores")
+    if comm.Get_rank() == 0:
+        busy.save(path)
+    comm.Barrier()
+    monkeypatch.setattr(machine, "this_machine_path", lambda *a, **k: path)
+    monkeypatch.setattr(driver, "this_machine_path", lambda *a, **k: path)
+    train(config(machine="this", steps=1, samples=4, batch=2))
+    out = capsys.readouterr().out
+    if comm.Get_rank() == 0:
+        assert f"using the cached calibration {path}" in out, out
+        assert "2026-01-01 10:00 under a load average of 18.0" in out, out
+        assert "warning: that calibration was taken under a load of 9.0 per core" in out, out
+        assert "--recalibrate" in out
+    else:
+        assert out == "", out
