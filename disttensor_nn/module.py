@@ -223,6 +223,11 @@ def check_int(value: Any, name: str, low: int = 1) -> int:
     return int(value)
 
 
+_UNCHECKED = ()
+"""What a forward call that returned something other than a DistArray records: its
+backward gets ``dy`` unchecked."""
+
+
 def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` that remembers its output's distribution and dtype for :func:`check_grad`."""
 
@@ -236,7 +241,7 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             y = forward(self, x, *args, **kwargs)
         finally:
             d["_in_forward"] = False
-        d["_output"] = (y.dist, y.dtype) if isinstance(y, DistArray) else None
+        d["_output"] = (y.dist, y.dtype) if isinstance(y, DistArray) else _UNCHECKED
         return y
 
     return wrapper
@@ -248,9 +253,11 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(backward)
     def wrapper(self: Layer, dy: Any, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__
+        out = d.get("_output")
         if d.get("_in_backward"):
             return backward(self, dy, *args, **kwargs)
-        dy = check_grad(dy, d.get("_output"), f"{type(self).__name__}.backward")
+        if out is not _UNCHECKED:
+            dy = check_grad(dy, out, f"{type(self).__name__}.backward")
         d["_in_backward"] = True
         try:
             return backward(self, dy, *args, **kwargs)
@@ -355,11 +362,12 @@ class Layer:
     every layer of a model.
 
     Every subclass's ``backward`` checks its ``dy`` first (:func:`check_grad`),
-    identically on every rank and before any communication: it must be a
-    DistArray of the shape and dtype of the last forward output (else
-    ValueError or TypeError); one in another distribution over the same
-    processes is redistributed to the output's distribution. ``backward``
-    before any successful ``forward`` raises RuntimeError. Layer authors get
+    identically on every rank and before any communication: when the last
+    forward call returned a DistArray, ``dy`` must be a DistArray of its
+    shape and dtype (else ValueError or TypeError), and one in another
+    distribution over the same processes is redistributed to the output's
+    distribution. ``backward`` before any successful ``forward`` raises
+    RuntimeError. Layer authors get
     this without writing it: the base class wraps the ``forward`` and
     ``backward`` a subclass defines.
     """
