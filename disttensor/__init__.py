@@ -6,6 +6,7 @@ protocols (the array module itself imports none of them).
 """
 
 from . import (
+    _mpi_check,  # noqa: F401  (first: a missing MPI library raises one clear ImportError)
     ops,  # noqa: F401  (importing it attaches the NumPy protocols to DistArray)
     random,
 )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -27,7 +30,7 @@ from disttensor.transport import allreduce as transport_allreduce
 from .costspec import CostSpec, largest_block
 
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
-           "split_axes_comm", "check_input"]
+           "split_axes_comm", "check_input", "check_grad", "check_int"]
 
 
 class Parameter:
@@ -148,6 +151,122 @@ def check_input(x: Any, ndim: int, name: str, channels: int | None = None,
         raise TypeError(f"{name} has {np.dtype(dtype)} parameters but the input is {x.dtype}")
 
 
+def check_grad(dy: Any, out: tuple[Distribution, Any] | None, name: str) -> DistArray:
+    """Validate the gradient ``dy`` of an output made by ``forward`` (identically on every rank).
+
+    The shape, dtype and grid are global facts, so every rank reaches the same
+    verdict before any communication.
+
+    Parameters
+    ----------
+    dy : DistArray
+        The gradient given to ``backward``.
+    out : (Distribution, dtype) or None
+        The distribution and dtype of the forward output, None when there is
+        no forward output to take the gradient of.
+    name : str
+        What is called, for the messages (``"Conv2d.backward"``).
+
+    Returns
+    -------
+    DistArray
+        ``dy`` itself, or ``dy`` redistributed to the output's distribution
+        when it has the right shape and dtype in another distribution over
+        the same processes (collective then).
+
+    Raises
+    ------
+    RuntimeError
+        When there is no forward output (``backward`` before ``forward``, or
+        after a forward call that raised).
+    TypeError
+        When ``dy`` is not a DistArray or has another dtype than the output.
+    ValueError
+        When ``dy`` has another shape than the output, or lives on other
+        processes.
+    """
+    if out is None:
+        raise RuntimeError(f"{name} called before a successful forward call: there is no "
+                           "output to take the gradient of")
+    dist, dtype = out
+    if not isinstance(dy, DistArray):
+        raise TypeError(f"{name} expects the output gradient as a DistArray, got "
+                        f"{type(dy).__name__}")
+    if dy.shape != dist.global_shape:
+        raise ValueError(f"{name}: the gradient has shape {dy.shape} but the output of forward "
+                         f"has shape {dist.global_shape}")
+    if numpy_dtype(dy.dtype) != numpy_dtype(dtype):
+        raise TypeError(f"{name}: the gradient is {numpy_dtype(dy.dtype)} but the output of "
+                        f"forward is {numpy_dtype(dtype)}")
+    if dy.dist == dist:
+        return dy
+    if not dy.grid.same_processes(dist.grid.comm):
+        raise ValueError(f"{name}: the gradient lives on other processes than the output "
+                         f"of forward ({dy.grid} vs {dist.grid})")
+    return dy.redistribute(dist)
+
+
+def check_int(value: Any, name: str, low: int = 1) -> int:
+    """``value`` as an int if it is an integer (not a bool) ``>= low``; otherwise a clear error.
+
+    Raises
+    ------
+    TypeError
+        For a bool, a float or anything else that is not an integer.
+    ValueError
+        For an integer below ``low``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+_UNCHECKED = ()
+"""What a forward call that returned something other than a DistArray records: its
+backward gets ``dy`` unchecked."""
+
+
+def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` that remembers its output's distribution and dtype for :func:`check_grad`."""
+
+    @functools.wraps(forward)
+    def wrapper(self: Layer, x: Any, *args: Any, **kwargs: Any) -> Any:
+        d = self.__dict__
+        if d.get("_in_forward"):  # a subclass's forward calling super().forward
+            return forward(self, x, *args, **kwargs)
+        d["_output"], d["_in_forward"] = None, True
+        try:
+            y = forward(self, x, *args, **kwargs)
+        finally:
+            d["_in_forward"] = False
+        d["_output"] = (y.dist, y.dtype) if isinstance(y, DistArray) else _UNCHECKED
+        return y
+
+    return wrapper
+
+
+def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``backward`` that validates ``dy`` with :func:`check_grad` first."""
+
+    @functools.wraps(backward)
+    def wrapper(self: Layer, dy: Any, *args: Any, **kwargs: Any) -> Any:
+        d = self.__dict__
+        out = d.get("_output")
+        if d.get("_in_backward"):
+            return backward(self, dy, *args, **kwargs)
+        if out is not _UNCHECKED:
+            dy = check_grad(dy, out, f"{type(self).__name__}.backward")
+        d["_in_backward"] = True
+        try:
+            return backward(self, dy, *args, **kwargs)
+        finally:
+            d["_in_backward"] = False
+
+    return wrapper
+
+
 class RemovableHandle:
     """What the ``register_*_hook`` methods of :class:`Layer` return: :meth:`remove` undoes it.
 
@@ -241,10 +360,27 @@ class Layer:
     hooks; :meth:`call_backward` runs :meth:`backward` between the backward
     hooks. Containers call their sub-layers these two ways, so hooks fire for
     every layer of a model.
+
+    Every subclass's ``backward`` checks its ``dy`` first (:func:`check_grad`),
+    identically on every rank and before any communication: when the last
+    forward call returned a DistArray, ``dy`` must be a DistArray of its
+    shape and dtype (else ValueError or TypeError), and one in another
+    distribution over the same processes is redistributed to the output's
+    distribution. ``backward`` before any successful ``forward`` raises
+    RuntimeError. Layer authors get
+    this without writing it: the base class wraps the ``forward`` and
+    ``backward`` a subclass defines.
     """
 
     training: bool = True
     layout: Layout | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if inspect.isfunction(cls.__dict__.get("forward")):
+            cls.forward = _recording_forward(cls.__dict__["forward"])
+        if inspect.isfunction(cls.__dict__.get("backward")):
+            cls.backward = _checked_backward(cls.__dict__["backward"])
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Layer:
         self = super().__new__(cls)

@@ -17,7 +17,8 @@ the padding mode's values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,14 +27,42 @@ from disttensor import Distribution
 __all__ = ["WindowSpec", "WindowGeometry", "geometry", "normalize_tuple"]
 
 
+def _is_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+
+
 def normalize_tuple(value: int | Sequence[int], nd: int, name: str) -> tuple[int, ...]:
-    """An int or an ``nd``-sequence of ints, as a tuple of ``nd`` ints."""
-    if isinstance(value, (int,)) or hasattr(value, "__index__"):
+    """An int or an ``nd``-sequence of ints, as a tuple of ``nd`` ints.
+
+    Raises
+    ------
+    TypeError
+        For anything else (a float, a bool, a sequence with non-int entries),
+        naming the argument ``name``.
+    ValueError
+        For a sequence of another length than ``nd``.
+    """
+    if _is_int(value):
         return (int(value),) * nd
-    value = tuple(int(v) for v in value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an int or a tuple of {nd} ints, got {value!r}")
+    value = tuple(value)
+    if not all(_is_int(v) for v in value):
+        raise TypeError(f"{name} must be an int or a tuple of {nd} ints, got {value!r}")
     if len(value) != nd:
         raise ValueError(f"{name} must be an int or {nd} ints, got {value}")
-    return value
+    return tuple(int(v) for v in value)
+
+
+def _padding_pair(p: object, padding: object) -> tuple[int, int]:
+    """One dimension's padding entry (an int or a (before, after) pair of ints)."""
+    if _is_int(p):
+        return int(p), int(p)
+    if isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 and \
+            all(_is_int(q) for q in p):
+        return int(p[0]), int(p[1])
+    raise TypeError(f"padding must be an int, a tuple of ints or (before, after) pairs, "
+                    f"'same' or 'valid', got {padding!r}")
 
 
 @dataclass(frozen=True)
@@ -63,13 +92,15 @@ class WindowSpec:
         elif isinstance(padding, str):
             raise ValueError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
         else:
-            if isinstance(padding, int) or hasattr(padding, "__index__"):
+            if _is_int(padding):
                 padding = (int(padding),) * nd
+            if not isinstance(padding, Sequence):
+                raise TypeError(f"padding must be an int, a tuple, 'same' or 'valid', got "
+                                f"{padding!r}")
             padding = tuple(padding)
             if len(padding) != nd:
                 raise ValueError(f"padding must be an int or {nd} entries, got {padding}")
-            pads = tuple((p, p) if isinstance(p, int) else tuple(int(q) for q in p)
-                         for p in padding)
+            pads = tuple(_padding_pair(p, padding) for p in padding)
         for name, vals, low in (("kernel_size", kernel, 1), ("stride", stride, 1),
                                 ("dilation", dilation, 1)):
             if any(v < low for v in vals):

@@ -15,6 +15,8 @@ import functools
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -401,3 +403,131 @@ def test_a_model_in_another_array_module_checkpoints_and_loads(shared_dir, devic
     load_checkpoint(path, host, host_opt)
     collective_assert(same(host_snapshot(host, host_opt), saved), "NumPy model differs")
     collective_assert(all(isinstance(a, np.ndarray) for a in host.state_dict().values()))
+
+
+# --------------------------------------------------------------------------- crash atomicity
+_DYING_WRITER = """
+import os, shutil, sys
+import numpy as np
+from mpi4py import MPI
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor_nn.training import checkpoint as ckpt
+
+target, die_at = sys.argv[1], int(sys.argv[2])
+model = nn.Sequential(nn.Conv2d(2, 3, 3, seed=0), nn.BatchNorm2d(3))
+g = dt.ProcessGrid((1,), comm=MPI.COMM_SELF)
+arr = lambda v: {"a": dt.DistArray.from_global(np.full((5, 4), v, np.float32),
+                                                dt.Distribution((5, 4), g, (0, None)))}
+ckpt.save_checkpoint(target, model, None, step=1, arrays=arr(1.0), comm=MPI.COMM_SELF)
+for p in model.parameters():
+    p.data += 1
+steps = [0]
+
+
+def dying(fn):
+    def wrapper(*args, **kw):
+        if steps[0] == die_at:
+            os._exit(17)  # the writer dies here, without any cleanup
+        steps[0] += 1
+        return fn(*args, **kw)
+    return wrapper
+
+
+for name in ("replace", "fsync", "mkdir", "makedirs", "rename"):
+    setattr(os, name, dying(getattr(os, name)))
+shutil.rmtree = dying(shutil.rmtree)
+for name in ("_write_state", "_create_array_file", "_write_block", "_write_manifest"):
+    setattr(ckpt, name, dying(getattr(ckpt, name)))
+ckpt.save_checkpoint(target, model, None, step=2, arrays=arr(2.0), comm=MPI.COMM_SELF)
+"""
+
+
+@pytest.mark.parallel([1])
+def test_a_writer_killed_at_any_step_of_a_save_leaves_a_loadable_checkpoint(tmp_path):
+    (tmp_path / "writer.py").write_text(_DYING_WRITER)
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    expected = {1: [p.data.copy() for p in nn.Sequential(
+        nn.Conv2d(2, 3, 3, seed=0), nn.BatchNorm2d(3)).parameters()]}
+    expected[2] = [w + 1 for w in expected[1]]
+    g = dt.ProcessGrid((1,), comm=MPI.COMM_SELF)
+    seen, recovered = [], 0
+    for die_at in range(60):
+        target = tmp_path / f"run{die_at}" / "ckpt"
+        rc = subprocess.run([sys.executable, str(tmp_path / "writer.py"), str(target),
+                             str(die_at)], env=env, timeout=120).returncode
+        assert rc in (0, 17), rc
+        recovered += not target.exists()
+        model = nn.Sequential(nn.Conv2d(2, 3, 3, seed=7), nn.BatchNorm2d(3))
+        state = load_checkpoint(target, model, None, comm=MPI.COMM_SELF,
+                                arrays={"a": dt.Distribution((5, 4), g, (0, None))})
+        step = state["step"]
+        assert step in (1, 2), step
+        assert all(np.array_equal(p.data, w) for p, w in zip(model.parameters(), expected[step]))
+        assert np.all(state["arrays"]["a"].local == step)
+        assert target.is_dir() and (target / "manifest.json").exists()
+        seen.append(step)
+        if rc == 0:
+            break
+    assert rc == 0 and seen[-1] == 2, seen
+    assert recovered, "no kill fell between the two renames of the commit"
+    assert 1 in seen and seen.index(2) < len(seen) - 1, seen  # old before, new after the commit
+    # the next save clears what the interrupted commits left beside the target
+    for run in tmp_path.glob("run*"):
+        model = nn.Sequential(nn.Conv2d(2, 3, 3, seed=0), nn.BatchNorm2d(3))
+        save_checkpoint(run / "ckpt", model, None, step=3, comm=MPI.COMM_SELF)
+        assert sorted(os.listdir(run)) == ["ckpt"], os.listdir(run)
+
+
+# --------------------------------------------------------------------------- load validates first
+@pytest.mark.parallel([1, 2, 3])
+def test_load_refuses_bad_or_rank_dependent_arguments_before_changing_anything(shared_dir):
+    model, opt = untrained()
+    path = save_checkpoint(shared_dir / "c", model, opt, step=1, arrays=dist_arrays())
+    p, r = comm.Get_size(), comm.Get_rank()
+    other, other_opt = untrained(seed=4)
+    before = snapshot(other, other_opt)
+
+    gridless = dt.Distribution(X_SHAPE, grid2_shape(p), (0, None, 1, None))
+    msg = refusal(load_checkpoint, path, other, other_opt, arrays={"split": gridless})
+    collective_assert("no process grid" in msg and "split" in msg, msg)
+    collective_assert(same(snapshot(other, other_opt), before), "the model changed")
+
+    msg = refusal(load_checkpoint, path, other, other_opt, arrays={3: gridless})
+    collective_assert("str" in msg, msg)
+
+    if p > 1:
+        # a name or a distribution that differs on one rank
+        dist = dt.Distribution(X_SHAPE, grid(grid2_shape(p)), (0, None, 1, None))
+        names = {"split": dist} if r else {"replicated": dt.Distribution(
+            (5, 6), grid(grid2_shape(p)), (None, None))}
+        msg = refusal(load_checkpoint, path, other, other_opt, arrays=names)
+        collective_assert("differ between ranks" in msg and "arrays" in msg, msg)
+        shapes = dist if r != p - 1 else dt.Distribution((4, 2, 9, 8), grid(grid2_shape(p)),
+                                                         (0, None, 1, None))
+        msg = refusal(load_checkpoint, path, other, other_opt, arrays={"split": shapes})
+        collective_assert("differ between ranks" in msg, msg)
+        # a model that differs on one rank
+        odd = make_model(width=5) if r == p - 1 else make_model()
+        msg = refusal(load_checkpoint, path, odd, None)
+        collective_assert("model parameters differ between ranks" in msg, msg)
+        collective_assert(same(snapshot(other, other_opt), before), "the model changed")
+    state = load_checkpoint(path, other, other_opt,
+                            arrays={"split": dt.Distribution(X_SHAPE, grid(grid2_shape(p)),
+                                                             (0, None, 1, None))})
+    assert_equal(state["arrays"]["split"], dist_arrays()["split"].to_global())
+    collective_assert(same(snapshot(other, other_opt), snapshot(model, opt)))
+
+
+@pytest.mark.parallel([2, 3])
+def test_save_refuses_rank_dependent_arguments_before_writing(shared_dir):
+    model, opt = untrained()
+    r = comm.Get_rank()
+    msg = refusal(save_checkpoint, shared_dir / "c", model, opt, step=5 + (r == 1))
+    collective_assert("rank(s) [1]" in msg and "every rank must pass the same" in msg, msg)
+    arrays = dist_arrays()
+    if r == comm.Get_size() - 1:
+        arrays["other name"] = arrays.pop("split")
+    msg = refusal(save_checkpoint, shared_dir / "c", model, opt, step=5, arrays=arrays)
+    collective_assert(f"rank(s) [{comm.Get_size() - 1}]" in msg, msg)
+    collective_assert(os.listdir(shared_dir) == [], str(os.listdir(shared_dir)))

@@ -152,7 +152,7 @@ def test_command_lines_take_their_model_choices_from_the_registry(capsys):
     assert "invalid choice: 'no-such-net'" in capsys.readouterr().err
     assert plan_main(["test-pixel-regression", "--machine", V100, "--ranks", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"test-pixel-regression, batch {(BATCH, C, *SIZE)}, 1 ranks")
+    assert out.startswith(f"test-pixel-regression, batch {(BATCH, C, *SIZE)}, 1 rank\n")
 
 
 FORMER = {  # the former modules and their __all__
@@ -224,10 +224,11 @@ def test_nothing_imports_the_former_paths_and_only_tools_import_the_cli():
         assert not names & aliases, f"{path} imports {names & aliases}"
         if "disttensor_nn.training.cli" in names:
             cli_users.add(path.relative_to(ROOT).as_posix())
-    # the CLI's own tests, the alias of its former path, and a benchmark script that
-    # reads its memory-size arguments the same way
+    # the CLI's own tests, the alias of its former path, the `python -m` entry points, and a
+    # benchmark script that reads its memory-size arguments the same way
     assert cli_users <= {"tests/test_plan.py", "tests/test_train.py", "disttensor_nn/cli.py",
-                         "benchmarks/validate_planner.py"}, cli_users
+                         "benchmarks/validate_planner.py", "disttensor_nn/train.py",
+                         "disttensor_nn/plan/__main__.py"}, cli_users
 
 
 def test_scaling_command_line_prints_and_writes_one_plan_per_rank_count(tmp_path, capsys):

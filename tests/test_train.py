@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -10,8 +13,8 @@ import pytest
 from mpi4py import MPI
 
 from disttensor.testing import collective_assert
-from disttensor_nn.plan import CostModel, Planner, builtin_profiles
-from disttensor_nn.training import TrainConfig, build_model, train
+from disttensor_nn.plan import CostModel, Planner, builtin_profiles, machine
+from disttensor_nn.training import TrainConfig, build_model, driver, train
 
 V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
 
@@ -110,3 +113,210 @@ def test_train_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "predicted time per iteration" in out and "loss" in out
     assert os.path.exists(prefix + ".csv") and os.path.exists(prefix + ".json")
+
+
+# --------------------------------------------------------------------------- the command lines
+def _usage_error(capsys, argv, main=None) -> str:
+    """Run a command line that must stop with exit status 2 before any work; its stderr."""
+    from disttensor_nn.training.cli import train_main
+
+    with pytest.raises(SystemExit) as exc:
+        (main or train_main)(argv)
+    assert exc.value.code == 2, exc.value.code
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+TRAIN = ["mesh-demo", "--machine", V100, "--no-progress", "--metrics", ""]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--steps", "0"], "--steps: must be > 0"),
+    (["--steps", "-3"], "--steps: must be > 0"),
+    (["--steps", "many"], "expected an integer"),
+    (["--batch", "0"], "--batch: must be > 0"),
+    (["--lr", "0"], "--lr: must be > 0"),
+    (["--samples", "0"], "--samples: must be > 0"),
+    (["--checkpoint-every", "-1"], "must be >= 0"),
+    (["--size", "256by256"], "positive ints joined by 'x'"),
+    (["--size", "0x0"], "entries must be >= 1"),
+    (["--size", "64"], "takes 2-D sizes like 256x256"),
+    (["--size", "256x256x256"], "takes 2-D sizes like 256x256"),
+    (["--size", "100x100"], "96 or 104"),
+    (["--resume"], "--resume needs --checkpoint"),
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint"),
+    (["--data", "/no/such/dir"], "--data /no/such/dir: not a directory"),
+    (["--ranks-layout", "/no/such/plan.json"], "/no/such/plan.json: cannot read"),
+    (["--memory-per-rank", "1KiB", "--size", "64x64"], "error:"),
+    (["--memory-per-rank", "lots"], "cannot read a memory size"),
+])
+def test_train_command_line_refuses_bad_arguments_with_one_usage_message(capsys, argv, words):
+    err = _usage_error(capsys, TRAIN + argv)
+    assert words in err, err
+    assert err.count("error:") == 1, err
+
+
+def test_train_command_line_names_what_is_wrong_with_a_plan_file(tmp_path, capsys):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    assert "bad.json: not JSON" in _usage_error(capsys, TRAIN + ["--ranks-layout",
+                                                                 str(bad_json)])
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"nprocs": 1}')
+    err = _usage_error(capsys, TRAIN + ["--ranks-layout", str(schema)])
+    assert "schema.json: not a plan written by disttensor-plan" in err, err
+    plan = uniform_plan_file("mesh-demo", (64, 64), 4, (1, 1, 1), str(tmp_path))
+    err = _usage_error(capsys, TRAIN + ["--ranks-layout", plan, "--size", "64x64",
+                                        "--batch", "2"])
+    assert "batches of shape (4, 18, 64, 64)" in err and "(2, 18, 64, 64)" in err, err
+    (tmp_path / "other").mkdir()
+    other = uniform_plan_file("mesh-small", (64, 64), 4, (1, 1, 1), str(tmp_path / "other"))
+    err = _usage_error(capsys, TRAIN + ["--ranks-layout", other, "--size", "64x64"])
+    assert "made for another model" in err, err
+
+
+def test_help_gives_every_option_a_text_and_a_default(capsys):
+    from disttensor_nn.training.cli import plan_main, train_main
+
+    for main, least in ((train_main, 18), (plan_main, 10)):
+        with pytest.raises(SystemExit) as exc:
+            main(["--help"])
+        assert exc.value.code == 0
+        text = capsys.readouterr().out
+        options = text.split("options:")[1]
+        entries = [e for e in options.split("\n  -")[1:] if not e.startswith("h, --help")]
+        assert len(entries) >= least, text
+        for entry in entries:
+            flag, _, rest = entry.partition("  ")
+            assert rest.strip(), f"no help text for -{flag}"
+            assert "(default:" in entry or "store_true" in entry or \
+                flag.split()[0] in ("-resume", "-no-progress", "-recalibrate", "-no-measure",
+                                    "-calibrate"), f"no default shown for -{flag}"
+        if main is plan_main:
+            assert "v100-nvlink-edr" in text and "h200-nvlink-ndr" in text, text
+
+
+def test_resume_reports_its_step_and_refuses_steps_not_above_it(tmp_path, capsys):
+    from disttensor_nn.training.cli import train_main
+
+    ck = str(tmp_path / "ck")
+    common = TRAIN + ["--size", "64x64", "--batch", "2", "--samples", "4", "--checkpoint", ck]
+    assert train_main(common + ["--steps", "2"]) == 0
+    capsys.readouterr()
+    err = _usage_error(capsys, common + ["--steps", "2", "--resume"])
+    assert "is at step 2" in err and "--steps 2 is not above it" in err, err
+    assert train_main(common + ["--steps", "3", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 2" in out, out
+    err = _usage_error(capsys, TRAIN + ["--size", "64x64", "--resume", "--checkpoint",
+                                        str(tmp_path / "none")])
+    assert "no checkpoint at" in err, err
+
+
+def test_train_reports_plan_first_compute_and_data_apart_and_where_metrics_go(tmp_path,
+                                                                               capsys):
+    from disttensor_nn.training.cli import train_main
+
+    prefix = str(tmp_path / "run")
+    assert train_main(["mesh-demo", "--machine", V100, "--no-progress", "--size", "64x64",
+                       "--batch", "2", "--steps", "1", "--samples", "2",
+                       "--metrics", prefix]) == 0
+    out = capsys.readouterr().out
+    assert out.index("predicted time per iteration") < out.index("loss ")
+    assert "on 1 rank: 1 step" in out and "1 ranks" not in out, out
+    assert "compute" in out and "data loading" in out, out
+    assert f"metrics written to {prefix}.csv and .json" in out, out
+    header = open(prefix + ".csv").readline().strip().split(",")
+    assert header == ["step", "loss", "time_s", "compute_s", "data_s", "samples_per_s"]
+
+
+def test_train_on_a_directory_of_npy_samples(tmp_path, capsys):
+    from disttensor_nn.training import MeshSynthetic, save_npy_dataset
+    from disttensor_nn.training.cli import train_main
+
+    save_npy_dataset(tmp_path / "data", MeshSynthetic(4, (64, 64), channels=18, seed=1))
+    assert train_main(TRAIN + ["--data", str(tmp_path / "data"), "--batch", "2",
+                               "--steps", "1"]) == 0
+    assert "(2, 18, 64, 64)" in capsys.readouterr().out
+    err = _usage_error(capsys, TRAIN + ["--data", str(tmp_path / "data"), "--size", "32x32",
+                                        "--steps", "1"])
+    assert "(18, 64, 64)" in err, err
+
+
+def _python_m(args, **kw):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    env.update(kw.pop("env", {}))
+    drop = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "OMPI_", "_PYTEST_MPI")
+    env = {k: v for k, v in env.items() if not k.startswith(drop)}
+    cmd = kw.pop("prefix", []) + [sys.executable, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_python_m_entry_points_do_what_their_names_say():
+    r = _python_m(["-m", "disttensor_nn.train", "--help"])
+    assert r.returncode == 0 and "usage: disttensor-train" in r.stdout, r.stderr
+    r = _python_m(["-m", "disttensor_nn.plan", "--help"])
+    assert r.returncode == 0 and "usage: disttensor-plan" in r.stdout, r.stderr
+    for module in ("disttensor_nn.cli", "disttensor_nn.training.cli"):
+        r = _python_m(["-m", module])
+        assert r.returncode == 2 and "python -m disttensor_nn.train" in r.stderr, r.stderr
+
+
+def test_import_without_an_mpi_library_raises_one_clear_import_error(tmp_path):
+    fake = tmp_path / "mpi4py"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "MPI.py").write_text("raise RuntimeError('cannot load MPI library\\n"
+                                 + "dlopen details\\n" * 30 + "')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = _python_m(["-c", "import disttensor"], env={"PYTHONPATH": f"{tmp_path}:{root}"})
+    assert r.returncode == 1
+    assert 'pip install "disttensor[mpich]"' in r.stderr and "ImportError" in r.stderr
+    assert "cannot load MPI library" in r.stderr and "dlopen details" not in r.stderr
+    assert len(r.stderr.splitlines()) < 12, r.stderr
+
+
+def test_under_mpiexec_a_bad_argument_gives_one_message_and_exit_2():
+    from disttensor.testing.launch import mpiexec_path
+
+    for argv, words in ((["--steps", "0"], "--steps: must be > 0"),
+                        (["--size", "100x100"], "96 or 104")):
+        r = _python_m(["-m", "disttensor_nn.train", *TRAIN, *argv],
+                      prefix=[mpiexec_path(), "-n", "2"])
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert words in r.stderr and r.stderr.count("error:") == 1, r.stderr
+        assert r.stderr.count("usage:") == 1, r.stderr
+
+
+def test_plot_help_shows_no_markup(capsys):
+    from disttensor_nn.training.plot import plot_main
+
+    with pytest.raises(SystemExit):
+        plot_main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text and "PREFIX-loss.png" in text, text
+
+
+@pytest.mark.parallel(2)
+def test_a_cached_calibration_says_when_and_under_what_load_it_was_taken(monkeypatch, capsys):
+    comm = MPI.COMM_WORLD
+    path = os.path.join(shared_tmpdir(comm), "machine.json")
+    busy = dataclasses.replace(builtin_profiles()[V100], name="this:test", load_per_core=9.0,
+                               notes="calibrated with 2 ranks on 2026-01-01 10:00 under a load "
+                                     "average of 18.0 on 2 cores")
+    if comm.Get_rank() == 0:
+        busy.save(path)
+    comm.Barrier()
+    monkeypatch.setattr(machine, "this_machine_path", lambda *a, **k: path)
+    monkeypatch.setattr(driver, "this_machine_path", lambda *a, **k: path)
+    train(config(machine="this", steps=1, samples=4, batch=2))
+    out = capsys.readouterr().out
+    if comm.Get_rank() == 0:
+        assert f"using the cached calibration {path}" in out, out
+        assert "2026-01-01 10:00 under a load average of 18.0" in out, out
+        assert "warning: that calibration was taken under a load of 9.0 per core" in out, out
+        assert "--recalibrate" in out
+    else:
+        assert out == "", out

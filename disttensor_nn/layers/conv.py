@@ -12,7 +12,7 @@ from disttensor import DistArray, Distribution
 
 from ..costspec import Allreduce, CostSpec
 from ..kernels import kernels_for
-from ..module import Parameter, allreduce_, check_input, split_axes_comm
+from ..module import Parameter, allreduce_, check_input, check_int, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import PADDING_MODES, WindowLayer
 
@@ -52,7 +52,10 @@ class ConvNd(WindowLayer):
                  padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
                  padding_mode: str = "zeros", *, overlap: bool = False,
                  dtype: Any = np.float32, seed: int = 0):
-        if groups < 1 or in_channels % groups or out_channels % groups:
+        in_channels = check_int(in_channels, "in_channels")
+        out_channels = check_int(out_channels, "out_channels")
+        groups = check_int(groups, "groups")
+        if in_channels % groups or out_channels % groups:
             raise ValueError(
                 f"in_channels ({in_channels}) and out_channels ({out_channels}) must be "
                 f"divisible by groups ({groups})"

@@ -10,7 +10,7 @@ import numpy as np
 from disttensor import DistArray, Distribution
 
 from ..costspec import Allreduce, CostSpec, largest_block
-from ..module import Layer, Parameter, allreduce_, split_axes_comm
+from ..module import Layer, Parameter, allreduce_, check_int, split_axes_comm
 
 __all__ = ["Flatten", "Linear"]
 
@@ -81,7 +81,8 @@ class Linear(Layer):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  dtype: Any = np.float32, seed: int = 0):
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features = check_int(in_features, "in_features")
+        self.out_features = check_int(out_features, "out_features")
         self.dtype = np.dtype(dtype)
         bound = 1.0 / np.sqrt(in_features)
         rng = np.random.default_rng(seed)

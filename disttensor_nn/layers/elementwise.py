@@ -7,7 +7,7 @@ import math
 from disttensor import DistArray, Distribution
 
 from ..costspec import CostSpec, largest_block
-from ..module import Layer
+from ..module import Layer, check_grad
 
 __all__ = ["ReLU", "LeakyReLU", "Sigmoid", "Add"]
 
@@ -73,11 +73,17 @@ class Add:
         self._b_dist = b.dist
         if b.dist != a.dist:
             b = b.redistribute(a.dist)
-        return DistArray(a.local + b.local, a.dist)
+        out = DistArray(a.local + b.local, a.dist)
+        self._out = (out.dist, out.dtype)
+        return out
 
     __call__ = forward
 
     def backward(self, dy: DistArray) -> tuple[DistArray, DistArray]:
-        """Gradients with respect to ``a`` and ``b`` (each in its own distribution)."""
+        """Gradients with respect to ``a`` and ``b`` (each in its own distribution).
+
+        ``dy`` is checked as every layer's (:func:`~disttensor_nn.module.check_grad`).
+        """
+        dy = check_grad(dy, getattr(self, "_out", None), "Add.backward")
         db = dy if self._b_dist == dy.dist else dy.redistribute(self._b_dist)
         return dy, db.copy() if db is dy else db

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import array_namespace, as_module
+from disttensor.backend import array_namespace, as_module, numpy_dtype
 
 from ..module import allreduce_, split_axes_comm
 
@@ -37,6 +37,15 @@ def _local_target(target: Any, dist, xp: ModuleType) -> Any:
     return as_module(local, xp)
 
 
+def _saved_state(loss: object) -> Any:
+    """What the last forward call kept for backward; RuntimeError before any forward call."""
+    saved = getattr(loss, "_saved", None)
+    if saved is None:
+        raise RuntimeError(f"{type(loss).__name__}.backward called before a successful forward "
+                           "call: there is no loss to take the gradient of")
+    return saved
+
+
 def _global_sum(value: float, dist) -> float:
     return float(allreduce_(np.array([value], np.float64), split_axes_comm(dist))[0])
 
@@ -45,10 +54,19 @@ class SoftmaxCrossEntropy:
     """Mean cross-entropy of softmax(logits) for integer class labels.
 
     ``forward(logits, labels)``: logits an (N, K) DistArray split over N;
-    labels an (N,) DistArray or global integer array.
+    labels an (N,) DistArray or global integer array (floating-point labels
+    are refused with TypeError, as in PyTorch, rather than truncated).
+    ``backward()`` takes no argument: it is the gradient of the mean loss.
     """
 
     def forward(self, logits: DistArray, labels: Any) -> float:
+        self._saved = None
+        if not isinstance(logits, DistArray):
+            raise TypeError(f"logits must be a DistArray, got {type(logits).__name__}")
+        if not isinstance(labels, DistArray) and not hasattr(labels, "dtype"):
+            labels = np.asarray(labels)
+        if np.dtype(numpy_dtype(labels.dtype)).kind not in "iu":
+            raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
         if logits.ndim != 2:
             raise ValueError(f"logits must be (N, K), got {logits.shape}")
         if logits.dist.nblocks[1] > 1:
@@ -75,7 +93,7 @@ class SoftmaxCrossEntropy:
 
     def backward(self) -> DistArray:
         """Gradient of the mean loss with respect to the logits."""
-        logits, p, y, n = self._saved
+        logits, p, y, n = _saved_state(self)
         g = p.copy()
         g[logits.xp.arange(len(y)), y] -= 1
         return DistArray((g / n).astype(logits.dtype), logits.dist)
@@ -83,6 +101,7 @@ class SoftmaxCrossEntropy:
 
 class _Pointwise:
     def forward(self, pred: DistArray, target: Any) -> float:
+        self._saved = None
         if not isinstance(pred, DistArray):
             raise TypeError("the prediction must be a DistArray")
         t = _local_target(target, pred.dist, pred.xp).astype(np.float64)
@@ -96,7 +115,7 @@ class _Pointwise:
 
     def backward(self) -> DistArray:
         """Gradient of the mean loss with respect to the prediction."""
-        pred, grad = self._saved
+        pred, grad = _saved_state(self)
         return DistArray(grad.astype(pred.dtype), pred.dist)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from disttensor import DistArray, Distribution
 
 from ..costspec import Allreduce, CostSpec, largest_block
-from ..module import Layer, Parameter, allreduce_, check_input, split_axes_comm
+from ..module import Layer, Parameter, allreduce_, check_input, check_int, split_axes_comm
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
 
@@ -54,6 +54,7 @@ class BatchNormNd(Layer):
                  stats: str = "global", dtype: Any = np.float32):
         if stats not in ("global", "group"):
             raise ValueError(f"stats must be 'global' or 'group', got {stats!r}")
+        num_features = check_int(num_features, "num_features")
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.stats, self.dtype = stats, np.dtype(dtype)
         self.affine, self.track_running_stats = affine, track_running_stats
@@ -67,6 +68,7 @@ class BatchNormNd(Layer):
 
     def forward(self, x: DistArray) -> DistArray:
         check_input(x, self.nd + 2, type(self).__name__, self.num_features, self.dtype)
+        self._check_batch(x)
         axes = (0, *range(2, x.ndim))
         shape = self._shape(x)
         xl = x.local
@@ -93,6 +95,26 @@ class BatchNormNd(Layer):
             if self.affine else xhat
         self._saved = (x.dist, xhat, inv, count, batch_stats)
         return DistArray.from_local(y.astype(x.dtype, copy=False), x.dist)
+
+    def _check_batch(self, x: DistArray) -> None:
+        """Refuse batch statistics over one value per channel, as PyTorch does (all ranks alike).
+
+        With ``stats="group"`` the smallest non-empty sample group counts: its
+        variance would be zero and its output all zeros.
+        """
+        if not (self.training or not self.track_running_stats):
+            return
+        per_sample = math.prod(x.shape[2:])
+        if self.stats == "global":
+            count = x.shape[0] * per_sample
+        else:
+            b = x.dist.boundaries[0]
+            count = min((hi - lo for lo, hi in zip(b, b[1:]) if hi > lo), default=0) * per_sample
+        if count == 1:
+            raise ValueError(f"{type(self).__name__}: expected more than 1 value per channel "
+                             f"when training, got input size {x.shape}"
+                             + (" (one sample per group with stats='group')"
+                                if self.stats == "group" else ""))
 
     def _follow(self, xp: ModuleType) -> None:
         """Move the running statistics to the array module ``xp`` (no copy if already there)."""

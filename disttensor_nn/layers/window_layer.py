@@ -49,7 +49,19 @@ class WindowLayer(Layer):
     def _check(self, x: DistArray) -> None:
         check_input(x, self.nd + 2, type(self).__name__)
 
+    def _check_window(self, in_shape: tuple[int, ...]) -> None:
+        """Refuse an input whose padded size is below the (dilated) kernel, as PyTorch does."""
+        s = self.spec
+        padded = tuple(n + lo + hi for n, (lo, hi) in zip(in_shape[2:], s.padding))
+        spans = tuple(d * (k - 1) + 1 for k, d in zip(s.kernel, s.dilation))
+        if any(p < k for p, k in zip(padded, spans)):
+            raise ValueError(f"{type(self).__name__}: the padded input size {padded} (input "
+                             f"{tuple(in_shape[2:])}, padding {s.padding}) is smaller than "
+                             f"the kernel {spans}; the output would be empty")
+
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Global output shape; raises ValueError when the kernel exceeds the padded input."""
+        self._check_window(tuple(in_shape))
         shape = list(self.spec.out_shape(in_shape))
         shape[1] = self._channels_out(shape[1])
         return tuple(shape)
@@ -65,6 +77,7 @@ class WindowLayer(Layer):
     # ------------------------------------------------------------ forward
     def forward(self, x: DistArray) -> DistArray:
         self._check(x)
+        self._check_window(x.shape)
         geo = geometry(self.spec, x.dist)
         plan = halo_plan(x.dist, geo.widths, self.mode)
         out = DistArray.empty(self.output_distribution(x.dist), self._out_dtype(x), xp=x.xp)

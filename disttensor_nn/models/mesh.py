@@ -62,17 +62,21 @@ class DepthToSpace(Layer):
                              f"dimensions, got {nd}")
         return self.block
 
-    def output_distribution(self, in_dist: Distribution) -> Distribution:
-        """Distribution of the output for an input distributed as ``in_dist``."""
-        nd = in_dist.ndim - 2
-        b = self._blocks(nd)
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """(N, C * prod(b), *S) -> (N, C, *(S * b)); ValueError for channels not divisible."""
+        b = self._blocks(len(in_shape) - 2)
         prod = math.prod(b)
-        n, cb, *space = in_dist.global_shape
+        n, cb, *space = in_shape
         if cb % prod:
             raise ValueError(f"DepthToSpace({self.block}) needs channels divisible by {prod}, "
                              f"got {cb}")
+        return (n, cb // prod, *(s * k for s, k in zip(space, b)))
+
+    def output_distribution(self, in_dist: Distribution) -> Distribution:
+        """Distribution of the output for an input distributed as ``in_dist``."""
+        b = self._blocks(in_dist.ndim - 2)
         scale = (1, 1, *b)
-        shape = (n, cb // prod, *(s * k for s, k in zip(space, b)))
+        shape = self.output_shape(in_dist.global_shape)
         splits = [[c * f for c in bounds[1:-1]] for bounds, f in zip(in_dist.boundaries, scale)]
         return in_dist.replace(global_shape=shape, splits=splits)
 

@@ -158,6 +158,7 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     units = os.cpu_count() or 1
     if device == "gpu":  # pragma: no cover - GPU only
         units = xp.cuda.runtime.getDeviceCount()
+    load = os.getloadavg()[0]  # before our own measurements add to it
     p2p = _p2p(comm, reps, xp)
     ar = _allreduce(comm, reps, xp)
     a2a = _alltoall(comm, reps, xp)
@@ -170,7 +171,9 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
         alltoall_alpha=a2a[0], alltoall_beta=a2a[1], peak_flops=flops, efficiency=1.0,
         mem_bandwidth=bw, memory_per_rank=mem, cores_per_node=units,
         measured=True, device=device,
-        notes=f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}",
+        notes=f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}"
+              f" under a load average of {load:.1f} on {os.cpu_count() or 1} cores",
+        load_per_core=load / (os.cpu_count() or 1),
     )
     if save and comm.Get_rank() == 0:
         profile.save(this_machine_path(cache_dir, device))

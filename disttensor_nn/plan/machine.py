@@ -40,6 +40,7 @@ class MachineProfile:
     device: str = "cpu"  # what a rank computes on: 'cpu' (NumPy) or 'gpu' (CuPy)
     notes: str = ""
     sources: list[str] = field(default_factory=list)
+    load_per_core: float | None = None  # of a calibration: the load average per core before it
 
     def p2p(self, nbytes: float) -> float:
         """Time of one point-to-point message."""

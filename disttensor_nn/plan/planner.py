@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from tqdm import tqdm
 
 from disttensor import ProcessGrid
 
@@ -136,7 +137,8 @@ class Plan:
                 f"{e.memory / 2**20:7.1f}{mark}")
         lines.append("-" * len(head))
         lines.append(f"predicted time per iteration: {1e3 * self.time:.2f} ms on "
-                     f"{self.nprocs} ranks ({self.machine}); peak memory per rank "
+                     f"{self.nprocs} rank{'' if self.nprocs == 1 else 's'} ({self.machine}); "
+                     "peak memory per rank "
                      f"{self.peak_memory / 2**20:.1f} MiB"
                      + (f" of {self.memory_budget / 2**20:.0f} MiB" if self.memory_budget
                         else ""))
@@ -267,7 +269,11 @@ class Planner:
             return all(timer.key(q[0], q[1], q[2], co) in timer.table for q in queries)
 
         done = 0
-        for cand in self.cands:
+        # progress on rank 0, in a terminal (tqdm's disable=None: not into logs)
+        bar = tqdm(self.cands, desc="timing kernels", unit="grid", leave=False,
+                   disable=True if comm.Get_rank() else None)
+        for cand in bar:
+            bar.set_postfix_str(f"grid {cand}")
             queries, memory = self.kernel_queries(cand)
             if self.budget is not None and memory > self.budget:
                 continue
@@ -430,7 +436,8 @@ class Planner:
         finally:
             self.budget = budget
         smallest = self.assignment_cost(m)[1] if m else float("nan")
-        return (f"no distribution of this network on {self.cost.nprocs} ranks fits "
+        return (f"no distribution of this network on {self.cost.nprocs} "
+                f"rank{'' if self.cost.nprocs == 1 else 's'} fits "
                 f"{(self.budget or 0) / 2**20:.0f} MiB per rank (the smallest plan found needs "
                 f"{smallest / 2**20:.0f} MiB)")
 
@@ -464,7 +471,8 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_size() != plan.nprocs:
-        raise ValueError(f"the plan is for {plan.nprocs} ranks, the job has {comm.Get_size()}")
+        raise ValueError(f"the plan is for {plan.nprocs} rank{'' if plan.nprocs == 1 else 's'}, "
+                         f"the job has {comm.Get_size()}")
     nodes = leaf_nodes(trace(model, tuple(batch_shape)))
     if len(nodes) != len(plan.entries) or any(
         tuple(n.in_shape) != tuple(e.in_shape) for n, e in zip(nodes, plan.entries)

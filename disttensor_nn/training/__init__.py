@@ -15,13 +15,21 @@
 
 from .checkpoint import FORMAT, VERSION, CheckpointError, load_checkpoint, save_checkpoint
 from .data import Dataset, ImageNetSynthetic, Loader, MeshSynthetic, NpyDataset, save_npy_dataset
-from .driver import TrainConfig, train
+from .driver import SetupError, TrainConfig, train
 from .plot import plot_main, plot_metrics, plot_scaling
-from .registry import ModelSpec, build_model, model_names, model_spec, register_model
+from .registry import (
+    ModelSpec,
+    build_model,
+    check_size,
+    model_names,
+    model_spec,
+    register_model,
+)
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "Dataset", "ImageNetSynthetic", "Loader",
-    "MeshSynthetic", "ModelSpec", "NpyDataset", "TrainConfig", "build_model", "load_checkpoint",
+    "MeshSynthetic", "ModelSpec", "NpyDataset", "TrainConfig", "build_model", "check_size",
+    "load_checkpoint",
     "model_names", "model_spec", "plot_main", "plot_metrics", "plot_scaling", "register_model",
-    "save_checkpoint", "save_npy_dataset", "train",
+    "save_checkpoint", "save_npy_dataset", "SetupError", "train",
 ]

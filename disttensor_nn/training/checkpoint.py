@@ -10,18 +10,27 @@ Saving is collective. Rank 0 writes the replicated state (every rank holds the
 same copy) and preallocates each distributed array's ``.npy`` file with
 :func:`numpy.lib.format.open_memmap`; after a barrier every rank writes its
 own block into it (of several replicas of a block, only the lowest rank
-writes). Everything goes into a temporary directory beside the target, which
-rank 0 renames into place once the manifest is written, so the target path
-holds either the previous checkpoint or the complete new one, never a
-partial one. Any failure on any rank is agreed on: every rank raises the
-same :class:`CheckpointError` and the temporary directory is removed.
+writes). Everything goes into a temporary directory ``.NAME.tmp-TOKEN``
+beside the target, which rank 0 commits once the manifest is written: the
+previous checkpoint is renamed to ``.NAME.old-TOKEN``, the new one to the
+target, and the old one removed. A checkpoint is loadable at every instant:
+if the writer dies between the two renames, loading finds the target
+missing, completes the commit from the finished temporary directory (or,
+failing that, restores the previous checkpoint) and loads it; leftovers of
+an interrupted commit are removed by the next successful save. Any failure
+on any rank is agreed on: every rank raises the same
+:class:`CheckpointError` and the temporary directory is removed.
 
-Loading is collective too. Rank 0 checks the manifest, the size and sha256 of
-every file, and that the model, optimizer and arrays match what was saved;
-it broadcasts its verdict, so a corrupt, truncated, incomplete or
-mismatched checkpoint raises the same :class:`CheckpointError` on every rank
-before anything is changed. Rank 0 then broadcasts the replicated state, and
-every rank reads only its block of each distributed array (memory-mapped).
+Loading is collective too. Every rank first checks its own arguments and
+that they agree with every other rank's (model, optimizer and requested
+arrays: names, shapes, dtypes, distributions). Rank 0 checks the manifest,
+the size and sha256 of every file, and that the model, optimizer and arrays
+match what was saved; it broadcasts its verdict, so a corrupt, truncated,
+incomplete or mismatched checkpoint raises the same :class:`CheckpointError`
+on every rank before anything is changed. Rank 0 then broadcasts the
+replicated state, every rank reads its block of each distributed array
+(memory-mapped), and only when all of that succeeded on every rank are the
+model, the optimizer and the arrays changed.
 
 Distributed writes into one file need a file system on which writes of
 different processes to disjoint regions of a file are coherent (local file
@@ -30,6 +39,7 @@ systems, Lustre, GPFS; not NFS with client caching).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import operator
@@ -226,6 +236,46 @@ def _commit(tmp: str, final: str, token: str) -> None:
     _fsync(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for leftover in _siblings(final, "tmp") + _siblings(final, "old"):  # of interrupted commits
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _siblings(final: str, kind: str) -> list[str]:
+    """The ``.NAME.tmp-*`` or ``.NAME.old-*`` directories beside ``final``, newest first."""
+    parent, base = os.path.split(final)
+    found = [p for p in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}."
+                                               f"{kind}-*")) if os.path.isdir(p)]
+    return sorted(found, key=lambda p: os.stat(p).st_mtime_ns, reverse=True)
+
+
+def _complete(directory: str) -> bool:
+    """Whether ``directory`` holds a finished checkpoint (a manifest whose checksum holds)."""
+    try:
+        _read_manifest(directory)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _recover(final: str) -> str:
+    """The directory to load for ``final``, completing a commit that was interrupted.
+
+    When ``final`` is missing but a finished temporary directory (the new
+    checkpoint) or a previous checkpoint (``.old-``) lies beside it, that one
+    is renamed to ``final``; where renaming is not possible it is read in
+    place.
+    """
+    if os.path.lexists(final):
+        return final
+    for candidate in [p for p in _siblings(final, "tmp") if _complete(p)] + \
+            [p for p in _siblings(final, "old") if _complete(p)]:
+        try:
+            os.replace(candidate, final)
+            _fsync(os.path.dirname(final))
+        except OSError:
+            return candidate
+        return final
+    return final
 
 
 # --------------------------------------------------------------------------- save
@@ -271,8 +321,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     Raises
     ------
     CheckpointError
-        On every rank, when anything fails on any rank; the target is then
-        left as it was and the temporary directory removed.
+        On every rank, when anything fails on any rank, or when the ranks
+        pass different steps, models, optimizers or arrays; the target is
+        then left as it was and the temporary directory removed.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
@@ -304,6 +355,12 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     except Exception as exc:
         error = exc
     _agree(comm, error, "save_checkpoint (arguments)")
+    everyone = comm.allgather((step, _describe_arguments(model, optimizer, arrays, comm)))
+    differ = [r for r, v in enumerate(everyone) if v != everyone[0]]
+    if differ:
+        raise CheckpointError(f"save_checkpoint refused (nothing written): the step, model, "
+                              f"optimizer or arrays of rank(s) {differ} differ from rank 0's; "
+                              "every rank must pass the same")
 
     # -- rank 0: replicated state, preallocated array files
     if rank == 0:
@@ -515,16 +572,74 @@ def _bcast_arrays(comm: MPI.Comm, state: dict[str, np.ndarray] | None) -> dict[s
     return out
 
 
+def _describe_arguments(model: Layer | None, optimizer: Any,
+                        arrays: Mapping[Any, Any], comm: MPI.Comm) -> Any:
+    """This rank's arguments as comparable data; raises for malformed ones (local, no messages)."""
+    described = []
+    for name in arrays:
+        if not isinstance(name, str):
+            raise TypeError(f"arrays must map str to DistArray or Distribution, got the key "
+                            f"{name!r}")
+    for name in sorted(arrays):
+        target = arrays[name]
+        if isinstance(target, DistArray):
+            dist, dtype = target.dist, numpy_dtype(target.dtype).str
+        elif isinstance(target, Distribution):
+            dist, dtype = target, None
+            if target.grid is None:
+                raise ValueError(f"array {name!r}: the Distribution has no process grid (it was "
+                                 "built on a grid shape); build it on a ProcessGrid")
+        else:
+            raise TypeError(f"arrays must map str to DistArray or Distribution, got {name!r}: "
+                            f"{type(target).__name__}")
+        if not dist.grid.same_processes(comm):
+            raise ValueError(f"array {name!r} lives on another communicator than the "
+                             "checkpoint's")
+        described.append((name, repr(dist), dtype))
+    params = [(n, tuple(p.data.shape), numpy_dtype(p.data.dtype).str)
+              for n, p in named_parameters(model)]
+    buffers = [(n, tuple(getattr(lay, a).shape), numpy_dtype(getattr(lay, a).dtype).str)
+               for n, lay, a in named_buffers(model)]
+    return {"arrays": described, "model parameters": params, "model buffers": buffers,
+            "optimizer": None if optimizer is None else type(optimizer).__name__}
+
+
+def _agree_on_arguments(model: Layer | None, optimizer: Any, arrays: Mapping[Any, Any],
+                        comm: MPI.Comm) -> None:
+    """The same CheckpointError on every rank for a malformed or rank-dependent argument."""
+    try:
+        mine: Any = ("ok", _describe_arguments(model, optimizer, arrays, comm))
+    except Exception as exc:
+        mine = ("error", f"{type(exc).__name__}: {exc}")
+    everyone = comm.allgather(mine)
+    for r, (kind, value) in enumerate(everyone):
+        if kind == "error":
+            raise CheckpointError(f"load_checkpoint refused (nothing changed): rank {r}: {value}")
+    first = everyone[0][1]
+    for r, (_, value) in enumerate(everyone):
+        for what in first:
+            if value[what] != first[what]:
+                raise CheckpointError(
+                    f"load_checkpoint refused (nothing changed): the {what} differ between "
+                    f"ranks (rank {r}: {value[what]}; rank 0: {first[what]}); every rank "
+                    "must pass the same")
+
+
 def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer: Any = None,
                     arrays: Mapping[str, DistArray | Distribution] | None = None, *,
                     comm: MPI.Comm | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (collective over ``comm``).
 
-    Nothing is changed unless the whole checkpoint passes rank 0's checks:
-    manifest format, version and self-checksum; presence, size and sha256 of
-    every file; parameter and buffer names, shapes and dtypes
-    equal to the model's; the optimizer's class and buffer shapes; requested
-    arrays present with the expected shape (and dtype).
+    Nothing is changed unless the arguments are well-formed and the same on
+    every rank (the model's parameter and buffer names, shapes and dtypes,
+    the optimizer's class, the requested arrays' names, distributions and
+    dtypes), the whole checkpoint passes rank 0's checks (manifest format,
+    version and self-checksum; presence, size and sha256 of every file;
+    parameter and buffer names, shapes and dtypes equal to the model's; the
+    optimizer's class and buffer shapes; requested arrays present with the
+    expected shape and dtype) and every rank has read its blocks. A target
+    missing because a save was interrupted in its commit is recovered (see
+    the module's description).
 
     Parameters
     ----------
@@ -562,12 +677,14 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     path = os.path.abspath(os.fspath(directory))
     path = comm.bcast(path if rank == 0 else None, root=0)
     arrays = dict(arrays or {})
+    _agree_on_arguments(model, optimizer, arrays, comm)
 
     verdict: tuple[bool, str] = (True, "")
     manifest: dict | None = None
     state: dict | None = None
     if rank == 0:
         try:
+            path = _recover(path)
             manifest, state = _verify(path, model, optimizer, arrays)
         except CheckpointError as exc:
             verdict = (False, str(exc))
@@ -576,8 +693,24 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     ok, msg = comm.bcast(verdict, root=0)
     if not ok:
         raise CheckpointError(msg)
-    manifest = comm.bcast(manifest, root=0)
+    path, manifest = comm.bcast((path, manifest), root=0)
     state = _bcast_arrays(comm, state)
+
+    # every rank reads its blocks before anything is changed
+    saved = {e["name"]: e for e in manifest["arrays"]}
+    blocks: dict[str, np.ndarray | None] = {}
+    error: BaseException | None = None
+    try:
+        for name in sorted(arrays):
+            dist = arrays[name] if isinstance(arrays[name], Distribution) else arrays[name].dist
+            blocks[name] = None
+            if all(n > 0 for n in dist.local_shape()):
+                mm = np.load(os.path.join(path, saved[name]["file"]), mmap_mode="r")
+                blocks[name] = np.array(mm[dist.local_slices()])
+                del mm
+    except Exception as exc:
+        error = exc
+    _agree(comm, error, f"load_checkpoint of {path} (distributed arrays)")
 
     opt = manifest["optimizer"]
     if optimizer is not None:
@@ -586,23 +719,14 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
         model.load_state_dict({e["name"]: state[e["key"]]
                                for e in manifest["parameters"] + manifest["buffers"]},
                               strict=False)
-
-    saved = {e["name"]: e for e in manifest["arrays"]}
     out: dict[str, DistArray] = {}
-    error: BaseException | None = None
-    try:
-        for name in sorted(arrays):
-            target, e = arrays[name], saved[name]
-            if isinstance(target, Distribution):
-                target = DistArray.empty(target, np.dtype(e["dtype"]))
-            if all(n > 0 for n in target.local_shape):
-                mm = np.load(os.path.join(path, e["file"]), mmap_mode="r")
-                target.local[...] = target.xp.asarray(mm[target.dist.local_slices()])
-                del mm
-            out[name] = target
-    except Exception as exc:
-        error = exc
-    _agree(comm, error, f"load_checkpoint of {path} (distributed arrays)")
+    for name in sorted(arrays):
+        target = arrays[name]
+        if isinstance(target, Distribution):
+            target = DistArray.empty(target, np.dtype(saved[name]["dtype"]))
+        if blocks[name] is not None:
+            target.local[...] = target.xp.asarray(blocks[name])
+        out[name] = target
     return {"step": manifest["step"], "rng_state": _decode(manifest["rng_state"], state),
             "extra": _decode(manifest["extra"], state), "arrays": out,
             "array_names": list(saved), "manifest": manifest}

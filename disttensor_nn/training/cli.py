@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -16,11 +17,12 @@ from mpi4py import MPI
 
 from disttensor import limit_blas_threads
 
-from ..plan import make_plan, predict_scaling, wait_for_root
+from ..plan import Plan, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
-from .driver import TrainConfig, train
+from ..plan.machine import builtin_profiles
+from .driver import SetupError, TrainConfig, plan_mismatch, train
 from .plot import plot_scaling
-from .registry import build_model, model_names, model_spec
+from .registry import build_model, check_size, model_names, model_spec
 
 __all__ = ["parse_bytes", "parse_size", "plan_main", "train_main"]
 
@@ -47,27 +49,114 @@ def _rank_counts(text: str) -> list[int]:
 
 
 def parse_size(text: str) -> tuple[int, ...]:
-    """``"256x256"`` -> ``(256, 256)``."""
+    """``"256x256"`` -> ``(256, 256)``: positive ints joined by ``x``."""
+    parts = text.lower().split("x")
+    if not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"size must be positive ints joined by 'x', like 256x256, got {text!r}")
+    size = tuple(int(p) for p in parts)
+    if min(size) < 1:
+        raise ValueError(f"size entries must be >= 1, got {text!r}")
+    return size
+
+
+def _arg_type(convert: Any, name: str) -> Any:
+    """``convert`` as an argparse type whose errors are the usage message."""
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = name
+    return parse
+
+
+def _number(kind: type, low: float, strict: bool) -> Any:
+    """An argparse type for ``kind`` values ``> low`` (``strict``) or ``>= low``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if value < low or (strict and value == low) or value != value:
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_positive_int = _number(int, 0, True)
+_count = _number(int, 0, False)
+_positive = _number(float, 0, True)
+_nonnegative = _number(float, 0, False)
+_size = _arg_type(parse_size, "size")
+_bytes = _arg_type(parse_bytes, "memory size")
+
+
+def _plural(n: int, word: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose messages (help, usage errors) come from rank 0 only.
+
+    Every rank parses the same command line and exits with the same status
+    (2 for a usage error), so the job ends on all ranks with one message.
+    """
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show every option's default, keep the description's line breaks."""
+
+
+def _read_plan(parser: argparse.ArgumentParser, path: str) -> Plan:
+    """The plan in ``path``; a usage error naming the file and what is wrong with it."""
     try:
-        return tuple(int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"size must look like 256x256, got {text!r}") from None
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        parser.error(f"--ranks-layout {path}: cannot read the plan file ({exc.strerror})")
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        parser.error(f"--ranks-layout {path}: not JSON ({exc})")
+    try:
+        return Plan.from_json(text)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        parser.error(f"--ranks-layout {path}: not a plan written by disttensor-plan --json "
+                     f"({type(exc).__name__}: {exc})")
+    raise AssertionError  # parser.error exits
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """``disttensor-plan MODEL --ranks P --batch N [...]``: print (and save) a plan."""
-    parser = argparse.ArgumentParser(
-        prog="disttensor-plan",
-        description="Choose every layer's distribution for a network and print the plan.")
-    parser.add_argument("model", nargs="?", choices=model_names())
-    parser.add_argument("--ranks", type=int, help="number of ranks (default: this job's)")
-    parser.add_argument("--batch", type=int, default=None, help="global mini-batch size")
-    parser.add_argument("--size", type=parse_size, help="input spatial size, e.g. 256x256")
-    parser.add_argument("--memory-per-rank", type=parse_bytes, help="e.g. 8GiB")
+    profiles = builtin_profiles()
+    parser = _Parser(
+        prog="disttensor-plan", formatter_class=_Help,
+        description="Choose every layer's distribution for a network and print the plan.",
+        epilog="built-in machine profiles (--machine):\n" + "\n".join(
+            f"  {name}: {p.notes.split('.')[0]}" for name, p in profiles.items()))
+    parser.add_argument("model", nargs="?", choices=model_names(),
+                        help="the network to plan (one of the registered models)")
+    parser.add_argument("--ranks", type=_positive_int,
+                        help="number of ranks (default: this job's)")
+    parser.add_argument("--batch", type=_positive_int, default=None,
+                        help="global mini-batch size (default: the model's)")
+    parser.add_argument("--size", type=_size,
+                        help="input spatial size, e.g. 256x256 (default: the model's)")
+    parser.add_argument("--memory-per-rank", type=_bytes,
+                        help="memory budget per rank, e.g. 8GiB (default: the machine's)")
     parser.add_argument("--machine", default="this",
-                        help="'this' or 'this-gpu' (calibrated), a builtin profile, "
-                        "or a JSON profile")
-    parser.add_argument("--json", help="write the plan as JSON to this file")
+                        help="'this' or 'this-gpu' (calibrated here), a built-in profile "
+                        f"({', '.join(profiles)}), or a JSON profile file")
+    parser.add_argument("--json", help="write the plan as JSON to this file (for "
+                        "disttensor-train --ranks-layout)")
     parser.add_argument("--no-measure", action="store_true",
                         help="estimate missing kernel times instead of measuring them")
     parser.add_argument("--calibrate", action="store_true",
@@ -79,6 +168,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated rank counts: predicted strong scaling")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
     args = parser.parse_args(argv)
+    if args.plot and not args.scaling:
+        parser.error("--plot needs --scaling")
+    if args.model is not None:
+        try:
+            check_size(args.model, args.size)
+        except ValueError as exc:
+            parser.error(f"--size: {exc}")
     comm = MPI.COMM_WORLD
     limit_blas_threads(comm=comm)
     if args.calibrate:
@@ -115,13 +211,13 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     try:
         plan, _ = make_plan(model, shape, nprocs, args.machine, args.memory_per_rank,
                             not args.no_measure, comm=comm)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         if root:
-            print(f"disttensor-plan: {exc}", file=sys.stderr)
-        return 1
+            print(f"disttensor-plan: error: {exc}", file=sys.stderr)
+        return 2
     if not root:
         return 0
-    print(f"{args.model}, batch {shape}, {nprocs} ranks")
+    print(f"{args.model}, batch {shape}, {_plural(nprocs, 'rank')}")
     print(plan.table())
     if args.json:
         with open(args.json, "w") as f:
@@ -155,42 +251,98 @@ def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> in
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """``disttensor-train MODEL [...]``: train with the planner's (or a given) plan."""
+    """``disttensor-train MODEL [...]``: train with the planner's (or a given) plan.
+
+    Every argument is checked before any work: a bad one ends the job on
+    every rank with one usage message from rank 0 and exit status 2, as
+    :mod:`argparse` does; so does an error found later that the arguments
+    caused (a checkpoint to resume that does not fit, a memory budget that no
+    plan fits).
+    """
     d = TrainConfig()
-    parser = argparse.ArgumentParser(
-        prog="disttensor-train",
-        description="Train a network on synthetic data with per-layer distributions chosen by "
-                    "the planner (run under mpiexec -n P).")
-    parser.add_argument("model", nargs="?", default=d.model, choices=model_names())
-    parser.add_argument("--ranks-layout", default="auto",
-                        help="'auto' (plan on this machine) or a plan JSON from disttensor-plan")
-    parser.add_argument("--batch", type=int, default=d.batch)
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--size", type=parse_size)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--momentum", type=float, default=d.momentum)
-    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    parser.add_argument("--samples", type=int, default=d.samples, help="synthetic data set size")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--checkpoint", help="directory for checkpoints")
-    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser = _Parser(
+        prog="disttensor-train", formatter_class=_Help,
+        description="Train a network with per-layer distributions chosen by the planner "
+                    "(run under mpiexec -n P), on synthetic data or on a directory of .npy "
+                    "samples (--data).")
+    parser.add_argument("model", nargs="?", default=d.model, choices=model_names(),
+                        help="the network to train (one of the registered models)")
+    parser.add_argument("--ranks-layout", default="auto", metavar="auto|PLAN.json",
+                        help="'auto' (plan on this machine) or a plan JSON written by "
+                        "disttensor-plan --json for this model, batch and number of ranks")
+    parser.add_argument("--batch", type=_positive_int, default=d.batch,
+                        help="global mini-batch size")
+    parser.add_argument("--steps", type=_positive_int, default=d.steps,
+                        help="train until this step (counting the resumed ones)")
+    parser.add_argument("--size", type=_size,
+                        help="input spatial size, e.g. 256x256 (default: the model's)")
+    parser.add_argument("--lr", type=_positive, help="learning rate (default: the model's)")
+    parser.add_argument("--momentum", type=_nonnegative, default=d.momentum,
+                        help="SGD momentum")
+    parser.add_argument("--weight-decay", type=_nonnegative, default=d.weight_decay,
+                        help="SGD weight decay")
+    parser.add_argument("--samples", type=_positive_int, default=d.samples,
+                        help="synthetic data set size (ignored with --data)")
+    parser.add_argument("--data", metavar="DIR",
+                        help="train on the .npy samples in DIR (sample_*.npy and target_*.npy, "
+                        "as save_npy_dataset writes them) instead of synthetic data")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="seed of the weights, the data and the shuffling")
+    parser.add_argument("--checkpoint", metavar="DIR", help="directory for checkpoints")
+    parser.add_argument("--checkpoint-every", type=_count, default=0, metavar="STEPS",
+                        help="also checkpoint every this many steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    parser.add_argument("--metrics", default=d.metrics,
-                        help="prefix of the metrics files (PREFIX.csv, PREFIX.json)")
-    parser.add_argument("--machine", default=d.machine)
-    parser.add_argument("--memory-per-rank", type=parse_bytes)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--metrics", default=d.metrics, metavar="PREFIX",
+                        help="write PREFIX.csv and PREFIX.json ('' for none)")
+    parser.add_argument("--machine", default=d.machine,
+                        help="the machine profile to plan for: 'this' (calibrated here) or "
+                        f"a built-in one ({', '.join(builtin_profiles())})")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="measure this machine again instead of using its cached "
+                        "calibration")
+    parser.add_argument("--memory-per-rank", type=_bytes,
+                        help="memory budget per rank, e.g. 8GiB (default: the machine's)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar")
     a = parser.parse_args(argv)
+    if a.resume and not a.checkpoint:
+        parser.error("--resume needs --checkpoint DIR (the checkpoint to continue from)")
+    if a.checkpoint_every and not a.checkpoint:
+        parser.error("--checkpoint-every needs --checkpoint DIR")
+    if a.data is not None and not os.path.isdir(a.data):
+        parser.error(f"--data {a.data}: not a directory")
+    try:
+        check_size(a.model, a.size)
+    except ValueError as exc:
+        parser.error(f"--size: {exc}")
+    if a.ranks_layout != "auto":
+        plan = _read_plan(parser, a.ranks_layout)
+        model, shape = build_model(a.model, a.size, a.batch)
+        problem = plan_mismatch(plan, model, shape, MPI.COMM_WORLD.Get_size())
+        if problem:
+            parser.error(f"--ranks-layout {a.ranks_layout}: {problem}")
     limit_blas_threads()
     cfg = TrainConfig(model=a.model, layout=a.ranks_layout, batch=a.batch, steps=a.steps,
                       size=a.size, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
                       seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
                       checkpoint_every=a.checkpoint_every, resume=a.resume, metrics=a.metrics,
                       machine=a.machine, memory_per_rank=a.memory_per_rank,
-                      progress=not a.no_progress)
-    train(cfg)
+                      progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate)
+    try:
+        train(cfg)
+    except SetupError as exc:  # raised on every rank, before training
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return 0
 
 
+def _refuse_main(module: str) -> int:
+    """What ``python -m`` on a module of both tools says: which module runs which tool."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(f"{module} holds both command-line tools; run `python -m disttensor_nn.train` "
+              "(disttensor-train) or `python -m disttensor_nn.plan` (disttensor-plan)",
+              file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    sys.exit(plan_main())
+    sys.exit(_refuse_main("disttensor_nn.training.cli"))

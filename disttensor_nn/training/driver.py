@@ -18,13 +18,27 @@ from ..module import Layer, Layout, RemovableHandle
 from ..optim import SGD
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
-from ..plan.machine import this_machine_path
+from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.planner import leaf_nodes, trace
-from .checkpoint import load_checkpoint, save_checkpoint
-from .data import Loader
-from .registry import build_model, model_spec
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .data import Loader, NpyDataset
+from .registry import build_model, check_size, model_spec
 
-__all__ = ["TrainConfig", "train"]
+__all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError"]
+
+HEAVY_LOAD = 0.5
+"""Load average per core above which a calibration is flagged as measured under load."""
+
+
+class SetupError(ValueError):
+    """A configuration that cannot train, found by :func:`train` before its first step.
+
+    Raised with the same message on every rank (the checks use only what
+    every rank knows, or agreed results such as a checkpoint's verdict):
+    a plan file for another model, batch or number of ranks, a memory budget
+    no plan fits, a checkpoint that cannot be resumed or whose step is not
+    below ``steps``, data of the wrong shape.
+    """
 
 
 @dataclass
@@ -48,6 +62,8 @@ class TrainConfig:
     machine: str = "this"
     memory_per_rank: float | None = None
     progress: bool = True
+    data: str | None = None  # a directory of .npy samples (NpyDataset) instead of synthetic data
+    recalibrate: bool = False  # measure this machine again even if a calibration is cached
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -75,30 +91,100 @@ def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
     return clocks, handles
 
 
+def plan_mismatch(plan: Plan, model: Layer, shape: tuple[int, ...], nprocs: int) -> str | None:
+    """What makes ``plan`` unfit for ``model`` on a batch of ``shape`` over ``nprocs`` ranks.
+
+    Returns None when the plan fits (:func:`~disttensor_nn.plan.apply_plan`
+    accepts it), otherwise a sentence naming the first difference: the
+    number of ranks, the batch shape, or the first layer whose kind or input
+    shape differs (a plan made for another model).
+    """
+    if plan.nprocs != nprocs:
+        return f"the plan is for {_plural(plan.nprocs, 'rank')}, this job has {nprocs}"
+    if tuple(plan.batch_shape) != tuple(shape):
+        return (f"the plan is for batches of shape {tuple(plan.batch_shape)}, this run's are "
+                f"{tuple(shape)} (--batch and --size)")
+    nodes = leaf_nodes(trace(model, tuple(shape)))
+    for i, (node, entry) in enumerate(zip(nodes, plan.entries)):
+        kind = type(node.layer).__name__
+        if entry.layer != kind or tuple(entry.in_shape) != tuple(node.in_shape):
+            return (f"layer {i} of the plan is {entry.layer} on {tuple(entry.in_shape)}, the "
+                    f"model's is {kind} on {tuple(node.in_shape)}: the plan was made for "
+                    "another model")
+    if len(nodes) != len(plan.entries):
+        return (f"the plan has {len(plan.entries)} layers, the model {len(nodes)}: it was made "
+                "for another model")
+    return None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _say(comm: MPI.Comm, text: str) -> None:
+    """Print on rank 0 (progress messages of the long phases)."""
+    if comm.Get_rank() == 0:
+        print(text, flush=True)
+
+
 def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) -> Plan:
     if cfg.layout != "auto":
         with open(cfg.layout) as f:
-            return Plan.from_json(f.read())
-    if cfg.machine == "this" and not os.path.exists(this_machine_path()):
-        if comm.Get_size() > 1:
+            plan = Plan.from_json(f.read())
+        problem = plan_mismatch(plan, model, shape, comm.Get_size())
+        if problem:
+            raise ValueError(f"{cfg.layout}: {problem}")
+        return plan
+    machine = cfg.machine
+    if machine == "this":
+        path = this_machine_path()
+        if comm.Get_size() == 1:
+            machine = "v100-nvlink-edr"  # nothing to calibrate communication with
+            _say(comm, "1 rank: nothing to calibrate communication with; planning for the "
+                       f"built-in profile {machine}")
+        elif cfg.recalibrate or not os.path.exists(path):
+            _say(comm, f"calibrating this machine's communication and compute on "
+                       f"{_plural(comm.Get_size(), 'rank')} (kept in {path} for later runs)...")
             calibrate(comm)
         else:
-            cfg.machine = "v100-nvlink-edr"  # nothing to calibrate communication with
-    plan, _ = make_plan(model, shape, comm.Get_size(), cfg.machine, cfg.memory_per_rank,
+            profile = MachineProfile.load(path)
+            _say(comm, f"using the cached calibration {path} ({profile.notes}); "
+                       "--recalibrate measures again")
+            if (profile.load_per_core or 0) > HEAVY_LOAD:
+                _say(comm, f"warning: that calibration was taken under a load of "
+                           f"{profile.load_per_core:.1f} per core; its predictions will be "
+                           "too slow if the machine is quieter now (use --recalibrate)")
+    _say(comm, f"planning {cfg.model} for {_plural(comm.Get_size(), 'rank')} (kernels not "
+               "timed before are measured first)...")
+    plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
                         comm=comm)
     return plan
 
 
-def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
-    """Run the training loop; collective. Returns the summary (same on every rank)."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+def _setup(cfg: TrainConfig, comm: MPI.Comm) -> tuple:
+    """Everything before the first step: model, plan, data, optimizer, resumed state."""
     rank = comm.Get_rank()
     spec = model_spec(cfg.model)
-    model, shape = build_model(cfg.model, cfg.size, cfg.batch, seed=cfg.seed)
+    size = cfg.size
+    if cfg.data is not None:
+        data = NpyDataset(cfg.data)
+        if data.sample_shape[0] != spec.in_channels or (
+                size is not None and tuple(data.sample_shape[1:]) != tuple(size)):
+            raise ValueError(f"the samples in {cfg.data} are {data.sample_shape}; model "
+                             f"{cfg.model!r} takes {spec.in_channels} channels"
+                             + (f" and --size {'x'.join(map(str, size))}" if size else ""))
+        size = tuple(data.sample_shape[1:])
+    model, shape = build_model(cfg.model, size, cfg.batch, seed=cfg.seed)
+    check_size(cfg.model, size, model)
+    if cfg.data is None:
+        data = spec.dataset(cfg.samples, tuple(shape[1:]), cfg.seed)
     plan = _plan(cfg, model, shape, comm)
     apply_plan(model, plan, shape, comm)
+    if rank == 0:
+        print(f"{cfg.model}, batch {shape}, {_plural(comm.Get_size(), 'rank')}")
+        print(plan.table(), flush=True)
     nodes = leaf_nodes(trace(model, shape))
-    data, loss_fn = spec.dataset(cfg.samples, tuple(shape[1:]), cfg.seed), spec.loss()
+    loss_fn = spec.loss()
     first: Layout = nodes[0].layer.layout
     target_layout = None
     if data.has_spatial_target:
@@ -114,21 +200,47 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
             raise ValueError("--resume needs --checkpoint DIR")
         state = load_checkpoint(cfg.checkpoint, model, opt, comm=comm)
         step = int(state["step"])
+        if step >= cfg.steps:
+            raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {step}; --steps "
+                             f"{cfg.steps} is not above it, so there is nothing to train (ask "
+                             f"for more than {_plural(step, 'step')})")
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
+        _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
+    return model, shape, plan, nodes, loss_fn, loader, opt, step, history
+
+
+def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
+    """Run the training loop; collective. Returns the summary (same on every rank).
+
+    Raises
+    ------
+    SetupError
+        On every rank, before the first step, for a configuration that cannot
+        train (see :class:`SetupError`).
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank = comm.Get_rank()
+    try:
+        state = _setup(cfg, comm)
+    except (ValueError, FileNotFoundError, CheckpointError) as exc:
+        raise SetupError(str(exc)) from exc
+    model, shape, plan, nodes, loss_fn, loader, opt, step, history = state
     clocks, _ = _timed(nodes)
     bar = None
     if rank == 0 and cfg.progress:
-        bar = tqdm(total=cfg.steps, initial=step, desc=f"{cfg.model} on {comm.Get_size()} ranks",
-                   unit="step")
+        bar = tqdm(total=cfg.steps, initial=step,
+                   desc=f"{cfg.model} on {_plural(comm.Get_size(), 'rank')}", unit="step")
     it = iter(loader)
-    times = []
+    times, data_times = [], []
     while step < cfg.steps:
+        t_data = time.perf_counter()
         try:
             x, y = next(it)
         except StopIteration:
             it = iter(loader)
             x, y = next(it)
+        dt_data = time.perf_counter() - t_data
         comm.Barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -136,13 +248,18 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         loss = loss_fn(out, y)
         model.call_backward(loss_fn.backward())
         opt.step()
-        dt_step = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        clocks_now = np.array([time.perf_counter() - t0, dt_data])
+        comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
+        dt_step, dt_data = clocks_now.tolist()
         step += 1
         times.append(dt_step)
-        history.append({"step": step, "loss": loss, "time_s": dt_step,
-                        "samples_per_s": cfg.batch / dt_step})
+        data_times.append(dt_data)
+        total = dt_step + dt_data
+        history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
+                        "data_s": dt_data, "samples_per_s": cfg.batch / total})
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{cfg.batch / dt_step:.1f}")
+            bar.set_postfix(loss=f"{loss:.4f}", compute_ms=f"{1e3 * dt_step:.0f}",
+                            data_ms=f"{1e3 * dt_data:.0f}")
             bar.update(1)
         if cfg.checkpoint and (step == cfg.steps or (cfg.checkpoint_every and
                                                      step % cfg.checkpoint_every == 0)):
@@ -160,8 +277,11 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         "steps": step, "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
         "history": [h["loss"] for h in history],
-        "time_per_iteration_s": float(np.median(times)) if times else None,
-        "samples_per_s": cfg.batch / float(np.median(times)) if times else None,
+        "time_per_iteration_s": float(np.median(np.add(times, data_times))) if times else None,
+        "compute_time_per_iteration_s": float(np.median(times)) if times else None,
+        "data_time_per_iteration_s": float(np.median(data_times)) if times else None,
+        "samples_per_s": cfg.batch / float(np.median(np.add(times, data_times)))
+        if times else None,
         "predicted_time_per_iteration_s": plan.time,
         "peak_memory_per_rank_bytes": peak, "predicted_peak_memory_bytes": plan.peak_memory,
         "layers": [{"name": e.name, "layer": e.layer, "grid": list(e.grid),
@@ -170,9 +290,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         "config": {k: v for k, v in asdict(cfg).items()},
     }
     if rank == 0:
-        print(plan.table())
-        _write_metrics(cfg.metrics, history, summary)
         _print_summary(summary)
+        _write_metrics(cfg.metrics, history, summary)
     return summary
 
 
@@ -180,20 +299,26 @@ def _write_metrics(prefix: str | None, history: list[dict], summary: dict) -> No
     if not prefix:
         return
     with open(f"{prefix}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["step", "loss", "time_s", "samples_per_s"])
+        w = csv.DictWriter(f, fieldnames=["step", "loss", "time_s", "compute_s", "data_s",
+                                          "samples_per_s"], extrasaction="ignore")
         w.writeheader()
         w.writerows(history)
     with open(f"{prefix}.json", "w") as f:
         json.dump({"history": history, "summary": summary}, f, indent=1)
+    print(f"metrics written to {os.path.abspath(prefix)}.csv and .json (--metrics PREFIX; "
+          "plot them with disttensor-plot)")
 
 
 def _print_summary(s: dict) -> None:
-    print(f"\n{s['model']} {tuple(s['batch_shape'])} on {s['ranks']} ranks: {s['steps']} steps")
+    print(f"\n{s['model']} {tuple(s['batch_shape'])} on {_plural(s['ranks'], 'rank')}: "
+          f"{_plural(s['steps'], 'step')}")
     if s["first_loss"] is not None:
         print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     if s["time_per_iteration_s"]:
-        print(f"time per iteration {1e3 * s['time_per_iteration_s']:.1f} ms (predicted "
-              f"{1e3 * s['predicted_time_per_iteration_s']:.1f} ms), "
+        print(f"time per iteration {1e3 * s['time_per_iteration_s']:.1f} ms: compute "
+              f"{1e3 * s['compute_time_per_iteration_s']:.1f} ms (predicted "
+              f"{1e3 * s['predicted_time_per_iteration_s']:.1f} ms), data loading "
+              f"{1e3 * s['data_time_per_iteration_s']:.1f} ms; "
               f"{s['samples_per_s']:.1f} samples/s")
     print(f"peak memory per rank {s['peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (resident; "
           f"predicted {s['predicted_peak_memory_bytes'] / 2**20:.0f} MiB for the model's data)")

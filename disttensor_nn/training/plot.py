@@ -31,7 +31,8 @@ def plot_metrics(path: str, out_prefix: str | None = None) -> list[str]:
     ax.plot([h["step"] for h in hist], [h["loss"] for h in hist])
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"{summary['model']} {tuple(summary['batch_shape'])} on {summary['ranks']} ranks",
+    ax.set_title(f"{summary['model']} {tuple(summary['batch_shape'])} on {summary['ranks']} "
+                 f"rank{'' if summary['ranks'] == 1 else 's'}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(f"{prefix}-loss.png", dpi=110)
@@ -94,8 +95,13 @@ def plot_scaling(rows: list[dict], path: str, title: str) -> None:
 
 def plot_main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="disttensor-plot", description=__doc__.split("\n")[0])
-    parser.add_argument("metrics", help="PREFIX.json written by disttensor-train")
+    parser = argparse.ArgumentParser(
+        prog="disttensor-plot",
+        description="Turn a training metrics file into PNG plots: PREFIX-loss.png (loss per "
+                    "step) and PREFIX-layers.png (each layer's forward + backward time, "
+                    "predicted next to measured).")
+    parser.add_argument("metrics", help="PREFIX.json written by disttensor-train --metrics "
+                        "PREFIX")
     parser.add_argument("--out", help="prefix of the PNG files (default: the metrics prefix)")
     args = parser.parse_args(argv)
     for path in plot_metrics(args.metrics, args.out):

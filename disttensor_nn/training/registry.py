@@ -33,7 +33,8 @@ from ..models import mesh_fcn, resnet
 from ..module import Layer
 from .data import Dataset, ImageNetSynthetic, MeshSynthetic
 
-__all__ = ["ModelSpec", "build_model", "model_names", "model_spec", "register_model"]
+__all__ = ["ModelSpec", "build_model", "check_size", "model_names", "model_spec",
+           "register_model"]
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,74 @@ def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
     spec = model_spec(name)
     size = tuple(size) if size else spec.size
     return spec.builder(dtype=dtype, seed=seed), (batch, spec.in_channels, *size)
+
+
+def _size_problem(name: str, model: Layer, size: tuple[int, ...]) -> str | None:
+    """Why ``model`` (the registered ``name``) cannot train on samples of ``size``, or None."""
+    spec = model_spec(name)
+    shape = (1, spec.in_channels, *size)
+    try:
+        out = tuple(model.output_shape(shape))
+    except ValueError as exc:
+        return str(exc)
+    target = spec.dataset(1, shape[1:], 0).target_shape
+    if len(target) and tuple(out[1:]) != tuple(target):
+        return (f"the network's output per sample {out[1:]} does not match the data's "
+                f"target {tuple(target)}")
+    return None
+
+
+def check_size(name: str, size: tuple[int, ...] | None, model: Layer | None = None) -> None:
+    """Check that the model ``name`` trains on samples of spatial ``size``; say which sizes do.
+
+    Nothing is computed: the network's :meth:`~disttensor_nn.Layer.output_shape`
+    runs through its layers, and a spatial target of the data set must have
+    the output's shape.
+
+    Parameters
+    ----------
+    name : str
+        A registered model.
+    size : tuple of int or None
+        Spatial size S of a sample (None: the model's default, which is fine).
+    model : Layer, optional
+        The built model (built here if not given).
+
+    Raises
+    ------
+    ValueError
+        Naming the problem and, per spatial dimension, the nearest sizes that
+        work (with the other dimensions at the model's default size).
+    """
+    spec = model_spec(name)
+    if size is None:
+        return
+    size = tuple(size)
+    nd = len(spec.size)
+    if len(size) != nd:
+        raise ValueError(f"model {name!r} takes {nd}-D sizes like "
+                         f"{'x'.join(map(str, spec.size))}, got {'x'.join(map(str, size))}")
+    model = build_model(name)[0] if model is None else model
+    problem = _size_problem(name, model, size)
+    if problem is None:
+        return
+    hints = []
+    for i, n in enumerate(size):
+        if _size_problem(name, model, spec.size[:i] + (n,) + spec.size[i + 1:]) is None:
+            hints.append(f"dimension {i}: {n}")
+            continue
+        works = []
+        for direction in (-1, 1):
+            m = n + direction
+            while 1 <= m <= 4 * max(n, spec.size[i]) and \
+                    _size_problem(name, model, spec.size[:i] + (m,) + spec.size[i + 1:]):
+                m += direction
+            if 1 <= m <= 4 * max(n, spec.size[i]):
+                works.append(str(m))
+        hints.append(f"dimension {i}: {' or '.join(works) or 'none near it'}")
+    raise ValueError(f"model {name!r} cannot train on {'x'.join(map(str, size))} samples: "
+                     f"{problem}. Nearest sizes that work: {'; '.join(hints)} (the default is "
+                     f"{'x'.join(map(str, spec.size))})")
 
 
 def _imagenet(num_samples: int, sample_shape: tuple[int, ...], seed: int) -> Dataset:
