@@ -20,7 +20,7 @@ from __future__ import annotations
 import glob
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,19 @@ def _range(sl: slice) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- base class
+
+def _blocks(idx: np.ndarray, dist: Distribution, sample_shape: tuple[int, ...], dtype: Any,
+            block: Callable[[int, tuple[slice, ...]], Any], name: str, what: str) -> DistArray:
+    """This rank's block of the samples ``idx`` in ``dist``, each filled by ``block``."""
+    want = (len(idx), *sample_shape)
+    if tuple(dist.global_shape) != want:
+        raise ValueError(f"{name} has shape {dist.global_shape}, {what} {want}")
+    out = DistArray.empty(dist, dtype)
+    sn, *where = dist.local_slices()
+    for j, i in enumerate(idx[sn]):
+        out.local[j] = block(int(i), tuple(where))
+    return out
+
 class Dataset:
     """A data set of ``len(self)`` samples of shape :attr:`sample_shape` = (C, H, W).
 
@@ -154,14 +167,8 @@ class Dataset:
     def _inputs(self, idx: np.ndarray, dist_x: Distribution) -> DistArray:
         """This rank's block of the input batch of samples ``idx`` (checked on every rank)."""
         self._check_index(idx)
-        want = (len(idx), *self.sample_shape)
-        if tuple(dist_x.global_shape) != want:
-            raise ValueError(f"dist_x has shape {dist_x.global_shape}, the batch is {want}")
-        x = DistArray.empty(dist_x, self.dtype)
-        sn, *where = dist_x.local_slices()
-        for j, i in enumerate(idx[sn]):
-            x.local[j] = self._input_block(int(i), tuple(where))
-        return x
+        return _blocks(idx, dist_x, self.sample_shape, self.dtype, self._input_block,
+                       "dist_x", "the batch is")
 
     def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
               dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
@@ -208,13 +215,8 @@ class Dataset:
             return x, DistArray.from_local(labels[dist_y.local_slices()], dist_y)
         if dist_y is None:
             dist_y = self.target_distribution(dist_x)
-        want_y = (len(idx), *self.target_shape)
-        if tuple(dist_y.global_shape) != want_y:
-            raise ValueError(f"dist_y has shape {dist_y.global_shape}, the targets are {want_y}")
-        y = DistArray.empty(dist_y, self.target_dtype)
-        sn, *where = dist_y.local_slices()
-        for j, i in enumerate(idx[sn]):
-            y.local[j] = self._target_block(int(i), tuple(where))
+        y = _blocks(idx, dist_y, self.target_shape, self.target_dtype, self._target_block,
+                    "dist_y", "the targets are")
         return x, y
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
