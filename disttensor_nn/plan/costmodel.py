@@ -60,6 +60,7 @@ class LayerCost:
     comm: float = 0.0  # halo exchanges, halo accumulations, allreduces
     memory: float = 0.0  # bytes kept for backward plus the layer's workspace
     estimated: bool = False  # compute from a model, not a measurement
+    tiled: bool = False  # compute measured on a tile of the block and scaled by FLOPs
 
     @property
     def total(self) -> float:
@@ -94,17 +95,18 @@ class CostModel:
 
     # ------------------------------------------------------------ compute
     def _compute(self, layer: Layer, local_in: tuple[int, ...], flops: float,
-                 nbytes: float) -> tuple[float, float, bool]:
+                 nbytes: float) -> tuple[float, float, bool, bool]:
         if any(n == 0 for n in local_in):
-            return 0.0, 0.0, False
+            return 0.0, 0.0, False, False
         dtype = np.dtype(f"f{self.itemsize}")
         if self.timer is not None:
             f, b, est, co = self.timer.times(layer, local_in, dtype, flops, self.corun)
             scale = 1.0 if co >= self.corun else self.contention
-            return f * scale, b * scale, est
+            tiled = getattr(self.timer, "tiled", None)
+            return f * scale, b * scale, est, bool(tiled and tiled(layer, local_in, dtype, co))
         p = self.profile
         t = flops / (p.peak_flops * p.efficiency) + nbytes / p.mem_bandwidth
-        return t, 2 * t, True
+        return t, 2 * t, True, False
 
     def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate) -> LayerCost:
         """Cost of ``layer`` on an input of global ``in_shape`` split by ``cand``.
@@ -118,8 +120,8 @@ class CostModel:
         _check_spec(layer, spec, dist)
         cost = LayerCost(memory=spec.memory)
         if spec.timed:
-            cost.fwd, cost.bwd, cost.estimated = self._compute(layer, spec.local_shape,
-                                                               spec.flops, spec.nbytes)
+            cost.fwd, cost.bwd, cost.estimated, cost.tiled = self._compute(
+                layer, spec.local_shape, spec.flops, spec.nbytes)
         else:
             cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
         cost.comm = sum((self.profile.allreduce(a.nbytes, _ranks_splitting(dist, a.dims))

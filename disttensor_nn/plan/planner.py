@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
-from tqdm import tqdm
 
 from disttensor import ProcessGrid
 
@@ -109,6 +109,7 @@ class PlanEntry:
     shuffle_in: float
     memory: float
     estimated: bool
+    tiled: bool = False
 
 
 @dataclass
@@ -130,7 +131,7 @@ class Plan:
                f"{'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
         lines = [head, "-" * len(head)]
         for e in self.entries:
-            mark = "*" if e.estimated else " "
+            mark = "*" if e.estimated else "~" if e.tiled else " "
             lines.append(
                 f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<14} {1e3 * e.fwd:8.2f} "
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
@@ -144,6 +145,8 @@ class Plan:
                         else ""))
         if any(e.estimated for e in self.entries):
             lines.append("* compute estimated from a rate model, not measured")
+        if any(e.tiled for e in self.entries):
+            lines.append("~ compute measured on a tile of the local block, scaled by FLOPs")
         lines += self.notes
         return "\n".join(lines)
 
@@ -187,6 +190,7 @@ class Planner:
         self.budget = memory_budget
         self.base_memory = cost.params_memory(model)
         self._layer_cost: dict[tuple[int, int], LayerCost] = {}
+        self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
 
     # ------------------------------------------------------------ tables
@@ -247,43 +251,53 @@ class Planner:
                                         for n in self.nodes)
         return rec.queries, memory
 
-    def calibrate(self, comm: Any = None, reps: int = 3) -> int:
-        """Measure the layers' kernel times in network order, one candidate at a time.
+    def calibrate(self, comm: Any = None, reps: int = 3, progress: bool = False) -> int:
+        """Measure the layers' kernel times in network order, every candidate's layers at once.
 
         Collective over ``comm`` (default: this process alone): every rank
         runs the same 1-process twins at the same time, as the ranks of a job
         of ``comm``'s size share the machine, so pass the job's communicator
-        when planning for it. Candidates already measured for this rank
-        count, and those whose uniform plan does not fit the memory budget
-        (their twins would need that memory too), are skipped; their layers
-        fall back to measurements of each twin alone. Returns the number of
-        candidates measured. Without a :class:`KernelTimer` this does nothing.
+        when planning for it. The queries of every candidate, in network
+        order, go to one :meth:`KernelTimer.measure_chain`, which times each
+        distinct local shape once, large ones on tiles, in segments that fit
+        the memory budget. Layers whose memory alone exceeds the budget are
+        not measured (they cannot be chosen). Returns the number of
+        candidates with something newly measured. Without a
+        :class:`KernelTimer` this does nothing.
         """
         timer = self.cost.timer
         if not isinstance(timer, KernelTimer) or not timer.measure:
             return 0
         comm = MPI.COMM_SELF if comm is None else comm
         corun = comm.Get_size()
-
-        def measured(queries: list, co: int) -> bool:
-            return all(timer.key(q[0], q[1], q[2], co) in timer.table for q in queries)
-
-        done = 0
-        # progress on rank 0, in a terminal (tqdm's disable=None: not into logs)
-        bar = tqdm(self.cands, desc="timing kernels", unit="grid", leave=False,
-                   disable=True if comm.Get_rank() else None)
-        for cand in bar:
-            bar.set_postfix_str(f"grid {cand}")
-            queries, memory = self.kernel_queries(cand)
-            if self.budget is not None and memory > self.budget:
-                continue
-            # the same decision on every rank, or the collective measurement would hang
-            if comm.allreduce(measured(queries, corun) or measured(queries, self.cost.corun),
-                              op=MPI.LAND):
-                continue
-            timer.measure_chain(queries, comm, reps)
-            done += 1
-        return done
+        dtype = np.dtype(f"f{self.cost.itemsize}")
+        queries, news = [], 0
+        for cand in self.cands:
+            rec = QueryRecorder()
+            model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize)
+            fresh = False
+            for node in self.nodes:
+                n = len(rec.queries)
+                memory = model.layer(node.layer, node.in_shape, cand).memory
+                if self.budget is not None and memory + self.base_memory > self.budget:
+                    del rec.queries[n:]
+                    continue
+                for q in rec.queries[n:]:
+                    fresh |= not any(timer.key(q[0], q[1], dtype, co) in timer.table
+                                     for co in dict.fromkeys((corun, self.cost.corun)))
+            queries += rec.queries
+            news += fresh
+        # the same decision on every rank, or the collective measurement would hang
+        if not comm.allreduce(news > 0, op=MPI.LOR):
+            return 0
+        start = time.perf_counter()
+        shapes = timer.measure_chain(queries, comm, reps, memory=self.budget, progress=progress)
+        tiled = sum(timer.tiled(q[0], q[1], q[2], corun) for q in queries)
+        self.notes.append(f"kernels timed on {corun} rank{'' if corun == 1 else 's'} at once: "
+                          f"{shapes} distinct local shapes for {len(queries)} layer queries "
+                          f"({tiled} on tiles, scaled by FLOPs: ~) in "
+                          f"{time.perf_counter() - start:.1f} s")
+        return news
 
     # ------------------------------------------------------------ DP
     def _chain(self, items: list, lam: float, pin: bool = False):
@@ -401,7 +415,7 @@ class Planner:
             When no assignment fits the budget (with the smallest peak found).
         """
         assign = self._solve(0.0)
-        notes = []
+        notes = list(self.notes)
         if assign is None:
             raise ValueError(self._nothing_fits())
         t, mem = self.assignment_cost(assign)
@@ -450,7 +464,7 @@ class Planner:
             sh = self.shuffle_matrix(node.in_shape)[prev, c] if prev is not None else 0.0
             entries.append(PlanEntry(node.name, type(node.layer).__name__, self.cands[c],
                                      node.in_shape, lc.fwd, lc.bwd, lc.comm, float(sh),
-                                     lc.memory, lc.estimated))
+                                     lc.memory, lc.estimated, lc.tiled))
             prev = c
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
                     self.budget, notes)

@@ -16,20 +16,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from tqdm import tqdm
 
 from disttensor import DistArray, Distribution, ProcessGrid
 from disttensor.backend import is_numpy
 
+from ..costspec import CostSpec
 from ..kernels import kernels_for, synchronize
 from ..module import Layer
 from .machine import MachineProfile, default_cache_dir
@@ -62,6 +66,11 @@ class KernelTimer:
     module, and the device is synchronised before every clock reading
     (:func:`disttensor_nn.kernels.synchronize`); its name is part of the keys.
     """
+
+    tile_bytes: float = 64 * 2**20
+    """Largest input a twin is timed on; larger blocks are timed on a tile (:meth:`tile`)."""
+    tile_flops: float = 4e9
+    """Most forward FLOPs a twin is timed with; larger blocks are timed on a tile."""
 
     def __init__(self, machine: str, cache_dir: str | None = None, measure: bool = True,
                  reps: int = 5, xp: ModuleType | None = None):
@@ -101,10 +110,13 @@ class KernelTimer:
             fwd, bwd = self.table[key][:2]
             return fwd, bwd, False, 1
         if self.measure:
-            fwd, bwd = self._run(layer, local_in, dtype)
-            self.table[key] = [fwd, bwd, flops]
+            tile = self.tile(layer, local_in)
+            fwd, bwd = self._run(layer, tile, dtype)
+            factor = self.scale(layer, local_in, tile)
+            self.table[key] = [fwd * factor, bwd * factor, flops] + \
+                (["tile"] if factor != 1.0 else [])
             self._dirty = True
-            return fwd, bwd, False, 1
+            return fwd * factor, bwd * factor, False, 1
         rate = self._rate(layer.kernel_signature().split(":")[0])
         return flops / rate, 2 * flops / rate, True, 1
 
@@ -151,8 +163,59 @@ class KernelTimer:
         if release is not None:
             release()
 
+    def tile(self, layer: Layer, local_in: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape ``layer``'s twin is timed on in place of ``local_in``.
+
+        ``local_in`` itself when its input is at most :attr:`tile_bytes` and
+        its forward at most :attr:`tile_flops`; otherwise a block of fewer
+        samples and a smaller, nearly square spatial extent that is within
+        both (and no smaller than the layer's window needs). The time
+        measured on the tile is scaled to ``local_in`` by the ratio of the
+        forward FLOPs (:meth:`scale`), so big layers are timed in bounded
+        memory and time, and layers whose large local blocks share a tile are
+        timed once.
+        """
+        shape = tuple(local_in)
+        elems = math.prod(shape)
+        flops = max(_flops(layer, shape), float(elems))
+        cap = min(self.tile_bytes / 4, elems * self.tile_flops / flops)  # elements
+        if elems <= cap or len(shape) < 3:
+            return shape
+        n, c, spatial = shape[0], shape[1], shape[2:]
+        per_sample = c * math.prod(spatial)
+        n = max(1, min(n, int(cap // per_sample)))
+        if n * per_sample <= cap:
+            return (n, c, *spatial)
+        least = _least_spatial(layer, shape)
+        side = max(1, int((cap / c) ** (1 / len(spatial))))
+        tile = [max(lo, min(s, side)) for s, lo in zip(spatial, least)]
+        # dimensions shorter than the side leave room for the others
+        for d in sorted(range(len(spatial)), key=lambda d: spatial[d]):
+            rest = cap / (c * math.prod(tile[:d] + tile[d + 1:]))
+            tile[d] = max(least[d], min(spatial[d], int(rest)))
+        return (1, c, *tile)
+
+    @staticmethod
+    def scale(layer: Layer, local_in: tuple[int, ...], tile: tuple[int, ...]) -> float:
+        """Factor from the time on ``tile`` to the time on ``local_in``: the FLOPs' ratio."""
+        if tuple(tile) == tuple(local_in):
+            return 1.0
+        full = _flops(layer, tuple(local_in)) or float(math.prod(local_in))
+        part = _flops(layer, tuple(tile)) or float(math.prod(tile))
+        return full / max(part, 1.0)
+
+    def tiled(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
+              corun: int = 1) -> bool:
+        """Whether the cached time of ``layer`` on ``local_in`` was scaled from a tile."""
+        for co in dict.fromkeys((corun, 1, 0)):
+            entry = self.table.get(self.key(layer, local_in, dtype, co))
+            if entry is not None:
+                return len(entry) > 3 and entry[3] == "tile"
+        return False
+
     def measure_chain(self, queries: Sequence[tuple[Layer, tuple[int, ...], Any, float]],
-                      comm: Any = None, reps: int = 3, max_seconds: float = 10.0) -> None:
+                      comm: Any = None, reps: int = 3, max_seconds: float = 10.0,
+                      memory: float | None = None, progress: bool = False) -> int:
         """Time a sequence of layers as in a training iteration (collective over ``comm``).
 
         ``queries`` lists, in network order, each layer with its local input
@@ -160,79 +223,124 @@ class KernelTimer:
         :meth:`CostModel.layer <disttensor_nn.plan.CostModel.layer>` asks
         :meth:`times` for). Every rank of ``comm`` runs the same twins at the
         same time; the results, identical on every rank afterwards, are
-        stored under the ``corun = comm size`` key. After one untimed round,
-        rounds repeat ``reps`` times or until ``max_seconds`` have passed.
+        stored under the ``corun = comm size`` key.
+
+        Each distinct (signature, shape, dtype) is timed once: entries
+        already in the cache and repeats are skipped, and large blocks are
+        timed on a tile (:meth:`tile`) and scaled by FLOPs (marked so,
+        :meth:`tiled`). The chain is run in segments whose twins' arrays fit
+        ``memory`` bytes (a quarter of it, at most 1 GiB; every twin and
+        array of a segment is released before the next): forward in order,
+        backward in reverse, one untimed round, then rounds until ``reps``
+        were taken or ``max_seconds`` have passed (at least one).
 
         When a node holds more of these ranks than it has cores, ranks wait at
         every synchronisation in training for peers that the operating system
         has descheduled; each layer's time then includes a barrier after it,
-        so that this wait is measured too.
+        so that this wait is measured too. Returns the number of distinct
+        shapes timed.
         """
         comm = MPI.COMM_SELF if comm is None else comm
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         oversubscribed = comm.allreduce(node.Get_size() > (os.cpu_count() or 1), op=MPI.LOR)
         node.Free()
         sync = comm.Barrier if oversubscribed else _nothing
-        # empty blocks cost nothing (CostModel never asks for them)
-        live = [i for i, (_, shape, _, _) in enumerate(queries) if all(n > 0 for n in shape)]
+        corun = comm.Get_size()
+        jobs: dict[str, _Job] = {}
+        for layer, shape, dtype, flops in queries:
+            shape = tuple(shape)
+            key = self.key(layer, shape, dtype, corun)
+            if any(n == 0 for n in shape) or key in self.table:
+                continue  # empty blocks cost nothing (CostModel never asks for them)
+            tile = self.tile(layer, shape)
+            tkey = self.key(layer, tile, dtype, corun)
+            job = jobs.setdefault(tkey, _Job(layer, tile, np.dtype(dtype),
+                                             _flops(layer, tile), {}))
+            job.targets[key] = (self.scale(layer, shape, tile), flops)
+        if not jobs:
+            return 0
+        limit = min(2.0**30, (memory or 4 * 2.0**30) / 4)
+        segments: list[list[_Job]] = [[]]
+        used = 0.0
+        for job in jobs.values():
+            need = job.memory()
+            if segments[-1] and used + need > limit:
+                segments.append([])
+                used = 0.0
+            segments[-1].append(job)
+            used += need
+        bar = tqdm(total=len(jobs), desc="timing kernels", unit="shape", leave=False,
+                   disable=True if (comm.Get_rank() or not progress) else None)
+        for segment in segments:
+            self._run_segment(segment, comm, sync, reps, max_seconds)
+            bar.update(len(segment))
+        bar.close()
+        for tkey, job in jobs.items():
+            fwd, bwd = job.result
+            self.table[tkey] = [fwd, bwd, job.targets.get(tkey, (1.0, job.flops))[1]]
+            for key, (factor, flops) in job.targets.items():
+                if key != tkey:
+                    self.table[key] = [fwd * factor, bwd * factor, flops, "tile"]
+        self._dirty = True
+        return len(jobs)
+
+    def _run_segment(self, jobs: list[_Job], comm: Any, sync: Any, reps: int,
+                     max_seconds: float) -> None:
+        """Time ``jobs`` in order (forward, then backward in reverse) on every rank at once."""
         xp = self.xp
-        twins = [self._twin(queries[i][0]) for i in live]
-        rng = np.random.default_rng(0)
-        inputs = [xp.asarray(rng.standard_normal(queries[i][1]).astype(queries[i][2]))
-                  for i in live]
-        grads: list[np.ndarray | None] = [None] * len(live)
-        fwd = np.zeros((reps, len(live)))
-        bwd = np.zeros((reps, len(live)))
+        twins = [self._twin(job.layer) for job in jobs]
+        # one source of random values, copied into each input and gradient just before use
+        # ("the layer before wrote it just now") and never kept per layer
+        largest = max(max(math.prod(job.shape), math.prod(job.out_shape)) for job in jobs)
+        source = xp.asarray(np.random.default_rng(0).standard_normal(largest)
+                            .astype(np.float32))
+        fwd = np.zeros((reps, len(jobs)))
+        bwd = np.zeros((reps, len(jobs)))
         start, done = time.perf_counter(), 0
         for r in range(-1, reps):
             comm.Barrier()
-            outs, prev = [], None
-            for j, twin in enumerate(twins):
-                # the layer before wrote this input just now: hand its output on where
-                # it fits, otherwise write a fresh copy (untimed)
-                x = _self_array(prev if prev is not None and prev.shape == inputs[j].shape
-                                else inputs[j].copy())
+            outs: list[Any] = []
+            prev = None
+            for j, (job, twin) in enumerate(zip(jobs, twins)):
+                if prev is not None and prev.shape == job.shape and prev.dtype == job.dtype:
+                    x = _self_array(prev)  # the layer before wrote it just now
+                else:
+                    x = _self_array(_fresh(xp, source, job.shape, job.dtype))
+                prev = None
                 t0 = self._clock()
                 y = twin.forward(x)
                 sync()
                 t1 = self._clock()
+                del x
                 outs.append(y)
                 prev = y.local
                 if r >= 0:
                     fwd[r, j] = t1 - t0
-            for j in reversed(range(len(twins))):
+            prev = None
+            for j in reversed(range(len(jobs))):
                 y = outs.pop()
-                if grads[j] is None:
-                    grads[j] = xp.asarray(rng.standard_normal(y.local_shape).astype(y.dtype))
-                dy = _self_array(grads[j].copy())  # the layer after wrote it just now
+                dy = _self_array(_fresh(xp, source, y.local_shape, y.dtype))
+                del y
                 t0 = self._clock()
                 twins[j].backward(dy)
                 sync()
                 t1 = self._clock()
+                del dy
                 if r >= 0:
                     bwd[r, j] = t1 - t0
             for twin in twins:
                 twin.zero_grad()
             if r >= 0:
                 done = r + 1
-                stop = comm.allreduce(time.perf_counter() - start > max_seconds, op=MPI.LOR)
-                if stop:
+                if comm.allreduce(time.perf_counter() - start > max_seconds, op=MPI.LOR):
                     break
-        del twins, inputs, grads, outs
+        del twins, source, outs
         self._release_workspace()
         fwd, bwd = fwd[:done], bwd[:done]
         comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
         comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)
-        samples: dict[str, list[tuple[float, float, float]]] = {}
-        for j, i in enumerate(live):
-            layer, shape, dtype, flops = queries[i]
-            key = self.key(layer, shape, dtype, comm.Get_size())
-            samples.setdefault(key, []).extend(
-                (f, b, flops) for f, b in zip(fwd[:, j], bwd[:, j]))
-        for key, vals in samples.items():
-            self.table[key] = [statistics.median(v[0] for v in vals),
-                               statistics.median(v[1] for v in vals), vals[0][2]]
-        self._dirty = True
+        for j, job in enumerate(jobs):
+            job.result = (float(np.median(fwd[:, j])), float(np.median(bwd[:, j])))
 
     def save(self) -> None:
         """Write new measurements to the cache file."""
@@ -261,6 +369,52 @@ class QueryRecorder:
               corun: int = 1) -> tuple[float, float, bool, int]:
         self.queries.append((layer, tuple(local_in), np.dtype(dtype), flops))
         return 0.0, 0.0, False, corun
+
+
+@dataclass
+class _Job:
+    """One distinct (signature, shape, dtype) to time, and the cache keys its time answers."""
+
+    layer: Layer
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    flops: float
+    targets: dict[str, tuple[float, float]]  # key -> (time factor, FLOPs of that key's block)
+    result: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.layer.local_twin().output_shape(self.shape))
+
+    def memory(self) -> float:
+        """Bytes the twin needs between its forward and backward, and while running them."""
+        spec = _spec(self.layer, self.shape)
+        io = (math.prod(self.shape) + 2 * math.prod(self.out_shape)) * self.dtype.itemsize
+        return io + spec.saved + spec.workspace
+
+
+def _spec(layer: Layer, shape: tuple[int, ...]) -> CostSpec:
+    """The cost spec of ``layer``'s twin on a whole local block of ``shape`` (one process)."""
+    nd = len(shape)
+    return layer.local_twin().cost_spec(Distribution(shape, (1,) * nd, tuple(range(nd))))
+
+
+def _flops(layer: Layer, shape: tuple[int, ...]) -> float:
+    """Forward FLOPs of ``layer``'s twin on a local block of ``shape``."""
+    return float(_spec(layer, shape).flops)
+
+
+def _least_spatial(layer: Layer, shape: tuple[int, ...]) -> list[int]:
+    """Smallest spatial extent worth timing: every window fits, short rows are not measured."""
+    return [min(n, 32) for n in shape[2:]]
+
+
+def _fresh(xp: ModuleType, source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A newly written array of ``shape`` filled from ``source`` (random values)."""
+    n = math.prod(shape)
+    reps = -(-n // source.size)
+    flat = source[:n] if reps == 1 else xp.tile(source, reps)[:n]
+    return flat.reshape(shape).astype(dtype, copy=True)
 
 
 def _nothing() -> None:
