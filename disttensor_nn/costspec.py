@@ -70,9 +70,24 @@ class CostSpec:
         Layouts the input is redistributed to forward (and the gradient back
         from, backward), as pure distributions on grid shapes.
     saved : int
-        Bytes kept from forward for backward.
+        Bytes of arrays the layer allocates in forward and holds until its
+        backward (a mask, normalised values, halo margins grown into its
+        input's buffer), its input and output not counted.
     workspace : int
-        Bytes of scratch memory the kernels use.
+        Bytes of scratch memory the forward or backward pass allocates and
+        frees again (the larger of the two), beyond the input, the output,
+        the incoming gradient and the returned one.
+    keeps_input : bool
+        The layer holds its input until backward (the whole block; halo
+        margins grown into it count in ``saved``).
+    keeps_output : bool
+        The layer holds its output until backward.
+
+    The planner's memory model (:mod:`disttensor_nn.plan`) adds, per rank,
+    what every layer keeps (:meth:`kept`, an activation kept by both of the
+    layers it joins counted once) to the largest transient need of one
+    layer's pass (:meth:`transient`); the tests check these declarations
+    against allocations measured with ``tracemalloc``.
     """
 
     local_shape: tuple[int, ...]
@@ -84,11 +99,22 @@ class CostSpec:
     redistributions: tuple[Distribution, ...] = ()
     saved: int = 0
     workspace: int = 0
+    keeps_input: bool = False
+    keeps_output: bool = False
 
     @property
     def memory(self) -> int:
         """Bytes per rank the layer holds: what it keeps for backward plus its workspace."""
         return self.saved + self.workspace
+
+    def kept(self, in_bytes: int, out_bytes: int) -> int:
+        """Bytes held from forward to backward, for input and output blocks of these sizes."""
+        return self.saved + in_bytes * self.keeps_input + out_bytes * self.keeps_output
+
+    def transient(self, in_bytes: int, out_bytes: int) -> int:
+        """Bytes alive only while a pass runs: output or incoming gradient, returned
+        gradient and scratch (the input when the layer does not keep it)."""
+        return out_bytes + in_bytes + self.workspace
 
 
 def largest_block(dist: Distribution) -> tuple[int, ...]:

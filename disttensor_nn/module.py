@@ -786,9 +786,10 @@ class Layer:
         """What the planner's cost model needs of this layer on an input split as ``dist``.
 
         The default describes a local element-wise layer: one FLOP per
-        element of the largest block, which is read and written once and
-        kept for backward; no communication. Layers that do other work
-        override it (see :mod:`disttensor_nn.costspec`).
+        element of the largest block, which is read and written once; the
+        input is kept for backward; no communication. Layers that do other
+        work or keep something else override it (see
+        :mod:`disttensor_nn.costspec`).
 
         Parameters
         ----------
@@ -805,7 +806,7 @@ class Layer:
         """
         block = largest_block(dist)
         n = math.prod(block)
-        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n * itemsize)
+        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, keeps_input=True)
 
     def kernel_signature(self) -> str:
         """What determines this layer's local kernel time besides the input: the timer's cache key.

@@ -59,8 +59,14 @@ def test_conv_spec_by_hand():
     out = 2 * 6 * 5 * 8  # the largest output block
     assert s.flops == 2 * out * 4 * 9
     assert s.nbytes == (2 * 4 * 7 * 10 + out) * 4
-    assert s.saved == 2 * 4 * 7 * 10 * 4 * 2  # the extended input and its gradient
-    assert s.workspace == (4 * 9) * (5 * 8) * 2 * 4  # im2col: C*k*k rows, one per output pixel
+    ext, block = 2 * 4 * 7 * 10 * 4, 2 * 4 * 5 * 8 * 4
+    assert s.keeps_input and not s.keeps_output
+    assert s.saved == ext - block  # the halo margins grown into the kept input
+    # im2col: C*k*k rows, one per output pixel (here all of them: below the 4 MiB tile);
+    # forward an output block and the columns, backward the extended gradient and two tiles
+    cols = (4 * 9) * (2 * 5 * 8) * 4
+    assert s.workspace == max(out * 4 + cols, ext + 2 * cols)
+    assert s.kept(block, out * 4) == ext
     params = 6 * 4 * 9 + 6
     assert s.allreduces == (Allreduce(params * 4, (0, 1, 2, 3)),)
     assert s.timed and s.redistributions == ()
@@ -75,16 +81,20 @@ def test_pool_specs_by_hand():
     assert s.halo == ((0, 0),) * 4 and s.local_shape == (2, 4, 4, 8)
     assert s.flops == (2 * 4 * 2 * 4) * 4
     assert s.nbytes == (2 * 4 * 4 * 8 + 2 * 4 * 2 * 4) * 4
-    assert s.allreduces == () and s.workspace == 0
+    # no halo: nothing grown; max pooling's workspace is four blocks
+    assert s.allreduces == () and s.saved == 0 and s.workspace == 4 * (2 * 4 * 4 * 8 * 4)
+    assert s.keeps_input
     s = nn.AvgPool2d(3, stride=1, padding=1).cost_spec(X)
     assert s.halo == ((0, 0), (0, 0), (1, 1), (1, 1))
-    assert s.flops == BLOCK * 9 and s.saved == 2 * 4 * 7 * 10 * 4 * 2
+    assert s.flops == BLOCK * 9 and s.saved == (2 * 4 * 7 * 10 - BLOCK) * 4
+    assert s.workspace == 2 * 4 * 7 * 10 * 4 and s.keeps_input
 
 
 def test_batchnorm_spec_and_price_by_hand():
     s = nn.BatchNorm2d(4).cost_spec(X)
     assert (s.local_shape, s.flops, s.nbytes, s.saved) == ((2, 4, 5, 8), 8 * BLOCK,
-                                                          4 * BLOCK * 4, 2 * BLOCK * 4)
+                                                          4 * BLOCK * 4, BLOCK * 4)
+    assert s.workspace == BLOCK * 4 and not s.keeps_input and not s.keeps_output
     sums = 2 * 4 * 8  # sum and sum of squares per channel, float64
     assert s.allreduces == (Allreduce(sums, (0, 2, 3)),) * 2
     group = nn.BatchNorm2d(4, stats="group").cost_spec(X)
@@ -100,10 +110,16 @@ def test_batchnorm_spec_and_price_by_hand():
 
 
 def test_elementwise_specs_by_hand():
-    for layer, saved in [(nn.ReLU(), BLOCK), (nn.LeakyReLU(0.1), BLOCK), (nn.Sigmoid(), 4 * BLOCK),
-                         (DepthToSpace(2), 4 * BLOCK)]:
+    # ReLU: a one-byte mask kept, the negative part scaled in a temporary block
+    for layer in [nn.ReLU(), nn.LeakyReLU(0.1)]:
         s = layer.cost_spec(X)
-        assert s == CostSpec((2, 4, 5, 8), flops=BLOCK, nbytes=2 * BLOCK * 4, saved=saved), layer
+        assert s == CostSpec((2, 4, 5, 8), flops=BLOCK, nbytes=2 * BLOCK * 4, saved=BLOCK,
+                             workspace=BLOCK * 4), layer
+    assert nn.Sigmoid().cost_spec(X) == CostSpec(
+        (2, 4, 5, 8), flops=4 * BLOCK, nbytes=2 * BLOCK * 4, keeps_output=True,
+        workspace=4 * BLOCK * 4)
+    assert DepthToSpace(2).cost_spec(X) == CostSpec((2, 4, 5, 8), flops=BLOCK,
+                                                    nbytes=2 * BLOCK * 4)
 
 
 def test_global_pool_flatten_linear_specs_by_hand():
@@ -116,8 +132,8 @@ def test_global_pool_flatten_linear_specs_by_hand():
     assert nn.Flatten().cost_spec(pure((2, 4, 9, 8), (2, 1, 1))).redistributions == ()
     assert nn.Flatten().cost_spec(pure((6, 12), (3, 2, 1))).redistributions == ()
     s = nn.Linear(12, 5).cost_spec(pure((6, 12), (3, 2, 1)))
-    assert (s.local_shape, s.flops, s.nbytes, s.saved) == ((2, 12), 2 * 2 * 12 * 5, 24 * 4,
-                                                          24 * 4)
+    assert (s.local_shape, s.flops, s.nbytes, s.saved) == ((2, 12), 2 * 2 * 12 * 5, 24 * 4, 0)
+    assert s.keeps_input and s.kept(24 * 4, 10 * 4) == 24 * 4
     assert s.allreduces == (Allreduce((12 * 5 + 5) * 8, (0,)),)
 
 
@@ -187,7 +203,9 @@ def test_custom_layer_is_planned_with_the_costs_it_states():
     fwd = 15 * 4 * 3 * 4 * 6 / rate + 2 * 4 * 3 * 4 * 6 * 4 / p.mem_bandwidth
     assert (e.fwd, e.bwd) == pytest.approx((fwd, 2 * fwd))
     assert e.comm == pytest.approx(2 * (p.p2p_alpha + p.p2p_beta * 4 * 3 * 6 * 4 * 2))
-    assert e.memory == 12 and e.estimated
+    # kept: 7 saved bytes (the input is not kept); transient: the input and output blocks
+    # (4 * 3 * 4 * 6 floats each) and 5 bytes of workspace
+    assert e.memory == 7 and e.transient == 2 * 4 * 3 * 4 * 6 * 4 + 5 and e.estimated
     # N split: block (2, 3, 8, 6); no halo exchange, the allreduce over the 2 ranks splitting N
     plan = Planner(model, shape, cm, allowed=[(2, 1, 1)]).plan()
     (e,) = plan.entries

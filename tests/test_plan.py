@@ -138,7 +138,7 @@ def test_memory_budget_forces_spatial_split():
     cm = CostModel(profile(), 4)
     free = Planner(model, shape, cm).plan()
     one_rank = Planner(model, shape, CostModel(profile(), 1)).plan().peak_memory
-    budget = 0.4 * one_rank
+    budget = 0.6 * one_rank  # the transient im2col tile does not shrink with the split
     plan = Planner(model, shape, cm, budget).plan()
     assert plan.peak_memory <= budget
     assert all(math.prod(e.grid[1:]) > 1 for e in plan.entries)  # every layer splits space
@@ -152,8 +152,9 @@ def test_per_layer_filter_drops_candidates_that_cannot_fit():
     shape = (4, 4, 64, 64)
     cm = CostModel(profile(), 4)
     planner = Planner(model, shape, cm, memory_budget=None)
-    mems = {c: planner.layer_cost(planner.nodes[0], i).memory for i, c in enumerate(planner.cands)}
-    budget = sorted(set(mems.values()))[0] + cm.params_memory(model) + 1
+    costs = [planner.layer_cost(planner.nodes[0], i) for i in range(len(planner.cands))]
+    mems = {c: lc.memory + lc.transient for c, lc in zip(planner.cands, costs)}
+    budget = min(mems.values()) + planner.base_memory + 1
     plan = Planner(model, shape, cm, budget).plan()
     assert mems[plan.entries[0].grid] == min(mems.values())
 

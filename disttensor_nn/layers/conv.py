@@ -118,21 +118,26 @@ class ConvNd(WindowLayer):
                 f"dilation={s.dilation}, groups={self.groups})")
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """As :meth:`WindowLayer.cost_spec`, with the convolution's FLOPs and im2col workspace.
+        """As :meth:`WindowLayer.cost_spec`, with the convolution's FLOPs and workspace.
 
-        The weight and bias gradients are summed over every rank that splits
-        the input.
+        The workspace is the larger of forward's (an output block and a tile
+        of im2col columns) and backward's (the extended block's gradient and
+        two tiles of columns); a tile holds the columns of at least 512 output
+        positions, about 4 MiB, at most 64 MiB. The weight and bias gradients
+        are summed over every rank that splits the input.
         """
         ext, out_block, _ = self._window_blocks(dist)
         ck = self.in_channels // self.groups * math.prod(self.spec.kernel)
         params = sum(q.data.size for q in self.own_parameters())
+        positions = math.prod(out_block) // max(out_block[1], 1)
+        tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
         return dataclasses.replace(
             super().cost_spec(dist, itemsize),
             flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
             math.prod(self.spec.kernel),
             allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim))),),
-            workspace=min(64 * 2**20, ck * math.prod(out_block) // max(out_block[1], 1) *
-                          itemsize))
+            workspace=max(math.prod(out_block) * itemsize + tile,
+                          math.prod(ext) * itemsize + 2 * tile))
 
     def kernel_signature(self) -> str:
         s = self.spec

@@ -133,7 +133,7 @@ class Linear(Layer):
         params = sum(q.data.size for q in self.own_parameters())
         return CostSpec(block, flops=2.0 * block[0] * self.in_features * self.out_features,
                         nbytes=n * itemsize, allreduces=(Allreduce(params * 8, (0,)),),
-                        saved=n * itemsize)
+                        keeps_input=True)
 
     def kernel_signature(self) -> str:
         return f"linear:{self.in_features}>{self.out_features}"

@@ -31,10 +31,14 @@ class LeakyReLU(Layer):
                          dy.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """As :meth:`Layer.cost_spec`, but what backward keeps is a one-byte mask per element."""
+        """As :meth:`Layer.cost_spec`, but what backward keeps is a one-byte mask per element.
+
+        Each pass scales the negative part in a temporary block.
+        """
         block = largest_block(dist)
         n = math.prod(block)
-        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n)
+        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n,
+                        workspace=n * itemsize)
 
 
 class ReLU(LeakyReLU):
@@ -58,6 +62,13 @@ class Sigmoid(Layer):
 
     def backward(self, dy: DistArray) -> DistArray:
         return DistArray(dy.local * self._y * (1 - self._y), dy.dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """A few FLOPs per element; the output is kept for backward."""
+        block = largest_block(dist)
+        n = math.prod(block)
+        return CostSpec(block, flops=4.0 * n, nbytes=2 * n * itemsize, keeps_output=True,
+                        workspace=4 * n * itemsize)
 
 
 class Add:

@@ -166,7 +166,7 @@ class BatchNormNd(Layer):
         return DistArray.from_local(dx.astype(dy.dtype, copy=False), dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """Eight FLOPs per element; the normalised input and one more block kept for backward.
+        """Eight FLOPs per element; the normalised input is kept for backward.
 
         Two allreduces of ``2 C`` float64 sums (statistics forward, the
         input gradient's sums backward) over the ranks that share the
@@ -179,7 +179,7 @@ class BatchNormNd(Layer):
         sums = Allreduce(2 * self.num_features * 8,
                          (0, *spatial) if self.stats == "global" else spatial)
         return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, allreduces=(sums, sums),
-                        saved=2 * n * itemsize)
+                        saved=n * itemsize, workspace=n * itemsize)
 
     def kernel_signature(self) -> str:
         return f"bn:{self.num_features}:{self.stats}"

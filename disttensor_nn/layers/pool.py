@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -69,6 +70,14 @@ class _Pool(WindowLayer):
     def local_twin(self) -> _Pool:
         s = self.spec
         return type(self)(s.kernel, s.stride, 0, s.dilation)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """As :meth:`WindowLayer.cost_spec`; max pooling's passes also hold window
+        indices and strided copies (four extended blocks of workspace)."""
+        spec = super().cost_spec(dist, itemsize)
+        if self.op != "max":
+            return spec
+        return dataclasses.replace(spec, workspace=4 * spec.workspace)
 
 
 class MaxPool1d(_Pool):

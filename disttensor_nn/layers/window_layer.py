@@ -152,10 +152,14 @@ class WindowLayer(Layer):
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """The kernel runs on the halo-extended block: one FLOP per window element and output.
 
-        The halo widths are those of :func:`~disttensor_nn.window.output_layout`;
-        the extended input and its gradient are kept for backward.
+        The halo widths are those of :func:`~disttensor_nn.window.output_layout`.
+        The input is kept for backward, its buffer grown by the halo margins
+        (``saved``); backward builds the gradient of the extended block
+        (``workspace``) before the halo is summed back into the input's gradient.
         """
         ext, out_block, widths = self._window_blocks(dist)
+        block = largest_block(dist)
         return CostSpec(ext, flops=float(math.prod(out_block) * math.prod(self.spec.kernel)),
                         nbytes=(math.prod(ext) + math.prod(out_block)) * itemsize, halo=widths,
-                        saved=math.prod(ext) * itemsize * 2)
+                        saved=(math.prod(ext) - math.prod(block)) * itemsize,
+                        workspace=math.prod(ext) * itemsize, keeps_input=True)

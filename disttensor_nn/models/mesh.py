@@ -18,6 +18,7 @@ import numpy as np
 from disttensor import DistArray, Distribution
 
 from ..container import Sequential
+from ..costspec import CostSpec, largest_block
 from ..layers.conv import Conv2d
 from ..layers.elementwise import ReLU, Sigmoid
 from ..layers.norm import BatchNorm2d
@@ -108,6 +109,12 @@ class DepthToSpace(Layer):
         order = (0, 1, *(3 + 2 * i for i in range(nd)), *(2 + 2 * i for i in range(nd)))
         dx = dy.local.reshape(split).transpose(order)
         return DistArray(np.ascontiguousarray(dx).reshape(n, cb, *s), in_dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """A copy of the block each way; nothing is kept for backward."""
+        block = largest_block(dist)
+        n = math.prod(block)
+        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize)
 
     def __repr__(self) -> str:
         return f"DepthToSpace({self.block})"

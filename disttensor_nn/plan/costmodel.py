@@ -58,8 +58,11 @@ class LayerCost:
     fwd: float = 0.0  # compute, forward
     bwd: float = 0.0  # compute, backward (data and weights)
     comm: float = 0.0  # halo exchanges, halo accumulations, allreduces
-    memory: float = 0.0  # bytes kept for backward plus the layer's workspace
+    memory: float = 0.0  # bytes kept from forward to backward (CostSpec.kept)
     estimated: bool = False  # compute from a model, not a measurement
+    transient: float = 0.0  # bytes alive only while one pass runs (CostSpec.transient)
+    keeps_input: float = 0.0  # bytes of the input block kept (0 when not kept)
+    keeps_output: float = 0.0  # bytes of the output block kept (0 when not kept)
     tiled: bool = False  # compute measured on a tile of the block and scaled by FLOPs
 
     @property
@@ -118,7 +121,14 @@ class CostModel:
         dist = dist_for(in_shape, cand)
         spec = layer.cost_spec(dist, self.itemsize)
         _check_spec(layer, spec, dist)
-        cost = LayerCost(memory=spec.memory)
+        out_shape = tuple(layer.output_shape(tuple(in_shape)))
+        in_bytes = math.prod(largest_block(dist)) * self.itemsize
+        out_bytes = math.prod(largest_block(dist_for(out_shape, cand))) * self.itemsize \
+            if len(out_shape) in (2, len(cand) + 1) else in_bytes
+        cost = LayerCost(memory=spec.kept(in_bytes, out_bytes),
+                         transient=spec.transient(in_bytes, out_bytes),
+                         keeps_input=in_bytes * spec.keeps_input,
+                         keeps_output=out_bytes * spec.keeps_output)
         if spec.timed:
             cost.fwd, cost.bwd, cost.estimated, cost.tiled = self._compute(
                 layer, spec.local_shape, spec.flops, spec.nbytes)

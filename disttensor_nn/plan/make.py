@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from disttensor.device import use_device
 
+from ..memory import MemoryProfile
 from .costmodel import CostModel
 from .machine import load_profile
 from .planner import Plan, Planner
@@ -20,7 +21,8 @@ __all__ = ["make_plan", "predict_scaling", "wait_for_root"]
 
 def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
               memory: float | None = None, measure: bool = True, itemsize: int = 4,
-              comm: MPI.Comm | None = None) -> tuple[Plan, Planner | None]:
+              comm: MPI.Comm | None = None, baseline: float = 0.0,
+              profile: MemoryProfile | None = None) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -54,6 +56,12 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         Bytes per array element.
     comm : mpi4py.MPI.Comm, optional
         Plan on all ranks of ``comm`` (collective); None plans in this process.
+    baseline : float
+        Resident bytes of a rank before it holds any of the model's data (the
+        interpreter, NumPy, MPI), part of the predicted peak; 0 predicts the
+        model's data alone.
+    profile : MemoryProfile, optional
+        Records the kernel measurement and the planning as phases.
 
     Returns
     -------
@@ -67,27 +75,31 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     ValueError
         When nothing fits the memory budget (on every rank of ``comm``).
     """
-    profile = load_profile(machine)
-    memory = profile.memory_per_rank if memory is None else memory
+    machine_profile = load_profile(machine)
+    memory = machine_profile.memory_per_rank if memory is None else memory
     timer = None
-    if profile.measured:  # kernels are timed where the profile's ranks compute (CPU or GPU)
-        xp = use_device(profile.device, MPI.COMM_SELF if comm is None else comm)
-        timer = KernelTimer(machine_id(profile), measure=measure, xp=xp)
-    planner = Planner(model, batch_shape, CostModel(profile, nprocs, timer, itemsize), memory)
-    planner.calibrate(comm)
+    if machine_profile.measured:  # kernels are timed where the ranks compute (CPU or GPU)
+        xp = use_device(machine_profile.device, MPI.COMM_SELF if comm is None else comm)
+        timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
+    planner = Planner(model, batch_shape, CostModel(machine_profile, nprocs, timer, itemsize),
+                      memory, baseline=baseline)
+    memory_profile = MemoryProfile() if profile is None else profile
+    with memory_profile.phase("kernel measurement"):
+        planner.calibrate(comm, progress=True)
     root = comm is None or comm.Get_rank() == 0
     result: Any = None
-    if root:
-        try:
-            result = planner.plan()
-        except ValueError as exc:
-            result = exc
-        finally:
-            if timer is not None:
-                timer.save()
-    if comm is not None:
-        wait_for_root(comm)  # rank 0 may still measure twins alone: the others sleep
-        result = comm.bcast(result, root=0)
+    with memory_profile.phase("planning"):
+        if root:
+            try:
+                result = planner.plan()
+            except ValueError as exc:
+                result = exc
+            finally:
+                if timer is not None:
+                    timer.save()
+        if comm is not None:
+            wait_for_root(comm)  # rank 0 may still measure twins alone: the others sleep
+            result = comm.bcast(result, root=0)
     if isinstance(result, Exception):
         raise result
     return result, planner if root else None

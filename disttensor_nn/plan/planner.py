@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -110,6 +111,7 @@ class PlanEntry:
     memory: float
     estimated: bool
     tiled: bool = False
+    transient: float = 0.0
 
 
 @dataclass
@@ -124,6 +126,7 @@ class Plan:
     peak_memory: float
     memory_budget: float | None = None
     notes: list[str] = field(default_factory=list)
+    baseline_memory: float = 0.0
 
     def table(self) -> str:
         """The plan as a readable text table."""
@@ -142,7 +145,9 @@ class Plan:
                      "peak memory per rank "
                      f"{self.peak_memory / 2**20:.1f} MiB"
                      + (f" of {self.memory_budget / 2**20:.0f} MiB" if self.memory_budget
-                        else ""))
+                        else "")
+                     + (f" (process baseline {self.baseline_memory / 2**20:.0f} MiB)"
+                        if self.baseline_memory else ""))
         if any(e.estimated for e in self.entries):
             lines.append("* compute estimated from a rate model, not measured")
         if any(e.tiled for e in self.entries):
@@ -181,14 +186,20 @@ class Planner:
     """
 
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
-                 memory_budget: float | None = None, allowed: list[Candidate] | None = None):
+                 memory_budget: float | None = None, allowed: list[Candidate] | None = None,
+                 baseline: float = 0.0):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
         self.items = trace(model, self.batch_shape)
         self.nodes = leaf_nodes(self.items)
         nsp = len(self.batch_shape) - 2
         self.cands = list(allowed) if allowed is not None else candidates(cost.nprocs, nsp)
         self.budget = memory_budget
-        self.base_memory = cost.params_memory(model)
+        self.baseline = float(baseline)
+        # the process itself, parameters with their gradients and momenta, and what the
+        # loss holds (the network's output, the targets and the output's gradient)
+        out = self.nodes[-1].out_shape if self.nodes else self.batch_shape
+        self.base_memory = self.baseline + cost.params_memory(model) + \
+            2 * math.prod(out) * cost.itemsize / cost.nprocs
         self._layer_cost: dict[tuple[int, int], LayerCost] = {}
         self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
@@ -204,11 +215,12 @@ class Planner:
         if key not in self._layer_cost:
             cand = self.cands[c]
             if self.budget is not None:
-                memory = CostModel(self.cost.profile, self.cost.nprocs, QueryRecorder(),
-                                   self.cost.itemsize).layer(node.layer, node.in_shape, cand).memory
-                if memory + self.base_memory > self.budget:
-                    self._layer_cost[key] = LayerCost(fwd=np.inf, memory=memory)
-                    return self._layer_cost[key]
+                alone = CostModel(self.cost.profile, self.cost.nprocs, QueryRecorder(),
+                                  self.cost.itemsize).layer(node.layer, node.in_shape, cand)
+                if alone.memory + alone.transient + self.base_memory > self.budget:
+                    alone.fwd = np.inf
+                    self._layer_cost[key] = alone
+                    return alone
             self._layer_cost[key] = self.cost.layer(node.layer, node.in_shape, cand)
         return self._layer_cost[key]
 
@@ -228,7 +240,8 @@ class Planner:
         v = np.empty(len(self.cands))
         for c in range(len(self.cands)):
             lc = self.layer_cost(node, c)
-            fits = self.budget is None or lc.memory + self.base_memory <= self.budget
+            fits = self.budget is None or \
+                lc.memory + lc.transient + self.base_memory <= self.budget
             if not fits:
                 v[c] = np.inf
             elif lam == np.inf:  # memory alone
@@ -278,8 +291,9 @@ class Planner:
             fresh = False
             for node in self.nodes:
                 n = len(rec.queries)
-                memory = model.layer(node.layer, node.in_shape, cand).memory
-                if self.budget is not None and memory + self.base_memory > self.budget:
+                lc = model.layer(node.layer, node.in_shape, cand)
+                if self.budget is not None and \
+                        lc.memory + lc.transient + self.base_memory > self.budget:
                     del rec.queries[n:]
                     continue
                 for q in rec.queries[n:]:
@@ -373,25 +387,38 @@ class Planner:
     def assignment_cost(self, assign: dict[int, int]) -> tuple[float, float]:
         """(time, peak memory) of a complete assignment ``{id(node): candidate index}``.
 
-        Computed directly by walking the graph (used to check the DP).
+        Computed directly by walking the graph (used to check the DP). The
+        peak is the process baseline, the parameters' state and what the loss
+        holds, plus what every layer keeps from forward to backward (an
+        activation kept by both layers it joins counted once), plus the
+        largest transient need of one layer's pass.
         """
         time = 0.0
         memory = self.base_memory
+        transient = 0.0
+        prev: list[Any] = [None]  # the layer that produced the current activation, unmoved
 
         def walk(items: list, current: int | None) -> int | None:
-            nonlocal time, memory
+            nonlocal time, memory, transient
             for it in items:
                 if isinstance(it, Node):
                     c = assign[id(it)]
-                    if current is not None and current != c:
+                    moved = current is not None and current != c
+                    if moved:
                         time += self.shuffle_matrix(it.in_shape)[current, c]
                     lc = self.layer_cost(it, c)
                     time += lc.total
                     memory += lc.memory
+                    if prev[0] is not None and not moved:  # one array, kept by both
+                        memory -= min(prev[0].keeps_output, lc.keeps_input)
+                    transient = max(transient, lc.transient)
+                    prev[0] = lc
                     current = c
                 else:
+                    prev[0] = None
                     start = current if current is not None else assign[id(leaf_nodes([it])[0])]
                     out = walk(it.branch, start)
+                    prev[0] = None
                     if it.shortcut is None:
                         s = start
                         shape = it.in_shape
@@ -400,11 +427,12 @@ class Planner:
                         shape = it.shortcut[-1].out_shape
                     if s != out:
                         time += self.shuffle_matrix(shape)[s, out]
+                    prev[0] = None
                     current = walk(it.post, out)
             return current
 
         walk(self.items, None)
-        return time, memory
+        return time, memory + transient
 
     def plan(self) -> Plan:
         """The cheapest plan that fits the memory budget.
@@ -464,10 +492,10 @@ class Planner:
             sh = self.shuffle_matrix(node.in_shape)[prev, c] if prev is not None else 0.0
             entries.append(PlanEntry(node.name, type(node.layer).__name__, self.cands[c],
                                      node.in_shape, lc.fwd, lc.bwd, lc.comm, float(sh),
-                                     lc.memory, lc.estimated, lc.tiled))
+                                     lc.memory, lc.estimated, lc.tiled, lc.transient))
             prev = c
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
-                    self.budget, notes)
+                    self.budget, notes, self.baseline)
 
     def uniform_plan(self, cand: Candidate) -> Plan:
         """Every layer in the same distribution (for comparisons)."""

@@ -35,6 +35,7 @@ from disttensor.backend import is_numpy
 
 from ..costspec import CostSpec
 from ..kernels import kernels_for, synchronize
+from ..memory import release_free_memory
 from ..module import Layer
 from .machine import MachineProfile, default_cache_dir
 
@@ -336,6 +337,7 @@ class KernelTimer:
                     break
         del twins, source, outs
         self._release_workspace()
+        release_free_memory()
         fwd, bwd = fwd[:done], bwd[:done]
         comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
         comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)

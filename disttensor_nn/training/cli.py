@@ -304,6 +304,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         help="memory budget per rank, e.g. 8GiB (default: the machine's)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar")
+    parser.add_argument("--profile-memory", action="store_true",
+                        help="print and save (metrics file) peak memory by phase and by layer, "
+                        "with the largest allocations at the training step's peaks")
     a = parser.parse_args(argv)
     if a.resume and not a.checkpoint:
         parser.error("--resume needs --checkpoint DIR (the checkpoint to continue from)")
@@ -327,7 +330,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
                       checkpoint_every=a.checkpoint_every, resume=a.resume, metrics=a.metrics,
                       machine=a.machine, memory_per_rank=a.memory_per_rank,
-                      progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate)
+                      progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate,
+                      profile_memory=a.profile_memory)
     try:
         train(cfg)
     except SetupError as exc:  # raised on every rank, before training

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-import resource
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -14,6 +14,13 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
+from ..memory import (
+    MemoryProfile,
+    available_bytes,
+    peak_resident_bytes,
+    release_free_memory,
+    resident_bytes,
+)
 from ..module import Layer, Layout, RemovableHandle
 from ..optim import SGD
 from ..plan import Plan, apply_plan, make_plan
@@ -24,7 +31,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import Loader, NpyDataset
 from .registry import build_model, check_size, model_spec
 
-__all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError"]
+__all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError", "MemoryBudgetError"]
 
 HEAVY_LOAD = 0.5
 """Load average per core above which a calibration is flagged as measured under load."""
@@ -38,6 +45,14 @@ class SetupError(ValueError):
     a plan file for another model, batch or number of ranks, a memory budget
     no plan fits, a checkpoint that cannot be resumed or whose step is not
     below ``steps``, data of the wrong shape.
+    """
+
+
+class MemoryBudgetError(SetupError):
+    """The training step would exceed the memory budget (raised on every rank before it runs).
+
+    The message names the layer at which the predicted memory of the step,
+    on top of what the ranks hold now, passes the budget, and by how much.
     """
 
 
@@ -64,6 +79,7 @@ class TrainConfig:
     progress: bool = True
     data: str | None = None  # a directory of .npy samples (NpyDataset) instead of synthetic data
     recalibrate: bool = False  # measure this machine again even if a calibration is cached
+    profile_memory: bool = False  # peak memory by phase and layer, largest allocations
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -127,7 +143,8 @@ def _say(comm: MPI.Comm, text: str) -> None:
         print(text, flush=True)
 
 
-def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) -> Plan:
+def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
+          memory: MemoryProfile, baseline: float) -> Plan:
     if cfg.layout != "auto":
         with open(cfg.layout) as f:
             plan = Plan.from_json(f.read())
@@ -145,7 +162,8 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) 
         elif cfg.recalibrate or not os.path.exists(path):
             _say(comm, f"calibrating this machine's communication and compute on "
                        f"{_plural(comm.Get_size(), 'rank')} (kept in {path} for later runs)...")
-            calibrate(comm)
+            with memory.phase("calibration"):
+                calibrate(comm)
         else:
             profile = MachineProfile.load(path)
             _say(comm, f"using the cached calibration {path} ({profile.notes}); "
@@ -157,28 +175,20 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm) 
     _say(comm, f"planning {cfg.model} for {_plural(comm.Get_size(), 'rank')} (kernels not "
                "timed before are measured first)...")
     plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
-                        comm=comm)
+                        comm=comm, baseline=baseline, profile=memory)
     return plan
 
 
-def _setup(cfg: TrainConfig, comm: MPI.Comm) -> tuple:
+def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple:
     """Everything before the first step: model, plan, data, optimizer, resumed state."""
     rank = comm.Get_rank()
-    spec = model_spec(cfg.model)
-    size = cfg.size
-    if cfg.data is not None:
-        data = NpyDataset(cfg.data)
-        if data.sample_shape[0] != spec.in_channels or (
-                size is not None and tuple(data.sample_shape[1:]) != tuple(size)):
-            raise ValueError(f"the samples in {cfg.data} are {data.sample_shape}; model "
-                             f"{cfg.model!r} takes {spec.in_channels} channels"
-                             + (f" and --size {'x'.join(map(str, size))}" if size else ""))
-        size = tuple(data.sample_shape[1:])
-    model, shape = build_model(cfg.model, size, cfg.batch, seed=cfg.seed)
-    check_size(cfg.model, size, model)
-    if cfg.data is None:
-        data = spec.dataset(cfg.samples, tuple(shape[1:]), cfg.seed)
-    plan = _plan(cfg, model, shape, comm)
+    with memory.phase("data"):
+        model, shape, spec, data = _model_and_data(cfg)
+    # what a rank holds besides the parameters and their gradients (the interpreter,
+    # NumPy, MPI, the data set): the process baseline of the predicted peak
+    params = sum(p.data.nbytes for p in model.parameters())
+    baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
+    plan = _plan(cfg, model, shape, comm, memory, baseline)
     apply_plan(model, plan, shape, comm)
     if rank == 0:
         print(f"{cfg.model}, batch {shape}, {_plural(comm.Get_size(), 'rank')}")
@@ -207,7 +217,59 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm) -> tuple:
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
         _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
+    release_free_memory()  # what planning freed, before the step's peak is measured
+    _check_budget(plan, model, comm)
     return model, shape, plan, nodes, loss_fn, loader, opt, step, history
+
+
+def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm) -> None:
+    """Refuse, on every rank, a step whose predicted memory on top of what the ranks hold
+    now passes the budget; warn when the node's free memory is short of it."""
+    budget = plan.memory_budget
+    now = comm.allreduce(resident_bytes(), op=MPI.MAX)
+    params = sum(p.data.nbytes for p in model.parameters())
+    # what the plan counts and the ranks already hold: the process, parameters, gradients
+    held = plan.baseline_memory + 2 * params
+    extra = max(0.0, plan.peak_memory - held)
+    if budget and now + extra > budget:
+        total, where = now, plan.entries[-1]
+        for e in plan.entries:
+            total += e.memory
+            if total + e.transient > budget:
+                where = e
+                break
+        raise MemoryBudgetError(
+            f"the training step would need about {(now + extra) / 2**20:.0f} MiB per rank, "
+            f"over the budget of {budget / 2**20:.0f} MiB by {(now + extra - budget) / 2**20:.0f}"
+            f" MiB: the ranks hold {now / 2**20:.0f} MiB before it, and the budget is passed "
+            f"at layer {where.name} ({where.layer}); raise --memory-per-rank or use more ranks")
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    need = node.allreduce(extra)
+    node.Free()
+    avail = available_bytes()
+    if avail is not None and need > avail:
+        _say(comm, f"warning: the step needs about {need / 2**20:.0f} MiB more on this node, "
+                   f"the operating system has {avail / 2**20:.0f} MiB available: the job may "
+                   "be killed for lack of memory")
+
+
+def _model_and_data(cfg: TrainConfig) -> tuple:
+    """The model, the batch shape, the model's registry entry and the data set."""
+    spec = model_spec(cfg.model)
+    size = cfg.size
+    if cfg.data is not None:
+        data = NpyDataset(cfg.data)
+        if data.sample_shape[0] != spec.in_channels or (
+                size is not None and tuple(data.sample_shape[1:]) != tuple(size)):
+            raise ValueError(f"the samples in {cfg.data} are {data.sample_shape}; model "
+                             f"{cfg.model!r} takes {spec.in_channels} channels"
+                             + (f" and --size {'x'.join(map(str, size))}" if size else ""))
+        size = tuple(data.sample_shape[1:])
+    model, shape = build_model(cfg.model, size, cfg.batch, seed=cfg.seed)
+    check_size(cfg.model, size, model)
+    if cfg.data is None:
+        data = spec.dataset(cfg.samples, tuple(shape[1:]), cfg.seed)
+    return model, shape, spec, data
 
 
 def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
@@ -220,13 +282,57 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         train (see :class:`SetupError`).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    memory = MemoryProfile(top=8 if cfg.profile_memory else 0)
+    previous = _on_sigterm()
+    try:
+        return _train(cfg, comm, memory)
+    except SetupError:  # raised on every rank alike: one line from rank 0
+        peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
+        _say(comm, f"peak resident memory per rank {peak / 2**20:.0f} MiB "
+                   f"(rank 0: {_phase_line(memory)})")
+        raise
+    except BaseException:
+        # every exit says how much memory this rank held, whichever rank failed
+        print(f"rank {comm.Get_rank()}: peak resident memory {_lifetime(memory) / 2**20:.0f} "
+              f"MiB ({_phase_line(memory)})", flush=True)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm() -> Any:
+    """Turn SIGTERM (how launchers stop the other ranks of a failed job) into SystemExit."""
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        return None
+
+
+def _lifetime(memory: MemoryProfile) -> int:
+    """This process's peak resident bytes so far (the profile restarts the kernel's count)."""
+    return max([peak_resident_bytes()] + [p.peak for p in memory.phases.values()])
+
+
+def _phase_line(memory: MemoryProfile) -> str:
+    return ", ".join(f"{p.name} {p.peak / 2**20:.0f}" for p in memory.phases.values()) or \
+        "before setup"
+
+
+def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str, Any]:
     rank = comm.Get_rank()
     try:
-        state = _setup(cfg, comm)
+        state = _setup(cfg, comm, memory)
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
+        if isinstance(exc, SetupError):
+            raise
         raise SetupError(str(exc)) from exc
     model, shape, plan, nodes, loss_fn, loader, opt, step, history = state
     clocks, _ = _timed(nodes)
+    if cfg.profile_memory:
+        memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
     bar = None
     if rank == 0 and cfg.progress:
         bar = tqdm(total=cfg.steps, initial=step,
@@ -244,10 +350,13 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         comm.Barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        out = model(x)
-        loss = loss_fn(out, y)
-        model.call_backward(loss_fn.backward())
-        opt.step()
+        with memory.phase("forward"):
+            out = model(x)
+            loss = loss_fn(out, y)
+        with memory.phase("backward"):
+            model.call_backward(loss_fn.backward())
+        with memory.phase("optimizer"):
+            opt.step()
         clocks_now = np.array([time.perf_counter() - t0, dt_data])
         comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
         dt_step, dt_data = clocks_now.tolist()
@@ -271,7 +380,11 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     measured = np.array([c[0] for c in clocks])
     comm.Allreduce(MPI.IN_PLACE, measured, op=MPI.MAX)
     measured /= max(len(times), 1)
-    peak = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, op=MPI.MAX)
+    peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
+
+    def phase_peak(*names: str) -> int:
+        return comm.allreduce(max((memory.phases[n].peak for n in names
+                                   if n in memory.phases), default=0), op=MPI.MAX)
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
         "steps": step, "final_loss": history[-1]["loss"] if history else None,
@@ -284,15 +397,51 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         if times else None,
         "predicted_time_per_iteration_s": plan.time,
         "peak_memory_per_rank_bytes": peak, "predicted_peak_memory_bytes": plan.peak_memory,
+        "training_peak_memory_per_rank_bytes": phase_peak("forward", "backward", "optimizer"),
+        "planning_peak_memory_per_rank_bytes": phase_peak("calibration", "kernel measurement",
+                                                          "planning"),
+        "memory_budget_bytes": plan.memory_budget,
+        "memory_profile": _gather_profile(memory, comm) if cfg.profile_memory else None,
         "layers": [{"name": e.name, "layer": e.layer, "grid": list(e.grid),
                     "predicted_s": e.fwd + e.bwd + e.comm, "measured_s": float(m)}
                    for e, m in zip(plan.entries, measured)],
         "config": {k: v for k, v in asdict(cfg).items()},
     }
     if rank == 0:
+        if cfg.profile_memory:
+            _print_profile(summary["memory_profile"])
         _print_summary(summary)
         _write_metrics(cfg.metrics, history, summary)
     return summary
+
+
+def _gather_profile(memory: MemoryProfile, comm: MPI.Comm) -> dict[str, Any]:
+    """Every rank's phases and layers (peaks in MiB), with the largest allocations of rank 0."""
+    mine = memory.summary()
+    ranks = comm.allgather(mine)
+    return {"exact": all(r["exact"] for r in ranks),
+            "phases": [{"name": p["name"],
+                        "peak_MiB_per_rank": [r["phases"][i]["peak_MiB"] for r in ranks],
+                        **({"largest_allocations_rank0": p["largest_allocations"]}
+                           if "largest_allocations" in p else {})}
+                       for i, p in enumerate(mine["phases"])],
+            "layers": [{"name": p["name"],
+                        "peak_MiB_per_rank": [r["layers"][i]["peak_MiB"] for r in ranks],
+                        "end_MiB_per_rank": [r["layers"][i]["end_MiB"] for r in ranks]}
+                       for i, p in enumerate(mine["layers"])]}
+
+
+def _print_profile(prof: dict[str, Any]) -> None:
+    print("\nmemory profile: peak resident MiB per rank, by phase"
+          + ("" if prof["exact"] else " (peaks since the start: the OS cannot reset them)"))
+    for p in prof["phases"]:
+        print(f"  {p['name']:<22} " + " ".join(f"{v:8.0f}" for v in p["peak_MiB_per_rank"]))
+        for a in p.get("largest_allocations_rank0", [])[:5]:
+            print(f"      {a['MiB']:8.1f} MiB alive at the peak, allocated at {a['where']}")
+    print("by layer (peak during the pass, resident after it), rank 0:")
+    for p in prof["layers"]:
+        print(f"  {p['name'][:34]:<34} {p['peak_MiB_per_rank'][0]:8.0f} "
+              f"{p['end_MiB_per_rank'][0]:8.0f}")
 
 
 def _write_metrics(prefix: str | None, history: list[dict], summary: dict) -> None:
@@ -320,5 +469,10 @@ def _print_summary(s: dict) -> None:
               f"{1e3 * s['predicted_time_per_iteration_s']:.1f} ms), data loading "
               f"{1e3 * s['data_time_per_iteration_s']:.1f} ms; "
               f"{s['samples_per_s']:.1f} samples/s")
-    print(f"peak memory per rank {s['peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (resident; "
-          f"predicted {s['predicted_peak_memory_bytes'] / 2**20:.0f} MiB for the model's data)")
+    budget = s.get("memory_budget_bytes")
+    print(f"peak memory per rank (resident): training step "
+          f"{s['training_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (predicted "
+          f"{s['predicted_peak_memory_bytes'] / 2**20:.0f} MiB), planning "
+          f"{s['planning_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB, whole run "
+          f"{s['peak_memory_per_rank_bytes'] / 2**20:.0f} MiB"
+          + (f"; budget {budget / 2**20:.0f} MiB" if budget else ""))

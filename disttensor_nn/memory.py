@@ -1,0 +1,233 @@
+"""Resident memory of this process: current, peak, available, and a profile by phase and layer.
+
+The figures come from the operating system (``/proc/self/status`` and
+``/proc/meminfo`` on Linux, ``getrusage`` elsewhere), so they count what
+the job really holds: NumPy arrays, MPI buffers, the interpreter. A
+:class:`MemoryProfile` resets the kernel's peak counter at each phase and
+layer boundary (``/proc/self/clear_refs``), so the peak of each phase
+(data, calibration, kernel measurement, planning, forward, backward,
+optimizer) and of each layer's forward and backward is its own; with
+``tracemalloc`` on it also lists the largest allocations alive at the
+training step's peak.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["resident_bytes", "peak_resident_bytes", "reset_peak", "available_bytes",
+           "release_free_memory", "MemoryProfile", "PhaseMemory"]
+
+_PAGE = resource.getpagesize()
+
+
+def _status(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> int:
+    """Bytes of this process resident in memory now."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return peak_resident_bytes()
+
+
+def peak_resident_bytes() -> int:
+    """Peak resident bytes of this process since it started or since :func:`reset_peak`."""
+    hwm = _status("VmHWM")
+    if hwm is not None:
+        return hwm
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak() -> bool:
+    """Start a new peak (Linux); returns whether the operating system allowed it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def available_bytes() -> int | None:
+    """Memory the operating system can still give processes (``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_free_memory() -> bool:
+    """Give the memory the C allocator keeps after frees back to the operating system.
+
+    Arrays freed by one phase (the planner's kernel measurement) would
+    otherwise stay resident in the allocator's heap. Returns whether the
+    allocator supports it (glibc's ``malloc_trim``).
+    """
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@dataclass
+class PhaseMemory:
+    """Resident bytes of one phase or one layer's pass: peak, at the start and at the end."""
+
+    name: str
+    peak: int = 0
+    start: int = 0
+    end: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+    top: list[tuple[str, int]] = field(default_factory=list)  # (where, bytes) at the peak
+
+    def as_dict(self) -> dict[str, Any]:
+        mib = 2.0**20
+        d: dict[str, Any] = {"name": self.name, "peak_MiB": self.peak / mib,
+                             "start_MiB": self.start / mib, "end_MiB": self.end / mib,
+                             "seconds": self.seconds, "calls": self.calls}
+        if self.top:
+            d["largest_allocations"] = [{"where": w, "MiB": b / mib} for w, b in self.top]
+        return d
+
+
+class MemoryProfile:
+    """Peak resident memory by phase and by layer, for one process.
+
+    ``with profile.phase("planning"): ...`` records the phase's peak;
+    phases may nest (an outer phase's peak includes its inner ones). A phase
+    entered again (``forward`` at every step) keeps the largest peak.
+    :meth:`watch` adds forward and backward hooks to layers so that each
+    layer's passes are phases of their own (named ``"<name> forward"``).
+    With ``top > 0``, ``tracemalloc`` runs and, each time a phase named in
+    ``snapshot_phases`` reaches a new peak at a layer boundary, the ``top``
+    largest allocation sites alive then are kept.
+
+    Parameters
+    ----------
+    top : int
+        How many allocation sites to list at the training step's peaks (0: no
+        tracemalloc).
+    snapshot_phases : tuple of str
+        The phases whose peaks get the list of allocation sites.
+    """
+
+    def __init__(self, top: int = 0,
+                 snapshot_phases: tuple[str, ...] = ("forward", "backward")):
+        self.phases: dict[str, PhaseMemory] = {}
+        self.layers: dict[str, PhaseMemory] = {}
+        self._active: list[PhaseMemory] = []
+        self.top = top
+        self.snapshot_phases = snapshot_phases
+        self.exact = reset_peak()
+        if top and not tracemalloc.is_tracing():
+            tracemalloc.start(1)
+
+    def _fold(self) -> int:
+        """Fold the peak since the last reset into every active phase; start a new peak."""
+        hwm = peak_resident_bytes()
+        for ph in self._active:
+            ph.peak = max(ph.peak, hwm)
+        if self.exact:
+            reset_peak()
+        return hwm
+
+    def _enter(self, table: dict[str, PhaseMemory], name: str) -> PhaseMemory:
+        self._fold()
+        ph = table.setdefault(name, PhaseMemory(name))
+        now = resident_bytes()
+        if ph.calls == 0:
+            ph.start = now
+        ph.calls += 1
+        ph.peak = max(ph.peak, now)
+        self._active.append(ph)
+        return ph
+
+    def _leave(self, ph: PhaseMemory, t0: float) -> None:
+        before = ph.peak
+        hwm = self._fold()
+        self._active.remove(ph)
+        ph.end = resident_bytes()
+        ph.seconds += time.perf_counter() - t0
+        if self.top and hwm > before:
+            for outer in self._active:
+                if outer.name in self.snapshot_phases and hwm >= outer.peak:
+                    outer.top = self._largest()
+
+    def _largest(self) -> list[tuple[str, int]]:
+        stats = tracemalloc.take_snapshot().statistics("lineno")
+        return [(str(s.traceback[0]), s.size) for s in stats[:self.top]]
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[PhaseMemory]:
+        """Record the peak resident memory of the enclosed code as phase ``name``."""
+        ph = self._enter(self.phases, name)
+        t0 = time.perf_counter()
+        try:
+            yield ph
+        finally:
+            self._leave(ph, t0)
+
+    def watch(self, named_layers: list[tuple[str, Any]]) -> list[Any]:
+        """Make every layer's forward and backward a phase; returns the hooks' handles."""
+        handles = []
+        for name, layer in named_layers:
+            for kind, pre, post in (("forward", layer.register_forward_pre_hook,
+                                     layer.register_forward_hook),
+                                    ("backward", layer.register_full_backward_pre_hook,
+                                     layer.register_full_backward_hook)):
+                state: dict[str, Any] = {}
+
+                def begin(_layer: Any, *args: Any, label: str = f"{name} {kind}",
+                          state: dict[str, Any] = state) -> None:
+                    state["ph"] = self._enter(self.layers, label)
+                    state["t0"] = time.perf_counter()
+
+                def end(_layer: Any, *args: Any, state: dict[str, Any] = state) -> None:
+                    self._leave(state.pop("ph"), state.pop("t0"))
+
+                handles += [pre(begin), post(end)]
+        return handles
+
+    def summary(self) -> dict[str, Any]:
+        """Phases and layers as plain data (MiB), for printing and the metrics file."""
+        return {"exact": self.exact,
+                "phases": [p.as_dict() for p in self.phases.values()],
+                "layers": [p.as_dict() for p in self.layers.values()]}
