@@ -233,7 +233,8 @@ class KernelTimer:
         ``memory`` bytes (a quarter of it, at most 1 GiB; every twin and
         array of a segment is released before the next): forward in order,
         backward in reverse, one untimed round, then rounds until ``reps``
-        were taken or ``max_seconds`` have passed (at least one).
+        were taken or the segment's share of ``max_seconds`` has passed (at
+        least one).
 
         When a node holds more of these ranks than it has cores, ranks wait at
         every synchronisation in training for peers that the operating system
@@ -272,8 +273,9 @@ class KernelTimer:
             used += need
         bar = tqdm(total=len(jobs), desc="timing kernels", unit="shape", leave=False,
                    disable=True if (comm.Get_rank() or not progress) else None)
-        for segment in segments:
-            self._run_segment(segment, comm, sync, reps, max_seconds)
+        for segment in segments:  # the time allowed is shared by the segments' sizes
+            self._run_segment(segment, comm, sync, reps,
+                              max_seconds * len(segment) / len(jobs))
             bar.update(len(segment))
         bar.close()
         for tkey, job in jobs.items():
@@ -297,9 +299,11 @@ class KernelTimer:
                             .astype(np.float32))
         fwd = np.zeros((reps, len(jobs)))
         bwd = np.zeros((reps, len(jobs)))
-        start, done = time.perf_counter(), 0
+        start, done = 0.0, 0
         for r in range(-1, reps):
             comm.Barrier()
+            if r == 0:
+                start = time.perf_counter()  # the untimed round takes no share
             outs: list[Any] = []
             prev = None
             for j, (job, twin) in enumerate(zip(jobs, twins)):

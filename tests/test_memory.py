@@ -1,0 +1,245 @@
+"""Memory: layers' declarations against measured allocations, measurement within a budget,
+the budget as a promise, and the memory profile.
+
+Each layer's :class:`~disttensor_nn.costspec.CostSpec` says what it keeps from
+forward to backward and how much scratch its passes need; here both are
+measured with ``tracemalloc`` on the layer itself, so a layer whose
+implementation keeps more (or less) than it declares fails, whichever
+implementation it has.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import disttensor_nn as nn
+from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor.testing import collective_assert
+from disttensor_nn.kernels import numpy_kernels
+from disttensor_nn.memory import MemoryProfile, peak_resident_bytes, resident_bytes
+from disttensor_nn.models import DepthToSpace
+from disttensor_nn.plan import CostModel, KernelTimer, MachineProfile, Planner
+from disttensor_nn.training import TrainConfig, build_model, train
+from disttensor_nn.training.driver import MemoryBudgetError, SetupError
+
+S = (2, 16, 96, 96)  # 1.1 MiB per float32 block: far above Python's own allocations
+SLACK = 160 * 2**10  # objects besides arrays (plans, geometry, hooks), bytes
+
+
+def _local(layer: nn.Layer, shape: tuple[int, ...]) -> dict[str, int]:
+    """Bytes measured with tracemalloc on one process: kept, forward and backward scratch."""
+    nd = len(shape)
+    grid = ProcessGrid((1,) * nd, MPI.COMM_SELF)
+    axes = (0, None, *range(1, nd - 1))
+    dist = Distribution(shape, grid, axes)
+    numpy_kernels.release_workspace()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        x = DistArray.from_local(np.random.default_rng(0).standard_normal(shape)
+                                 .astype(np.float32), dist)
+        in_bytes = x.local.nbytes
+        gc.collect()
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        y = layer(x)
+        out_bytes, out_dist, out_local = y.local.nbytes, y.dist, y.local_shape
+        forward_peak = tracemalloc.get_traced_memory()[1] - base
+        del x, y
+        numpy_kernels.release_workspace()  # scratch, not kept
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - base + in_bytes
+        dy = DistArray.from_local(np.ones(out_local, np.float32), out_dist)
+        gc.collect()
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        dx = layer.backward(dy)
+        backward_peak = tracemalloc.get_traced_memory()[1] - base
+        del dx, dy
+    finally:
+        tracemalloc.stop()
+        numpy_kernels.release_workspace()
+    pure = Distribution(shape, (1,) * nd, axes)
+    spec = layer.cost_spec(pure, 4)
+    return {"in": in_bytes, "out": out_bytes, "kept": kept, "spec": spec,
+            # scratch beyond the output (and what forward keeps), beyond the returned gradient
+            "workspace": max(forward_peak - out_bytes - spec.saved, backward_peak - in_bytes)}
+
+
+LAYERS = [
+    pytest.param(lambda: nn.Conv2d(16, 32, 3, padding=1), id="conv3x3"),
+    pytest.param(lambda: nn.Conv2d(16, 32, 5, stride=2, padding=2), id="conv5x5s2"),
+    pytest.param(lambda: nn.Conv2d(16, 64, 1), id="conv1x1"),
+    pytest.param(lambda: nn.ReLU(), id="relu"),
+    pytest.param(lambda: nn.LeakyReLU(0.1), id="leaky"),
+    pytest.param(lambda: nn.BatchNorm2d(16), id="bn"),
+    pytest.param(lambda: nn.Sigmoid(), id="sigmoid"),
+    pytest.param(lambda: nn.MaxPool2d(3, 2, padding=1), id="maxpool"),
+    pytest.param(lambda: nn.AvgPool2d(2), id="avgpool"),
+    pytest.param(lambda: DepthToSpace(2), id="depth2space"),
+]
+
+
+@pytest.mark.parallel(1)
+@pytest.mark.parametrize("make", LAYERS)
+def test_kept_bytes_are_what_the_layer_declares(make):
+    """What stays allocated after forward (the caller's references dropped) = CostSpec.kept."""
+    m = _local(make(), S)
+    declared = m["spec"].kept(m["in"], m["out"])
+    assert abs(m["kept"] - declared) <= 0.01 * declared + SLACK, (m["kept"], declared)
+
+
+@pytest.mark.parallel(1)
+@pytest.mark.parametrize("make", LAYERS)
+def test_workspace_bounds_the_passes_scratch_closely(make):
+    """The declared workspace covers the scratch measured in either pass, without padding it
+    by more than half (or 1 MiB for layers with almost none)."""
+    m = _local(make(), S)
+    declared = m["spec"].workspace
+    assert m["workspace"] <= declared + SLACK, (m["workspace"], declared)
+    assert declared <= 1.6 * m["workspace"] + 2**20, (m["workspace"], declared)
+
+
+def _profile(**kw) -> MachineProfile:
+    base = dict(name="test", p2p_alpha=1e-5, p2p_beta=1e-9, allreduce_alpha=2e-5,
+                allreduce_beta=2e-9, alltoall_alpha=3e-5, alltoall_beta=3e-9,
+                peak_flops=1e10, efficiency=0.5, mem_bandwidth=1e10, memory_per_rank=2**30,
+                measured=True, cores_per_node=2)
+    base.update(kw)
+    return MachineProfile(**base)
+
+
+@pytest.mark.parallel([1, 2])
+def test_kernel_measurement_stays_within_a_small_budget(tmp_path_factory):
+    """Blocks far larger than the budget allows at once are timed on tiles, in segments.
+
+    Four 16 MiB inputs (and their outputs and gradients) held at once, as the
+    chain measurement used to, would need well over 128 MiB; with a budget of
+    48 MiB and 2 MiB tiles the traced peak stays below the budget, every
+    block gets a time scaled from its tile by the FLOPs' ratio, and is marked
+    as tiled.
+    """
+    comm = MPI.COMM_WORLD
+    cache = comm.bcast(str(tmp_path_factory.mktemp("k")) if comm.rank == 0 else None)
+    timer = KernelTimer("t", cache_dir=cache)
+    timer.tile_bytes = 2 * 2**20
+    f4 = np.dtype(np.float32)
+    shape = (1, 16, 514, 514)  # a 3x3 convolution's halo-extended block, 16.1 MiB
+    layers = [nn.Conv2d(16, 16, 3, padding=1, seed=i) for i in range(2)] + [nn.ReLU(),
+                                                                           nn.BatchNorm2d(16)]
+    queries = [(layer, shape if isinstance(layer, nn.Conv2d) else (1, 16, 512, 512), f4, 1.0)
+               for layer in layers]
+    budget = 48 * 2**20
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        timer.measure_chain(queries, comm, reps=1, memory=budget)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    collective_assert(peak < budget, f"measurement peak {peak / 2**20:.1f} MiB")
+    for layer, local, _, _ in queries:
+        tile = timer.tile(layer, local)
+        collective_assert(math.prod(tile) * 4 <= timer.tile_bytes and tile != local, str(tile))
+        full = timer.table[timer.key(layer, local, f4, comm.size)]
+        part = timer.table[timer.key(layer, tile, f4, comm.size)]
+        factor = timer.scale(layer, local, tile)
+        collective_assert(full[0] == pytest.approx(part[0] * factor) and full[3] == "tile",
+                          f"{full} {part}")
+        collective_assert(timer.tiled(layer, local, f4, comm.size), "not marked as tiled")
+    # the two convolutions share one signature, so one tile times both
+    collective_assert(len({k for k in timer.table if k.startswith("conv")}) == 2,
+                      str(list(timer.table)))
+
+
+def test_tile_scale_is_the_flops_ratio():
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    timer = KernelTimer("t", cache_dir="/nonexistent", measure=False)
+    timer.tile_bytes = 2**20
+    local = (2, 8, 258, 130)
+    tile = timer.tile(conv, local)
+    assert tile[0] == 1 and tile[1] == 8 and math.prod(tile) * 4 <= 2**20
+    out = lambda s: s[0] * 8 * (s[2] - 2) * (s[3] - 2)  # noqa: E731 (valid 3x3 outputs)
+    assert timer.scale(conv, local, tile) == pytest.approx(out(local) / out(tile))
+    assert timer.tile(conv, (1, 8, 34, 34)) == (1, 8, 34, 34)  # small blocks as they are
+
+
+V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
+
+
+def _config(**kw) -> TrainConfig:
+    base = dict(model="mesh-demo", size=(64, 64), batch=4, steps=1, samples=8, metrics=None,
+                machine=V100, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parallel([1, 3])
+def test_a_budget_no_plan_fits_is_refused_on_every_rank(capsys):
+    with pytest.raises(SetupError, match="fits 1 MiB per rank") as err:
+        train(_config(memory_per_rank=2**20))
+    collective_assert(not isinstance(err.value, MemoryBudgetError), "the planner decides")
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.rank == 0:
+        assert "peak resident memory per rank" in out
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_step_that_would_pass_the_budget_is_refused_naming_layer_and_shortfall(tmp_path_factory):
+    """A plan file whose budget is below what the ranks already hold plus the step's need."""
+    comm = MPI.COMM_WORLD
+    tmp = comm.bcast(str(tmp_path_factory.mktemp("plan")) if comm.rank == 0 else None)
+    model, shape = build_model("mesh-demo", (64, 64), 4)
+    planner = Planner(model, shape, CostModel(nn.plan.builtin_profiles()[V100], comm.size))
+    plan = planner.plan()
+    plan.memory_budget = resident_bytes() + 0.5 * (plan.peak_memory - plan.baseline_memory)
+    path = os.path.join(tmp, "plan.json")
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            f.write(plan.to_json())
+    comm.Barrier()
+    with pytest.raises(MemoryBudgetError, match=r"over the budget of \d+ MiB by \d+ MiB") as err:
+        train(_config(layout=path))
+    names = [f"layer {e.name} ({e.layer})" for e in plan.entries]
+    collective_assert(any(n in str(err.value) for n in names), str(err.value))
+    collective_assert(comm.allgather(str(err.value)) == [str(err.value)] * comm.size,
+                      "the message differs between ranks")
+
+
+@pytest.mark.parallel([1, 2])
+def test_summary_reports_training_and_planning_peaks_apart_and_profiles_layers():
+    s = train(_config(profile_memory=True, steps=2))
+    phases = {p["name"] for p in s["memory_profile"]["phases"]}
+    collective_assert({"data", "planning", "forward", "backward", "optimizer"} <= phases,
+                      str(phases))
+    layers = [p["name"] for p in s["memory_profile"]["layers"]]
+    collective_assert(any(n.endswith("Conv2d forward") for n in layers) and
+                      any(n.endswith("Conv2d backward") for n in layers), str(layers))
+    train_peak = s["training_peak_memory_per_rank_bytes"]
+    collective_assert(0 < train_peak <= s["peak_memory_per_rank_bytes"], str(s))
+    collective_assert(0 < s["planning_peak_memory_per_rank_bytes"]
+                      <= s["peak_memory_per_rank_bytes"], str(s))
+
+
+def test_memory_profile_separates_the_peaks_of_phases():
+    prof = MemoryProfile()
+    with prof.phase("big"):
+        a = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+        del a
+    with prof.phase("small"):
+        b = np.ones(2**20 // 8)
+        del b
+    big, small = prof.phases["big"], prof.phases["small"]
+    assert big.peak >= big.start + 60 * 2**20
+    if prof.exact:  # the operating system lets the peak be restarted
+        assert small.peak < big.peak - 48 * 2**20
+    assert peak_resident_bytes() > 0
