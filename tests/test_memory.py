@@ -19,13 +19,23 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import disttensor as dt
 import disttensor_nn as nn
 from disttensor import DistArray, Distribution, ProcessGrid
 from disttensor.testing import collective_assert
 from disttensor_nn.kernels import numpy_kernels
 from disttensor_nn.memory import MemoryProfile, peak_resident_bytes, resident_bytes
 from disttensor_nn.models import DepthToSpace
-from disttensor_nn.plan import CostModel, KernelTimer, MachineProfile, Planner
+from disttensor_nn.plan import (
+    CostModel,
+    KernelTimer,
+    MachineProfile,
+    Planner,
+    apply_plan,
+    builtin_profiles,
+)
+from disttensor_nn.plan.planner import leaf_nodes, trace
+from disttensor_nn.recompute import recompute_segments
 from disttensor_nn.training import TrainConfig, build_model, train
 from disttensor_nn.training.driver import MemoryBudgetError, SetupError
 
@@ -199,7 +209,7 @@ def test_a_step_that_would_pass_the_budget_is_refused_naming_layer_and_shortfall
     comm = MPI.COMM_WORLD
     tmp = comm.bcast(str(tmp_path_factory.mktemp("plan")) if comm.rank == 0 else None)
     model, shape = build_model("mesh-demo", (64, 64), 4)
-    planner = Planner(model, shape, CostModel(nn.plan.builtin_profiles()[V100], comm.size))
+    planner = Planner(model, shape, CostModel(builtin_profiles()[V100], comm.size))
     plan = planner.plan()
     plan.memory_budget = resident_bytes() + 0.5 * (plan.peak_memory - plan.baseline_memory)
     path = os.path.join(tmp, "plan.json")
@@ -243,3 +253,66 @@ def test_memory_profile_separates_the_peaks_of_phases():
     if prof.exact:  # the operating system lets the peak be restarted
         assert small.peak < big.peak - 48 * 2**20
     assert peak_resident_bytes() > 0
+
+
+def _recompute_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, seed=1), nn.ReLU(), nn.BatchNorm2d(8),
+                         nn.Conv2d(8, 8, 3, padding=1, seed=2), nn.ReLU(), nn.BatchNorm2d(8),
+                         nn.Conv2d(8, 2, 1, seed=3), nn.Sigmoid())
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_recompute_gives_the_gradients_of_keeping_activations():
+    """Segments recomputed in backward: the same input gradient, parameter gradients and
+    running statistics as keeping every activation, and nothing saved between passes."""
+    comm = MPI.COMM_WORLD
+    shape = (2, 3, 10, 9)
+    results = []
+    for recompute in (False, True):
+        model = _recompute_net()
+        planner = Planner(model, shape, CostModel(builtin_profiles()[V100], comm.size),
+                          allowed=[(1, comm.size, 1)], recompute=recompute)
+        plan = planner.plan()
+        groups = [e.recompute for e in plan.entries]
+        collective_assert((min(groups) >= 0) == recompute, str(groups))
+        apply_plan(model, plan, shape, comm)
+        layers = [n.layer for n in leaf_nodes(trace(model, shape))]
+        recompute_segments(layers, groups)
+        grid = model[0].layout.grid
+        data = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+        x = dt.asarray(data, grid=grid, axes=(0, None, 1, 2))
+        y = model(x)
+        if recompute:  # what the segments' layers saved is gone until backward
+            collective_assert(not hasattr(layers[1], "_mask") and
+                              not hasattr(layers[2], "_saved"), "state kept")
+        dy = dt.asarray(np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape),
+                        grid=y.dist.grid, axes=y.dist.axes)
+        dx = model.backward(dy)
+        results.append((dx.to_global(),
+                        [p.grad.copy() for p in model.parameters()],
+                        [b.copy() for _, b in model.named_buffers()], plan))
+    (dx0, g0, b0, keep), (dx1, g1, b1, rec) = results
+    collective_assert(np.allclose(dx0, dx1, rtol=1e-5, atol=1e-6), "input gradients differ")
+    collective_assert(all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(g0, g1)),
+                      "parameter gradients differ")
+    collective_assert(all(np.array_equal(a, b) for a, b in zip(b0, b1)),
+                      "running statistics updated twice")
+    collective_assert(rec.time > keep.time, f"{rec.time} {keep.time}")  # forward twice
+    collective_assert("R recomputed" in rec.table(), rec.table())
+
+
+def test_recompute_auto_only_when_no_plan_fits_otherwise():
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(8))])
+    shape = (1, 8, 128, 128)
+    cm = CostModel(builtin_profiles()[V100], 1)
+    keep = Planner(model, shape, cm).plan()
+    rec = Planner(model, shape, cm, recompute=True).plan()
+    assert rec.peak_memory < keep.peak_memory
+    fits = Planner(model, shape, cm, keep.peak_memory + 1, recompute="auto").plan()
+    assert fits.entries == keep.entries  # nothing recomputed when keeping everything fits
+    between = (keep.peak_memory + rec.peak_memory) / 2
+    auto = Planner(model, shape, cm, between, recompute="auto").plan()
+    assert auto.peak_memory <= between and any(e.recompute >= 0 for e in auto.entries)
+    with pytest.raises(ValueError, match="fits"):
+        Planner(model, shape, cm, between).plan()

@@ -22,7 +22,8 @@ __all__ = ["make_plan", "predict_scaling", "wait_for_root"]
 def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
               memory: float | None = None, measure: bool = True, itemsize: int = 4,
               comm: MPI.Comm | None = None, baseline: float = 0.0,
-              profile: MemoryProfile | None = None) -> tuple[Plan, Planner | None]:
+              profile: MemoryProfile | None = None,
+              recompute: bool | str = False) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -62,6 +63,10 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         model's data alone.
     profile : MemoryProfile, optional
         Records the kernel measurement and the planning as phases.
+    recompute : bool or "auto"
+        Recompute segments of layers in backward instead of keeping their
+        activations (:mod:`disttensor_nn.recompute`): never, always, or
+        ``"auto"`` when no plan keeping them fits the budget.
 
     Returns
     -------
@@ -82,7 +87,7 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         xp = use_device(machine_profile.device, MPI.COMM_SELF if comm is None else comm)
         timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
     planner = Planner(model, batch_shape, CostModel(machine_profile, nprocs, timer, itemsize),
-                      memory, baseline=baseline)
+                      memory, baseline=baseline, recompute=recompute)
     memory_profile = MemoryProfile() if profile is None else profile
     with memory_profile.phase("kernel measurement"):
         planner.calibrate(comm, progress=True)

@@ -112,6 +112,7 @@ class PlanEntry:
     estimated: bool
     tiled: bool = False
     transient: float = 0.0
+    recompute: int = -1  # recompute segment (activation checkpointing); -1: kept
 
 
 @dataclass
@@ -134,7 +135,8 @@ class Plan:
                f"{'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
         lines = [head, "-" * len(head)]
         for e in self.entries:
-            mark = "*" if e.estimated else "~" if e.tiled else " "
+            mark = ("*" if e.estimated else "~" if e.tiled else " ") + \
+                ("R" if e.recompute >= 0 else "")
             lines.append(
                 f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<14} {1e3 * e.fwd:8.2f} "
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
@@ -152,6 +154,10 @@ class Plan:
             lines.append("* compute estimated from a rate model, not measured")
         if any(e.tiled for e in self.entries):
             lines.append("~ compute measured on a tile of the local block, scaled by FLOPs")
+        if any(e.recompute >= 0 for e in self.entries):
+            lines.append(f"R recomputed in backward from its segment's input "
+                         f"({len({e.recompute for e in self.entries} - {-1})} segments): "
+                         "memory kept only at each segment's start, forward run twice")
         lines += self.notes
         return "\n".join(lines)
 
@@ -187,7 +193,7 @@ class Planner:
 
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
                  memory_budget: float | None = None, allowed: list[Candidate] | None = None,
-                 baseline: float = 0.0):
+                 baseline: float = 0.0, recompute: bool | str = False):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
         self.items = trace(model, self.batch_shape)
         self.nodes = leaf_nodes(self.items)
@@ -195,6 +201,10 @@ class Planner:
         self.cands = list(allowed) if allowed is not None else candidates(cost.nprocs, nsp)
         self.budget = memory_budget
         self.baseline = float(baseline)
+        if recompute not in (False, True, "auto"):
+            raise ValueError(f"recompute must be False, True or 'auto', got {recompute!r}")
+        self.recompute = recompute
+        self._recomputing = recompute is True
         # the process itself, parameters with their gradients and momenta, and what the
         # loss holds (the network's output, the targets and the output's gradient)
         out = self.nodes[-1].out_shape if self.nodes else self.batch_shape
@@ -244,6 +254,9 @@ class Planner:
                 lc.memory + lc.transient + self.base_memory <= self.budget
             if not fits:
                 v[c] = np.inf
+            elif self._recomputing:  # each layer in a segment: kept only where one starts
+                kept = lc.memory if lc.keeps_input else 0.0
+                v[c] = kept if lam == np.inf else lc.total + lc.fwd + lam * kept
             elif lam == np.inf:  # memory alone
                 v[c] = lc.memory
             else:
@@ -397,6 +410,8 @@ class Planner:
         memory = self.base_memory
         transient = 0.0
         prev: list[Any] = [None]  # the layer that produced the current activation, unmoved
+        groups = self.segments(assign) if self._recomputing else {}
+        held: dict[int, list[float]] = {}  # segment -> [memory when kept, largest transient]
 
         def walk(items: list, current: int | None) -> int | None:
             nonlocal time, memory, transient
@@ -408,6 +423,17 @@ class Planner:
                         time += self.shuffle_matrix(it.in_shape)[current, c]
                     lc = self.layer_cost(it, c)
                     time += lc.total
+                    g = groups.get(id(it), -1)
+                    if g >= 0:  # recomputed: forward twice; kept only at the segment's start
+                        time += lc.fwd
+                        first = g not in held
+                        h = held.setdefault(g, [0.0, 0.0])
+                        h[0] += lc.memory
+                        h[1] = max(h[1], lc.transient)
+                        memory += lc.memory if first else 0.0  # the input, grown halo
+                        prev[0] = None
+                        current = c
+                        continue
                     memory += lc.memory
                     if prev[0] is not None and not moved:  # one array, kept by both
                         memory -= min(prev[0].keeps_output, lc.keeps_input)
@@ -432,7 +458,50 @@ class Planner:
             return current
 
         walk(self.items, None)
+        for kept, most in held.values():  # a segment's backward holds it all again
+            transient = max(transient, kept + most)
         return time, memory + transient
+
+    def segments(self, assign: dict[int, int]) -> dict[int, int]:
+        """Recompute segments of an assignment: ``{id(node): segment number}``.
+
+        A segment is a run of two or more consecutive layers of one chain in
+        one candidate, starting at a layer that keeps its input (so keeping
+        the segment's input costs nothing more); it ends before the next such
+        layer, a change of candidate or a residual block.
+        """
+        out: dict[int, int] = {}
+        count = 0
+
+        def close(run: list[Node]) -> None:
+            nonlocal count
+            if len(run) >= 2:
+                for n in run:
+                    out[id(n)] = count
+                count += 1
+
+        def walk(items: list) -> None:
+            run: list[Node] = []
+            for it in items:
+                if isinstance(it, Node):
+                    c = assign[id(it)]
+                    starts = self.layer_cost(it, c).keeps_input > 0
+                    if run and (starts or assign[id(run[-1])] != c):
+                        close(run)
+                        run = []
+                    if run or starts:
+                        run.append(it)
+                else:
+                    close(run)
+                    run = []
+                    walk(it.branch)
+                    if it.shortcut:
+                        walk(it.shortcut)
+                    walk(it.post)
+            close(run)
+
+        walk(self.items)
+        return out
 
     def plan(self) -> Plan:
         """The cheapest plan that fits the memory budget.
@@ -442,6 +511,18 @@ class Planner:
         ValueError
             When no assignment fits the budget (with the smallest peak found).
         """
+        if self.recompute != "auto":
+            return self._plan()
+        try:
+            return self._plan()  # keeping every activation, if a plan fits
+        except ValueError:
+            self._recomputing = True
+            try:
+                return self._plan()
+            finally:
+                self._recomputing = False
+
+    def _plan(self) -> Plan:
         assign = self._solve(0.0)
         notes = list(self.notes)
         if assign is None:
@@ -486,13 +567,21 @@ class Planner:
     def _make_plan(self, assign: dict[int, int], t: float, mem: float, notes: list) -> Plan:
         entries = []
         prev = None
+        groups = self.segments(assign) if self._recomputing else {}
+        seen: set[int] = set()
         for node in self.nodes:
             c = assign[id(node)]
             lc = self.layer_cost(node, c)
             sh = self.shuffle_matrix(node.in_shape)[prev, c] if prev is not None else 0.0
+            g = groups.get(id(node), -1)
+            kept, bwd = lc.memory, lc.bwd
+            if g >= 0:  # the forward again in backward; kept only at the segment's start
+                kept = lc.memory if g not in seen else 0.0
+                bwd += lc.fwd
+                seen.add(g)
             entries.append(PlanEntry(node.name, type(node.layer).__name__, self.cands[c],
-                                     node.in_shape, lc.fwd, lc.bwd, lc.comm, float(sh),
-                                     lc.memory, lc.estimated, lc.tiled, lc.transient))
+                                     node.in_shape, lc.fwd, bwd, lc.comm, float(sh),
+                                     kept, lc.estimated, lc.tiled, lc.transient, g))
             prev = c
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
                     self.budget, notes, self.baseline)

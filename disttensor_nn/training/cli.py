@@ -304,6 +304,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         help="memory budget per rank, e.g. 8GiB (default: the machine's)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar")
+    parser.add_argument("--recompute", choices=("auto", "always", "never"), default=d.recompute,
+                        help="recompute segments of layers in backward instead of keeping "
+                        "their activations: when no plan fits the memory budget otherwise "
+                        "(auto), always or never (default: %(default)s)")
     parser.add_argument("--profile-memory", action="store_true",
                         help="print and save (metrics file) peak memory by phase and by layer, "
                         "with the largest allocations at the training step's peaks")
@@ -331,7 +335,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       checkpoint_every=a.checkpoint_every, resume=a.resume, metrics=a.metrics,
                       machine=a.machine, memory_per_rank=a.memory_per_rank,
                       progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate,
-                      profile_memory=a.profile_memory)
+                      profile_memory=a.profile_memory, recompute=a.recompute)
     try:
         train(cfg)
     except SetupError as exc:  # raised on every rank, before training

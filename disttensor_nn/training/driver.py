@@ -27,11 +27,15 @@ from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
 from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.planner import leaf_nodes, trace
+from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import Loader, NpyDataset
 from .registry import build_model, check_size, model_spec
 
 __all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError", "MemoryBudgetError"]
+
+RECOMPUTE = {"auto": "auto", "always": True, "never": False}
+"""``TrainConfig.recompute`` -> the planner's ``recompute`` option."""
 
 HEAVY_LOAD = 0.5
 """Load average per core above which a calibration is flagged as measured under load."""
@@ -80,6 +84,7 @@ class TrainConfig:
     data: str | None = None  # a directory of .npy samples (NpyDataset) instead of synthetic data
     recalibrate: bool = False  # measure this machine again even if a calibration is cached
     profile_memory: bool = False  # peak memory by phase and layer, largest allocations
+    recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -174,8 +179,11 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
                            "too slow if the machine is quieter now (use --recalibrate)")
     _say(comm, f"planning {cfg.model} for {_plural(comm.Get_size(), 'rank')} (kernels not "
                "timed before are measured first)...")
+    if cfg.recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {cfg.recompute!r}")
     plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
-                        comm=comm, baseline=baseline, profile=memory)
+                        comm=comm, baseline=baseline, profile=memory,
+                        recompute=RECOMPUTE[cfg.recompute])
     return plan
 
 
@@ -190,10 +198,11 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple:
     baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
     plan = _plan(cfg, model, shape, comm, memory, baseline)
     apply_plan(model, plan, shape, comm)
+    nodes = leaf_nodes(trace(model, shape))
+    recompute_segments([n.layer for n in nodes], [e.recompute for e in plan.entries])
     if rank == 0:
         print(f"{cfg.model}, batch {shape}, {_plural(comm.Get_size(), 'rank')}")
         print(plan.table(), flush=True)
-    nodes = leaf_nodes(trace(model, shape))
     loss_fn = spec.loss()
     first: Layout = nodes[0].layer.layout
     target_layout = None
