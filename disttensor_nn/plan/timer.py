@@ -50,12 +50,16 @@ class KernelTimer:
     that it is taken once per machine:
 
     - *in sequence* (:meth:`measure_chain`): 1-process twins of a whole
-      network's layers, at the local shapes of one candidate distribution,
+      network's layers, at the local shapes of the candidate distributions,
       run forward in order and backward in reverse, as in a training
       iteration, on every rank of a communicator at once. Each layer then
       meets the caches, allocator state and memory-bandwidth sharing it meets
       in the network; a layer's time is the slowest rank's, median over
       repetitions. The number of ranks that ran at once is part of the key.
+      Each distinct shape is timed once; large blocks are timed on a tile
+      (:meth:`tile`, at most :attr:`tile_bytes` of input and
+      :attr:`tile_flops`) and scaled by FLOPs, in segments that fit the
+      memory budget, so measuring never needs the memory training needs.
     - *alone* (:meth:`times` on a miss): the twin on its own, forward on a
       freshly written input and backward after the caches were flushed (what
       a layer sees when the rest of the network ran in between); fastest of
