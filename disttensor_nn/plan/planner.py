@@ -277,7 +277,8 @@ class Planner:
                                         for n in self.nodes)
         return rec.queries, memory
 
-    def calibrate(self, comm: Any = None, reps: int = 3, progress: bool = False) -> int:
+    def calibrate(self, comm: Any = None, reps: int = 3, progress: bool = False,
+                  max_seconds: float = 4.0) -> int:
         """Measure the layers' kernel times in network order, every candidate's layers at once.
 
         Collective over ``comm`` (default: this process alone): every rank
@@ -286,7 +287,9 @@ class Planner:
         when planning for it. The queries of every candidate, in network
         order, go to one :meth:`KernelTimer.measure_chain`, which times each
         distinct local shape once, large ones on tiles, in segments that fit
-        the memory budget. Layers whose memory alone exceeds the budget are
+        the memory budget; after one untimed round, timed rounds repeat up to
+        ``reps`` times while they take less than ``max_seconds`` in all (at
+        least one). Layers whose memory alone exceeds the budget are
         not measured (they cannot be chosen). Returns the number of
         candidates with something newly measured. Without a
         :class:`KernelTimer` this does nothing.
@@ -318,7 +321,8 @@ class Planner:
         if not comm.allreduce(news > 0, op=MPI.LOR):
             return 0
         start = time.perf_counter()
-        shapes = timer.measure_chain(queries, comm, reps, memory=self.budget, progress=progress)
+        shapes = timer.measure_chain(queries, comm, reps, max_seconds, memory=self.budget,
+                                     progress=progress)
         tiled = sum(timer.tiled(q[0], q[1], q[2], corun) for q in queries)
         self.notes.append(f"kernels timed on {corun} rank{'' if corun == 1 else 's'} at once: "
                           f"{shapes} distinct local shapes for {len(queries)} layer queries "
