@@ -20,7 +20,7 @@ from disttensor import limit_blas_threads
 from ..plan import Plan, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
-from .driver import SetupError, TrainConfig, plan_mismatch, train
+from .driver import RECOMPUTE, SetupError, TrainConfig, plan_mismatch, train
 from .plot import plot_scaling
 from .registry import build_model, check_size, model_names, model_spec
 
@@ -159,6 +159,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                         "disttensor-train --ranks-layout)")
     parser.add_argument("--no-measure", action="store_true",
                         help="estimate missing kernel times instead of measuring them")
+    parser.add_argument("--recompute", choices=("auto", "always", "never"), default="auto",
+                        help="recompute segments of layers in backward instead of keeping "
+                        "their activations: when no plan fits the memory budget otherwise "
+                        "(auto), always or never (default: %(default)s)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this machine's profile (run under mpiexec, >= 2 ranks)")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
@@ -210,7 +214,7 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     root = comm is None or comm.Get_rank() == 0
     try:
         plan, _ = make_plan(model, shape, nprocs, args.machine, args.memory_per_rank,
-                            not args.no_measure, comm=comm)
+                            not args.no_measure, comm=comm, recompute=RECOMPUTE[args.recompute])
     except (ValueError, FileNotFoundError) as exc:
         if root:
             print(f"disttensor-plan: error: {exc}", file=sys.stderr)
