@@ -278,7 +278,7 @@ class Planner:
         return rec.queries, memory
 
     def calibrate(self, comm: Any = None, reps: int = 3, progress: bool = False,
-                  max_seconds: float = 4.0) -> int:
+                  max_seconds: float = 1.5) -> int:
         """Measure the layers' kernel times in network order, every candidate's layers at once.
 
         Collective over ``comm`` (default: this process alone): every rank
