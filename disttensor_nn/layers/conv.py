@@ -130,7 +130,7 @@ class ConvNd(WindowLayer):
             super().cost_spec(dist, itemsize),
             flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
             math.prod(self.spec.kernel),
-            allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim))),),
+            allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim)), gradient=True),),
             workspace=min(64 * 2**20, ck * math.prod(out_block) // max(out_block[1], 1) *
                           itemsize))
 
