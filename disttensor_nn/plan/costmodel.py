@@ -124,7 +124,8 @@ def step_time(costs: Sequence[LayerCost], overlap: bool = True) -> StepTime:
         if c.grad > 0:
             net = max(net, done) + c.grad
     t += max(done, net)
-    return StepTime(t, compute, t - compute, comm - (t - compute))
+    exposed = max(t - compute, 0.0)  # not below zero by rounding
+    return StepTime(t, compute, exposed, max(comm - exposed, 0.0))
 
 
 @lru_cache(maxsize=4096)
