@@ -232,8 +232,6 @@ def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> in
     base = next((r["time_ms"] * r["ranks"] for r in rows if r["time_ms"]), None)
     first = next((r["ranks"] for r in rows if r["time_ms"]), 1)
     print(f"predicted strong scaling of {args.model}, batch {shape}, machine {args.machine}")
-    print("(ms per iteration; compute + exposed communication = time; hidden communication "
-          "runs under compute)")
     print(f"{'ranks':>6} {'ms/iter':>9} {'speedup':>8} {'compute':>9} {'exposed':>9} "
           f"{'hidden':>9} {'sample-par':>11} {'s-p exposed':>11} {'peak MiB':>9}"
           "  grids used (N, S..)")
@@ -246,6 +244,8 @@ def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> in
         print(f"{r['ranks']:>6} {r['time_ms']:9.2f} {base / first / r['time_ms']:8.2f} "
               f"{r['compute_ms']:9.2f} {r['exposed_ms']:9.2f} {r['hidden_ms']:9.2f} {sp:>11} "
               f"{spx:>11} {r['peak_MiB']:9.1f}  {r['grids']}")
+    print("ms per iteration: compute + exposed communication = the step; hidden communication "
+          "runs under compute; s-p: the sample-parallel plan")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "batch_shape": shape, "machine": args.machine,
