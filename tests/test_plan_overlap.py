@@ -243,21 +243,3 @@ def test_overlapped_dp_against_brute_force(kinds, nprocs, alpha, beta, grad_beta
     assert plan.hidden_comm >= -1e-12 * plan.time
     assert math.isfinite(plan.time)
 
-
-# ------------------------------------------------------------ the command line
-def test_scaling_command_line_splits_the_step(tmp_path, capsys):
-    from disttensor_nn.training.cli import plan_main
-
-    path = tmp_path / "scaling.json"
-    assert plan_main(["mesh-demo", "--machine", "v100-nvlink-edr", "--size", "32x32",
-                      "--batch", "2", "--scaling", "1,2,8", "--json", str(path)]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert all(word in out[1] for word in ("compute", "exposed", "hidden"))
-    rows = json.loads(path.read_text())["rows"]
-    assert [r["ranks"] for r in rows] == [1, 2, 8]
-    for r in rows:
-        assert r["compute_ms"] + r["exposed_ms"] == pytest.approx(r["time_ms"])
-        assert r["hidden_ms"] >= 0 and r["exposed_ms"] >= 0
-        c, e, _ = r["sample_parallel_split"]
-        assert c + e == pytest.approx(r["sample_parallel_ms"])
-    assert rows[0]["exposed_ms"] == 0 and rows[0]["hidden_ms"] == 0  # one rank: nothing to send
