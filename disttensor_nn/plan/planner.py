@@ -44,7 +44,7 @@ __all__ = ["Node", "Block", "trace", "leaf_nodes", "Planner", "Plan", "PlanEntry
            "apply_plan", "GRADIENT_WEIGHTS"]
 
 #: Shares of a layer's gradient reduction the DP charges when reductions overlap backward.
-GRADIENT_WEIGHTS = (0.0, 0.125, 0.25, 0.5, 1.0)
+GRADIENT_WEIGHTS = (1.0, 0.5, 0.25, 0.125, 0.0)
 
 
 @dataclass
@@ -447,6 +447,8 @@ class Planner:
                 found = self._plan_at_weight()
                 if best is None or found[1] < best[1]:
                     best = found
+                if not any(lc.grad > 0 for lc in self._layer_cost.values()):
+                    break  # no gradient reduction anywhere: every weight gives this plan
         finally:
             self._weight = 1.0
         assert best is not None
