@@ -156,6 +156,14 @@ def test_old_profile_json_loads_with_one_level(tmp_path):
     assert p.allreduce(4000, 4) == pytest.approx(2 * 2 * 2e-5 + 2 * 3 / 4 * 4000 * 2e-9)
     p.save(str(tmp_path / "new.json"))
     assert MachineProfile.load(str(tmp_path / "new.json")) == p
+    # a profile using neither new feature is written without their fields (older
+    # versions read it); one using them keeps them
+    assert set(json.loads((tmp_path / "new.json").read_text())) == set(ONE_LEVEL) | {
+        "cores_per_node", "measured", "device", "notes", "sources", "load_per_core"}
+    two = two_level(launch_overhead=1e-6)
+    two.save(str(tmp_path / "two.json"))
+    assert MachineProfile.load(str(tmp_path / "two.json")) == two
+    assert json.loads((tmp_path / "two.json").read_text())["inter_beta"] == 1e-9
 
 
 def test_builtin_profiles_state_their_sources():

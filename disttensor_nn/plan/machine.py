@@ -138,11 +138,20 @@ class MachineProfile:
         return peers * self.alltoall_alpha + max_bytes * self.alltoall_beta
 
     def save(self, path: str) -> None:
-        """Write the profile as JSON."""
+        """Write the profile as JSON.
+
+        The fields of the second network level and of the rate model's curve
+        are written only when set, so a profile that uses neither (every
+        calibration) stays readable by versions that do not know them.
+        """
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        data = asdict(self)
+        for name, default in _OPTIONAL_FIELDS.items():
+            if data[name] == default:
+                del data[name]
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=2)
+            json.dump(data, f, indent=2)
         os.replace(tmp, path)
 
     @classmethod
@@ -150,6 +159,11 @@ class MachineProfile:
         """Read a profile written by :meth:`save`."""
         with open(path) as f:
             return cls(**json.load(f))  # fields added later keep their defaults
+
+
+#: Fields added after the first profiles, with the defaults that leave them out of a file.
+_OPTIONAL_FIELDS = {"ranks_per_node": 0, "inter_alpha": None, "inter_beta": None,
+                    "nic_share": 1, "efficiency_half_flops": 0.0, "launch_overhead": 0.0}
 
 
 def default_cache_dir() -> str:
