@@ -169,11 +169,12 @@ class CostModel:
         bucket's latency is its share of the bucket's bytes. False: each
         layer's reduction blocks.
     bucket_bytes : float
-        Bytes of gradients per bucket.
+        Bytes of gradients per bucket (default: the runtime's default bucket,
+        1 MiB).
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
-                 itemsize: int = 4, overlap: bool = True, bucket_bytes: float = 25 * 2**20):
+                 itemsize: int = 4, overlap: bool = True, bucket_bytes: float = 2**20):
         self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
         # Ranks sharing a node's cores slow each other's kernels down. Kernel times
