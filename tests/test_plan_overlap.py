@@ -251,3 +251,9 @@ def test_overlapped_dp_against_brute_force(kinds, nprocs, alpha, beta, grad_beta
     assert plan.hidden_comm >= -1e-12 * plan.time
     assert math.isfinite(plan.time)
 
+
+def test_overlap_by_default_except_on_calibrated_cpu_machines():
+    assert CostModel(profile(), 2).overlap
+    assert CostModel(profile(measured=True, device="gpu"), 2).overlap
+    assert not CostModel(profile(measured=True), 2).overlap
+    assert CostModel(profile(measured=True), 2, overlap=True).overlap

@@ -163,19 +163,25 @@ class CostModel:
         it compute comes from the profile's peak rates.
     itemsize : int
         Bytes per activation element.
-    overlap : bool
+    overlap : bool, optional
         Gradient reductions run in buckets of ``bucket_bytes`` that overlap
         the rest of backward (:func:`step_time`); a layer's share of a
         bucket's latency is its share of the bucket's bytes. False: each
-        layer's reduction blocks.
+        layer's reduction blocks. Default: True, except on a calibrated CPU
+        machine, where ranks have no spare core to progress messages while
+        they compute (measured on 2 ranks of 2 cores: bucketed non-blocking
+        reductions were no faster than blocking ones, and slower for
+        ResNet-18's 11.7 M parameters).
     bucket_bytes : float
         Bytes of gradients per bucket (default: the runtime's default bucket,
         1 MiB).
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
-                 itemsize: int = 4, overlap: bool = True, bucket_bytes: float = 2**20):
+                 itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20):
         self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
+        if overlap is None:
+            overlap = not (profile.measured and profile.device == "cpu")
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
         # Ranks sharing a node's cores slow each other's kernels down. Kernel times
         # measured on all ranks at once include that; others are scaled by the
