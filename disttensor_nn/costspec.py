@@ -36,10 +36,16 @@ class Allreduce:
         layer's input (the communicator
         :func:`~disttensor_nn.module.split_axes_comm` gives for them); ranks
         holding replicas take no part.
+    gradient : bool
+        It sums parameter gradients, which nothing needs before the
+        optimizer step: the runtime reduces them in buckets while backward
+        goes on, and the cost model overlaps them with backward. Statistics
+        (batch norm, pooling sums) are needed at once and block.
     """
 
     nbytes: float
     dims: tuple[int, ...]
+    gradient: bool = False
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def test_communication_formulas():
 def test_conv_cost_by_hand():
     """Conv2d 3x3 'same' on (2, 4, 8, 8) split over H by 2: halo, allreduce and FLOPs."""
     p = profile()
-    cm = CostModel(p, 2)
+    cm = CostModel(p, 2, overlap=False)  # each layer's gradient allreduce blocks
     conv = nn.Conv2d(4, 6, 3, padding=1)
     c = cm.layer(conv, (2, 4, 8, 8), (1, 2, 1))
     # forward halo: one face of width 1 each way along H: N*C*W = 2*4*8 floats; backward alike
@@ -59,7 +59,7 @@ def test_conv_cost_by_hand():
     # FLOPs on the local output (2, 6, 4, 8) with the rate model (no timer)
     flops = 2.0 * (2 * 6 * 4 * 8) * 4 * 9
     ext = 2 * 4 * (4 + 2) * (8 + 2)  # the local input with its halo and the W padding
-    t = flops / (p.peak_flops * p.efficiency) + (ext + 2 * 6 * 4 * 8) * 4 / p.mem_bandwidth
+    t = max(flops / (p.peak_flops * p.efficiency), (ext + 2 * 6 * 4 * 8) * 4 / p.mem_bandwidth)
     assert c.fwd == pytest.approx(t) and c.bwd == pytest.approx(2 * t)
     # sample split: no halo, same allreduce
     c = cm.layer(conv, (2, 4, 8, 8), (2, 1, 1))
@@ -115,9 +115,10 @@ def test_dp_equals_brute_force(kinds, nprocs, alpha, beta, flops, size, batch):
     prof = profile(p2p_alpha=alpha, p2p_beta=beta, allreduce_alpha=2 * alpha,
                    allreduce_beta=beta, alltoall_alpha=alpha, alltoall_beta=3 * beta,
                    peak_flops=flops)
-    planner = Planner(model, (batch, 4, size, size), CostModel(prof, nprocs))
+    cost = CostModel(prof, nprocs, overlap=False)  # additive: the DP is exact
+    planner = Planner(model, (batch, 4, size, size), cost)
     if len(planner.cands) ** len(planner.nodes) > 20000:
-        planner = Planner(model, (batch, 4, size, size), CostModel(prof, nprocs),
+        planner = Planner(model, (batch, 4, size, size), cost,
                           allowed=[(nprocs, 1, 1), (1, nprocs, 1), (1, 1, nprocs)])
     nodes = planner.nodes
     n = len(planner.cands)
@@ -359,3 +360,20 @@ def test_machine_calibration(tmp_path_factory):
     collective_assert(MachineProfile.load(this_machine_path(cache)) == prof, "saved profile")
     with pytest.raises(ValueError, match="at least 2 ranks"):
         calibrate(MPI.COMM_SELF)
+
+
+# ------------------------------------------------------------ the command line
+def test_scaling_command_line_splits_the_step(tmp_path, capsys):
+    path = tmp_path / "scaling.json"
+    assert plan_main(["mesh-demo", "--machine", "v100-nvlink-edr", "--size", "32x32",
+                      "--batch", "2", "--scaling", "1,2,8", "--json", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert all(word in out[1] for word in ("compute", "exposed", "hidden"))
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2, 8]
+    for r in rows:
+        assert r["compute_ms"] + r["exposed_ms"] == pytest.approx(r["time_ms"])
+        assert r["hidden_ms"] >= 0 and r["exposed_ms"] >= 0
+        c, e, _ = r["sample_parallel_split"]
+        assert c + e == pytest.approx(r["sample_parallel_ms"])
+    assert rows[0]["exposed_ms"] == 0 and rows[0]["hidden_ms"] == 0  # one rank: nothing to send

@@ -135,7 +135,7 @@ class ConvNd(WindowLayer):
             super().cost_spec(dist, itemsize),
             flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
             math.prod(self.spec.kernel),
-            allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim))),),
+            allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim)), gradient=True),),
             workspace=max(math.prod(out_block) * itemsize + tile,
                           math.prod(ext) * itemsize + 2 * tile))
 

@@ -132,7 +132,8 @@ class Linear(Layer):
         n = math.prod(block)
         params = sum(q.data.size for q in self.own_parameters())
         return CostSpec(block, flops=2.0 * block[0] * self.in_features * self.out_features,
-                        nbytes=n * itemsize, allreduces=(Allreduce(params * 8, (0,)),),
+                        nbytes=n * itemsize,
+                        allreduces=(Allreduce(params * 8, (0,), gradient=True),),
                         keeps_input=True)
 
     def kernel_signature(self) -> str:

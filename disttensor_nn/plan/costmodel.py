@@ -12,6 +12,12 @@ kernels on the largest local block (halo included; measured by a
 its halo exchanges (forward) and halo accumulations (backward), its
 allreduces (weight gradients, batch-norm statistics) and its
 redistributions. Nothing here depends on the layer's class.
+
+Messages are priced by where their ranks live (:class:`MachineProfile`'s
+two levels): ranks fill nodes in order and a grid is laid over them
+row-major, so its last axes stay inside a node. :func:`step_time` turns
+the per-layer costs of a plan into the time of one training step when
+gradient reductions overlap backward.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -29,7 +36,8 @@ from ..module import Layer
 from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
 
-__all__ = ["candidates", "dist_for", "LayerCost", "CostModel"]
+__all__ = ["candidates", "dist_for", "LayerCost", "CostModel", "StepTime", "step_time",
+           "ranks_per_node_of"]
 
 Candidate = tuple[int, ...]
 
@@ -57,18 +65,93 @@ class LayerCost:
 
     fwd: float = 0.0  # compute, forward
     bwd: float = 0.0  # compute, backward (data and weights)
-    comm: float = 0.0  # halo exchanges, halo accumulations, allreduces
+    comm: float = 0.0  # halo exchanges, halo accumulations, allreduces, redistributions
     memory: float = 0.0  # bytes kept from forward to backward (CostSpec.kept)
     estimated: bool = False  # compute from a model, not a measurement
     transient: float = 0.0  # bytes alive only while one pass runs (CostSpec.transient)
     keeps_input: float = 0.0  # bytes of the input block kept (0 when not kept)
     keeps_output: float = 0.0  # bytes of the output block kept (0 when not kept)
     tiled: bool = False  # compute measured on a tile of the block and scaled by FLOPs
+    grad: float = 0.0  # of comm: the weight-gradient reduction (may overlap backward)
+    hidden: float = 0.0  # of comm: halo traffic hidden behind the layer's own kernels
 
     @property
     def total(self) -> float:
-        """Forward + backward + communication."""
-        return self.fwd + self.bwd + self.comm
+        """Forward + backward + the communication not hidden inside the layer."""
+        return self.fwd + self.bwd + self.comm - self.hidden
+
+    @property
+    def blocking(self) -> float:
+        """Communication that stalls this layer's kernels (all of it but ``grad``, ``hidden``)."""
+        return self.comm - self.grad - self.hidden
+
+
+@dataclass
+class StepTime:
+    """Time of one training step along its critical path, and how it divides."""
+
+    time: float  # the step
+    compute: float  # kernels
+    exposed: float  # communication on the critical path
+    hidden: float  # communication overlapped with kernels
+
+    @property
+    def comm(self) -> float:
+        """All communication."""
+        return self.exposed + self.hidden
+
+
+def step_time(costs: Sequence[LayerCost], overlap: bool = True) -> StepTime:
+    """The critical path of a training step whose layers, in network order, cost ``costs``.
+
+    Forward runs every layer (kernels, then half of its blocking
+    communication: halo exchanges, statistics, a shuffle given as a
+    ``LayerCost`` of communication alone); backward runs them in reverse
+    (kernels, the other half). With ``overlap`` a layer's gradient reduction
+    (``grad``) starts when its backward ends and the previous reduction has,
+    the network reducing one at a time in the order they come; the step ends
+    when both backward and the last reduction have. With backward times
+    ``b_l`` and reductions ``r_l`` (``l = 1..L``, backward from ``L`` down),
+    the reductions end at ``max_l (sum_{m >= l} b_m + sum_{m <= l} r_m)``
+    after forward. Without ``overlap`` everything adds up.
+    """
+    compute = sum(c.fwd + c.bwd for c in costs)
+    comm = sum(c.comm for c in costs)
+    halo_hidden = sum(c.hidden for c in costs)
+    if not overlap:
+        t = compute + comm - halo_hidden
+        return StepTime(t, compute, t - compute, halo_hidden)
+    t = sum(c.fwd + c.blocking / 2 for c in costs)
+    done = net = 0.0  # backward so far; the end of the reductions queued so far
+    for c in reversed(costs):
+        done += c.bwd + c.blocking / 2
+        if c.grad > 0:
+            net = max(net, done) + c.grad
+    t += max(done, net)
+    exposed = max(t - compute, 0.0)  # not below zero by rounding
+    return StepTime(t, compute, exposed, max(comm - exposed, 0.0))
+
+
+@lru_cache(maxsize=4096)
+def _node_spread(grid_shape: tuple[int, ...], axes: tuple[int, ...], node: int) -> tuple[int, int]:
+    """(ranks, ranks in one node) of the communicator over grid ``axes`` holding rank 0.
+
+    Ranks fill nodes of ``node`` ranks in order; the grid is row-major.
+    """
+    strides = [math.prod(grid_shape[a + 1:]) for a in range(len(grid_shape))]
+    ranks = np.zeros(1, dtype=np.int64)
+    for a in axes:
+        ranks = (ranks[:, None] + strides[a] * np.arange(grid_shape[a])[None, :]).ravel()
+    return len(ranks), int(np.count_nonzero(ranks < node))
+
+
+def ranks_per_node_of(dist: Distribution, axes: Sequence[int], node: int) -> tuple[int, int]:
+    """Size of the communicator over grid ``axes`` of ``dist``, and its ranks in one node.
+
+    Ranks are placed node-major (``node`` per node) and the grid row-major
+    over them, so the last grid axes stay inside a node.
+    """
+    return _node_spread(tuple(dist.grid_shape), tuple(sorted(set(axes))), max(1, node))
 
 
 class CostModel:
@@ -84,11 +167,26 @@ class CostModel:
         it compute comes from the profile's peak rates.
     itemsize : int
         Bytes per activation element.
+    overlap : bool, optional
+        Gradient reductions run in buckets of ``bucket_bytes`` that overlap
+        the rest of backward (:func:`step_time`); a layer's share of a
+        bucket's latency is its share of the bucket's bytes. False: each
+        layer's reduction blocks. Default: True, except on a calibrated CPU
+        machine, where ranks have no spare core to progress messages while
+        they compute (measured on 2 ranks of 2 cores: bucketed non-blocking
+        reductions were no faster than blocking ones, and slower for
+        ResNet-18's 11.7 M parameters).
+    bucket_bytes : float
+        Bytes of gradients per bucket (default: the runtime's default bucket,
+        1 MiB).
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
-                 itemsize: int = 4):
+                 itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20):
         self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
+        if overlap is None:
+            overlap = not (profile.measured and profile.device == "cpu")
+        self.overlap, self.bucket_bytes = overlap, bucket_bytes
         # Ranks sharing a node's cores slow each other's kernels down. Kernel times
         # measured on all ranks at once include that; others are scaled by the
         # oversubscription of the cores.
@@ -108,7 +206,7 @@ class CostModel:
             tiled = getattr(self.timer, "tiled", None)
             return f * scale, b * scale, est, bool(tiled and tiled(layer, local_in, dtype, co))
         p = self.profile
-        t = flops / (p.peak_flops * p.efficiency) + nbytes / p.mem_bandwidth
+        t = p.kernel_time(flops, nbytes)  # backward: two kernels (data and weights)
         return t, 2 * t, True, False
 
     def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate) -> LayerCost:
@@ -134,13 +232,26 @@ class CostModel:
                 layer, spec.local_shape, spec.flops, spec.nbytes)
         else:
             cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
-        cost.comm = sum((self.profile.allreduce(a.nbytes, _ranks_splitting(dist, a.dims))
-                         for a in spec.allreduces), 0.0)
+        for a in spec.allreduces:
+            lat, bw = self.profile.allreduce_terms(a.nbytes, *self._spread(dist, a.dims))
+            if self.overlap and a.gradient:  # in a bucket with others
+                cost.grad += lat * min(1.0, a.nbytes / self.bucket_bytes) + bw
+            else:
+                cost.comm += lat + bw
+        cost.comm += cost.grad
         if spec.halo is not None:  # the exchange forward, its accumulation backward
-            cost.comm += 2 * self._halo(dist, spec.halo)
+            halo = self._halo(dist, spec.halo)
+            cost.comm += 2 * halo
+            if getattr(layer, "overlap", False):  # interior kernels run meanwhile
+                cost.hidden = min(halo, cost.fwd * _interior(dist, spec.halo)) + \
+                    min(halo, cost.bwd / 2)  # backward: while the weight gradient computes
         for target in spec.redistributions:  # there forward, back backward
             cost.comm += 2 * self.redistribution(dist, target)
         return cost
+
+    def _spread(self, dist: Distribution, dims: Sequence[int]) -> tuple[int, int]:
+        axes = [a for d in dims for a in dist.dim_axes[d]]
+        return ranks_per_node_of(dist, axes, self.profile.node_size)
 
     def _halo(self, dist: Distribution, widths: Sequence[tuple[int, int]]) -> float:
         """Forward halo exchange: dimension by dimension, both sides at once."""
@@ -150,7 +261,8 @@ class CostModel:
             lo, hi = widths[d]
             if dist.nblocks[d] > 1 and (lo or hi):
                 face = math.prod(extent[:d] + extent[d + 1:]) * self.itemsize
-                t += self.profile.p2p(face * max(lo, hi))
+                p, local = self._spread(dist, [d])
+                t += self.profile.p2p(face * max(lo, hi), inter=local < p)
             extent[d] += lo + hi
         return t
 
@@ -167,7 +279,8 @@ class CostModel:
         if dst.dim_axes == src.dim_axes and dst.grid_shape == src.grid_shape:
             return 0.0
         recv, peers = _received(src, dst)
-        return self.profile.alltoall(recv * self.itemsize, peers)
+        return self.profile.alltoall(recv * self.itemsize, peers,
+                                     inter=self.nprocs > self.profile.node_size)
 
     def params_memory(self, model: Layer) -> float:
         """Bytes per rank of parameters, their gradients and momentum buffers."""
@@ -184,6 +297,16 @@ def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:
     for a in spec.allreduces:
         if any(not 0 <= d < dist.ndim for d in a.dims):
             raise ValueError(f"{where}: allreduce over dimensions {a.dims} out of range")
+
+
+def _interior(dist: Distribution, widths: Sequence[tuple[int, int]]) -> float:
+    """Fraction of the largest block whose outputs need no halo cell."""
+    frac = 1.0
+    for d, (lo, hi) in enumerate(widths):
+        if dist.nblocks[d] > 1 and (lo or hi):
+            e = largest_block(dist)[d]
+            frac *= max(0, e - lo - hi) / e
+    return frac
 
 
 def _ranks_splitting(dist: Distribution, dims: Sequence[int]) -> int:

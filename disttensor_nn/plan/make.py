@@ -131,9 +131,12 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
     list of dict
         One row per rank count: ``ranks``, ``time_ms`` (predicted time per
         iteration, None when nothing fits, with the reason in ``note``),
-        ``peak_MiB``, ``grids`` (the candidates the plan uses) and
-        ``sample_parallel_ms`` (the plan that splits only the samples, None
-        when the batch cannot be split so).
+        ``compute_ms``, ``exposed_ms`` and ``hidden_ms`` (its kernels, the
+        communication on its critical path, and the communication overlapped
+        with kernels), ``peak_MiB``, ``grids`` (the candidates the plan uses)
+        and ``sample_parallel_ms`` (the plan that splits only the samples,
+        None when the batch cannot be split so) with ``sample_parallel_split``
+        (its compute, exposed and hidden ms).
     """
     rows: list[dict[str, Any]] = []
     for p in ranks:
@@ -144,17 +147,21 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
             continue
         grids = sorted({e.grid for e in plan.entries}, key=str)
         sample_parallel = (p,) + (1,) * (len(batch_shape) - 2)
-        rows.append({"ranks": p, "time_ms": 1e3 * plan.time,
+        uniform = _uniform(planner, sample_parallel)
+        rows.append({"ranks": p, "time_ms": 1e3 * plan.time, "compute_ms": 1e3 * plan.compute,
+                     "exposed_ms": 1e3 * plan.exposed_comm, "hidden_ms": 1e3 * plan.hidden_comm,
                      "peak_MiB": plan.peak_memory / 2**20,
                      "grids": [list(g) for g in grids],
-                     "sample_parallel_ms": _uniform_ms(planner, sample_parallel)})
+                     "sample_parallel_ms": 1e3 * uniform.time if uniform else None,
+                     "sample_parallel_split": [1e3 * uniform.compute, 1e3 * uniform.exposed_comm,
+                                               1e3 * uniform.hidden_comm] if uniform else None})
     return rows
 
 
-def _uniform_ms(planner: Planner, cand: tuple[int, ...]) -> float | None:
+def _uniform(planner: Planner, cand: tuple[int, ...]) -> Plan | None:
     if tuple(cand) not in planner.cands:
         return None
-    return 1e3 * planner.uniform_plan(cand).time
+    return planner.uniform_plan(cand)
 
 
 def wait_for_root(comm: MPI.Comm, root: int = 0) -> None:

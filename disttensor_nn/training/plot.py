@@ -76,7 +76,10 @@ def plot_scaling(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["time_ms"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    split = all("compute_ms" in r for r in ok)
+    fig, axes = plt.subplots(1, 2 if split else 1, figsize=(11 if split else 6, 4),
+                             squeeze=False)
+    ax = axes[0][0]
     ax.loglog([r["ranks"] for r in ok], [r["time_ms"] for r in ok], "o-", label="planned")
     sp = [r for r in ok if r.get("sample_parallel_ms")]
     if sp:
@@ -88,6 +91,21 @@ def plot_scaling(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("predicted time per iteration (ms)")
     ax.set_title(title, fontsize=9)
     ax.legend()
+    if split:  # where the planned step's time goes
+        ax = axes[0][1]
+        xs = range(len(ok))
+        compute = [r["compute_ms"] for r in ok]
+        exposed = [r["exposed_ms"] for r in ok]
+        ax.bar(xs, compute, label="compute")
+        ax.bar(xs, exposed, bottom=compute, label="exposed communication")
+        ax.bar([x + 0.3 for x in xs], [r["hidden_ms"] for r in ok], 0.3,
+               label="hidden communication")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([str(r["ranks"]) for r in ok])
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("planned step (ms)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,149 @@
+"""Strong scaling measured on this machine: 1 rank against 2, the planner against uniform plans.
+
+Run under ``mpiexec`` with 2 ranks (the 1-rank baseline runs on rank 0 in the
+same job while rank 1 sleeps)::
+
+    mpiexec -n 2 python benchmarks/bench_strong_scaling.py [--batches 1,2]
+
+For mesh-small and the mesh FCN at reduced width, each batch size and each
+rank count (1, 2), it measures the time per training step (forward,
+backward, SGD step; the slowest rank; median of ``--iters`` steps, the
+faster of ``--rounds`` rounds over all plans) of the planner's plan (this
+machine's calibrated profile, kernels measured in network order in this
+run) and of the uniform plans: sample-parallel ``(2, 1, 1)`` and spatial
+``(1, 2, 1)``, ``(1, 1, 2)``. It prints each plan's predicted and measured
+time, the speedup over 1 rank, and the planner's plan against the best
+measured; the table and JSON (``benchmarks/results/bench_strong_scaling.json``)
+hold medians and ranges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+from _common import print_table, write_json
+from mpi4py import MPI
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor_nn.models import mesh_fcn
+from disttensor_nn.plan import CostModel, KernelTimer, Planner, apply_plan, load_profile
+from disttensor_nn.plan.costmodel import machine_id
+from disttensor_nn.plan.machine import this_machine_path
+from disttensor_nn.training import build_model
+
+MODELS = {
+    "mesh-small": lambda size, batch: build_model("mesh-small", size, batch),
+    "mesh-narrow": lambda size, batch: (mesh_fcn(widths=(16, 32, 32, 48, 48, 16)),
+                                        (batch, 18, *size)),
+}
+
+
+def step_times(model, shape, plan, comm, iters: int) -> list[float]:
+    """Seconds per training step of ``plan`` on ``comm`` (slowest rank), ``iters`` steps."""
+    apply_plan(model, plan, shape, comm)
+    first = model[0].layout if isinstance(model, nn.Sequential) else model.layout
+    x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)
+    loss_fn = nn.MSELoss()
+    opt = nn.SGD(model.parameters(), lr=1e-4)
+    target = None
+    times = []
+    for it in range(iters + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        y = model.forward(x)
+        if target is None:
+            target = dt.random.default_rng(2).random(y.dist, np.float32)
+        loss_fn(y, target)
+        model.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        if it:  # the first step builds plans and caches
+            times.append(t)
+    return times
+
+
+def sleep_until(req: MPI.Request) -> None:
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mesh-small,mesh-narrow")
+    parser.add_argument("--size", default="256x256")
+    parser.add_argument("--batches", default="1,2")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != 2:
+        if comm.rank == 0:
+            print("run with 2 ranks: mpiexec -n 2 python benchmarks/bench_strong_scaling.py")
+        raise SystemExit(2)
+    dt.limit_blas_threads()
+    size = tuple(int(v) for v in args.size.split("x"))
+    import os
+
+    if not os.path.exists(this_machine_path()):
+        from disttensor_nn.plan.calibrate import calibrate
+        calibrate(comm)
+    profile = load_profile("this")
+    cache_dir = comm.bcast(tempfile.mkdtemp(prefix="disttensor-kernels-") if comm.rank == 0
+                           else None)
+    solo = comm.Split(0 if comm.rank == 0 else MPI.UNDEFINED, comm.rank)
+    rows = []
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            model, shape = MODELS[name](size, batch)
+            timer = KernelTimer(machine_id(profile), cache_dir=cache_dir)
+            planner = Planner(model, shape, CostModel(profile, 2, timer))
+            planner.calibrate(comm)
+            plans = None
+            if comm.rank == 0:
+                plans = {"planner": planner.plan()}
+                for cand in [(2, 1, 1), (1, 2, 1), (1, 1, 2)]:
+                    plans[f"uniform {cand}"] = planner.uniform_plan(cand)
+                one = Planner(model, shape, CostModel(profile, 1, timer))
+                plans["1 rank"] = one.uniform_plan((1, 1, 1))
+                timer.save()
+            plans = comm.bcast(plans, root=0)
+            samples: dict[str, list[list[float]]] = {k: [] for k in plans}
+            for _ in range(args.rounds):
+                for key, plan in plans.items():
+                    if key == "1 rank":  # rank 0 alone; rank 1 sleeps meanwhile
+                        if comm.rank == 0:
+                            samples[key].append(step_times(model, shape, plan, solo, args.iters))
+                        sleep_until(comm.Ibarrier())
+                    else:
+                        samples[key].append(step_times(model, shape, plan, comm, args.iters))
+            if comm.rank:
+                continue
+            # each plan's faster round (the first measured pays for cold caches)
+            best = {k: min(v, key=statistics.median) for k, v in samples.items()}
+            base = statistics.median(best["1 rank"])
+            measured2 = {k: statistics.median(v) for k, v in best.items() if k != "1 rank"}
+            top = min(measured2, key=measured2.get)
+            for key, times in best.items():
+                m = statistics.median(times)
+                rows.append({
+                    "model": name, "batch": batch, "plan": key,
+                    "grids": " ".join(sorted({str(e.grid) for e in plans[key].entries})),
+                    "predicted_ms": 1e3 * plans[key].time, "measured_ms": 1e3 * m,
+                    "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times),
+                    "error_%": 100 * (plans[key].time - m) / m,
+                    "speedup_vs_1_rank": base / m,
+                    "vs_best_2_rank": m / measured2[top] if key != "1 rank" else float("nan"),
+                })
+    if comm.rank == 0:
+        print_table(rows, list(rows[0]))
+        print("wrote", write_json("bench_strong_scaling", rows, size=size))
+
+
+if __name__ == "__main__":
+    main()
