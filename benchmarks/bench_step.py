@@ -44,7 +44,7 @@ from _common import print_table, write_json
 from mpi4py import MPI
 
 import disttensor as dt
-from disttensor_nn import MSELoss, SGD, SoftmaxCrossEntropy
+from disttensor_nn import SGD, MSELoss, SoftmaxCrossEntropy
 from disttensor_nn import kernels as nn_kernels
 from disttensor_nn.container import Residual, Sequential
 from disttensor_nn.layers.conv import Conv2d
@@ -190,7 +190,7 @@ def torch_clocks(model) -> tuple[dict[str, list[float]], list]:
 
 # ---------------------------------------------------------------- one model
 def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
-    rank, size = comm.Get_rank(), comm.Get_size()
+    size = comm.Get_size()
     build, batch, sample, loss_kind = MODELS[name]
     rng = np.random.default_rng(1234)
     x_all = rng.standard_normal((batch, *sample)).astype(np.float32)

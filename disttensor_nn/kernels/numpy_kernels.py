@@ -494,36 +494,70 @@ def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
             dw[gf] = acc.reshape(fg, kf, cg)[:, ::-1].swapaxes(1, 2).reshape(dw[gf].shape)
 
 
+def _offset_views(a: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
+                  dilation: Sequence[int], o: Sequence[int]):
+    """``(flat offset, view of a)``: for each kernel offset, the elements it meets at every
+    output position (a strided view of ``a`` of the output's shape)."""
+    for flat_k, kk in enumerate(itertools.product(*(range(k) for k in kernel))):
+        idx = [slice(None), slice(None)]
+        for i in range(len(kernel)):
+            start = kk[i] * dilation[i]
+            idx.append(slice(start, start + stride[i] * (o[i] - 1) + 1, stride[i]))
+        yield flat_k, a[tuple(idx)]
+
+
+def _arg_dtype(kernel: Sequence[int]) -> np.dtype:
+    return np.dtype(np.uint8) if math.prod(kernel) <= 256 else np.dtype(np.intp)
+
+
 def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
                  dilation: Sequence[int], op: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """Max or average over every window; for max also the flat argmax within each window."""
-    nd = len(kernel)
-    win = windows(x, kernel, stride, dilation)
-    axes = tuple(range(2 + nd, 2 + 2 * nd))
+    """Max or average over every window; for max also the flat argmax within each window.
+
+    A running maximum (or sum) over the kernel offsets, each a strided view of
+    ``x``; the argmax (the first maximum of each window, one byte when the
+    window has at most 256 elements) is updated where an offset beats it.
+    """
+    o = out_shape(x.shape[2:], kernel, stride, dilation)
+    shape = tuple(x.shape[:2]) + o
+    y = np.empty(shape, x.dtype)
     if op == "avg":
-        return win.mean(axis=axes), None
-    flat = win.reshape(win.shape[:2 + nd] + (-1,))
-    if flat.size == 0:
-        return np.empty(win.shape[:2 + nd], x.dtype), np.empty(win.shape[:2 + nd], np.intp)
-    arg = flat.argmax(axis=-1)
-    return np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0], arg
+        for flat_k, view in _offset_views(x, kernel, stride, dilation, o):
+            if flat_k == 0:
+                np.copyto(y, view)
+            else:
+                np.add(y, view, out=y)
+        y *= x.dtype.type(1.0 / math.prod(kernel))
+        return y, None
+    arg = np.zeros(shape, _arg_dtype(kernel))
+    if y.size == 0:
+        return y, arg
+    mask = np.empty(shape, bool)
+    for flat_k, view in _offset_views(x, kernel, stride, dilation, o):
+        if flat_k == 0:
+            np.copyto(y, view)
+            continue
+        np.greater(view, y, out=mask)  # strictly greater: the first maximum wins
+        np.copyto(arg, flat_k, where=mask)
+        np.copyto(y, view, where=mask)
+    return y, arg
 
 
 def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
                   stride: Sequence[int], dilation: Sequence[int], op: str,
                   arg: np.ndarray | None = None) -> np.ndarray:
     """Gradient of :func:`pool_forward` over the whole (padded) input."""
-    nd = len(kernel)
     dx = np.zeros(x_shape, dtype=dy.dtype)
     o = dy.shape[2:]
-    scale = 1.0 / math.prod(kernel)
-    for flat_k, kk in enumerate(itertools.product(*(range(k) for k in kernel))):
-        idx = [slice(None), slice(None)]
-        for i in range(nd):
-            start = kk[i] * dilation[i]
-            idx.append(slice(start, start + stride[i] * (o[i] - 1) + 1, stride[i]))
-        if op == "avg":
-            dx[tuple(idx)] += dy * scale
-        else:
-            dx[tuple(idx)] += np.where(arg == flat_k, dy, 0)
+    if dy.size == 0:
+        return dx
+    if op == "avg":
+        g = dy * dy.dtype.type(1.0 / math.prod(kernel))
+        for _, view in _offset_views(dx, kernel, stride, dilation, o):
+            np.add(view, g, out=view)
+        return dx
+    mask = np.empty(dy.shape, bool)
+    for flat_k, view in _offset_views(dx, kernel, stride, dilation, o):
+        np.equal(arg, flat_k, out=mask)
+        np.add(view, dy, out=view, where=mask)
     return dx
