@@ -206,6 +206,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     dist = dt.Distribution(x_all.shape, grid, (0, None, None, None))
     x = dt.DistArray.from_local(np.ascontiguousarray(x_all[dist.local_slices()]), dist)
     torch_model = to_torch(model) if torch is not None else None  # before any update
+    model[0].input_grad = False  # fed data, as torch's input that requires no gradient
     opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def ours_step() -> float:

@@ -370,10 +370,17 @@ class Layer:
     RuntimeError. Layer authors get
     this without writing it: the base class wraps the ``forward`` and
     ``backward`` a subclass defines.
+
+    ``input_grad`` (default True) says whether the input gradient is
+    wanted. A layer fed data needs none (PyTorch skips the gradient of an
+    input that does not require one); with ``input_grad = False`` a layer
+    may skip computing it, and its ``backward`` then returns None
+    (convolution and pooling layers do; the others ignore the attribute).
     """
 
     training: bool = True
     layout: Layout | None = None
+    input_grad: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

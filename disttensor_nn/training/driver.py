@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
+from ..container import Sequential
 from ..module import Layer, Layout, RemovableHandle
 from ..optim import SGD
 from ..plan import Plan, apply_plan, make_plan
@@ -226,6 +227,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         raise SetupError(str(exc)) from exc
     model, shape, plan, nodes, loss_fn, loader, opt, step, history = state
+    if isinstance(model, Sequential) and len(model):
+        model[0].input_grad = False  # it is fed data: no input gradient to compute
     clocks, _ = _timed(nodes)
     bar = None
     if rank == 0 and cfg.progress:
