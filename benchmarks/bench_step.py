@@ -14,9 +14,10 @@ DepthToSpace as PixelShuffle, GlobalAvgPool, Linear, residual blocks) with
 our weights copied, so the parameter counts are equal and the first losses
 must agree (checked and printed).
 
-With one rank, both run in this process with ``--threads`` BLAS / torch
-threads (our kernels also get ``--threads`` workers through
-``disttensor_nn.kernels.set_num_threads``). With several ranks, ours splits
+With one rank, both run in this process with ``--threads`` threads: torch's
+intra-op threads, and ours in the kernels' pool
+(``disttensor_nn.kernels.set_num_threads``, BLAS single-threaded) or, with
+``--threads-in blas``, in BLAS alone. With several ranks, ours splits
 the batch over the ranks (sample parallelism, gradients summed by the
 layers) and torch runs DistributedDataParallel over gloo on the same ranks,
 one thread each.
@@ -248,7 +249,8 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
                 t0 = time.perf_counter()
                 fn()
                 samples[key].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    row = {"model": name, "ranks": size, "threads": args.threads, "batch": batch,
+    row = {"model": name, "ranks": size, "threads": args.threads,
+           "threads_in": args.threads_in, "batch": batch,
            "sample": "x".join(map(str, sample))}
     for key, ts in samples.items():
         row[f"{key}_ms"] = 1e3 * statistics.median(ts)
@@ -291,6 +293,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads-in", choices=("kernels", "blas"), default="kernels",
+                   help="where our threads go: the kernels' pool (BLAS single-threaded) "
+                        "or BLAS alone")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
@@ -302,8 +307,10 @@ def main(argv=None) -> int:
         return 2
     threads = 1 if comm.Get_size() > 1 else args.threads
     args.threads = threads
-    dt.limit_blas_threads(threads)
-    if hasattr(nn_kernels, "set_num_threads"):
+    if args.threads_in == "blas":
+        dt.limit_blas_threads(threads)
+    else:  # our kernels' pool of threads, each calling a one-thread BLAS
+        dt.limit_blas_threads(1)
         nn_kernels.set_num_threads(threads)
     if torch is not None:
         torch.set_num_threads(threads)
