@@ -20,7 +20,9 @@ intra-op threads, and ours in the kernels' pool
 ``--threads-in blas``, in BLAS alone. With several ranks, ours splits
 the batch over the ranks (sample parallelism, gradients summed by the
 layers) and torch runs DistributedDataParallel over gloo on the same ranks,
-one thread each.
+one thread each. Our step reduces the gradients in ``GradientBuckets`` of
+``--bucket-bytes`` (non-blocking, overlapped with backward), as the training
+driver does.
 
 Timing: ``--rounds`` alternating blocks of ours and torch (an untimed step,
 then ``reps / rounds`` timed ones each), so that one library's idle thread
@@ -55,6 +57,7 @@ from disttensor_nn.layers.norm import BatchNorm2d
 from disttensor_nn.layers.pool import GlobalAvgPool, MaxPool2d
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.models.mesh import DepthToSpace
+from disttensor_nn.module import DEFAULT_BUCKET_BYTES, GradientBuckets
 
 try:
     import torch
@@ -213,7 +216,8 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     def ours_step() -> float:
         opt.zero_grad()
         loss = loss_fn(model(x), t_all)
-        model.call_backward(loss_fn.backward())
+        with GradientBuckets(args.bucket_bytes):
+            model.call_backward(loss_fn.backward())
         opt.step()
         return loss
 
@@ -250,6 +254,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
                 fn()
                 samples[key].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     row = {"model": name, "ranks": size, "threads": args.threads,
+           "bucket_bytes": args.bucket_bytes,
            "threads_in": args.threads_in, "batch": batch,
            "sample": "x".join(map(str, sample))}
     for key, ts in samples.items():
@@ -293,6 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
+                   help="gradient bucket size of our step (GradientBuckets)")
     p.add_argument("--threads-in", choices=("kernels", "blas"), default="kernels",
                    help="where our threads go: the kernels' pool (BLAS single-threaded) "
                         "or BLAS alone")
@@ -300,7 +307,7 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
     bad = [n for n in names if n not in MODELS]
-    if bad or args.threads < 1 or args.reps < 1 or args.rounds < 1:
+    if bad or min(args.threads, args.reps, args.rounds, args.bucket_bytes) < 1:
         if comm.Get_rank() == 0:
             print(f"unknown model(s) {bad} (choose from {list(MODELS)}) or a count below 1",
                   file=sys.stderr)

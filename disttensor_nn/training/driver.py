@@ -15,7 +15,7 @@ from mpi4py import MPI
 from tqdm import tqdm
 
 from ..container import Sequential
-from ..module import Layer, Layout, RemovableHandle
+from ..module import GradientBuckets, Layer, Layout, RemovableHandle
 from ..optim import SGD
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
@@ -249,7 +249,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         opt.zero_grad()
         out = model(x)
         loss = loss_fn(out, y)
-        model.call_backward(loss_fn.backward())
+        with GradientBuckets():  # gradient sums fused and overlapped, done before the step
+            model.call_backward(loss_fn.backward())
         opt.step()
         clocks_now = np.array([time.perf_counter() - t0, dt_data])
         comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
