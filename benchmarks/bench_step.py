@@ -30,7 +30,7 @@ pools do not slow the other; medians and ranges (slowest rank per step).
 The per-layer-type breakdown comes from separate steps with forward and
 backward hooks on every leaf layer (ours: the library's hooks; torch:
 module hooks), so it includes the hooks' small overhead and is not used for
-the totals. JSON goes to ``benchmarks/results/bench_step[_pN_tM].json``.
+the totals. JSON goes to ``benchmarks/results/bench_step_MODELS_pN_tM.json``.
 """
 
 from __future__ import annotations
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
         for r in rows:
             for key in ("disttensor", "torch"):
                 r.pop(f"{key}_range", None)
-        tag = f"_p{comm.Get_size()}_t{threads}"
+        tag = f"_{'-'.join(names)}_p{comm.Get_size()}_t{threads}"
         path = write_json(f"bench_step{tag}", rows, layers=layers, reps=args.reps,
                           rounds=args.rounds)
         print(f"\nwrote {path}")
