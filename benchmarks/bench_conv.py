@@ -7,8 +7,13 @@ Run (one process; unset the OpenBLAS overrides for this command only):
 
 Layers: ResNet-50 shapes at batch 8 (conv1 7x7/2, the 3x3 convolutions at
 56/28/14/7 and a 1x1 256->64 at 56) and the mesh model's layers at batch 1
-(16->16 3x3 at 1024x1024; its first layer, 18->128 5x5 stride 2 at 2048x2048).
-``--quick`` shrinks the mesh layers 4x per side and the repetitions.
+(16->16 3x3 at 1024x1024; its first layer, 18->128 5x5 stride 2 at 2048x2048);
+narrow layers (16-128 channels at 128^2-1024^2, 3x3 and 5x5 stride 2); and,
+through the layer classes on one rank, BatchNorm2d, ReLU and MaxPool2d
+(3, stride 2) forward+backward against the torch modules.
+``--quick`` shrinks the mesh and narrow layers 4x per side and the repetitions.
+With several threads ours run in the kernels' pool (one-thread BLAS) unless
+``--threads-in blas``.
 
 Each kernel call gets the already padded input, as the distributed layers
 give it; torch gets the same padded input with ``padding=0``, so both do
@@ -53,7 +58,10 @@ import time
 
 import numpy as np
 from _common import CONV_LAYERS, print_table, write_json
+from mpi4py import MPI
 
+import disttensor as dt
+import disttensor_nn as nn
 from disttensor_nn.kernels import numpy_kernels as K
 
 try:
@@ -61,16 +69,31 @@ try:
 except ImportError:  # torch is an optional benchmark extra
     torch = None
 
+# narrow layers (mesh-like widths and sizes): name, N, C, H (= W), F, kernel, stride, padding
+NARROW_LAYERS = [
+    ("narrow16_3x3_1024", 1, 16, 1024, 16, 3, 1, 1),
+    ("narrow32_3x3_512", 1, 32, 512, 32, 3, 1, 1),
+    ("narrow64_3x3_256", 2, 64, 256, 64, 3, 1, 1),
+    ("narrow128_3x3_128", 4, 128, 128, 128, 3, 1, 1),
+    ("narrow16_5x5s2_1024", 1, 16, 1024, 32, 5, 2, 2),
+    ("narrow64_5x5s2_256", 2, 64, 256, 128, 5, 2, 2),
+]
+# element-wise and pooling layers, fwd+bwd through the layer classes: name, (N, C, H, W)
+OTHER_LAYERS = [
+    ("BatchNorm2d", (2, 32, 256, 256)), ("ReLU", (2, 32, 256, 256)),
+    ("MaxPool2d_3s2", (8, 64, 112, 112)), ("BatchNorm2d", (8, 64, 56, 56)),
+    ("ReLU", (8, 64, 56, 56)),
+]
 MEMORY_LAYER = "mesh_5x5s2_2048"
 QUICK_SCALE = 4  # --quick: mesh layers 4x smaller per side
 
 
 def layer_list(quick: bool, names: list[str] | None):
     out = []
-    for name, n, c, h, f, k, s, p in CONV_LAYERS:
+    for name, n, c, h, f, k, s, p in CONV_LAYERS + NARROW_LAYERS:
         if names and name not in names:
             continue
-        if quick and name.startswith("mesh"):
+        if quick and name.startswith(("mesh", "narrow")):
             h //= QUICK_SCALE
         out.append((name, n, c, h, f, k, s, p))
     return out
@@ -122,6 +145,38 @@ def torch_fns(x, w, b, dy, s):
         return y
 
     return fwd, fwd_bwd
+
+
+def layer_fns(name: str, shape: tuple[int, ...]) -> dict:
+    """fwd+bwd of our layer (one rank) and of the torch module on the same data."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    ours = {"BatchNorm2d": lambda: nn.BatchNorm2d(shape[1]), "ReLU": nn.ReLU,
+            "MaxPool2d_3s2": lambda: nn.MaxPool2d(3, 2, 1)}[name]()
+    dist = dt.Distribution(shape, dt.ProcessGrid((1,), MPI.COMM_SELF), (0, None, None, None))
+    xd = dt.DistArray.from_local(x, dist)
+    dy = dt.DistArray.from_local(rng.standard_normal(ours.output_shape(shape),
+                                                     dtype=np.float32),
+                                 dt.Distribution(ours.output_shape(shape), dist.grid,
+                                                 (0, None, None, None)))
+
+    def fb():
+        ours(xd)
+        return ours.backward(dy)
+
+    fns = {"fwd_bwd": fb}
+    if torch is not None:
+        mod = {"BatchNorm2d": lambda: torch.nn.BatchNorm2d(shape[1]), "ReLU": torch.nn.ReLU,
+               "MaxPool2d_3s2": lambda: torch.nn.MaxPool2d(3, 2, 1)}[name]()
+        xt = torch.from_numpy(x).requires_grad_(True)
+        dyt = torch.from_numpy(dy.local)
+
+        def tfb():
+            xt.grad = None
+            mod(xt).backward(dyt)
+
+        fns["torch_fwd_bwd"] = tfb
+    return fns
 
 
 def gemm_gflops(reps: int, size: int = 2048) -> float:
@@ -206,6 +261,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layers", default="")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--threads-in", choices=("kernels", "blas"), default="kernels")
     parser.add_argument("--memory-child", choices=["ours", "torch"])
     parser.add_argument("--memory-spec")
     args = parser.parse_args()
@@ -229,7 +285,10 @@ def main() -> None:
     loads = {}
     for nt in (int(t) for t in args.threads.split(",")):
         load0 = os.getloadavg()[0]
-        with threadpool_limits(limits=nt, user_api="blas"):
+        # our threads: the kernels' pool with one-thread BLAS (or BLAS alone)
+        pool = nt if args.threads_in == "kernels" else 1
+        K.set_num_threads(pool)
+        with threadpool_limits(limits=nt // pool, user_api="blas"):
             if torch is not None:
                 torch.set_num_threads(nt)
             gemm = gemm_gflops(reps)
@@ -266,6 +325,19 @@ def main() -> None:
                 rows.append(row)
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in row.items()), flush=True)
+            for lname, shape in ([] if names else OTHER_LAYERS):
+                if args.quick:
+                    shape = shape[:2] + tuple(v // QUICK_SCALE for v in shape[2:])
+                t = alternating_blocks(layer_fns(lname, shape), reps, args.rounds)
+                row = {"threads": nt, "layer": lname, "shape": "x".join(map(str, shape)),
+                       "out": "", "fb_ms": 1e3 * t["fwd_bwd"]}
+                if torch is not None:
+                    row.update({"torch_fb_ms": 1e3 * t["torch_fwd_bwd"],
+                                "fb_ratio": t["torch_fwd_bwd"] / t["fwd_bwd"]})
+                    ratios.append(row["fb_ratio"])
+                rows.append(row)
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in row.items()), flush=True)
             loads[nt] = (load0, os.getloadavg()[0])
             summary[nt] = {"gemm_gflops": gemm, "loadavg_1min_before_after": loads[nt]}
             if ratios:
@@ -284,6 +356,9 @@ def main() -> None:
     cols = ["threads", "layer", "shape", "fwd_ms", "fwd_gflops", "fb_ms", "fb_gflops"]
     if torch is not None:
         cols += ["torch_fwd_ms", "torch_fb_ms", "fwd_ratio", "fb_ratio"]
+    for r in rows:
+        for c in cols:
+            r.setdefault(c, "")
     print_table(rows, cols)
     print()
     for nt, sm in summary.items():

@@ -44,7 +44,7 @@ from .backend import (
 from .device import gpu_aware_mpi, nccl_enabled
 from .nccl import allreduce_sum, exchange, supports
 
-__all__ = ["Transport", "allreduce", "transport_for"]
+__all__ = ["Transport", "AllreduceRequest", "allreduce", "iallreduce", "transport_for"]
 
 _POOL_KEYS = 512  # distinct (shape, dtype, place) scratch shapes kept per transport
 _POOL_DEPTH = 8  # buffers kept per shape
@@ -292,3 +292,42 @@ def allreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM, *,
         a[...] = out
         return a
     return out
+
+
+class AllreduceRequest:
+    """A started :func:`iallreduce`: :meth:`test` whether it is done, :meth:`wait` for it."""
+
+    def __init__(self, result: Any, request: MPI.Request | None = None):
+        self._result, self._request = result, request
+
+    def test(self) -> bool:
+        """Whether the reduction has completed (drives MPI's progress)."""
+        if self._request is None:
+            return True
+        if self._request.Test():
+            self._request = None
+        return self._request is None
+
+    def wait(self) -> Any:
+        """Wait for the reduction; returns its result (the array given to :func:`iallreduce`
+        where it was reduced in place)."""
+        if self._request is not None:
+            self._request.Wait()
+            self._request = None
+        return self._result
+
+
+def iallreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM) -> AllreduceRequest:
+    """Start combining ``a`` with ``op`` over ``comm``; ``a`` must not be touched until
+    :meth:`AllreduceRequest.wait` returns the result.
+
+    Contiguous NumPy arrays are reduced in place by a non-blocking
+    ``MPI_Iallreduce``; arrays of other modules, through :func:`allreduce`
+    before this returns (the request is then already complete). Collective
+    over ``comm``, started in the same order on every rank.
+    """
+    xp = array_namespace(a)
+    if is_numpy(xp) and comm.Get_size() > 1 and a.size and a.flags.c_contiguous \
+            and a.flags.writeable:
+        return AllreduceRequest(a, comm.Iallreduce(MPI.IN_PLACE, a, op=op))
+    return AllreduceRequest(allreduce(a, comm, op))

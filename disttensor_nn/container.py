@@ -53,7 +53,7 @@ class Sequential(Layer):
     def backward(self, dy: DistArray) -> DistArray:
         for layer, moved_from in zip(reversed(list(self)), reversed(self._moves)):
             dy = layer.call_backward(dy)
-            if moved_from is not None:
+            if moved_from is not None and dy is not None:  # None: no input gradient wanted
                 dy = dy.redistribute(moved_from)
         return dy
 

@@ -25,12 +25,14 @@ from disttensor.backend import (
     fill,
     numpy_dtype,
 )
+from disttensor.transport import AllreduceRequest, iallreduce
 from disttensor.transport import allreduce as transport_allreduce
 
 from .costspec import CostSpec, largest_block
 
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
-           "split_axes_comm", "check_input", "check_grad", "check_int"]
+           "GradientBuckets", "reduce_gradients_", "split_axes_comm", "check_input",
+           "check_grad", "check_int"]
 
 
 class Parameter:
@@ -134,6 +136,120 @@ def allreduce_(arr: Any, comm: MPI.Intracomm) -> Any:
     staging, or NCCL for GPU gradients).
     """
     return transport_allreduce(arr, comm, MPI.SUM, in_place=True)
+
+
+DEFAULT_BUCKET_BYTES = 2**20
+"""Gradient bytes per bucket of :class:`GradientBuckets` unless given."""
+
+_active_buckets: list[GradientBuckets] = []
+
+
+def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
+                      comm: MPI.Intracomm) -> None:
+    """Add to each parameter's ``grad`` the sum over ``comm`` of this rank's part of it.
+
+    ``grads`` pairs parameters with this rank's (local) gradients; pairs whose
+    parameter is None are skipped. Inside a :class:`GradientBuckets` context the
+    sums join its buckets (non-blocking, finished by its ``wait``); otherwise
+    one blocking allreduce of all of them. Either way each gradient element is
+    summed over the same ranks: the results are the same.
+    """
+    grads = [(p, g) for p, g in grads if p is not None]
+    if not grads:
+        return
+    if _active_buckets:
+        _active_buckets[-1].add(grads, comm)
+        return
+    flat = _concatenate([g for _, g in grads])
+    _unpack(grads, allreduce_(flat, comm))
+
+
+def _concatenate(arrays: Sequence[Any]) -> Any:
+    return array_namespace(arrays[0]).concatenate([a.reshape(-1) for a in arrays])
+
+
+def _unpack(grads: Sequence[tuple[Parameter, Any]], flat: Any) -> None:
+    """``p.grad += `` each parameter's slice of the reduced ``flat``."""
+    offset = 0
+    for p, g in grads:
+        part = flat[offset:offset + g.size].reshape(p.grad.shape)
+        p.grad += astype(part, p.grad.dtype) if part.dtype != p.grad.dtype else part
+        offset += g.size
+
+
+class GradientBuckets:
+    """Fused, overlapped gradient sums: a context in which layers' gradient allreduces
+    are bucketed and run non-blocking.
+
+    Inside the context, every layer's :func:`reduce_gradients_` (convolutions,
+    Linear) adds its local parameter gradients to an open bucket of its
+    communicator and dtype; a bucket whose size reaches ``bucket_bytes`` is
+    reduced at once by a non-blocking allreduce
+    (:func:`disttensor.transport.iallreduce`) while backward goes on, and
+    every later addition tests the started ones so MPI progresses between
+    layers. Leaving the context (or :meth:`wait`) starts the partly filled
+    buckets, waits for all and adds the sums to the parameters' ``grad``:
+    the optimiser step comes after it. Small models' gradients thus travel in
+    one message per communicator and dtype; large ones overlap their
+    reductions with the rest of backward (as PyTorch DDP's buckets).
+
+    Every rank must run the same layers in the same order (as in any
+    backward pass), so the buckets are started in the same order everywhere.
+    The sums are those of the blocking path (each element summed over the
+    same ranks; with two ranks bit for bit). Batch-norm statistics stay
+    blocking: the input gradient needs them at once.
+
+    Parameters
+    ----------
+    bucket_bytes : int
+        Size at which a bucket's reduction starts.
+
+    Examples
+    --------
+    >>> with GradientBuckets():          # doctest: +SKIP
+    ...     model.call_backward(loss.backward())
+    >>> opt.step()                        # doctest: +SKIP
+    """
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.bucket_bytes = check_int(bucket_bytes, "bucket_bytes")
+        self._open: dict[tuple[int, str], tuple[MPI.Intracomm, list, int]] = {}
+        self._started: list[tuple[AllreduceRequest, list]] = []
+
+    def __enter__(self) -> GradientBuckets:
+        _active_buckets.append(self)
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        _active_buckets.remove(self)
+        if exc_type is None:
+            self.wait()
+
+    def add(self, grads: Sequence[tuple[Parameter, Any]], comm: MPI.Intracomm) -> None:
+        """Add local gradients to the bucket of ``comm`` and their dtype (see the class)."""
+        for p, g in grads:
+            key = (comm.py2f(), g.dtype.str)
+            _, entries, nbytes = self._open.get(key, (comm, [], 0))
+            self._open[key] = (comm, entries, nbytes + g.nbytes)
+            entries.append((p, g))
+        for key in [k for k, (_, _, nbytes) in self._open.items()
+                    if nbytes >= self.bucket_bytes]:
+            self._start(key)
+        for request, _ in self._started:
+            request.test()
+
+    def _start(self, key: tuple[int, str]) -> None:
+        comm, entries, _ = self._open.pop(key)
+        self._started.append((iallreduce(_concatenate([g for _, g in entries]), comm),
+                              entries))
+
+    def wait(self) -> None:
+        """Start the open buckets, wait for every reduction and add the sums to the grads."""
+        for key in list(self._open):
+            self._start(key)
+        started, self._started = self._started, []
+        for request, entries in started:
+            _unpack(entries, request.wait())
 
 
 def check_input(x: Any, ndim: int, name: str, channels: int | None = None,
@@ -370,10 +486,17 @@ class Layer:
     RuntimeError. Layer authors get
     this without writing it: the base class wraps the ``forward`` and
     ``backward`` a subclass defines.
+
+    ``input_grad`` (default True) says whether the input gradient is
+    wanted. A layer fed data needs none (PyTorch skips the gradient of an
+    input that does not require one); with ``input_grad = False`` a layer
+    may skip computing it, and its ``backward`` then returns None
+    (convolution and pooling layers do; the others ignore the attribute).
     """
 
     training: bool = True
     layout: Layout | None = None
+    input_grad: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -81,8 +81,10 @@ def test_pool_specs_by_hand():
     assert s.halo == ((0, 0),) * 4 and s.local_shape == (2, 4, 4, 8)
     assert s.flops == (2 * 4 * 2 * 4) * 4
     assert s.nbytes == (2 * 4 * 4 * 8 + 2 * 4 * 2 * 4) * 4
-    # no halo: nothing grown; max pooling's workspace is four blocks
-    assert s.allreduces == () and s.saved == 0 and s.workspace == 4 * (2 * 4 * 4 * 8 * 4)
+    # no halo: nothing grown; a one-byte argmax per output kept, a one-byte mask per pass;
+    # backward builds the gradient of the (extended) block
+    out = 2 * 4 * 2 * 4
+    assert s.allreduces == () and s.saved == out and s.workspace == 2 * 4 * 4 * 8 * 4 + out
     assert s.keeps_input
     s = nn.AvgPool2d(3, stride=1, padding=1).cost_spec(X)
     assert s.halo == ((0, 0), (0, 0), (1, 1), (1, 1))
@@ -93,8 +95,9 @@ def test_pool_specs_by_hand():
 def test_batchnorm_spec_and_price_by_hand():
     s = nn.BatchNorm2d(4).cost_spec(X)
     assert (s.local_shape, s.flops, s.nbytes, s.saved) == ((2, 4, 5, 8), 8 * BLOCK,
-                                                          4 * BLOCK * 4, BLOCK * 4)
-    assert s.workspace == BLOCK * 4 and not s.keeps_input and not s.keeps_output
+                                                          4 * BLOCK * 4, 0)
+    # the input is kept (not the normalised input); backward's scratch is one sample
+    assert s.workspace == BLOCK // 2 * 4 and s.keeps_input and not s.keeps_output
     sums = 2 * 4 * 8  # sum and sum of squares per channel, float64
     assert s.allreduces == (Allreduce(sums, (0, 2, 3)),) * 2
     group = nn.BatchNorm2d(4, stats="group").cost_spec(X)
@@ -110,11 +113,10 @@ def test_batchnorm_spec_and_price_by_hand():
 
 
 def test_elementwise_specs_by_hand():
-    # ReLU: a one-byte mask kept, the negative part scaled in a temporary block
+    # ReLU: a one-byte mask kept; the output and the gradient written in place, no scratch
     for layer in [nn.ReLU(), nn.LeakyReLU(0.1)]:
         s = layer.cost_spec(X)
-        assert s == CostSpec((2, 4, 5, 8), flops=BLOCK, nbytes=2 * BLOCK * 4, saved=BLOCK,
-                             workspace=BLOCK * 4), layer
+        assert s == CostSpec((2, 4, 5, 8), flops=BLOCK, nbytes=2 * BLOCK * 4, saved=BLOCK), layer
     assert nn.Sigmoid().cost_spec(X) == CostSpec(
         (2, 4, 5, 8), flops=4 * BLOCK, nbytes=2 * BLOCK * 4, keeps_output=True,
         workspace=4 * BLOCK * 4)

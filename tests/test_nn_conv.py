@@ -249,6 +249,30 @@ def test_weight_gradients_accumulate_and_backward_twice():
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("layout", ["sample", "HxW"])
+def test_no_input_gradient_keeps_parameter_gradients(layout):
+    """input_grad = False: backward returns None, the parameter gradients are the reference's;
+    in a Sequential the first layer's None ends the backward pass."""
+    shape = SHAPE[2]
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(shape)
+    dist = dict(layouts(shape))[layout]
+    conv = make_conv(2, dict(kernel_size=3, stride=2, padding=1))
+    model = nn.Sequential(conv, nn.MaxPool2d(2, padding=1))
+    conv.input_grad = False
+    y = model(dt.DistArray.from_global(x, dist))
+    dy = rng.standard_normal(y.shape)
+    dpool = model[1].backward(dt.DistArray.from_global(dy, y.dist))
+    conv.zero_grad()
+    collective_assert(model.backward(dt.DistArray.from_global(dy, y.dist)) is None,
+                      "backward returned an input gradient")
+    _, dw_want, db_want = conv_ref_backward(x, conv.weight.data, dpool.to_global(), 2,
+                                            [(1, 1)] * 2, 1)
+    assert_allclose(conv.weight.grad, dw_want, **TOL)
+    assert_allclose(conv.bias.grad, db_want, **TOL)
+
+
+@pytest.mark.parallel(SIZES)
 def test_layers_sharing_one_input_keep_their_own_halos():
     # three window layers read the same DistArray with different halo widths and modes;
     # each backward must use its own halo even though the others overwrote the margins

@@ -14,6 +14,8 @@ on their local arrays:
   when the module has the NumPy functions they use.
 
 Timers of GPU work call :func:`synchronize` before reading the clock.
+:func:`set_num_threads` gives the NumPy kernels a pool of threads (parts of
+the batch at once).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from disttensor.backend import synchronize as backend_synchronize
 
 from . import cupy_kernels, numpy_kernels, xp_kernels
 
-__all__ = ["kernels_for", "synchronize"]
+__all__ = ["kernels_for", "synchronize", "set_num_threads", "get_num_threads"]
+
+set_num_threads = numpy_kernels.set_num_threads
+get_num_threads = numpy_kernels.get_num_threads
 
 # what the generic kernels need of an array module (besides array methods)
 _GENERIC_NEEDS = ("empty", "zeros", "matmul", "ascontiguousarray", "take_along_axis", "where")

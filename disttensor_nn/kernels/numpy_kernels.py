@@ -17,6 +17,13 @@ rows are a strided matrix), the bias and its gradient ride on a row of ones
 in the column buffer, unit-stride 1x1 convolutions are plain GEMMs without
 im2col, and the backward pass picks between col2im and a correlation of the
 padded output gradient by a cost model (see :func:`conv_backward`).
+
+Threads: with :func:`set_num_threads` above one, convolutions split the
+batch into that many parts run by a pool of threads at once (NumPy's copies
+and BLAS release the GIL; each thread has its own scratch buffers, and the
+weight-gradient parts are summed). Give BLAS one thread then
+(``threadpoolctl`` or :func:`disttensor.limit_blas_threads`), or the two
+pools compete for the cores.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -37,6 +45,8 @@ __all__ = [
     "pool_forward",
     "pool_backward",
     "release_workspace",
+    "set_num_threads",
+    "get_num_threads",
     "WORKSPACE_BYTES",
 ]
 
@@ -69,6 +79,48 @@ def _buffer(name: str, shape: int | tuple[int, ...], dtype) -> np.ndarray:
     if buf is None or buf.size < size:
         buf = bufs[key] = np.empty(size, dtype)
     return buf[:size].reshape(shape)
+
+
+_threads = {"n": 1, "pool": None}
+
+
+def set_num_threads(n: int) -> None:
+    """Run each convolution on ``n`` threads (parts of the batch); 1 (the default): serial.
+
+    Raises
+    ------
+    ValueError
+        If ``n`` is not a positive integer.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of threads must be a positive integer, got {n!r}")
+    pool = _threads["pool"]
+    if pool is not None and n != _threads["n"]:
+        pool.shutdown(wait=True)
+        pool = None
+    if pool is None and n > 1:
+        pool = ThreadPoolExecutor(n, thread_name_prefix="disttensor-kernel")
+    _threads["n"], _threads["pool"] = n, pool
+
+
+def get_num_threads() -> int:
+    """The number of threads convolutions use (see :func:`set_num_threads`)."""
+    return _threads["n"]
+
+
+def _batch_parts(n: int) -> list[tuple[int, int]]:
+    """Sample ranges of the parts the pool runs (one part when serial or N is 1)."""
+    parts = min(n, _threads["n"])
+    bounds = [n * i // parts for i in range(parts + 1)] if parts > 1 else [0, n]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _run_parts(fn: Callable[[int, int], object], parts: list[tuple[int, int]]) -> list:
+    """``fn(a, b)`` for every part, on the pool when there are several; results in order."""
+    if len(parts) == 1:
+        return [fn(*parts[0])]
+    futures = [_threads["pool"].submit(fn, a, b) for a, b in parts]
+    return [f.result() for f in futures]
 
 
 def release_workspace() -> None:
@@ -171,16 +223,30 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     w : (F, C // groups, *K) array
     b : (F,) array or None
     """
-    nd = w.ndim - 2
-    n, c = x.shape[:2]
+    n = x.shape[0]
     f = w.shape[0]
-    cg, fg = c // groups, f // groups
     kernel, stride, dilation = tuple(w.shape[2:]), tuple(stride), tuple(dilation)
     dtype = np.result_type(x, w)
     o = out_shape(x.shape[2:], kernel, stride, dilation)
     y = np.empty((n, f) + o, dtype=dtype)
     if y.size == 0:
         return y
+    _run_parts(lambda a, e: _conv_forward_into(x[a:e], w, b, stride, dilation, groups,
+                                               workspace_bytes, y[a:e]), _batch_parts(n))
+    return y
+
+
+def _conv_forward_into(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
+                       stride: Sequence[int], dilation: Sequence[int], groups: int,
+                       workspace_bytes: int, y: np.ndarray) -> None:
+    """:func:`conv_forward` of ``x`` written into ``y`` (in this thread)."""
+    nd = w.ndim - 2
+    n, c = x.shape[:2]
+    f = w.shape[0]
+    cg, fg = c // groups, f // groups
+    kernel = tuple(w.shape[2:])
+    dtype = y.dtype
+    o = tuple(y.shape[2:])
     if _pointwise(kernel, stride, o):
         for g in range(groups):
             wm = w[g * fg:(g + 1) * fg].reshape(fg, cg).astype(dtype, copy=False)
@@ -189,7 +255,7 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
                 np.matmul(wm, xm, out=_matrix(y[i, g * fg:(g + 1) * fg]))
         if b is not None:
             y += b.reshape((1, f) + (1,) * nd)
-        return y
+        return
     ck = cg * math.prod(kernel)
     rows = ck + (b is not None)
     rest = math.prod(o[1:])
@@ -213,7 +279,6 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
             else:
                 res = np.matmul(wext, cols, out=tmp[:fg * m].reshape(fg, m))
                 y[n0:n1, g * fg:(g + 1) * fg] = res.reshape((fg, n1 - n0) + o).swapaxes(0, 1)
-    return y
 
 
 def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence[int],
@@ -233,6 +298,33 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
     ``x`` itself over the input positions) when that is cheaper than an im2col
     of ``x``.
     """
+    n = x.shape[0]
+    dtype = np.result_type(dy, x, w)
+    parts = _batch_parts(n)
+    if len(parts) == 1:
+        return _conv_backward_part(dy, x, w, stride, dilation, groups, need_dx, need_dw,
+                                   workspace_bytes)
+    dx = np.empty(x.shape, dtype) if need_dx else None
+
+    def part(a: int, e: int):
+        return _conv_backward_part(dy[a:e], x[a:e], w, stride, dilation, groups, need_dx,
+                                   need_dw, workspace_bytes, None if dx is None else dx[a:e])
+
+    results = _run_parts(part, parts)
+    db = results[0][2]
+    dw = results[0][1]
+    for _, dw_i, db_i in results[1:]:
+        db += db_i
+        if need_dw:
+            dw += dw_i
+    return dx, dw, db
+
+
+def _conv_backward_part(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence[int],
+                        dilation: Sequence[int], groups: int, need_dx: bool, need_dw: bool,
+                        workspace_bytes: int, dx_out: np.ndarray | None = None
+                        ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
+    """:func:`conv_backward` in this thread; ``dx`` written into ``dx_out`` when given."""
     nd = w.ndim - 2
     n, c = x.shape[:2]
     f = w.shape[0]
@@ -247,7 +339,12 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
         _dw_from_dy(x.shape[2:], o, cg, fg) and not _pointwise(kernel, stride, o)
     dx = None
     if need_dx:
-        dx = (np.empty if transposed_conv and dy.size else np.zeros)(x.shape, dtype=dtype)
+        if dx_out is None:
+            dx = (np.empty if transposed_conv and dy.size else np.zeros)(x.shape, dtype=dtype)
+        else:
+            dx = dx_out
+            if not (transposed_conv and dy.size):
+                dx[...] = 0
     dw = np.zeros(w.shape, dtype=dtype) if need_dw else None
     db = np.zeros(f, dtype=dtype)
     if dy.size == 0:
@@ -494,36 +591,70 @@ def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
             dw[gf] = acc.reshape(fg, kf, cg)[:, ::-1].swapaxes(1, 2).reshape(dw[gf].shape)
 
 
+def _offset_views(a: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
+                  dilation: Sequence[int], o: Sequence[int]):
+    """``(flat offset, view of a)``: for each kernel offset, the elements it meets at every
+    output position (a strided view of ``a`` of the output's shape)."""
+    for flat_k, kk in enumerate(itertools.product(*(range(k) for k in kernel))):
+        idx = [slice(None), slice(None)]
+        for i in range(len(kernel)):
+            start = kk[i] * dilation[i]
+            idx.append(slice(start, start + stride[i] * (o[i] - 1) + 1, stride[i]))
+        yield flat_k, a[tuple(idx)]
+
+
+def _arg_dtype(kernel: Sequence[int]) -> np.dtype:
+    return np.dtype(np.uint8) if math.prod(kernel) <= 256 else np.dtype(np.intp)
+
+
 def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
                  dilation: Sequence[int], op: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """Max or average over every window; for max also the flat argmax within each window."""
-    nd = len(kernel)
-    win = windows(x, kernel, stride, dilation)
-    axes = tuple(range(2 + nd, 2 + 2 * nd))
+    """Max or average over every window; for max also the flat argmax within each window.
+
+    A running maximum (or sum) over the kernel offsets, each a strided view of
+    ``x``; the argmax (the first maximum of each window, one byte when the
+    window has at most 256 elements) is updated where an offset beats it.
+    """
+    o = out_shape(x.shape[2:], kernel, stride, dilation)
+    shape = tuple(x.shape[:2]) + o
+    y = np.empty(shape, x.dtype)
     if op == "avg":
-        return win.mean(axis=axes), None
-    flat = win.reshape(win.shape[:2 + nd] + (-1,))
-    if flat.size == 0:
-        return np.empty(win.shape[:2 + nd], x.dtype), np.empty(win.shape[:2 + nd], np.intp)
-    arg = flat.argmax(axis=-1)
-    return np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0], arg
+        for flat_k, view in _offset_views(x, kernel, stride, dilation, o):
+            if flat_k == 0:
+                np.copyto(y, view)
+            else:
+                np.add(y, view, out=y)
+        y *= x.dtype.type(1.0 / math.prod(kernel))
+        return y, None
+    arg = np.zeros(shape, _arg_dtype(kernel))
+    if y.size == 0:
+        return y, arg
+    mask = np.empty(shape, bool)
+    for flat_k, view in _offset_views(x, kernel, stride, dilation, o):
+        if flat_k == 0:
+            np.copyto(y, view)
+            continue
+        np.greater(view, y, out=mask)  # strictly greater: the first maximum wins
+        np.copyto(arg, flat_k, where=mask)
+        np.copyto(y, view, where=mask)
+    return y, arg
 
 
 def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
                   stride: Sequence[int], dilation: Sequence[int], op: str,
                   arg: np.ndarray | None = None) -> np.ndarray:
     """Gradient of :func:`pool_forward` over the whole (padded) input."""
-    nd = len(kernel)
     dx = np.zeros(x_shape, dtype=dy.dtype)
     o = dy.shape[2:]
-    scale = 1.0 / math.prod(kernel)
-    for flat_k, kk in enumerate(itertools.product(*(range(k) for k in kernel))):
-        idx = [slice(None), slice(None)]
-        for i in range(nd):
-            start = kk[i] * dilation[i]
-            idx.append(slice(start, start + stride[i] * (o[i] - 1) + 1, stride[i]))
-        if op == "avg":
-            dx[tuple(idx)] += dy * scale
-        else:
-            dx[tuple(idx)] += np.where(arg == flat_k, dy, 0)
+    if dy.size == 0:
+        return dx
+    if op == "avg":
+        g = dy * dy.dtype.type(1.0 / math.prod(kernel))
+        for _, view in _offset_views(dx, kernel, stride, dilation, o):
+            np.add(view, g, out=view)
+        return dx
+    mask = np.empty(dy.shape, bool)
+    for flat_k, view in _offset_views(dx, kernel, stride, dilation, o):
+        np.equal(arg, flat_k, out=mask)
+        np.add(view, dy, out=view, where=mask)
     return dx

@@ -12,7 +12,7 @@ from disttensor import DistArray, Distribution
 
 from ..costspec import Allreduce, CostSpec
 from ..kernels import kernels_for
-from ..module import Parameter, allreduce_, check_input, check_int, split_axes_comm
+from ..module import Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import PADDING_MODES, WindowLayer
 
@@ -104,12 +104,7 @@ class ConvNd(WindowLayer):
                 dy.local, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
                 self.groups, need_dx=False, need_dw=True)
         # Every rank that splits the input over N or space holds part of the sum.
-        comm = split_axes_comm(dy.dist)
-        flat = xp.concatenate([dw.ravel(), db.ravel()])
-        allreduce_(flat, comm)
-        self.weight.grad += flat[:dw.size].reshape(dw.shape).astype(self.dtype, copy=False)
-        if self.bias is not None:
-            self.bias.grad += flat[dw.size:].astype(self.dtype, copy=False)
+        reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(dy.dist))
 
     def __repr__(self) -> str:
         s = self.spec

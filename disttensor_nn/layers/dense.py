@@ -10,7 +10,7 @@ import numpy as np
 from disttensor import DistArray, Distribution
 
 from ..costspec import Allreduce, CostSpec, largest_block
-from ..module import Layer, Parameter, allreduce_, check_int, split_axes_comm
+from ..module import Layer, Parameter, check_int, reduce_gradients_, split_axes_comm
 
 __all__ = ["Flatten", "Linear"]
 
@@ -114,12 +114,10 @@ class Linear(Layer):
         x = self._x
         xp = x.xp
         g = dy.local
-        grads = [(g.T @ x.local).ravel()] + ([g.sum(axis=0)] if self.bias is not None else [])
-        flat = allreduce_(xp.concatenate(grads).astype(np.float64), split_axes_comm(x.dist, (0,)))
-        self.weight.grad += flat[:self.weight.data.size].reshape(self.weight.shape).astype(
-            self.dtype)
-        if self.bias is not None:
-            self.bias.grad += flat[self.weight.data.size:].astype(self.dtype)
+        # summed in float64 over the ranks that split N
+        reduce_gradients_([(self.weight, (g.T @ x.local).astype(np.float64)),
+                           (self.bias, g.sum(axis=0, dtype=np.float64))],
+                          split_axes_comm(x.dist, (0,)))
         return DistArray(xp.ascontiguousarray(g @ self.weight.data), x.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:

@@ -13,7 +13,10 @@ __all__ = ["ReLU", "LeakyReLU", "Sigmoid", "Add"]
 
 
 class LeakyReLU(Layer):
-    """``max(x, 0) + negative_slope * min(x, 0)``, applied to each local element."""
+    """``max(x, 0) + negative_slope * min(x, 0)``, applied to each local element.
+
+    Backward keeps only the one-byte mask ``x > 0``.
+    """
 
     def __init__(self, negative_slope: float = 0.01):
         self.negative_slope = negative_slope
@@ -21,24 +24,28 @@ class LeakyReLU(Layer):
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):
             raise TypeError(f"{type(self).__name__} expects a DistArray")
-        self._mask = x.local > 0
-        y = x.xp.where(self._mask, x.local, x.local * x.dtype.type(self.negative_slope))
+        xp, xl = x.xp, x.local
+        self._mask = mask = xp.greater(xl, 0)
+        if self.negative_slope == 0:
+            y = xp.maximum(xl, x.dtype.type(0))
+        else:
+            y = xl * x.dtype.type(self.negative_slope)
+            xp.copyto(y, xl, where=mask)
         return DistArray(y, x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         g = dy.local
-        return DistArray(dy.xp.where(self._mask, g, g * dy.dtype.type(self.negative_slope)),
-                         dy.dist)
+        if self.negative_slope == 0:
+            return DistArray(dy.xp.multiply(g, self._mask, dtype=g.dtype), dy.dist)
+        dx = g * dy.dtype.type(self.negative_slope)
+        dy.xp.copyto(dx, g, where=self._mask)
+        return DistArray(dx, dy.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """As :meth:`Layer.cost_spec`, but what backward keeps is a one-byte mask per element.
-
-        Each pass scales the negative part in a temporary block.
-        """
+        """As :meth:`Layer.cost_spec`, but what backward keeps is a one-byte mask per element."""
         block = largest_block(dist)
         n = math.prod(block)
-        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n,
-                        workspace=n * itemsize)
+        return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n)
 
 
 class ReLU(LeakyReLU):

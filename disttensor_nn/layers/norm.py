@@ -63,24 +63,27 @@ class BatchNormNd(Layer):
         self.register_buffer("running_mean", np.zeros(num_features, np.float64))
         self.register_buffer("running_var", np.ones(num_features, np.float64))
 
-    def _shape(self, x: DistArray) -> tuple[int, ...]:
-        return (1, self.num_features) + (1,) * (x.ndim - 2)
-
     def forward(self, x: DistArray) -> DistArray:
         check_input(x, self.nd + 2, type(self).__name__, self.num_features, self.dtype)
         self._check_batch(x)
         axes = (0, *range(2, x.ndim))
-        shape = self._shape(x)
         xl = x.local
         xp = x.xp
+        n, c = xl.shape[:2]
+        x3 = xl.reshape(n, c, math.prod(xl.shape[2:]))
+        y = xp.empty(xl.shape, dtype=xl.dtype)
+        y3 = y.reshape(x3.shape)
         batch_stats = self.training or not self.track_running_stats
         if batch_stats:
             spatial = tuple(range(2, x.ndim))
             comm = split_axes_comm(x.dist, axes if self.stats == "global" else spatial)
             count = np.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * np.prod(x.shape[2:]))
-            sums = xp.concatenate([xl.sum(axis=axes, dtype=np.float64),
-                                   xp.square(xl, dtype=np.float64).sum(axis=axes)])
+            # row sums in the input's dtype (pairwise, accurate), rows summed in float64;
+            # y is the scratch of the squares
+            xp.multiply(x3, x3, out=y3)
+            sums = xp.concatenate([x3.sum(axis=2).sum(axis=0, dtype=np.float64),
+                                   y3.sum(axis=2).sum(axis=0, dtype=np.float64)])
             allreduce_(sums, comm)
             mean = sums[:self.num_features] / max(count, 1)
             var = xp.maximum(sums[self.num_features:] / max(count, 1) - mean**2, 0.0)
@@ -90,11 +93,15 @@ class BatchNormNd(Layer):
             self._follow(xp)
             mean, var, count = self.running_mean, self.running_var, None
         inv = 1.0 / xp.sqrt(var + self.eps)
-        xhat = (xl - mean.reshape(shape).astype(xl.dtype)) * inv.reshape(shape).astype(xl.dtype)
-        y = xhat * self.weight.data.reshape(shape) + self.bias.data.reshape(shape) \
-            if self.affine else xhat
-        self._saved = (x.dist, xhat, inv, count, batch_stats)
-        return DistArray.from_local(y.astype(x.dtype, copy=False), x.dist)
+        # y = x * scale + shift with scale = gamma * inv, shift = beta - mean * scale
+        scale = self.weight.data.astype(np.float64) * inv if self.affine else inv
+        shift = -mean * scale
+        if self.affine:
+            shift = shift + self.bias.data
+        xp.multiply(x3, scale.astype(xl.dtype)[:, None], out=y3)
+        xp.add(y3, shift.astype(xl.dtype)[:, None], out=y3)
+        self._saved = (x.dist, xl, mean, inv, count, batch_stats)
+        return DistArray(y, x.dist)
 
     def _check_batch(self, x: DistArray) -> None:
         """Refuse batch statistics over one value per channel, as PyTorch does (all ranks alike).
@@ -137,14 +144,20 @@ class BatchNormNd(Layer):
         self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
 
     def backward(self, dy: DistArray) -> DistArray:
-        dist, xhat, inv, count, batch_stats = self._saved
+        dist, xl, mean, inv, count, batch_stats = self._saved
         axes = (0, *range(2, dy.ndim))
-        shape = self._shape(dy)
         g = dy.local
         xp = dy.xp
-        sums = xp.concatenate([g.sum(axis=axes, dtype=np.float64),
-                               (g * xhat).sum(axis=axes, dtype=np.float64)])
-        c = self.num_features
+        n, c = xl.shape[:2]
+        x3 = xl.reshape(n, c, math.prod(xl.shape[2:]))
+        g3 = g.reshape(x3.shape)
+        dx = xp.empty(xl.shape, dtype=g.dtype)
+        dx3 = dx.reshape(x3.shape)
+        xp.multiply(g3, x3, out=dx3)  # dx is the scratch of g * x
+        # sum(g * xhat) = inv * (sum(g * x) - mean * sum(g)); rows in float64
+        sum_g = g3.sum(axis=2).sum(axis=0, dtype=np.float64)
+        sum_gx = dx3.sum(axis=2).sum(axis=0, dtype=np.float64)
+        sums = xp.concatenate([sum_g, inv * (sum_gx - mean * sum_g)])
         if self.stats == "group":
             allreduce_(sums, split_axes_comm(dist, tuple(range(2, dy.ndim))))
             param_sums = allreduce_(sums.copy(), split_axes_comm(dist, (0,)))
@@ -155,18 +168,27 @@ class BatchNormNd(Layer):
             self.bias.grad += param_sums[:c].astype(self.dtype)
             self.weight.grad += param_sums[c:].astype(self.dtype)
         gamma = self.weight.data.astype(np.float64) if self.affine else xp.ones(c)
-        scale = (gamma * inv).reshape(shape).astype(g.dtype)
+        scale = gamma * inv
         if batch_stats:  # the statistics depend on the input
-            n = max(count, 1)  # 0 on a rank with no samples in stats="group"
-            dmean = (sums[:c] / n).reshape(shape).astype(g.dtype)
-            dvar = (sums[c:] / n).reshape(shape).astype(g.dtype)
-            dx = scale * (g - dmean - xhat * dvar)
+            # dx = scale * (g - dmean - xhat * dvar) = scale * g + b * x + shift
+            m = max(count, 1)  # 0 on a rank with no samples in stats="group"
+            dmean, dvar = sums[:c] / m, sums[c:] / m
+            b = -scale * inv * dvar
+            shift = scale * (inv * dvar * mean - dmean)
+            bx, bs = b.astype(g.dtype)[:, None], shift.astype(g.dtype)[:, None]
+            tmp = xp.empty(x3.shape[1:], dtype=g.dtype)
+            sc = scale.astype(g.dtype)[:, None]
+            for i in range(n):  # one sample at a time: the scratch stays in cache
+                xp.multiply(g3[i], sc, out=dx3[i])
+                xp.multiply(x3[i], bx, out=tmp)
+                xp.add(dx3[i], tmp, out=dx3[i])
+                xp.add(dx3[i], bs, out=dx3[i])
         else:
-            dx = scale * g
-        return DistArray.from_local(dx.astype(dy.dtype, copy=False), dist)
+            xp.multiply(g3, scale.astype(g.dtype)[:, None], out=dx3)
+        return DistArray(dx, dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """Eight FLOPs per element; the normalised input is kept for backward.
+        """Eight FLOPs per element; the input is kept for backward (not the normalised input).
 
         Two allreduces of ``2 C`` float64 sums (statistics forward, the
         input gradient's sums backward) over the ranks that share the
@@ -179,7 +201,7 @@ class BatchNormNd(Layer):
         sums = Allreduce(2 * self.num_features * 8,
                          (0, *spatial) if self.stats == "global" else spatial)
         return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, allreduces=(sums, sums),
-                        saved=n * itemsize, workspace=n * itemsize)
+                        keeps_input=True, workspace=n // max(block[0], 1) * itemsize)
 
     def kernel_signature(self) -> str:
         return f"bn:{self.num_features}:{self.stats}"

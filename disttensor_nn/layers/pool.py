@@ -51,10 +51,16 @@ class _Pool(WindowLayer):
         return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
 
     def _kernel_forward(self, xwin: Any) -> Any:
-        return self._pool_forward(xwin)[0]
+        y, self._arg = self._pool_forward(xwin)
+        return y
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
-        _, arg = self._pool_forward(xwin)
+        # the argmax of the forward's last kernel call, unless that call covered only part
+        # of the output (with overlap), when it is recomputed
+        arg = getattr(self, "_arg", None)
+        if arg is None or tuple(arg.shape) != tuple(dy.shape):
+            _, arg = self._pool_forward(xwin)
+        self._arg = None
         return kernels_for(xwin).pool_backward(dy, xwin.shape, self.spec.kernel, self.spec.stride,
                                                self.spec.dilation, self.op, arg)
 
@@ -63,6 +69,17 @@ class _Pool(WindowLayer):
         return f"{type(self).__name__}(kernel_size={s.kernel}, stride={s.stride}, " \
                f"padding={s.padding})"
 
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """As :meth:`WindowLayer.cost_spec`; max pooling also keeps its argmax (one byte per
+        output for windows of up to 256 elements) and each pass a one-byte mask per output."""
+        spec = super().cost_spec(dist, itemsize)
+        if self.op != "max":
+            return spec
+        _, out_block, _ = self._window_blocks(dist)
+        arg = 1 if math.prod(self.spec.kernel) <= 256 else 8
+        return dataclasses.replace(spec, saved=spec.saved + math.prod(out_block) * arg,
+                                   workspace=spec.workspace + math.prod(out_block))
+
     def kernel_signature(self) -> str:
         s = self.spec
         return f"{type(self).__name__}:k{s.kernel}s{s.stride}d{s.dilation}"
@@ -70,14 +87,6 @@ class _Pool(WindowLayer):
     def local_twin(self) -> _Pool:
         s = self.spec
         return type(self)(s.kernel, s.stride, 0, s.dilation)
-
-    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """As :meth:`WindowLayer.cost_spec`; max pooling's passes also hold window
-        indices and strided copies (four extended blocks of workspace)."""
-        spec = super().cost_spec(dist, itemsize)
-        if self.op != "max":
-            return spec
-        return dataclasses.replace(spec, workspace=4 * spec.workspace)
 
 
 class MaxPool1d(_Pool):

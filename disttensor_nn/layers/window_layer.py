@@ -28,7 +28,8 @@ class WindowLayer(Layer):
     exchange runs while the kernel computes the outputs that need no halo,
     and the boundary slabs follow. Backward: the local backward kernel gives
     the gradient over the extended block, and the halo adjoint sums its halo
-    cells back into their owners.
+    cells back into their owners (both skipped when ``input_grad`` is False:
+    backward then returns None).
 
     Subclasses define ``_kernel_forward(xwin) -> y`` and
     ``_kernel_backward(dy, xwin) -> dxwin`` on local arrays, ``_channels_out``
@@ -118,10 +119,13 @@ class WindowLayer(Layer):
             plan.exchange(x, self._pad_value())
         return x, geo, plan, x.extended(geo.widths)
 
-    def backward(self, dy: DistArray) -> DistArray:
+    def backward(self, dy: DistArray) -> DistArray | None:
         x, geo, plan, ext = self._extended_input()
         sl = geo.input_slices(geo.out_box)
         nonempty = all(b > a for a, b in geo.out_box)
+        if not self.input_grad:  # only the parameters' gradients are wanted
+            self._param_backward(dy, ext[sl] if nonempty else None)
+            return None
         dxwin = self._kernel_backward(dy.local, ext[sl]) if nonempty else None
         if dxwin is not None and dxwin.shape == ext.shape:  # the window is the whole block
             dext = dxwin

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
+from ..container import Sequential
 from ..memory import (
     MemoryProfile,
     available_bytes,
@@ -21,7 +22,7 @@ from ..memory import (
     release_free_memory,
     resident_bytes,
 )
-from ..module import Layer, Layout, RemovableHandle
+from ..module import GradientBuckets, Layer, Layout, RemovableHandle
 from ..optim import SGD
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
@@ -339,6 +340,8 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str,
             raise
         raise SetupError(str(exc)) from exc
     model, shape, plan, nodes, loss_fn, loader, opt, step, history = state
+    if isinstance(model, Sequential) and len(model):
+        model[0].input_grad = False  # it is fed data: no input gradient to compute
     clocks, _ = _timed(nodes)
     if cfg.profile_memory:
         memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
@@ -362,7 +365,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str,
         with memory.phase("forward"):
             out = model(x)
             loss = loss_fn(out, y)
-        with memory.phase("backward"):
+        with memory.phase("backward"), GradientBuckets():  # gradient sums fused, overlapped
             model.call_backward(loss_fn.backward())
         with memory.phase("optimizer"):
             opt.step()

@@ -1,0 +1,83 @@
+"""The NumPy kernels with a pool of threads, and the running-maximum pooling kernels.
+
+Convolutions with :func:`~disttensor_nn.kernels.set_num_threads` above one
+split the batch over threads; their outputs and gradients (every path: im2col,
+col2im with strides, the transposed correlation, 1x1 GEMMs, row tiles) are
+compared with the serial scipy references of ``nn_reference``. Pooling (max
+with its one-byte argmax, average) is compared with ``pool_ref`` for
+overlapping and strided windows, ties included (the first maximum wins).
+Local computations, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from nn_reference import conv_ref, conv_ref_backward, pool_ref
+
+from disttensor_nn.kernels import get_num_threads, numpy_kernels, set_num_threads
+
+TOL = {"rtol": 1e-11, "atol": 1e-11}
+
+# (id, x shape, w shape, stride, groups, workspace bytes or None)
+CASES = [
+    ("3x3", (5, 3, 9, 8), (4, 3, 3, 3), (1, 1), 1, None),
+    ("5x5s2", (4, 3, 12, 11), (5, 3, 5, 5), (2, 2), 1, None),
+    ("s2_groups", (3, 4, 10, 9), (6, 2, 3, 3), (2, 1), 2, None),
+    ("1x1", (3, 4, 24, 24), (5, 4, 1, 1), (1, 1), 1, None),
+    ("rowtiles", (2, 3, 15, 14), (5, 3, 3, 3), (1, 1), 1, 2000),
+    ("one_sample", (1, 2, 7, 7), (3, 2, 3, 3), (1, 1), 1, None),
+]
+
+
+@pytest.fixture(params=[2, 3], ids=["2threads", "3threads"])
+def threads(request):
+    set_num_threads(request.param)
+    yield request.param
+    set_num_threads(1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_threaded_conv_matches_reference(case, threads):
+    _, xs, ws, stride, groups, workspace = case
+    assert get_num_threads() == threads
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    b = rng.standard_normal(ws[0])
+    kw = {} if workspace is None else {"workspace_bytes": workspace}
+    pads = [(0, 0)] * 2
+    y = numpy_kernels.conv_forward(x, w, b, stride, (1, 1), groups, **kw)
+    np.testing.assert_allclose(y, conv_ref(x, w, b, stride, pads, 1, groups), **TOL)
+    dy = rng.standard_normal(y.shape)
+    dx_want, dw_want, db_want = conv_ref_backward(x, w, dy, stride, pads, 1, groups)
+    for need_dx, need_dw in [(True, True), (True, False), (False, True)]:
+        dx, dw, db = numpy_kernels.conv_backward(dy, x, w, stride, (1, 1), groups,
+                                                 need_dx=need_dx, need_dw=need_dw, **kw)
+        np.testing.assert_allclose(db, db_want, **TOL)
+        if need_dx:
+            np.testing.assert_allclose(dx, dx_want, **TOL)
+        if need_dw:
+            np.testing.assert_allclose(dw, dw_want, **TOL)
+
+
+def test_set_num_threads_refuses_non_positive():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            set_num_threads(bad)
+    assert get_num_threads() == 1
+
+
+@pytest.mark.parametrize("op", ["max", "avg"])
+@pytest.mark.parametrize("kernel,stride", [((3, 3), (2, 2)), ((2, 3), (1, 2)), ((2, 2), (2, 2))])
+def test_pool_kernels_match_reference(op, kernel, stride):
+    rng = np.random.default_rng(5)
+    # small integers: many ties inside windows, where the first maximum must win
+    x = rng.integers(-3, 4, (2, 3, 9, 8)).astype(np.float64)
+    y, arg = numpy_kernels.pool_forward(x, kernel, stride, (1, 1), op)
+    y_want, dx_of = pool_ref(x, kernel, stride, [(0, 0)] * 2, (1, 1), op)
+    np.testing.assert_allclose(y, y_want, **TOL)
+    if op == "max":
+        assert arg.dtype == np.uint8
+    dy = rng.standard_normal(y.shape)
+    dx = numpy_kernels.pool_backward(dy, x.shape, kernel, stride, (1, 1), op, arg)
+    np.testing.assert_allclose(dx, dx_of(dy), **TOL)
