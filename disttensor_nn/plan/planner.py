@@ -508,37 +508,50 @@ class Planner:
         A segment is a run of two or more consecutive layers of one chain in
         one candidate, starting at a layer that keeps its input (so keeping
         the segment's input costs nothing more); it ends before the next such
-        layer, a change of candidate or a residual block.
+        layer, a change of candidate or a residual block. A layer that keeps
+        its input but would stand alone (the next layer starts a segment too)
+        joins the segment before it, whose recomputation then gives its input.
         """
         out: dict[int, int] = {}
         count = 0
 
-        def close(run: list[Node]) -> None:
+        def close(runs: list[list[Node]]) -> None:
+            # runs of one chain; an empty run separates layers in no segment
             nonlocal count
-            if len(run) >= 2:
-                for n in run:
-                    out[id(n)] = count
-                count += 1
+            merged: list[list[Node]] = []
+            for run in runs:
+                if len(run) == 1 and merged and merged[-1] and \
+                        assign[id(merged[-1][-1])] == assign[id(run[0])]:
+                    merged[-1].append(run[0])
+                else:
+                    merged.append(run)
+            for run in merged:
+                if len(run) >= 2:
+                    for n in run:
+                        out[id(n)] = count
+                    count += 1
 
         def walk(items: list) -> None:
-            run: list[Node] = []
+            runs: list[list[Node]] = []
             for it in items:
                 if isinstance(it, Node):
                     c = assign[id(it)]
                     starts = self.layer_cost(it, c).keeps_input > 0
-                    if run and (starts or assign[id(run[-1])] != c):
-                        close(run)
-                        run = []
-                    if run or starts:
-                        run.append(it)
+                    last = runs[-1] if runs else []
+                    if starts:
+                        runs.append([it])
+                    elif last and assign[id(last[-1])] == c:
+                        last.append(it)
+                    elif last:
+                        runs.append([])  # this layer is in no segment
                 else:
-                    close(run)
-                    run = []
+                    close(runs)
+                    runs = []
                     walk(it.branch)
                     if it.shortcut:
                         walk(it.shortcut)
                     walk(it.post)
-            close(run)
+            close(runs)
 
         walk(self.items)
         return out
