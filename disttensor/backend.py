@@ -208,9 +208,9 @@ def _run_layout(shape: tuple[int, ...], dst_strides: tuple[int, ...],
     both layouts allow; None when the plain element-wise copy is as good
     (long runs, or no run longer than one element).
     """
-    dims = [(n, a, b) for n, a, b in zip(shape, dst_strides, src_strides) if n != 1]
-    if not dims or 0 in shape:
+    if not shape or shape[-1] == 1 or 0 in shape:  # the run must be the last axis
         return None
+    dims = [(n, a, b) for n, a, b in zip(shape, dst_strides, src_strides) if n != 1]
     n, a, b = dims[-1]
     run = n * itemsize
     if n == 1 or a != itemsize or b != itemsize or run > 64:
@@ -239,9 +239,13 @@ def copy_view(dst: Any, src: Any) -> None:
         layout = _run_layout(dst.shape, dst.strides, src.strides, dst.itemsize)
         if layout is not None and dst.dtype == src.dtype:
             wide, shape = layout
-            # the merge rule is NumPy's own condition for a reshape without a copy
-            np.copyto(dst.view(wide).reshape(shape), src.view(wide).reshape(shape))
-            return
+            try:  # the merge rule is NumPy's own condition for a reshape without a copy
+                d, s = dst.view(wide).reshape(shape), src.view(wide).reshape(shape)
+            except (TypeError, ValueError):  # a dtype NumPy will not view as bytes
+                pass
+            else:
+                np.copyto(d, s)
+                return
         np.copyto(dst, src)
         return
     dst[...] = src
@@ -254,8 +258,13 @@ def fill_view(dst: Any, value: Any) -> None:
         if layout is not None:
             wide, shape = layout
             run = np.full(wide.itemsize // dst.itemsize, value, dst.dtype)
-            np.copyto(dst.view(wide).reshape(shape), run.view(wide))
-            return
+            try:
+                d = dst.view(wide).reshape(shape)
+            except (TypeError, ValueError):  # a dtype NumPy will not view as bytes
+                pass
+            else:
+                np.copyto(d, run.view(wide))
+                return
     dst[...] = value
 
 

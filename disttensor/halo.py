@@ -329,8 +329,10 @@ class _DimRequest:
     def __init__(self, plan: HaloPlan, order: list[int]):
         self.plan = plan
         self._order = order
-        self._comm = plan.dist.grid.p2p_comm
-        self._tag = plan.dist.grid.tag_block(_TAG_SPAN) if order else 0
+        grid = plan.dist.grid
+        # the duplicate communicator is created (collectively) only by exchanges that post
+        self._comm = grid.p2p_comm if order else None
+        self._tag = grid.tag_block(_TAG_SPAN) if order else 0
         self._reqs: list[MPI.Request] = []
         self._step = 0
         self._post()
