@@ -138,8 +138,8 @@ class RedistributionPlan:
         )
 
     # ------------------------------------------------------------ execution
-    def _alltoallw(self, sbase: Any, sends: list, rbase: Any, recvs: list) -> None:
-        """One ``Alltoallw``; ``sends``/``recvs`` are (peer, view into the base) pairs."""
+    def _alltoallw(self, sbase: Any, sends: list, rbase: Any, recvs: list) -> MPI.Request:
+        """Start one ``Alltoallw``; ``sends``/``recvs`` are (peer, view into the base) pairs."""
         n = self.comm.Get_size()
         zeros = [0] * n
         spec = []
@@ -149,23 +149,30 @@ class RedistributionPlan:
                 if view.size:
                     counts[peer], types[peer] = 1, view_datatype(base, view)
             spec.append([base, (counts, zeros), types])
-        self.comm.Alltoallw(*spec)
+        return self.comm.Ialltoallw(*spec)
 
-    def _packed(self, t: Any, xl: Any, ol: Any) -> None:
-        """One ``Alltoallv`` of the pieces packed into contiguous (pooled) buffers."""
+    def _packed(self, t: Any, xl: Any, ol: Any, keep: tuple | None) -> None:
+        """One ``Alltoallv`` of the pieces packed into contiguous (pooled) buffers.
+
+        The ``keep`` piece, if given, is copied while the messages move.
+        """
         (scounts, sdispls, stotal), (rcounts, rdispls, rtotal) = (
             self._send_layout, self._recv_layout)
         sbuf = t.region_empty(xl, (stotal,))
         rbuf = t.region_empty(ol, (rtotal,))
         for (_, sl), shape, off in zip(self.sends, self._send_shapes, self._send_offsets()):
             if shape is not None:
-                copy_view(reshape(sbuf[off[0]:off[1]], shape), xl[sl])
+                copy_view(reshape(sbuf[off[0]:off[1]], shape), xl[sl + (...,)])
         t.ready()
         mtype = mpi_dtype(xl.dtype)
-        self.comm.Alltoallv([sbuf, (scounts, sdispls), mtype], [rbuf, (rcounts, rdispls), mtype])
+        req = self.comm.Ialltoallv([sbuf, (scounts, sdispls), mtype],
+                                   [rbuf, (rcounts, rdispls), mtype])
+        if keep is not None:
+            copy_view(ol[keep[1] + (...,)], xl[keep[0] + (...,)])
+        req.Wait()
         for (_, sl), shape, off in zip(self.recvs, self._recv_shapes, self._recv_offsets()):
             if shape is not None:
-                copy_view(ol[sl], reshape(rbuf[off[0]:off[1]], shape))
+                copy_view(ol[sl + (...,)], reshape(rbuf[off[0]:off[1]], shape))
         t.release(sbuf)
         t.release(rbuf)
 
@@ -196,17 +203,25 @@ class RedistributionPlan:
             t = transport_for(x.xp)
             xb, xl = t.region_to_send(x.buffer, x.local)
             ob, ol = t.region_to_receive(out.buffer, out.local)
+            # The kept piece is copied while the messages move, unless the block is staged
+            # (the staged copy back writes the whole block, so it must come first).
+            keep = self.keep if ob is out.buffer else None
             if self.method == "pack":
-                self._packed(t, xl, ol)
+                self._packed(t, xl, ol, keep)
             else:
                 t.ready()
-                self._alltoallw(xb, [(p, xl[sl]) for p, sl in self.sends],
-                                ob, [(p, ol[sl]) for p, sl in self.recvs])
+                req = self._alltoallw(xb, [(p, xl[sl]) for p, sl in self.sends],
+                                      ob, [(p, ol[sl]) for p, sl in self.recvs])
+                if keep is not None:
+                    copy_view(ol[keep[1] + (...,)], xl[keep[0] + (...,)])
+                req.Wait()
             t.deliver_region(out.local, ob)
             if xb is not x.buffer:
                 t.release(xb)
-        if self.keep is not None:  # after a staged copy, which writes the whole block
-            out.local[self.keep[1]] = x.local[self.keep[0]]
+            if keep is not None:
+                return out
+        if self.keep is not None:  # (an index ending in ... gives a view even of a 0-d block)
+            copy_view(out.local[self.keep[1] + (...,)], x.local[self.keep[0] + (...,)])
         return out
 
     @collective
@@ -235,7 +250,7 @@ class RedistributionPlan:
         yb, yl = t.region_to_send(y.buffer, y.local)
         t.ready()
         self._alltoallw(yb, [(p, yl[sl]) for p, sl in self.recvs],
-                        tmp, [(p, v) for (p, _), v in zip(self.sends, views)])
+                        tmp, [(p, v) for (p, _), v in zip(self.sends, views)]).Wait()
         if yb is not y.buffer:
             t.release(yb)
         olocal = out.local
