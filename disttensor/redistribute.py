@@ -72,7 +72,7 @@ class RedistributionPlan:
     Every rank derives every message from the two Distributions alone: no
     metadata is exchanged. Running the plan costs one collective. When every
     piece of the plan (on any rank) has contiguous runs of at least
-    :data:`PACK_BELOW_BYTES` (counted for 4-byte elements) it is an
+    ``PACK_BELOW_BYTES`` (counted for 4-byte elements) it is an
     ``MPI_Alltoallw`` whose datatypes select each piece straight out of the
     local buffers (no packing copies); with shorter runs, for which MPI's
     datatype engine measured slower, the pieces are packed into pooled
