@@ -139,7 +139,8 @@ class HaloPlan:
         self.dims = [
             self._plan_dim(d, me) for d, (lo, hi) in enumerate(widths) if lo or hi
         ]
-        self._bound: dict[tuple, list[_BoundDim]] = {}  # by (buffer shape, margins)
+        self._bound: dict[tuple, tuple] = {}  # by (buffer shape, margins)
+        self._zeros: dict[np.dtype, list[list[Any]]] = {}  # default fills, by dtype
 
     def _line(self, d: int, me: int) -> list[int]:
         """Ranks that share this rank's block in every dimension but ``d``, by block index."""
@@ -235,11 +236,13 @@ class HaloPlan:
                 idx.append(slice(mlo, shape[e] - mhi))
         return tuple(idx)
 
-    def _bind(self, shape: tuple[int, ...], margins: Widths) -> list[_BoundDim]:
+    def _bind(self, shape: tuple[int, ...], margins: Widths
+              ) -> tuple[list[_BoundDim], tuple[slice, ...]]:
         """Every slab of the plan as an index into a buffer of ``shape`` with ``margins``.
 
         Cached per layout, so that running the plan only slices, packs and posts.
-        Slabs without cells are left out.
+        Slabs without cells are left out. Also returns the index of the
+        extended block.
         """
         key = (shape, margins)
         bound = self._bound.get(key)
@@ -265,6 +268,9 @@ class HaloPlan:
             fills = [(i, side) for start, stop, side in dp.fills
                      if (i := index(d, start, stop - start, 1)) is not None]
             bound.append(_BoundDim(d, recvs, sends, local, fills))
+        ext = tuple(slice(mlo - lo, n - mhi + hi)
+                    for n, (lo, hi), (mlo, mhi) in zip(shape, self.widths, margins)) + (...,)
+        bound = (bound, ext)
         if len(self._bound) >= _BOUND_LAYOUTS:
             self._bound.pop(next(iter(self._bound)))
         self._bound[key] = bound
@@ -280,8 +286,15 @@ class HaloPlan:
         """
         if x.dist != self.dist:
             raise ValueError(f"halo plan is for {self.dist}, got an array with {x.dist}")
-        constants = _constants(constant_values, x.dtype, len(self.widths))
-        x.reserve_halo(self.widths)
+        if type(constant_values) is int and constant_values == 0:  # the default: cached
+            constants = self._zeros.get(x.dtype)
+            if constants is None:
+                constants = self._zeros[x.dtype] = _python_scalars(
+                    _constants(0, x.dtype, len(self.widths)))
+        else:
+            constants = _python_scalars(_constants(constant_values, x.dtype, len(self.widths)))
+        if x.margins != self.widths:
+            x.reserve_halo(self.widths)
         return HaloRequest(self, x, constants)
 
     def exchange(self, x: DistArray, constant_values: Any = 0) -> Any:
@@ -376,11 +389,11 @@ class _DimRequest:
 class HaloRequest(_DimRequest):
     """A halo exchange in flight; :meth:`finish` completes it and returns the extended block."""
 
-    def __init__(self, plan: HaloPlan, x: DistArray, constants: np.ndarray):
+    def __init__(self, plan: HaloPlan, x: DistArray, constants: list[list[Any]]):
         self.x = x
-        self.constants = [[c.item() for c in pair] for pair in constants]  # Python scalars
+        self.constants = constants  # Python scalars, per dimension and side
         self.buffer = x.buffer
-        self.bound = plan._bind(tuple(self.buffer.shape), x.margins)
+        self.bound, self._ext_index = plan._bind(tuple(self.buffer.shape), x.margins)
         self.transport = transport_for(x.xp)
         self._incoming: list[tuple[Any, Any]] = []  # (face, message buffer)
         self._outgoing: list[Any] = []  # packed or staged copies being sent
@@ -424,12 +437,12 @@ class HaloRequest(_DimRequest):
     @property
     def ext(self) -> Any:
         """The extended block being filled (a view into the array's buffer)."""
-        return self.x.extended(self.plan.widths)
+        return self.buffer[self._ext_index]
 
     def finish(self) -> Any:
         """Wait for every dimension's messages; return the extended block (a view)."""
         self._wait()
-        return self.x.extended(self.plan.widths)
+        return self.buffer[self._ext_index]
 
 
 class AccumulateRequest(_DimRequest):
@@ -441,7 +454,7 @@ class AccumulateRequest(_DimRequest):
 
     def __init__(self, plan: HaloPlan, work: Any):
         self.work = work
-        self.bound = plan._bind(tuple(work.shape), plan.widths)
+        self.bound, _ = plan._bind(tuple(work.shape), plan.widths)
         self.transport = transport_for(array_namespace(work))
         self._pending: list[tuple[Any, Any]] = []  # (target cells, message buffer)
         self._outgoing: list[Any] = []
@@ -509,6 +522,11 @@ def _constants(values: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
         for side in (0, 1):
             out[d, side] = padded[tuple(centre[:d] + [2 * side] + centre[d + 1:])]
     return out
+
+
+def _python_scalars(constants: np.ndarray) -> list[list[Any]]:
+    """The ``(ndim, 2)`` fill values as Python scalars (cheaper to assign than NumPy's)."""
+    return [[c.item() for c in pair] for pair in constants]
 
 
 def _replica_position(dist: Distribution, rep_coords: Sequence[int]) -> int:
