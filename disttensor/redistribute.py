@@ -27,8 +27,9 @@ Piece = tuple[int, tuple[slice, ...]]  # (peer rank, slices into the local block
 METHODS = ("auto", "pack", "datatype")
 # Below this many bytes per contiguous run (anywhere in the plan) pieces are packed.
 # Measured with benchmarks/bench_redistribute.py (MPICH 5, shared memory, 2 ranks):
-# with 128-256 B runs packing and one Alltoallv took 0.6-0.9x the time of derived
-# datatypes; with 8-32 KiB runs the datatypes took 0.5-0.7x the time of packing.
+# with 128 B runs packing and one Alltoallv took 0.6-0.7x the time of derived datatypes,
+# with 256 B runs 0.6-1.2x (about even, over three runs); with 8-32 KiB runs the
+# datatypes took 0.5-0.7x the time of packing.
 PACK_BELOW_BYTES = 1024
 
 
