@@ -1,18 +1,24 @@
 """Halo exchange vs a raw mpi4py Sendrecv of the same bytes between the same ranks.
 
-Run: mpiexec -n 4 python benchmarks/bench_halo.py [--reps 30]
+Run: mpiexec -n P python benchmarks/bench_halo.py [--reps 40] [--quick]
 
-A (32, 64, 56, 56) float32 array is split 2x2 over H and W; the halo of
-width w (H and W only) is exchanged by ``DistArray.exchange_halo``. Two
-baselines, measured in the same run:
+float32 NCHW and NCDHW arrays are split over one dimension (N, D, H or W:
+every kind of face, from contiguous (N) to the most strided (W)) on P ranks,
+or over H and W on a 2-D grid when P is 4. The halo of width w (1-3) of the
+split dimensions is exchanged by ``HaloPlan.exchange`` (mode 'constant').
+Baselines, measured in the same run, interleaved with ours:
 
 * ``raw``: ``Sendrecv`` of contiguous, preallocated buffers holding the same
-  faces, H first then W (whose faces include the H halo, as ours do): the
-  same bytes between the same pairs of ranks, but no gathering of the
-  strided faces out of, or into, the array.
-* ``raw+pack``: the same, plus a NumPy copy of each face out of the array
+  faces, dimension by dimension in the same order (later faces include the
+  earlier halos, as ours do): the same bytes between the same pairs of ranks,
+  with nothing gathered out of, or scattered into, the array. The target is
+  disttensor <= 1.5x raw for every face.
+* ``raw_pack``: the same plus a NumPy copy of each face out of the array
   before sending and into it after receiving: the least work that actually
-  fills a halo of an NCHW array split over H and W.
+  fills a halo from NumPy.
+
+Every column is a median over ``--reps`` samples (each the slowest rank's
+time) with its min-max range; the JSON holds the same.
 """
 
 from __future__ import annotations
@@ -20,24 +26,58 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _common import interleaved, print_table, write_json
+from _common import print_table, write_json
+from _stats import interleaved_stats, timing_columns
 from mpi4py import MPI
 
 import disttensor as dt
 
+# name, global shape, split dimensions
+ARRAYS = [
+    ("nchw_small", (8, 16, 32, 32)),
+    ("nchw_large", (8, 64, 128, 128)),
+    ("ncdhw", (2, 16, 32, 32, 32)),
+]
+DIM_NAMES = {4: "NCHW", 5: "NCDHW"}
 
-def raw_exchange(comm, grid, w, bufs, ext=None):
+
+def _faces(ext_shape, local_shape, dims, w):
+    """Per exchanged dimension, the shape of one face (earlier dims extended, later owned)."""
+    out = []
+    for k, d in enumerate(dims):
+        shp = list(local_shape)
+        for e in dims[:k]:
+            shp[e] = ext_shape[e]
+        shp[d] = w
+        out.append(tuple(shp))
+    return out
+
+
+def _face_index(ndim, dims, k, w, n_ext, side, inner):
+    """Index of the face of dims[k] on ``side`` inside the extended block."""
+    d = dims[k]
+    n = n_ext[d] - 2 * w
+    if inner:
+        sl = slice(w, 2 * w) if side < 0 else slice(n, n + w)
+    else:
+        sl = slice(0, w) if side < 0 else slice(n + w, n + 2 * w)
+    idx = [slice(None)] * ndim
+    idx[d] = sl
+    for e in dims[k + 1:]:
+        idx[e] = slice(w, n_ext[e] - w)
+    return tuple(idx)
+
+
+def raw_exchange(comm, peers, bufs, ext=None, index=None):
     """Sendrecv of contiguous faces, dimension by dimension (the baseline).
 
-    With ``ext`` (the extended block) faces are also copied out of and into it.
+    With ``ext`` the faces are also copied out of and into the extended block.
     """
-    for axis in (0, 1):
+    for k, (send, recv) in enumerate(bufs):
         for direction in (-1, +1):
-            dst = grid.neighbor(axis, direction)
-            src = grid.neighbor(axis, -direction)
-            send, recv = bufs[axis]
+            dst, src = peers[k][direction], peers[k][-direction]
             if ext is not None and dst is not None:
-                send[...] = _face(ext, axis, w, direction, inner=True)
+                send[...] = ext[index[k][direction, True]]
             comm.Sendrecv(
                 send if dst is not None else None,
                 dest=dst if dst is not None else MPI.PROC_NULL,
@@ -45,73 +85,84 @@ def raw_exchange(comm, grid, w, bufs, ext=None):
                 source=src if src is not None else MPI.PROC_NULL,
             )
             if ext is not None and src is not None:
-                _face(ext, axis, w, -direction, inner=False)[...] = recv
+                ext[index[k][-direction, False]][...] = recv
 
 
-def _face(ext, axis, w, side, inner):
-    """Face of width ``w`` on ``side`` of grid ``axis`` (array dim 2 + axis) of ``ext``.
-
-    H faces span the owned W extent, W faces the extended H extent.
-    """
-    d = 2 + axis
-    n = ext.shape[d] - 2 * w
-    if inner:
-        sl = slice(w, 2 * w) if side < 0 else slice(n, n + w)
-    else:
-        sl = slice(0, w) if side < 0 else slice(n + w, n + 2 * w)
-    idx = [slice(None)] * 4
-    idx[d] = sl
-    if axis == 0:
-        idx[3] = slice(w, ext.shape[3] - w)
-    return ext[tuple(idx)]
+def cases(p: int):
+    """(array name, shape, split dims, grid shape) for ``p`` ranks."""
+    for name, shape in ARRAYS:
+        ndim = len(shape)
+        spatial = list(range(2, ndim))
+        for d in [0] + spatial:
+            yield name, shape, (d,), (p,)
+        if p == 4:
+            yield name, shape, tuple(spatial[-2:]), (2, 2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--shape", default="32,64,56,56")
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--widths", default="1,2,3")
+    parser.add_argument("--quick", action="store_true", help="only nchw_large, widths 1 and 3")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
-    if comm.size != 4:
-        raise SystemExit("run with mpiexec -n 4")
-    shape = tuple(int(s) for s in args.shape.split(","))
-    grid = dt.ProcessGrid((2, 2))
-    dist = dt.Distribution(shape, grid, axes=(None, None, 0, 1))
-    x = dt.random.default_rng(0).random(dist, np.float32)
-    n, c, h, wd = x.local_shape
-    assert h >= 3 and wd >= 3, 'the baseline assumes every block is at least 3 wide'
+    p = comm.size
+    widths_list = [int(s) for s in args.widths.split(",")]
+    if args.quick:
+        widths_list = [1, 3]
     rows = []
-    for w in (1, 3):
-        widths = ((0, 0), (0, 0), (w, w), (w, w))
-        x.reserve_halo(widths)
-        plan = dt.halo_plan(dist, widths, "constant")
-        # Same bytes as ours: H faces span the owned W extent, W faces the extended H extent.
-        bufs = {
-            0: (np.ones((n, c, w, wd), np.float32), np.empty((n, c, w, wd), np.float32)),
-            1: (np.ones((n, c, h + 2 * w, w), np.float32),
-                np.empty((n, c, h + 2 * w, w), np.float32)),
-        }
-        nbytes = 0
-        for axis, (send, _) in bufs.items():
-            nbytes += send.nbytes * sum(
-                grid.neighbor(axis, s) is not None for s in (-1, 1))
-        ext = plan.exchange(x)
-        t = interleaved({
-            "disttensor": lambda plan=plan: plan.exchange(x),
-            "raw": lambda w=w, bufs=bufs: raw_exchange(comm, grid, w, bufs),
-            "raw_pack": lambda w=w, bufs=bufs, ext=ext: raw_exchange(comm, grid, w, bufs, ext),
-        }, comm, args.reps)
-        rows.append({
-            "width": w, "bytes_sent_per_rank": nbytes,
-            "disttensor_ms": 1e3 * t["disttensor"], "raw_ms": 1e3 * t["raw"],
-            "raw_pack_ms": 1e3 * t["raw_pack"],
-            "ratio_vs_raw": t["disttensor"] / t["raw"],
-            "ratio_vs_raw_pack": t["disttensor"] / t["raw_pack"],
-        })
+    for name, shape, dims, gshape in cases(p):
+        if args.quick and name != "nchw_large":
+            continue
+        ndim = len(shape)
+        grid = dt.ProcessGrid(gshape)
+        axes = [None] * ndim
+        for a, d in enumerate(dims):
+            axes[d] = a
+        dist = dt.Distribution(shape, grid, axes=tuple(axes))
+        x = dt.random.default_rng(0).random(dist, np.float32)
+        local = x.local_shape
+        peers = [{s: grid.neighbor(a, s) for s in (-1, 1)} for a in range(len(dims))]
+        letters = DIM_NAMES[ndim]
+        for w in widths_list:
+            if min(local[d] for d in dims) < w:
+                continue
+            widths = tuple((w, w) if d in dims else (0, 0) for d in range(ndim))
+            x.reserve_halo(widths)
+            plan = dt.halo_plan(dist, widths, "constant")
+            ext = plan.exchange(x)
+            faces = _faces(ext.shape, local, dims, w)
+            bufs = [(np.ones(f, np.float32), np.empty(f, np.float32)) for f in faces]
+            index = [{(s, inner): _face_index(ndim, dims, k, w, ext.shape, s, inner)
+                      for s in (-1, 1) for inner in (True, False)} for k in range(len(dims))]
+            sent = sum(b[0].nbytes * sum(peers[k][s] is not None for s in (-1, 1))
+                       for k, b in enumerate(bufs))
+            sent = comm.allreduce(sent, op=MPI.MAX)
+            t = interleaved_stats({
+                "disttensor": lambda plan=plan, x=x: plan.exchange(x),
+                "raw": lambda bufs=bufs, peers=peers: raw_exchange(comm, peers, bufs),
+                "raw_pack": lambda bufs=bufs, ext=ext, index=index, peers=peers:
+                    raw_exchange(comm, peers, bufs, ext, index),
+            }, comm, args.reps)
+            row = {"array": name, "shape": "x".join(map(str, shape)), "layout": letters,
+                   "split": "".join(letters[d] for d in dims), "width": w,
+                   "max_bytes_sent_per_rank": sent}
+            for k in ("disttensor", "raw", "raw_pack"):
+                row.update(timing_columns(k, t[k]))
+            row["ratio_vs_raw"] = t["disttensor"]["median"] / t["raw"]["median"]
+            row["ratio_vs_raw_pack"] = t["disttensor"]["median"] / t["raw_pack"]["median"]
+            rows.append(row)
     if comm.rank == 0:
-        print(f"halo exchange of {shape} float32 on a 2x2 grid (H x W), median of {args.reps}")
-        print_table(rows, list(rows[0]))
-        print("wrote", write_json("halo", rows, shape=shape, reps=args.reps))
+        print(f"halo exchange, float32, mode 'constant', {p} ranks, median of {args.reps} "
+              "(range min-max), microseconds")
+        cols = ["array", "split", "width", "max_bytes_sent_per_rank", "disttensor_us",
+                "disttensor_range_us", "raw_us", "raw_range_us", "raw_pack_us",
+                "ratio_vs_raw", "ratio_vs_raw_pack"]
+        print_table(rows, cols)
+        worst = max(rows, key=lambda r: r["ratio_vs_raw"])
+        print(f"worst ratio vs raw: {worst['ratio_vs_raw']:.3g} "
+              f"({worst['array']} split {worst['split']} width {worst['width']})")
+        print("wrote", write_json(f"halo_p{p}", rows, reps=args.reps))
 
 
 if __name__ == "__main__":

@@ -197,6 +197,77 @@ def contiguous(x: Any, copy: bool = False, *, writeable: bool = False) -> Any:
     return xp.asarray(x, copy=True) if copy else x
 
 
+@lru_cache(maxsize=1024)
+def _run_layout(shape: tuple[int, ...], dst_strides: tuple[int, ...],
+                src_strides: tuple[int, ...], itemsize: int) -> tuple | None:
+    """How to copy between two NumPy layouts of ``shape`` with the fewest inner-loop calls.
+
+    Returns ``(wide_dtype, shape)``, where the innermost contiguous runs
+    (``wide_dtype.itemsize`` bytes, contiguous in both arrays) become single
+    elements of ``wide_dtype`` and the remaining dimensions are merged where
+    both layouts allow; None when the plain element-wise copy is as good
+    (long runs, or no run longer than one element).
+    """
+    if not shape or shape[-1] == 1 or 0 in shape:  # the run must be the last axis
+        return None
+    dims = [(n, a, b) for n, a, b in zip(shape, dst_strides, src_strides) if n != 1]
+    n, a, b = dims[-1]
+    run = n * itemsize
+    if n == 1 or a != itemsize or b != itemsize or run > 64:
+        return None
+    wide = np.dtype(f"u{run}") if run in (2, 4, 8) else np.dtype((np.void, run))
+    outer = [list(d) for d in dims[:-1]]
+    merged: list[list[int]] = []
+    for m, sa, sb in outer:
+        if merged and merged[-1][1] == m * sa and merged[-1][2] == m * sb:
+            merged[-1] = [merged[-1][0] * m, sa, sb]
+        else:
+            merged.append([m, sa, sb])
+    return wide, tuple(m for m, _, _ in merged) + (1,)
+
+
+def copy_view(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` for two arrays of one shape and dtype, in one strided copy.
+
+    The packing copy of halo faces and other strided slabs. For NumPy arrays
+    whose innermost dimension is a short contiguous run (a face of width 1-3
+    across the last dimension, say) the runs are copied as single wide
+    elements, so the copy loops over runs, not elements; other arrays and
+    modules use their own assignment.
+    """
+    if type(dst) is np.ndarray and type(src) is np.ndarray:
+        layout = _run_layout(dst.shape, dst.strides, src.strides, dst.itemsize)
+        if layout is not None and dst.dtype == src.dtype:
+            wide, shape = layout
+            try:  # the merge rule is NumPy's own condition for a reshape without a copy
+                d, s = dst.view(wide).reshape(shape), src.view(wide).reshape(shape)
+            except (TypeError, ValueError):  # a dtype NumPy will not view as bytes
+                pass
+            else:
+                np.copyto(d, s)
+                return
+        np.copyto(dst, src)
+        return
+    dst[...] = src
+
+
+def fill_view(dst: Any, value: Any) -> None:
+    """``dst[...] = value`` (a scalar of its dtype) in one strided pass, as :func:`copy_view`."""
+    if type(dst) is np.ndarray:
+        layout = _run_layout(dst.shape, dst.strides, dst.strides, dst.itemsize)
+        if layout is not None:
+            wide, shape = layout
+            run = np.full(wide.itemsize // dst.itemsize, value, dst.dtype)
+            try:
+                d = dst.view(wide).reshape(shape)
+            except (TypeError, ValueError):  # a dtype NumPy will not view as bytes
+                pass
+            else:
+                np.copyto(d, run.view(wide))
+                return
+    dst[...] = value
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """Copy or view ``x`` as a NumPy array in host memory."""
     if isinstance(x, np.ndarray):

@@ -21,6 +21,7 @@ array's storage API (:meth:`~disttensor.DistArray.reserve_halo`,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .array import DistArray, normalize_widths
-from .backend import array_namespace, contiguous
+from .backend import array_namespace, contiguous, copy_view, fill_view
 from .distribution import Distribution
 from .settings import collective
 from .transport import transport_for
@@ -42,6 +43,7 @@ MODES = ("constant", "wrap", "reflect", "symmetric", "edge")
 _RUNS_PER_DIM = 64  # runs from one sender to one receiver along one dimension
 _MAX_DIMS = 32
 _TAG_SPAN = _RUNS_PER_DIM * _MAX_DIMS  # tags one exchange uses; exchanges in flight differ above
+_BOUND_LAYOUTS = 8  # buffer layouts (shape, margins) whose slab indices a plan keeps
 
 Widths = tuple[tuple[int, int], ...]
 
@@ -87,6 +89,17 @@ class Run:
 
 
 @dataclass
+class _BoundDim:
+    """One dimension's slabs as indices into a buffer of one layout (see ``HaloPlan._bind``)."""
+
+    dim: int
+    recvs: list[tuple[tuple[slice, ...], int, int]]  # (index, peer, tag)
+    sends: list[tuple[tuple[slice, ...], int, int]]
+    local: list[tuple[tuple[slice, ...], tuple[slice, ...]]]  # (destination, source)
+    fills: list[tuple[tuple[slice, ...], int]]  # (index, side)
+
+
+@dataclass
 class _DimPlan:
     dim: int
     sends: list[Run]
@@ -126,6 +139,8 @@ class HaloPlan:
         self.dims = [
             self._plan_dim(d, me) for d, (lo, hi) in enumerate(widths) if lo or hi
         ]
+        self._bound: dict[tuple, tuple] = {}  # by (buffer shape, margins)
+        self._zeros: dict[np.dtype, list[list[Any]]] = {}  # default fills, by dtype
 
     def _line(self, d: int, me: int) -> list[int]:
         """Ranks that share this rank's block in every dimension but ``d``, by block index."""
@@ -201,22 +216,65 @@ class HaloPlan:
         return _DimPlan(d, sends, recvs, local, my_fills)
 
     # ------------------------------------------------------------- views
-    def _view(self, ext: Any, d: int, pos: int, length: int, step: int) -> Any:
-        """Slab of ``ext`` at positions ``pos, pos+step, ...`` along ``d``.
+    def _index(self, shape: tuple[int, ...], margins: Widths, d: int, pos: int, length: int,
+               step: int) -> tuple[slice, ...]:
+        """Index, into a buffer of ``shape`` with ``margins``, of the slab at extended-block
+        positions ``pos, pos+step, ...`` along ``d``.
 
         Dimensions before ``d`` span their extended extent, later ones only the
         owned block (their halo is not filled yet).
         """
         idx = []
-        for e, (lo, hi) in enumerate(self.widths):
+        for e, ((lo, hi), (mlo, mhi)) in enumerate(zip(self.widths, margins)):
             if e < d:
-                idx.append(slice(None))
+                idx.append(slice(mlo - lo, shape[e] - mhi + hi))
             elif e == d:
-                stop = pos + step * length
-                idx.append(slice(pos, stop if stop >= 0 else None, step))
+                start = mlo - lo + pos
+                stop = start + step * length
+                idx.append(slice(start, stop if stop >= 0 else None, step))
             else:
-                idx.append(slice(lo, ext.shape[e] - hi))
-        return ext[tuple(idx)]
+                idx.append(slice(mlo, shape[e] - mhi))
+        return tuple(idx)
+
+    def _bind(self, shape: tuple[int, ...], margins: Widths
+              ) -> tuple[list[_BoundDim], tuple[slice, ...]]:
+        """Every slab of the plan as an index into a buffer of ``shape`` with ``margins``.
+
+        Cached per layout, so that running the plan only slices, packs and posts.
+        Slabs without cells are left out. Also returns the index of the
+        extended block.
+        """
+        key = (shape, margins)
+        bound = self._bound.get(key)
+        if bound is not None:
+            return bound
+        size = math.prod
+
+        def index(d: int, pos: int, length: int, step: int) -> tuple[slice, ...] | None:
+            idx = self._index(shape, margins, d, pos, length, step)
+            n = [len(range(*sl.indices(m))) for sl, m in zip(idx, shape)]
+            return idx if size(n) else None
+
+        bound = []
+        for dp in self.dims:
+            d = dp.dim
+            recvs = [(i, r.sender, r.tag) for r in dp.recvs
+                     if (i := index(d, r.dst, r.length, 1)) is not None]
+            sends = [(i, r.receiver, r.tag) for r in dp.sends
+                     if (i := index(d, r.src, r.length, r.step)) is not None]
+            local = [(index(d, r.dst, r.length, 1), index(d, r.src, r.length, r.step))
+                     for r in dp.local]
+            local = [(a, b) for a, b in local if a is not None]
+            fills = [(i, side) for start, stop, side in dp.fills
+                     if (i := index(d, start, stop - start, 1)) is not None]
+            bound.append(_BoundDim(d, recvs, sends, local, fills))
+        ext = tuple(slice(mlo - lo, n - mhi + hi)
+                    for n, (lo, hi), (mlo, mhi) in zip(shape, self.widths, margins)) + (...,)
+        bound = (bound, ext)
+        if len(self._bound) >= _BOUND_LAYOUTS:
+            self._bound.pop(next(iter(self._bound)))
+        self._bound[key] = bound
+        return bound
 
     # ------------------------------------------------------------- forward
     @collective
@@ -228,8 +286,15 @@ class HaloPlan:
         """
         if x.dist != self.dist:
             raise ValueError(f"halo plan is for {self.dist}, got an array with {x.dist}")
-        constants = _constants(constant_values, x.dtype, len(self.widths))
-        x.reserve_halo(self.widths)
+        if type(constant_values) is int and constant_values == 0:  # the default: cached
+            constants = self._zeros.get(x.dtype)
+            if constants is None:
+                constants = self._zeros[x.dtype] = _python_scalars(
+                    _constants(0, x.dtype, len(self.widths)))
+        else:
+            constants = _python_scalars(_constants(constant_values, x.dtype, len(self.widths)))
+        if x.margins != self.widths:
+            x.reserve_halo(self.widths)
         return HaloRequest(self, x, constants)
 
     def exchange(self, x: DistArray, constant_values: Any = 0) -> Any:
@@ -267,21 +332,27 @@ class HaloPlan:
 class _DimRequest:
     """Messages of one dimension in flight at a time; the next dimension is posted on completion.
 
-    Subclasses give the order of the dimensions (``_order``) and post and
-    complete one dimension's messages (``_post_dim``, ``_complete_dim``).
+    Subclasses set ``bound`` (the plan's slabs for their buffer), give the
+    order of the dimensions (``_order``) and post and complete one
+    dimension's messages (``_post_dim``, ``_complete_dim``).
     """
+
+    bound: list[_BoundDim]
 
     def __init__(self, plan: HaloPlan, order: list[int]):
         self.plan = plan
         self._order = order
-        self._tag = plan.dist.grid.tag_block(_TAG_SPAN) if order else 0
+        grid = plan.dist.grid
+        # the duplicate communicator is created (collectively) only by exchanges that post
+        self._comm = grid.p2p_comm if order else None
+        self._tag = grid.tag_block(_TAG_SPAN) if order else 0
         self._reqs: list[MPI.Request] = []
         self._step = 0
         self._post()
 
     def _post(self) -> None:
         if self._step < len(self._order):
-            self._reqs = self._post_dim(self.plan.dims[self._order[self._step]])
+            self._reqs = self._post_dim(self.bound[self._order[self._step]])
         else:
             self._reqs = []
             self._done()
@@ -301,10 +372,11 @@ class _DimRequest:
 
     def _wait(self) -> None:
         while self._step < len(self._order):
-            MPI.Request.Waitall(self._reqs)
+            if self._reqs:
+                MPI.Request.Waitall(self._reqs)
             self._advance()
 
-    def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:  # pragma: no cover - interface
+    def _post_dim(self, bd: _BoundDim) -> list[MPI.Request]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def _complete_dim(self) -> None:  # pragma: no cover - interface
@@ -317,55 +389,60 @@ class _DimRequest:
 class HaloRequest(_DimRequest):
     """A halo exchange in flight; :meth:`finish` completes it and returns the extended block."""
 
-    def __init__(self, plan: HaloPlan, x: DistArray, constants: np.ndarray):
+    def __init__(self, plan: HaloPlan, x: DistArray, constants: list[list[Any]]):
         self.x = x
-        self.constants = [[c.item() for c in pair] for pair in constants]  # Python scalars
-        self.ext = x.extended(plan.widths)
+        self.constants = constants  # Python scalars, per dimension and side
+        self.buffer = x.buffer
+        self.bound, self._ext_index = plan._bind(tuple(self.buffer.shape), x.margins)
         self.transport = transport_for(x.xp)
         self._incoming: list[tuple[Any, Any]] = []  # (face, message buffer)
         self._outgoing: list[Any] = []  # packed or staged copies being sent
         super().__init__(plan, list(range(len(plan.dims))))
 
-    def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:
-        plan, ext, d, t = self.plan, self.ext, dp.dim, self.transport
+    def _post_dim(self, bd: _BoundDim) -> list[MPI.Request]:
+        buf, t, tag = self.buffer, self.transport, self._tag
         recvs, sends = [], []
-        for r in dp.recvs:
-            view = plan._view(ext, d, r.dst, r.length, 1)
-            if view.size:
-                buf = t.incoming(view)
-                recvs.append((buf, r.sender, self._tag + r.tag))
-                self._incoming.append((view, buf))
-        for r in dp.sends:
-            view = plan._view(ext, d, r.src, r.length, r.step)
-            if view.size:
-                buf = t.outgoing(view)
-                sends.append((buf, r.receiver, self._tag + r.tag))
-                if buf is not view:
-                    self._outgoing.append(buf)
-        reqs = t.post(plan.dist.grid.p2p_comm, recvs, sends)
-        for r in dp.local:
-            plan._view(ext, d, r.dst, r.length, 1)[...] = plan._view(
-                ext, d, r.src, r.length, r.step
-            )
-        for start, stop, side in dp.fills:
-            plan._view(ext, d, start, stop - start, 1)[...] = self.constants[d][side]
+        for idx, peer, k in bd.recvs:
+            view = buf[idx]
+            msg = t.incoming(view)
+            recvs.append((msg, peer, tag + k))
+            if msg is not view:
+                self._incoming.append((view, msg))
+        for idx, peer, k in bd.sends:
+            view = buf[idx]
+            msg = t.outgoing(view)
+            sends.append((msg, peer, tag + k))
+            if msg is not view:
+                self._outgoing.append(msg)
+        reqs = t.post(self._comm, recvs, sends) if recvs or sends or t.nccl else []
+        for dst, src in bd.local:
+            copy_view(buf[dst], buf[src])
+        if bd.fills:
+            values = self.constants[bd.dim]
+            for idx, side in bd.fills:
+                fill_view(buf[idx], values[side])
         return reqs
 
     def _complete_dim(self) -> None:
         t = self.transport
-        for view, buf in self._incoming:
-            t.deliver(view, buf)
-        for buf in self._outgoing:
-            t.release(buf)
+        for view, msg in self._incoming:
+            t.deliver(view, msg)
+        for msg in self._outgoing:
+            t.release(msg)
         self._incoming, self._outgoing = [], []
 
     def _done(self) -> None:
         self.x.mark_halo_filled()  # a new fill: layers compare tokens to detect overwrites
 
+    @property
+    def ext(self) -> Any:
+        """The extended block being filled (a view into the array's buffer)."""
+        return self.buffer[self._ext_index]
+
     def finish(self) -> Any:
         """Wait for every dimension's messages; return the extended block (a view)."""
         self._wait()
-        return self.ext
+        return self.buffer[self._ext_index]
 
 
 class AccumulateRequest(_DimRequest):
@@ -377,40 +454,38 @@ class AccumulateRequest(_DimRequest):
 
     def __init__(self, plan: HaloPlan, work: Any):
         self.work = work
+        self.bound, _ = plan._bind(tuple(work.shape), plan.widths)
         self.transport = transport_for(array_namespace(work))
         self._pending: list[tuple[Any, Any]] = []  # (target cells, message buffer)
         self._outgoing: list[Any] = []
         super().__init__(plan, list(reversed(range(len(plan.dims)))))
 
-    def _post_dim(self, dp: _DimPlan) -> list[MPI.Request]:
-        plan, work, d, t = self.plan, self.work, dp.dim, self.transport
+    def _post_dim(self, bd: _BoundDim) -> list[MPI.Request]:
+        work, t, tag = self.work, self.transport, self._tag
         recvs, sends = [], []
-        for r in dp.sends:
-            target = plan._view(work, d, r.src, r.length, r.step)
-            if target.size:
-                buf = t.receive_buffer(target)
-                recvs.append((buf, r.receiver, self._tag + r.tag))
-                self._pending.append((target, buf))
-        for r in dp.recvs:  # receivers of the forward send their cells back
-            view = plan._view(work, d, r.dst, r.length, 1)
-            if view.size:
-                buf = t.outgoing(view)
-                sends.append((buf, r.sender, self._tag + r.tag))
-                if buf is not view:
-                    self._outgoing.append(buf)
-        reqs = t.post(plan.dist.grid.p2p_comm, recvs, sends)
-        for r in dp.local:
-            plan._view(work, d, r.src, r.length, r.step)[...] += plan._view(
-                work, d, r.dst, r.length, 1)
+        for idx, peer, k in bd.sends:  # the forward's senders get their cells back
+            target = work[idx]
+            msg = t.receive_buffer(target)
+            recvs.append((msg, peer, tag + k))
+            self._pending.append((target, msg))
+        for idx, peer, k in bd.recvs:  # the forward's receivers send their cells back
+            view = work[idx]
+            msg = t.outgoing(view)
+            sends.append((msg, peer, tag + k))
+            if msg is not view:
+                self._outgoing.append(msg)
+        reqs = t.post(self._comm, recvs, sends) if recvs or sends or t.nccl else []
+        for dst, src in bd.local:
+            work[src] += work[dst]
         return reqs
 
     def _complete_dim(self) -> None:
         t = self.transport
-        for target, buf in self._pending:
-            target += t.array(buf, target)
-            t.release(buf)
-        for buf in self._outgoing:
-            t.release(buf)
+        for target, msg in self._pending:
+            target += t.array(msg, target)
+            t.release(msg)
+        for msg in self._outgoing:
+            t.release(msg)
         self._pending, self._outgoing = [], []
 
     def finish(self) -> DistArray:
@@ -447,6 +522,11 @@ def _constants(values: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
         for side in (0, 1):
             out[d, side] = padded[tuple(centre[:d] + [2 * side] + centre[d + 1:])]
     return out
+
+
+def _python_scalars(constants: np.ndarray) -> list[list[Any]]:
+    """The ``(ndim, 2)`` fill values as Python scalars (cheaper to assign than NumPy's)."""
+    return [[c.item() for c in pair] for pair in constants]
 
 
 def _replica_position(dist: Distribution, rep_coords: Sequence[int]) -> int:

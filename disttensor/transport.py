@@ -30,6 +30,7 @@ from .backend import (
     contiguous,
     copy_from_host,
     copy_to_host,
+    copy_view,
     device_of,
     empty,
     from_numpy,
@@ -82,6 +83,10 @@ class Transport:
     # ------------------------------------------------------------- buffers
     def _take(self, shape: tuple[int, ...], dtype: Any, like: Any | None) -> Any:
         """A pooled buffer: of the module next to ``like``, or on the host when None."""
+        if not self._device:  # NumPy: every buffer is a host array
+            key = (shape, dtype)
+            pool = self._pool.get(key)
+            return pool.pop() if pool else np.empty(shape, dtype)
         dt = numpy_dtype(dtype)
         place = None if like is None else device_of(like)
         key = (tuple(shape), dt.str, like is None, repr(place))
@@ -94,9 +99,12 @@ class Transport:
 
     def release(self, buf: Any) -> None:
         """Give a buffer from :meth:`outgoing`/:meth:`incoming`/... back to the pool."""
-        host = isinstance(buf, np.ndarray) and self._device
-        place = None if host else device_of(buf)
-        key = (tuple(buf.shape), numpy_dtype(buf.dtype).str, host, repr(place))
+        if not self._device:
+            key = (buf.shape, buf.dtype)
+        else:
+            host = isinstance(buf, np.ndarray)
+            place = None if host else device_of(buf)
+            key = (tuple(buf.shape), numpy_dtype(buf.dtype).str, host, repr(place))
         pool = self._pool.setdefault(key, [])
         self._pool.move_to_end(key)
         if len(pool) < _POOL_DEPTH:
@@ -123,7 +131,7 @@ class Transport:
             if is_c_contiguous(view):
                 return view
             buf = self._take(view.shape, view.dtype, view)
-            buf[...] = view  # packed with the module's copy (a kernel on a GPU)
+            copy_view(buf, view)  # one strided copy (a kernel on a GPU)
             return buf
         return copy_to_host(view, self._take(view.shape, view.dtype, None))
 
@@ -145,7 +153,7 @@ class Transport:
         if buf is view:
             return
         if self._p2p_direct:
-            view[...] = buf
+            copy_view(view, buf)
         else:
             copy_from_host(view, buf)
         self.release(buf)

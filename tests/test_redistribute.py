@@ -263,3 +263,57 @@ def test_grid_over_another_communicator():
     other = dt.Distribution((6, 2), dt.ProcessGrid((1,), MPI.COMM_SELF))
     with pytest.raises(ValueError):
         dt.redistribution_plan(src, other)
+
+
+# --------------------------------------------------------------------------- pack vs datatypes
+@pytest.mark.parallel(SIZES)
+@settings(max_examples=30)
+@given(pair=dist_pairs(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_pack_and_datatype_methods_agree_with_numpy(pair, dtype, seed):
+    # both ways of reaching MPI, on the same cases (uneven, empty, replicated blocks)
+    src, dst = pair
+    a = random_array(seed, 0, src.shape, dtype)
+    x = dt.DistArray.from_global(a, src)
+    x.reserve_halo(1)  # a source buffer with margins: only the block moves
+    for method in ("pack", "datatype"):
+        plan = dt.redistribution_plan(src, dst, method)
+        collective_assert(plan.method == method, f"plan uses {plan.method}, not {method}")
+        out = dt.DistArray.empty(dst, a.dtype)
+        for _ in range(2):  # the output and the pooled buffers reused
+            y = plan(x, out)
+            collective_assert(y is out, "out= was not used")
+            assert_equal(y.local, a[dst.local_slices()])
+        assert_equal(plan(x).local, a[dst.local_slices()])
+
+
+@pytest.mark.parallel(SIZES)
+def test_explicit_pairs_both_methods_and_auto_choice():
+    dists = _explicit_pairs(comm.Get_size())
+    a = random_array(5, 0, dists[0].shape, np.float32)
+    for src in dists:
+        x = dt.DistArray.from_global(a, src)
+        for dst in dists:
+            for method in ("pack", "datatype"):
+                y = dt.redistribution_plan(src, dst, method)(x)
+                collective_assert(np.array_equal(y.local, a[dst.local_slices()]),
+                                  f"{src} -> {dst} ({method}): wrong block")
+    # (7, 5) float32 arrays: every piece's runs are at most 5 elements, 20 bytes: packed
+    if comm.Get_size() > 1:
+        plan = dt.redistribution_plan(dists[0], dists[1])
+        collective_assert(plan.method == "pack", f"short runs planned as {plan.method}")
+    # a 1-D array moved between two splits: runs of 1000 elements at least, datatypes
+    g = dt.ProcessGrid((comm.Get_size(),))
+    n = 4000 * comm.Get_size()
+    one = dt.Distribution((n,), g, axes=(0,))
+    shifted = dt.Distribution((n,), g, axes=(0,),
+                              splits=[[min(n, 4000 * k + 1000) for k in range(1, comm.Get_size())]])
+    collective_assert(dt.redistribution_plan(one, shifted).method == "datatype",
+                      "long runs not planned with datatypes")
+
+
+@pytest.mark.parallel(SIZES)
+def test_unknown_method_raises_everywhere():
+    g = dt.ProcessGrid((comm.Get_size(),))
+    d = dt.Distribution((4, 4), g, axes=(0, None))
+    with pytest.raises(ValueError, match="unknown redistribution method"):
+        dt.redistribution_plan(d, d.with_axes((None, 0)), "mpi")
