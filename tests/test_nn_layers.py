@@ -224,6 +224,33 @@ def bn_expected(x, gamma, beta, eps, dy, groups):
 
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("stats", ["global", "group"])
+def test_batchnorm_float32_input_far_from_zero(stats):
+    """float32 channels whose mean is 300 times their spread: outputs and gradients match
+    the float64 formulas to float32 accuracy (no sum of squares that cancels)."""
+    shape = (4, 3, 12, 10)
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal(shape) + np.array([300.0, -1000.0, 0.5])[:, None, None])
+    x = x.astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    check = Checks()
+    for lname, dist in layouts(shape):
+        groups = [(0, shape[0])] if stats == "global" else groups_of(dist)
+        bn = nn.BatchNorm2d(3, stats=stats)
+        want = bn_expected(x.astype(np.float64), np.ones(3), np.zeros(3), bn.eps,
+                           dy.astype(np.float64), groups)
+        y = bn(dt.DistArray.from_global(x, dist))
+        dx = bn.backward(dt.DistArray.from_global(dy, y.dist))
+        check.close(y, want[0], f"{stats} on {lname}: y", rtol=0, atol=2e-5)
+        check.close(dx, want[1], f"{stats} on {lname}: dx", rtol=0, atol=2e-5)
+        check.close(bn.weight.grad, want[2], f"{stats} on {lname}: dgamma", rtol=1e-5,
+                    atol=2e-3)
+        check.close(bn.running_mean, 0.1 * want[4], f"{stats} on {lname}: running mean",
+                    rtol=1e-6)
+    check.finish()
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("stats", ["global", "group"])
 @pytest.mark.parametrize("nd", [2, 3])
 def test_batchnorm_train_running_stats_and_eval(nd, stats):
     shape = SHAPE[nd]

@@ -79,11 +79,21 @@ class BatchNormNd(Layer):
             comm = split_axes_comm(x.dist, axes if self.stats == "global" else spatial)
             count = np.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * np.prod(x.shape[2:]))
-            # row sums in the input's dtype (pairwise, accurate), rows summed in float64;
-            # y is the scratch of the squares
-            xp.multiply(x3, x3, out=y3)
-            sums = xp.concatenate([x3.sum(axis=2).sum(axis=0, dtype=np.float64),
-                                   y3.sum(axis=2).sum(axis=0, dtype=np.float64)])
+            # sums about this rank's own mean (the centre), so that no sum cancels: with
+            # d = x - centre, sum(x) = m * centre + sum(d) and sum(x^2) = sum(d^2) +
+            # 2 centre sum(d) + m centre^2 (m values here), rows pairwise in the input's
+            # dtype, the rest in float64; y holds d, then becomes the output
+            m = n * x3.shape[2]
+            centre = (x3.sum(axis=2).sum(axis=0, dtype=np.float64) / max(m, 1)).astype(xl.dtype)
+            xp.subtract(x3, centre[:, None], out=y3)
+            sum_d = y3.sum(axis=2).sum(axis=0, dtype=np.float64)
+            sum_d2 = xp.zeros(c, dtype=np.float64)
+            tmp = xp.empty(x3.shape[1:], dtype=xl.dtype)
+            for i in range(n):  # one sample at a time: the scratch stays in cache
+                xp.multiply(y3[i], y3[i], out=tmp)
+                sum_d2 += tmp.sum(axis=1)
+            c64 = centre.astype(np.float64)
+            sums = xp.concatenate([m * c64 + sum_d, sum_d2 + 2 * c64 * sum_d + m * c64**2])
             allreduce_(sums, comm)
             mean = sums[:self.num_features] / max(count, 1)
             var = xp.maximum(sums[self.num_features:] / max(count, 1) - mean**2, 0.0)
@@ -92,15 +102,18 @@ class BatchNormNd(Layer):
         else:
             self._follow(xp)
             mean, var, count = self.running_mean, self.running_var, None
+            centre = mean.astype(xl.dtype)
+            xp.subtract(x3, centre[:, None], out=y3)
         inv = 1.0 / xp.sqrt(var + self.eps)
-        # y = x * scale + shift with scale = gamma * inv, shift = beta - mean * scale
+        # y = (x - centre) * scale + shift, scale = gamma * inv, shift = beta + (centre -
+        # mean) * scale: the large parts cancel before rounding, as in (x - mean) * scale
         scale = self.weight.data.astype(np.float64) * inv if self.affine else inv
-        shift = -mean * scale
+        shift = (centre.astype(np.float64) - mean) * scale
         if self.affine:
             shift = shift + self.bias.data
-        xp.multiply(x3, scale.astype(xl.dtype)[:, None], out=y3)
+        xp.multiply(y3, scale.astype(xl.dtype)[:, None], out=y3)
         xp.add(y3, shift.astype(xl.dtype)[:, None], out=y3)
-        self._saved = (x.dist, xl, mean, inv, count, batch_stats)
+        self._saved = (x.dist, xl, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
 
     def _check_batch(self, x: DistArray) -> None:
@@ -144,20 +157,24 @@ class BatchNormNd(Layer):
         self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
 
     def backward(self, dy: DistArray) -> DistArray:
-        dist, xl, mean, inv, count, batch_stats = self._saved
+        dist, xl, mean, inv, count, batch_stats, centre = self._saved
         axes = (0, *range(2, dy.ndim))
         g = dy.local
         xp = dy.xp
         n, c = xl.shape[:2]
         x3 = xl.reshape(n, c, math.prod(xl.shape[2:]))
         g3 = g.reshape(x3.shape)
+        cc = centre.astype(g.dtype)[:, None]
         dx = xp.empty(xl.shape, dtype=g.dtype)
         dx3 = dx.reshape(x3.shape)
-        xp.multiply(g3, x3, out=dx3)  # dx is the scratch of g * x
-        # sum(g * xhat) = inv * (sum(g * x) - mean * sum(g)); rows in float64
+        xp.subtract(x3, cc, out=dx3)  # dx is the scratch of g * (x - centre)
+        xp.multiply(dx3, g3, out=dx3)
+        # sum(g * xhat) = inv * (sum(g * (x - centre)) + (centre - mean) * sum(g)); rows
+        # in the input's dtype, the rest in float64
         sum_g = g3.sum(axis=2).sum(axis=0, dtype=np.float64)
-        sum_gx = dx3.sum(axis=2).sum(axis=0, dtype=np.float64)
-        sums = xp.concatenate([sum_g, inv * (sum_gx - mean * sum_g)])
+        sum_gd = dx3.sum(axis=2).sum(axis=0, dtype=np.float64)
+        sums = xp.concatenate([sum_g, inv * (sum_gd + (centre.astype(np.float64) - mean) *
+                                             sum_g)])
         if self.stats == "group":
             allreduce_(sums, split_axes_comm(dist, tuple(range(2, dy.ndim))))
             param_sums = allreduce_(sums.copy(), split_axes_comm(dist, (0,)))
@@ -170,17 +187,18 @@ class BatchNormNd(Layer):
         gamma = self.weight.data.astype(np.float64) if self.affine else xp.ones(c)
         scale = gamma * inv
         if batch_stats:  # the statistics depend on the input
-            # dx = scale * (g - dmean - xhat * dvar) = scale * g + b * x + shift
+            # dx = scale * (g - dmean - xhat * dvar) = scale * g + b * (x - centre) + shift
             m = max(count, 1)  # 0 on a rank with no samples in stats="group"
             dmean, dvar = sums[:c] / m, sums[c:] / m
             b = -scale * inv * dvar
-            shift = scale * (inv * dvar * mean - dmean)
+            shift = scale * (inv * dvar * (mean - centre.astype(np.float64)) - dmean)
             bx, bs = b.astype(g.dtype)[:, None], shift.astype(g.dtype)[:, None]
             tmp = xp.empty(x3.shape[1:], dtype=g.dtype)
             sc = scale.astype(g.dtype)[:, None]
             for i in range(n):  # one sample at a time: the scratch stays in cache
                 xp.multiply(g3[i], sc, out=dx3[i])
-                xp.multiply(x3[i], bx, out=tmp)
+                xp.subtract(x3[i], cc, out=tmp)
+                xp.multiply(tmp, bx, out=tmp)
                 xp.add(dx3[i], tmp, out=dx3[i])
                 xp.add(dx3[i], bs, out=dx3[i])
         else:
