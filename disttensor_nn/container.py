@@ -53,7 +53,9 @@ class Sequential(Layer):
     def backward(self, dy: DistArray) -> DistArray:
         for layer, moved_from in zip(reversed(list(self)), reversed(self._moves)):
             dy = layer.call_backward(dy)
-            if moved_from is not None and dy is not None:  # None: no input gradient wanted
+            if dy is None:  # the layer computes no input gradient: nothing flows further back
+                return None
+            if moved_from is not None:
                 dy = dy.redistribute(moved_from)
         return dy
 

@@ -160,8 +160,21 @@ def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
     if _active_buckets:
         _active_buckets[-1].add(grads, comm)
         return
-    flat = _concatenate([g for _, g in grads])
-    _unpack(grads, allreduce_(flat, comm))
+    large, small = _split_large(grads, DEFAULT_BUCKET_BYTES)
+    for p, g in large:  # reduced in place: no copy into a fused buffer
+        _unpack([(p, g)], allreduce_(g, comm))
+    if small:
+        _unpack(small, allreduce_(_concatenate([g for _, g in small]), comm))
+
+
+def _split_large(grads: Sequence[tuple[Parameter, Any]], nbytes: int) -> tuple[list, list]:
+    """(gradients of ``nbytes`` or more that can be reduced in place, the others)."""
+    large, small = [], []
+    for p, g in grads:
+        alone = g.nbytes >= nbytes and getattr(g, "flags", None) is not None and \
+            g.flags.c_contiguous and g.flags.writeable
+        (large if alone else small).append((p, g))
+    return large, small
 
 
 def _concatenate(arrays: Sequence[Any]) -> Any:
@@ -224,9 +237,25 @@ class GradientBuckets:
         _active_buckets.remove(self)
         if exc_type is None:
             self.wait()
+        else:
+            # an error raised alike on every rank (a layer's argument check, a memory
+            # budget) left the same reductions in flight everywhere: finish them, so no
+            # request or buffer outlives the context, and keep the gradients unchanged.
+            # An error on some ranks only ends the job (disttensor.runtime) instead.
+            self._open.clear()
+            started, self._started = self._started, []
+            for request, _ in started:
+                request.wait()
 
     def add(self, grads: Sequence[tuple[Parameter, Any]], comm: MPI.Intracomm) -> None:
-        """Add local gradients to the bucket of ``comm`` and their dtype (see the class)."""
+        """Add local gradients to the bucket of ``comm`` and their dtype (see the class).
+
+        A gradient of ``bucket_bytes`` or more is reduced alone, in place (no
+        copy into a bucket), at once.
+        """
+        large, grads = _split_large(grads, self.bucket_bytes)
+        for p, g in large:
+            self._started.append((iallreduce(g.reshape(-1), comm), [(p, g)]))
         for p, g in grads:
             key = (comm.py2f(), g.dtype.str)
             _, entries, nbytes = self._open.get(key, (comm, [], 0))

@@ -270,6 +270,18 @@ def test_no_input_gradient_keeps_parameter_gradients(layout):
                                             [(1, 1)] * 2, 1)
     assert_allclose(conv.weight.grad, dw_want, **TOL)
     assert_allclose(conv.bias.grad, db_want, **TOL)
+    # a later layer without an input gradient: the layers before it get nothing, no error
+    first = make_conv(2, dict(kernel_size=3, padding=1), seed=4)
+    model = nn.Sequential(first, nn.ReLU(),
+                          make_conv(2, dict(kernel_size=3, padding=1, in_channels=3)))
+    model[2].input_grad = False
+    y = model(dt.DistArray.from_global(x, dist))
+    model.zero_grad()
+    dy = rng.standard_normal(y.shape)
+    collective_assert(model.backward(dt.DistArray.from_global(dy, y.dist)) is None,
+                      "backward returned an input gradient")
+    collective_assert(not np.any(first.weight.grad) and np.any(model[2].weight.grad),
+                      "gradients of the layers before the one without an input gradient")
 
 
 @pytest.mark.parallel(SIZES)
