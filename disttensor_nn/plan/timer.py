@@ -252,11 +252,15 @@ class KernelTimer:
         node.Free()
         sync = comm.Barrier if oversubscribed else _nothing
         corun = comm.Get_size()
+        queries = [(layer, tuple(shape), dtype, flops) for layer, shape, dtype, flops in queries]
+        keys = [self.key(layer, shape, dtype, corun) for layer, shape, dtype, _ in queries]
+        # what any rank lacks is timed on every rank: the ranks' caches may differ (a cache
+        # per node, a file rewritten between loads), their timing rounds must not
+        missing = np.array([key not in self.table for key in keys], dtype=np.int8)
+        comm.Allreduce(MPI.IN_PLACE, missing, op=MPI.MAX)
         jobs: dict[str, _Job] = {}
-        for layer, shape, dtype, flops in queries:
-            shape = tuple(shape)
-            key = self.key(layer, shape, dtype, corun)
-            if any(n == 0 for n in shape) or key in self.table:
+        for (layer, shape, dtype, flops), key, miss in zip(queries, keys, missing):
+            if any(n == 0 for n in shape) or not miss:
                 continue  # empty blocks cost nothing (CostModel never asks for them)
             tile = self.tile(layer, shape)
             tkey = self.key(layer, tile, dtype, corun)
