@@ -216,7 +216,10 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     def ours_step() -> float:
         opt.zero_grad()
         loss = loss_fn(model(x), t_all)
-        with GradientBuckets(args.bucket_bytes):
+        if args.bucket_bytes:
+            with GradientBuckets(args.bucket_bytes):
+                model.call_backward(loss_fn.backward())
+        else:
             model.call_backward(loss_fn.backward())
         opt.step()
         return loss
@@ -299,7 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
-                   help="gradient bucket size of our step (GradientBuckets)")
+                   help="gradient bucket size of our step (GradientBuckets); 0: no buckets, "
+                        "each layer's gradients reduced by a blocking allreduce")
     p.add_argument("--threads-in", choices=("kernels", "blas"), default="kernels",
                    help="where our threads go: the kernels' pool (BLAS single-threaded) "
                         "or BLAS alone")
@@ -307,7 +311,7 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
     bad = [n for n in names if n not in MODELS]
-    if bad or min(args.threads, args.reps, args.rounds, args.bucket_bytes) < 1:
+    if bad or min(args.threads, args.reps, args.rounds) < 1 or args.bucket_bytes < 0:
         if comm.Get_rank() == 0:
             print(f"unknown model(s) {bad} (choose from {list(MODELS)}) or a count below 1",
                   file=sys.stderr)
