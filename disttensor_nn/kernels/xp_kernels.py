@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from disttensor.backend import array_namespace
+from disttensor.backend import array_namespace, astype
 
 from .numpy_kernels import out_shape  # the same geometry for every backend
 
@@ -212,11 +212,14 @@ def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
     win = windows(x, kernel, stride, dilation)
     if op == "avg":
         return win.mean(axis=tuple(range(2 + nd, 2 + 2 * nd))), None
+    small = math.prod(kernel) <= 256  # the argmax kept for backward: one byte, as NumPy's
     if win.size == 0:
-        return xp.empty(win.shape[:2 + nd], x.dtype), xp.empty(win.shape[:2 + nd], np.intp)
+        return xp.empty(win.shape[:2 + nd], x.dtype), \
+            xp.empty(win.shape[:2 + nd], np.uint8 if small else np.intp)
     flat = win.reshape(win.shape[:2 + nd] + (-1,))
     arg = flat.argmax(axis=-1)
-    return xp.take_along_axis(flat, arg[..., None], axis=-1)[..., 0], arg
+    y = xp.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    return y, astype(arg, np.uint8) if small else arg
 
 
 def pool_backward(dy: Any, x_shape: Sequence[int], kernel: Sequence[int],
