@@ -392,3 +392,25 @@ def test_recompute_installed_after_a_step_drops_saved_state():
     collective_assert(all(np.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
                           for p, q in zip(model.parameters(), twin.parameters())),
                       "parameter gradients differ")
+
+
+def test_memory_profile_keeps_a_peak_between_phases():
+    """64 MiB touched and freed between two phases, after a profile exists: its whole-run
+    peak still has it, and creating a profile does not restart the process's count."""
+    big = np.ones(96 * 2**20 // 8)
+    before = peak_resident_bytes()
+    del big
+    prof = MemoryProfile()
+    slack = 2**20  # the kernel's resident counts lag by a few pages
+    assert prof.peak() >= before - slack  # creating it restarted nothing
+    with prof.phase("a"):
+        pass
+    base = resident_bytes()
+    a = np.ones(64 * 2**20 // 8)  # between the phases
+    del a
+    with prof.phase("b"):
+        pass
+    assert prof.peak() >= base + 60 * 2**20
+    assert prof.peak() >= before - slack
+    if prof.exact:  # the phases themselves did not see the allocation
+        assert prof.phases["b"].peak < base + 48 * 2**20
