@@ -62,7 +62,7 @@ class Segment:
         if self._input is None:
             raise RuntimeError("recompute segment: backward without a forward pass")
         buffers = [(m, name, value) for m in self.layers
-                   for name, value in m._buffers.items()]
+                   for name, value in m.named_buffers(recurse=False)]
         x = self._input
         for m in self.layers:
             x = m.forward(x)
