@@ -497,7 +497,7 @@ class Layer:
     training: bool = True
     layout: Layout | None = None
     input_grad: bool = True
-    _saved_for_backward: tuple[str, ...] = ()
+    saved_for_backward: tuple[str, ...] = ()
     """Attributes that ``forward`` sets for ``backward`` (see :meth:`release_saved`)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -569,7 +569,7 @@ class Layer:
         hooks, parameters and buffers stay. :meth:`backward` then needs another
         :meth:`forward` first (what :mod:`disttensor_nn.recompute` runs).
         """
-        for name in type(self)._saved_for_backward:
+        for name in type(self).saved_for_backward:
             self.__dict__.pop(name, None)
 
     def __call__(self, x: DistArray) -> DistArray:

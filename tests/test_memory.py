@@ -380,7 +380,7 @@ def test_recompute_installed_after_a_step_drops_saved_state():
         m.zero_grad()
     recompute_segments(layers, RECOMPUTE_GROUPS)
     y = model(_step_input(model, data))
-    dropped = [not hasattr(m, name) for m in layers[:6] for name in m._saved_for_backward]
+    dropped = [not hasattr(m, name) for m in layers[:6] for name in m.saved_for_backward]
     collective_assert(all(dropped) and len(dropped) == 6, f"state kept: {dropped}")
     collective_assert(hasattr(layers[7], "_y"), "a layer outside the segments lost its state")
     dy = dt.asarray(np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape),

@@ -47,7 +47,7 @@ class BatchNormNd(Layer):
         Parameter dtype; inputs must match it.
     """
 
-    _saved_for_backward = ("_saved",)
+    saved_for_backward = ("_saved",)
 
     nd = 0
 

@@ -24,7 +24,7 @@ __all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "Avg
 class _Pool(WindowLayer):
     """Pooling over windows; see :class:`MaxPool2d` and :class:`AvgPool2d`."""
 
-    _saved_for_backward = ("_saved", "_arg")
+    saved_for_backward = ("_saved", "_arg")
 
     nd = 0
     op = "max"
@@ -139,7 +139,7 @@ class GlobalAvgPool(Layer):
     hold replicas of it.
     """
 
-    _saved_for_backward = ("_in",)
+    saved_for_backward = ("_in",)
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(in_shape[:2])

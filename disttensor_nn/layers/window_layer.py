@@ -36,7 +36,7 @@ class WindowLayer(Layer):
     and ``_pad_value``.
     """
 
-    _saved_for_backward = ("_saved",)
+    saved_for_backward = ("_saved",)
 
     nd: int
     spec: WindowSpec
