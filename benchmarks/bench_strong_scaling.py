@@ -20,6 +20,7 @@ hold medians and ranges.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -32,6 +33,7 @@ import disttensor as dt
 import disttensor_nn as nn
 from disttensor_nn.models import mesh_fcn
 from disttensor_nn.plan import CostModel, KernelTimer, Planner, apply_plan, load_profile
+from disttensor_nn.plan.calibrate import calibrate
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.plan.machine import this_machine_path
 from disttensor_nn.training import build_model
@@ -88,10 +90,7 @@ def main() -> None:
         raise SystemExit(2)
     dt.limit_blas_threads()
     size = tuple(int(v) for v in args.size.split("x"))
-    import os
-
     if not os.path.exists(this_machine_path()):
-        from disttensor_nn.plan.calibrate import calibrate
         calibrate(comm)
     profile = load_profile("this")
     cache_dir = comm.bcast(tempfile.mkdtemp(prefix="disttensor-kernels-") if comm.rank == 0

@@ -28,7 +28,7 @@ import os
 import time
 
 from disttensor_nn.models import mesh_fcn, resnet50
-from disttensor_nn.plan import CostModel, Planner, predict_scaling
+from disttensor_nn.plan import CostModel, Planner, builtin_profiles, predict_scaling
 from disttensor_nn.training.plot import plot_scaling
 
 RANKS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -42,8 +42,6 @@ PUBLISHED_INFER = {8: 11.5, 16: 16.07, 32: 29.37, 64: 55.4, 128: 109.26, 256: 21
 def validation() -> list[dict]:
     rows = []
     model = resnet50(bn_stats="group")  # data-parallel PyTorch: each GPU's own statistics
-    from disttensor_nn.plan import builtin_profiles
-
     prof = builtin_profiles()["v100-dgx1"]
     for p, pub in PUBLISHED_TRAIN.items():
         n = 112 * p

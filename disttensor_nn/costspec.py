@@ -108,11 +108,6 @@ class CostSpec:
     keeps_input: bool = False
     keeps_output: bool = False
 
-    @property
-    def memory(self) -> int:
-        """Bytes per rank the layer holds: what it keeps for backward plus its workspace."""
-        return self.saved + self.workspace
-
     def kept(self, in_bytes: int, out_bytes: int) -> int:
         """Bytes held from forward to backward, for input and output blocks of these sizes."""
         return self.saved + in_bytes * self.keeps_input + out_bytes * self.keeps_output

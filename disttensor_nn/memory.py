@@ -8,13 +8,16 @@ layer boundary (``/proc/self/clear_refs``), so the peak of each phase
 (data, calibration, kernel measurement, planning, forward, backward,
 optimizer) and of each layer's forward and backward is its own; with
 ``tracemalloc`` on it also lists the largest allocations alive at the
-training step's peak.
+training step's peak. Each restart first folds the peak so far into the
+profile's whole-run figure (:meth:`MemoryProfile.peak`), so a peak outside
+every phase still counts; creating a profile restarts nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import resource
 import sys
 import time
@@ -156,18 +159,27 @@ class MemoryProfile:
         self._active: list[PhaseMemory] = []
         self.top = top
         self.snapshot_phases = snapshot_phases
-        self.exact = reset_peak()
+        self.lifetime = peak_resident_bytes()
+        """Peak resident bytes of the process so far, peaks between phases included."""
+        self.exact = os.access("/proc/self/clear_refs", os.W_OK)
         if top and not tracemalloc.is_tracing():
             tracemalloc.start(1)
 
     def _fold(self) -> int:
-        """Fold the peak since the last reset into every active phase; start a new peak."""
+        """Fold the peak since the last reset into every active phase and into
+        :attr:`lifetime` (so no peak is lost, inside a phase or not); start a new peak."""
         hwm = peak_resident_bytes()
+        self.lifetime = max(self.lifetime, hwm)
         for ph in self._active:
             ph.peak = max(ph.peak, hwm)
         if self.exact:
-            reset_peak()
+            self.exact = reset_peak()
         return hwm
+
+    def peak(self) -> int:
+        """Peak resident bytes of this process so far (what the restarts of the kernel's
+        count hide included)."""
+        return max(self.lifetime, peak_resident_bytes())
 
     def _enter(self, table: dict[str, PhaseMemory], name: str) -> PhaseMemory:
         self._fold()

@@ -455,7 +455,7 @@ _RESERVED = frozenset((
     "buffers", "named_buffers", "state_dict", "load_state_dict", "to", "zero_grad", "train",
     "eval", "register_parameter", "register_buffer", "add_module", "register_module",
     "register_forward_pre_hook", "register_forward_hook", "register_full_backward_pre_hook",
-    "register_full_backward_hook"))
+    "register_full_backward_hook", "release_saved"))
 """Layer methods of the calling and state protocol: no attribute, parameter, buffer or
 sub-layer may take their names (an attribute ``layers`` would hide ``layers()``)."""
 
@@ -526,6 +526,8 @@ class Layer:
     training: bool = True
     layout: Layout | None = None
     input_grad: bool = True
+    saved_for_backward: tuple[str, ...] = ()
+    """Attributes that ``forward`` sets for ``backward`` (see :meth:`release_saved`)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -588,6 +590,16 @@ class Layer:
     def backward(self, dy: DistArray) -> DistArray:  # pragma: no cover - interface
         """The input gradient for the output gradient ``dy`` (after :meth:`forward`)."""
         raise NotImplementedError
+
+    def release_saved(self) -> None:
+        """Drop what :meth:`forward` kept for :meth:`backward` (the activations it saved).
+
+        Only that per-pass state goes; the mode (``training``), ``input_grad``,
+        hooks, parameters and buffers stay. :meth:`backward` then needs another
+        :meth:`forward` first (what :mod:`disttensor_nn.recompute` runs).
+        """
+        for name in type(self).saved_for_backward:
+            self.__dict__.pop(name, None)
 
     def __call__(self, x: DistArray) -> DistArray:
         """:meth:`forward` with the forward pre-hooks before and the forward hooks after."""

@@ -2,7 +2,8 @@
 
 A segment is a run of consecutive layers that their container calls one
 after the other in one layout. After the segment's forward pass, what its
-layers saved for backward is dropped and only the segment's input is kept;
+layers saved for backward is dropped
+(:meth:`~disttensor_nn.Layer.release_saved`) and only the segment's input is kept;
 before its backward pass, the segment's forward is run again from that
 input (halo exchanges and statistics included, collectively on every
 rank), with the layers' buffers (batch-norm running statistics) restored
@@ -46,16 +47,13 @@ class Segment:
             last.register_full_backward_pre_hook(self._recompute),
             first.register_full_backward_hook(self._drop_after_backward),
         ]
-        # what a layer holds besides what its forward pass leaves in it
-        self._static = [set(vars(layer)) for layer in self.layers]
 
     def _keep_input(self, layer: Layer, x: Any) -> None:
         self._input = x
 
     def _drop(self) -> None:
-        for layer, static in zip(self.layers, self._static):
-            for name in [n for n in vars(layer) if n not in static]:
-                delattr(layer, name)
+        for layer in self.layers:
+            layer.release_saved()
 
     def _drop_after_forward(self, layer: Layer, x: Any, y: Any) -> None:
         self._drop()
@@ -64,7 +62,7 @@ class Segment:
         if self._input is None:
             raise RuntimeError("recompute segment: backward without a forward pass")
         buffers = [(m, name, value) for m in self.layers
-                   for name, value in m._buffers.items()]
+                   for name, value in m.named_buffers(recurse=False)]
         x = self._input
         for m in self.layers:
             x = m.forward(x)

@@ -316,3 +316,101 @@ def test_recompute_auto_only_when_no_plan_fits_otherwise():
     assert auto.peak_memory <= between and any(e.recompute >= 0 for e in auto.entries)
     with pytest.raises(ValueError, match="fits"):
         Planner(model, shape, cm, between).plan()
+
+
+def _applied_recompute_net(shape: tuple[int, ...]) -> tuple[nn.Sequential, list]:
+    """:func:`_recompute_net` laid out by a plan that keeps every activation."""
+    comm = MPI.COMM_WORLD
+    model = _recompute_net()
+    plan = Planner(model, shape, CostModel(builtin_profiles()[V100], comm.size),
+                   allowed=[(1, comm.size, 1)], recompute=False).plan()
+    apply_plan(model, plan, shape, comm)
+    return model, [n.layer for n in leaf_nodes(trace(model, shape))]
+
+
+def _step(model: nn.Sequential, data: np.ndarray) -> tuple[DistArray, DistArray | None]:
+    x = dt.asarray(data, grid=model[0].layout.grid, axes=(0, None, 1, 2))
+    y = model(x)
+    dy = dt.asarray(np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape),
+                    grid=y.dist.grid, axes=y.dist.axes)
+    return y, model.backward(dy)
+
+
+RECOMPUTE_GROUPS = [0, 0, 0, 1, 1, 1, -1, -1]
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_recompute_keeps_eval_mode_and_input_grad():
+    """A segment drops only per-pass state: ``eval()`` and ``input_grad = False`` set after
+    it is installed hold through forward passes (against a twin model without segments)."""
+    shape = (2, 3, 10, 9)
+    data = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+    model, layers = _applied_recompute_net(shape)
+    twin, _ = _applied_recompute_net(shape)
+    recompute_segments(layers, RECOMPUTE_GROUPS)
+    for m in (model, twin):
+        _step(m, data)  # a training step moves the running statistics off 0 and 1
+        m.eval()
+    y1, y2 = model(_step_input(model, data)), model(_step_input(model, data))
+    collective_assert(not any(m.training for m in model.modules()), "training mode came back")
+    ref = twin(_step_input(twin, data)).to_global()
+    collective_assert(np.allclose(y1.to_global(), ref, rtol=1e-5, atol=1e-6) and
+                      np.allclose(y2.to_global(), ref, rtol=1e-5, atol=1e-6),
+                      "eval forward differs from the model without segments")
+    model.train()
+    model[0].input_grad = False
+    _, dx = _step(model, data)
+    collective_assert(model[0].input_grad is False and dx is None, "input_grad came back")
+
+
+def _step_input(model: nn.Sequential, data: np.ndarray) -> DistArray:
+    return dt.asarray(data, grid=model[0].layout.grid, axes=(0, None, 1, 2))
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_recompute_installed_after_a_step_drops_saved_state():
+    """Segments installed after a training step still drop what forward saved, and the
+    next step's gradients are those of a twin model that keeps its activations."""
+    shape = (2, 3, 10, 9)
+    data = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    model, layers = _applied_recompute_net(shape)
+    twin, _ = _applied_recompute_net(shape)
+    for m in (model, twin):
+        _step(m, data)
+        m.zero_grad()
+    recompute_segments(layers, RECOMPUTE_GROUPS)
+    y = model(_step_input(model, data))
+    dropped = [not hasattr(m, name) for m in layers[:6] for name in m.saved_for_backward]
+    collective_assert(all(dropped) and len(dropped) == 6, f"state kept: {dropped}")
+    collective_assert(hasattr(layers[7], "_y"), "a layer outside the segments lost its state")
+    dy = dt.asarray(np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape),
+                    grid=y.dist.grid, axes=y.dist.axes)
+    dx = model.backward(dy)
+    _, dx_ref = _step(twin, data)
+    collective_assert(np.allclose(dx.to_global(), dx_ref.to_global(), rtol=1e-5, atol=1e-6),
+                      "input gradients differ")
+    collective_assert(all(np.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+                          for p, q in zip(model.parameters(), twin.parameters())),
+                      "parameter gradients differ")
+
+
+def test_memory_profile_keeps_a_peak_between_phases():
+    """64 MiB touched and freed between two phases, after a profile exists: its whole-run
+    peak still has it, and creating a profile does not restart the process's count."""
+    big = np.ones(96 * 2**20 // 8)
+    before = peak_resident_bytes()
+    del big
+    prof = MemoryProfile()
+    slack = 2**20  # the kernel's resident counts lag by a few pages
+    assert prof.peak() >= before - slack  # creating it restarted nothing
+    with prof.phase("a"):
+        pass
+    base = resident_bytes()
+    a = np.ones(64 * 2**20 // 8)  # between the phases
+    del a
+    with prof.phase("b"):
+        pass
+    assert prof.peak() >= base + 60 * 2**20
+    assert prof.peak() >= before - slack
+    if prof.exact:  # the phases themselves did not see the allocation
+        assert prof.phases["b"].peak < base + 48 * 2**20

@@ -274,7 +274,7 @@ def test_calibration_in_network_order(tmp_path_factory):
     n = planner.calibrate(comm, reps=2)
     collective_assert(n == len(planner.cands), f"{n} of {len(planner.cands)} candidates")
     for cand in planner.cands:
-        queries, _ = planner.kernel_queries(cand)
+        queries = planner.kernel_queries(cand)
         collective_assert(0 < len(queries) <= len(planner.nodes), f"{len(queries)} queries")
         for layer, local, dtype, _ in queries:
             entry = timer.table.get(timer.key(layer, local, dtype, p))

@@ -29,6 +29,8 @@ class Flatten(Layer):
     (the grid axes that split space then hold replicas).
     """
 
+    saved_for_backward = ("_in_dist", "_mid")
+
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (in_shape[0], int(np.prod(in_shape[1:])))
 
@@ -78,6 +80,8 @@ class Linear(Layer):
     seed : int
         Initialisation seed (PyTorch's default uniform bounds), same on every rank.
     """
+
+    saved_for_backward = ("_x",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  dtype: Any = np.float32, seed: int = 0):

@@ -18,6 +18,8 @@ class LeakyReLU(Layer):
     Backward keeps only the one-byte mask ``x > 0``.
     """
 
+    saved_for_backward = ("_mask",)
+
     def __init__(self, negative_slope: float = 0.01):
         self.negative_slope = negative_slope
 
@@ -57,6 +59,8 @@ class ReLU(LeakyReLU):
 
 class Sigmoid(Layer):
     """``1 / (1 + exp(-x))`` element-wise (computed without overflow)."""
+
+    saved_for_backward = ("_y",)
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):

@@ -47,6 +47,8 @@ class BatchNormNd(Layer):
         Parameter dtype; inputs must match it.
     """
 
+    saved_for_backward = ("_saved",)
+
     nd = 0
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,

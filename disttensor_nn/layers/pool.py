@@ -24,6 +24,8 @@ __all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "Avg
 class _Pool(WindowLayer):
     """Pooling over windows; see :class:`MaxPool2d` and :class:`AvgPool2d`."""
 
+    saved_for_backward = ("_saved", "_arg")
+
     nd = 0
     op = "max"
 
@@ -136,6 +138,8 @@ class GlobalAvgPool(Layer):
     dimensions; the output keeps the input's sample split and those grid axes
     hold replicas of it.
     """
+
+    saved_for_backward = ("_in",)
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(in_shape[:2])

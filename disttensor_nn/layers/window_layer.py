@@ -36,6 +36,8 @@ class WindowLayer(Layer):
     and ``_pad_value``.
     """
 
+    saved_for_backward = ("_saved",)
+
     nd: int
     spec: WindowSpec
     mode: str = "constant"

@@ -309,11 +309,6 @@ def _interior(dist: Distribution, widths: Sequence[tuple[int, int]]) -> float:
     return frac
 
 
-def _ranks_splitting(dist: Distribution, dims: Sequence[int]) -> int:
-    """Number of ranks that split ``dims`` of ``dist`` (the size of ``split_axes_comm``)."""
-    return math.prod(dist.grid_shape[a] for d in dims for a in dist.dim_axes[d])
-
-
 def _boxes(dist: Distribution, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Start and stop of every rank's block, per dimension: arrays of shape (ndim, len(ranks))."""
     coords = np.unravel_index(ranks, dist.grid_shape)

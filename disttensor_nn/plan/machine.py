@@ -101,7 +101,10 @@ class MachineProfile:
 
         ``local`` ranks of the communicator share each node (default: as many
         as fit, ``min(p, node_size)``). Within a node, or on a one-level
-        profile, a ring: ``2 log2(p) alpha`` and ``2 (p-1)/p bytes beta``.
+        profile, the latency of recursive doubling (reduce-scatter and
+        allgather, ``log2(p)`` steps each: ``2 log2(p) alpha``) with the
+        bandwidth of a ring (``2 (p-1)/p bytes beta``), as MPI libraries'
+        Rabenseifner allreduce has.
         Across ``m = p / local`` nodes, hierarchical: reduce-scatter and
         allgather in the node (``log2(local) alpha + (local-1)/local bytes
         beta`` each) around an allreduce of ``bytes / local`` across the nodes

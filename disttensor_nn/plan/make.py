@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from mpi4py import MPI
@@ -62,7 +63,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         interpreter, NumPy, MPI), part of the predicted peak; 0 predicts the
         model's data alone.
     profile : MemoryProfile, optional
-        Records the kernel measurement and the planning as phases.
+        Records the kernel measurement and the planning as phases; without one
+        nothing is recorded (and the process's peak count is left as it is).
     recompute : bool or "auto"
         Recompute segments of layers in backward instead of keeping their
         activations (:mod:`disttensor_nn.recompute`): never, always, or
@@ -88,12 +90,11 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
     planner = Planner(model, batch_shape, CostModel(machine_profile, nprocs, timer, itemsize),
                       memory, baseline=baseline, recompute=recompute)
-    memory_profile = MemoryProfile() if profile is None else profile
-    with memory_profile.phase("kernel measurement"):
+    with _phase(profile, "kernel measurement"):
         planner.calibrate(comm, progress=True)
     root = comm is None or comm.Get_rank() == 0
     result: Any = None
-    with memory_profile.phase("planning"):
+    with _phase(profile, "planning"):
         if root:
             try:
                 result = planner.plan()
@@ -108,6 +109,11 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     if isinstance(result, Exception):
         raise result
     return result, planner if root else None
+
+
+def _phase(profile: MemoryProfile | None, name: str) -> AbstractContextManager[Any]:
+    """``profile``'s phase ``name``, or nothing without a profile (no peak restarts)."""
+    return nullcontext() if profile is None else profile.phase(name)
 
 
 def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[int],

@@ -291,18 +291,23 @@ class Planner:
         return lc.total - (1.0 - self._weight) * lc.grad
 
     # ------------------------------------------------------------ calibration
-    def kernel_queries(self, cand: Candidate) -> tuple[list, float]:
-        """The kernel measurements the cost model needs for every layer under ``cand``.
+    def kernel_queries(self, cand: Candidate) -> list:
+        """The kernel measurements the cost model needs for the layers under ``cand``.
 
         Returns the ``(layer, local shape, dtype, flops)`` list in network
-        order (as :meth:`KernelTimer.measure_chain` takes it) and the peak
-        memory per rank of the uniform plan of ``cand``.
+        order (as :meth:`KernelTimer.measure_chain` takes it), without the
+        layers whose memory alone (kept, transient and the base) exceeds the
+        budget: they cannot be chosen.
         """
         rec = QueryRecorder()
         model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize)
-        memory = self.base_memory + sum(model.layer(n.layer, n.in_shape, cand).memory
-                                        for n in self.nodes)
-        return rec.queries, memory
+        for node in self.nodes:
+            n = len(rec.queries)
+            lc = model.layer(node.layer, node.in_shape, cand)
+            if self.budget is not None and \
+                    lc.memory + lc.transient + self.base_memory > self.budget:
+                del rec.queries[n:]
+        return rec.queries
 
     def calibrate(self, comm: Any = None, reps: int = 3, progress: bool = False,
                   max_seconds: float = 1.5) -> int:
@@ -329,21 +334,11 @@ class Planner:
         dtype = np.dtype(f"f{self.cost.itemsize}")
         queries, news = [], 0
         for cand in self.cands:
-            rec = QueryRecorder()
-            model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize)
-            fresh = False
-            for node in self.nodes:
-                n = len(rec.queries)
-                lc = model.layer(node.layer, node.in_shape, cand)
-                if self.budget is not None and \
-                        lc.memory + lc.transient + self.base_memory > self.budget:
-                    del rec.queries[n:]
-                    continue
-                for q in rec.queries[n:]:
-                    fresh |= not any(timer.key(q[0], q[1], dtype, co) in timer.table
-                                     for co in dict.fromkeys((corun, self.cost.corun)))
-            queries += rec.queries
-            news += fresh
+            cand_queries = self.kernel_queries(cand)
+            news += any(not any(timer.key(q[0], q[1], dtype, co) in timer.table
+                                for co in dict.fromkeys((corun, self.cost.corun)))
+                        for q in cand_queries)
+            queries += cand_queries
         # the same decision on every rank, or the collective measurement would hang
         if not comm.allreduce(news > 0, op=MPI.LOR):
             return 0

@@ -37,6 +37,7 @@ from ..costspec import CostSpec
 from ..kernels import kernels_for, synchronize
 from ..memory import release_free_memory
 from ..module import Layer
+from ..window import WindowSpec
 from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id"]
@@ -419,16 +420,18 @@ def _flops(layer: Layer, shape: tuple[int, ...]) -> float:
 
 
 def _least_spatial(layer: Layer, shape: tuple[int, ...]) -> list[int]:
-    """Smallest spatial extent worth timing: every window fits, short rows are not measured."""
-    return [min(n, 32) for n in shape[2:]]
+    """Smallest spatial extent worth timing: 32 (short rows are not measured) or the
+    layer's window span (kernel with dilation) if longer, at most the block's own."""
+    spec = getattr(layer, "spec", None)
+    spans = [d * (k - 1) + 1 for k, d in zip(spec.kernel, spec.dilation)] \
+        if isinstance(spec, WindowSpec) else [1] * (len(shape) - 2)
+    return [min(n, max(32, span)) for n, span in zip(shape[2:], spans)]
 
 
 def _fresh(xp: ModuleType, source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    """A newly written array of ``shape`` filled from ``source`` (random values)."""
-    n = math.prod(shape)
-    reps = -(-n // source.size)
-    flat = source[:n] if reps == 1 else xp.tile(source, reps)[:n]
-    return flat.reshape(shape).astype(dtype, copy=True)
+    """A newly written array of ``shape`` filled from ``source`` (random values; sized
+    to the largest input or output of the segment, so it holds enough)."""
+    return source[:math.prod(shape)].reshape(shape).astype(dtype, copy=True)
 
 
 def _nothing() -> None:

@@ -233,8 +233,7 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
 def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> int:
     rows = predict_scaling(model, shape, args.scaling, args.machine, args.memory_per_rank,
                            not args.no_measure)
-    base = next((r["time_ms"] * r["ranks"] for r in rows if r["time_ms"]), None)
-    first = next((r["ranks"] for r in rows if r["time_ms"]), 1)
+    first = next((r["time_ms"] for r in rows if r["time_ms"]), None)  # speedup's base
     print(f"predicted strong scaling of {args.model}, batch {shape}, machine {args.machine}")
     print(f"{'ranks':>6} {'ms/iter':>9} {'speedup':>8} {'compute':>9} {'exposed':>9} "
           f"{'hidden':>9} {'sample-par':>11} {'s-p exposed':>11} {'peak MiB':>9}"
@@ -245,7 +244,7 @@ def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> in
             continue
         sp = f"{r['sample_parallel_ms']:.2f}" if r["sample_parallel_ms"] else "-"
         spx = f"{r['sample_parallel_split'][1]:.2f}" if r["sample_parallel_split"] else "-"
-        print(f"{r['ranks']:>6} {r['time_ms']:9.2f} {base / first / r['time_ms']:8.2f} "
+        print(f"{r['ranks']:>6} {r['time_ms']:9.2f} {first / r['time_ms']:8.2f} "
               f"{r['compute_ms']:9.2f} {r['exposed_ms']:9.2f} {r['hidden_ms']:9.2f} {sp:>11} "
               f"{spx:>11} {r['peak_MiB']:9.1f}  {r['grids']}")
     print("ms per iteration: compute + exposed communication = the step; hidden communication "

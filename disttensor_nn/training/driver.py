@@ -18,7 +18,6 @@ from ..container import Sequential
 from ..memory import (
     MemoryProfile,
     available_bytes,
-    peak_resident_bytes,
     release_free_memory,
     resident_bytes,
 )
@@ -323,7 +322,7 @@ def _on_sigterm() -> Any:
 
 def _lifetime(memory: MemoryProfile) -> int:
     """This process's peak resident bytes so far (the profile restarts the kernel's count)."""
-    return max([peak_resident_bytes()] + [p.peak for p in memory.phases.values()])
+    return memory.peak()
 
 
 def _phase_line(memory: MemoryProfile) -> str:
