@@ -319,7 +319,7 @@ class KernelTimer:
                 if prev is not None and prev.shape == job.shape and prev.dtype == job.dtype:
                     x = _self_array(prev)  # the layer before wrote it just now
                 else:
-                    x = _self_array(_fresh(xp, source, job.shape, job.dtype))
+                    x = _self_array(_fresh(source, job.shape, job.dtype))
                 prev = None
                 t0 = self._clock()
                 y = twin.forward(x)
@@ -333,7 +333,7 @@ class KernelTimer:
             prev = None
             for j in reversed(range(len(jobs))):
                 y = outs.pop()
-                dy = _self_array(_fresh(xp, source, y.local_shape, y.dtype))
+                dy = _self_array(_fresh(source, y.local_shape, y.dtype))
                 del y
                 t0 = self._clock()
                 twins[j].backward(dy)
@@ -428,7 +428,7 @@ def _least_spatial(layer: Layer, shape: tuple[int, ...]) -> list[int]:
     return [min(n, max(32, span)) for n, span in zip(shape[2:], spans)]
 
 
-def _fresh(xp: ModuleType, source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+def _fresh(source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     """A newly written array of ``shape`` filled from ``source`` (random values; sized
     to the largest input or output of the segment, so it holds enough)."""
     return source[:math.prod(shape)].reshape(shape).astype(dtype, copy=True)
