@@ -249,6 +249,38 @@ def test_contention_applies_only_to_times_taken_on_fewer_ranks(tmp_path):
     assert (c.fwd, c.bwd) == pytest.approx((14e-3, 18e-3))
 
 
+def test_first_layer_is_timed_without_its_input_gradient(tmp_path, monkeypatch):
+    """A layer with ``input_grad = False`` (a network's first) has its own timing entry.
+
+    Training runs its backward without the input gradient, so its time must
+    not be shared with (or taken from) the same layer that computes one.
+    """
+    from disttensor_nn.plan import KernelTimer
+
+    f4 = np.dtype(np.float32)
+    shape = (1, 3, 10, 10)
+    full, first = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
+    first.input_grad = False
+    timer = KernelTimer("t", cache_dir=str(tmp_path), reps=1)
+    assert timer.key(first, shape, f4, 1) != timer.key(full, shape, f4, 1)
+    calls = []
+    original = nn.Conv2d.backward
+
+    def backward(self, dy):
+        dx = original(self, dy)
+        calls.append(dx is None)
+        return dx
+
+    monkeypatch.setattr(nn.Conv2d, "backward", backward)
+    n = timer.measure_chain([(first, shape, f4, 1.0), (full, shape, f4, 1.0)],
+                            MPI.COMM_SELF, reps=1)
+    assert n == 2  # two distinct entries, not one shared
+    # each round runs the chain backward: the full layer's twin returns dx, the first's none
+    assert calls and calls[::2] == [False] * (len(calls) // 2)
+    assert calls[1::2] == [True] * (len(calls) // 2)
+    assert timer.table[timer.key(first, shape, f4, 1)][:2] != [0.0, 0.0]
+
+
 @pytest.mark.parallel([1, 2, 3, 4])
 def test_calibration_in_network_order(tmp_path_factory):
     """Planner.calibrate measures every layer under every candidate on all ranks at once.

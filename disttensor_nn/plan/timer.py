@@ -94,8 +94,9 @@ class KernelTimer:
             corun: int = 0) -> str:
         """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks."""
         where = f"seq{corun}" if corun else "alone"
-        return (f"{layer.kernel_signature()}|{tuple(local_in)}|{np.dtype(dtype).str}|{where}"
-                f"{self._where}")
+        nodx = "" if layer.input_grad else "|nodx"  # backward without the input gradient
+        return (f"{layer.kernel_signature()}{nodx}|{tuple(local_in)}|{np.dtype(dtype).str}|"
+                f"{where}{self._where}")
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
               flops: float, corun: int = 1) -> tuple[float, float, bool, int]:
@@ -133,6 +134,7 @@ class KernelTimer:
 
     def _twin(self, layer: Layer) -> Layer:
         twin = layer.local_twin()
+        twin.input_grad = layer.input_grad  # a first layer's backward skips the input gradient
         return twin if is_numpy(self.xp) else twin.to(self.xp)
 
     def _clock(self) -> float:

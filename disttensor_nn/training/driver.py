@@ -276,6 +276,10 @@ def _model_and_data(cfg: TrainConfig) -> tuple:
         size = tuple(data.sample_shape[1:])
     model, shape = build_model(cfg.model, size, cfg.batch, seed=cfg.seed)
     check_size(cfg.model, size, model)
+    if isinstance(model, Sequential) and len(model):
+        # it is fed data: no input gradient to compute (set before planning, so that the
+        # kernels are timed and priced without it too)
+        model[0].input_grad = False
     if cfg.data is None:
         data = spec.dataset(cfg.samples, tuple(shape[1:]), cfg.seed)
     return model, shape, spec, data
@@ -339,8 +343,6 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str,
             raise
         raise SetupError(str(exc)) from exc
     model, shape, plan, nodes, loss_fn, loader, opt, step, history = state
-    if isinstance(model, Sequential) and len(model):
-        model[0].input_grad = False  # it is fed data: no input gradient to compute
     clocks, _ = _timed(nodes)
     if cfg.profile_memory:
         memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
@@ -350,6 +352,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str,
                    desc=f"{cfg.model} on {_plural(comm.Get_size(), 'rank')}", unit="step")
     it = iter(loader)
     times, data_times = [], []
+    warmup = [0.0] * len(clocks)
     while step < cfg.steps:
         t_data = time.perf_counter()
         try:
@@ -373,6 +376,8 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str,
         dt_step, dt_data = clocks_now.tolist()
         step += 1
         times.append(dt_step)
+        if len(times) == 1:  # the first step warms caches and allocator: not in the layer times
+            warmup = [c[0] for c in clocks]
         data_times.append(dt_data)
         total = dt_step + dt_data
         history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
@@ -389,8 +394,10 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str,
     if bar is not None:
         bar.close()
     measured = np.array([c[0] for c in clocks])
+    if len(times) > 1:
+        measured -= warmup
     comm.Allreduce(MPI.IN_PLACE, measured, op=MPI.MAX)
-    measured /= max(len(times), 1)
+    measured /= max(len(times) - (len(times) > 1), 1)
     peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
 
     def phase_peak(*names: str) -> int:
