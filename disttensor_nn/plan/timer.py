@@ -5,7 +5,7 @@ forward and backward seconds of a layer's kernels on a local input shape
 (:meth:`KernelTimer.times`). The timer runs the layer's 1-process twin
 (:meth:`disttensor_nn.Layer.local_twin`) on this process, alone or a whole
 network in sequence on every rank at once (:meth:`KernelTimer.measure_chain`),
-and keeps the results in ``kernels-<machine>.json`` under the cache
+and keeps the results in ``kernels-v<CACHE_VERSION>-<machine>.json`` under the cache
 directory, keyed by the layer's :meth:`~disttensor_nn.Layer.kernel_signature`,
 the local shape, the dtype and how the time was taken. A
 :class:`QueryRecorder` stands in for a timer to list what a cost model would
@@ -42,12 +42,16 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id"]
 
+CACHE_VERSION = 2
+"""Version of the kernels whose times the cache holds: raised when the local kernels change,
+so that times measured with older kernels are not reused (they live in another file)."""
+
 
 class KernelTimer:
     """Measured forward and backward times of layers' local kernels, cached on disk.
 
     Two kinds of measurement, each keyed by layer signature, local input
-    shape and dtype and stored in ``cache_dir/kernels-<machine>.json`` so
+    shape and dtype and stored in ``cache_dir/kernels-v<CACHE_VERSION>-<machine>.json`` so
     that it is taken once per machine:
 
     - *in sequence* (:meth:`measure_chain`): 1-process twins of a whole
@@ -80,7 +84,8 @@ class KernelTimer:
 
     def __init__(self, machine: str, cache_dir: str | None = None, measure: bool = True,
                  reps: int = 5, xp: ModuleType | None = None):
-        self.path = os.path.join(cache_dir or default_cache_dir(), f"kernels-{machine}.json")
+        self.path = os.path.join(cache_dir or default_cache_dir(),
+                                 f"kernels-v{CACHE_VERSION}-{machine}.json")
         self.measure, self.reps = measure, reps
         self.xp = np if xp is None else xp
         self._where = "" if is_numpy(self.xp) else f"|{self.xp.__name__}"
