@@ -325,7 +325,7 @@ def main() -> None:
                 rows.append(row)
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in row.items()), flush=True)
-            for lname, shape in ([] if names else OTHER_LAYERS):
+            for lname, shape in [ls for ls in OTHER_LAYERS if not names or ls[0] in names]:
                 if args.quick:
                     shape = shape[:2] + tuple(v // QUICK_SCALE for v in shape[2:])
                 t = alternating_blocks(layer_fns(lname, shape), reps, args.rounds)
@@ -359,7 +359,8 @@ def main() -> None:
     for r in rows:
         for c in cols:
             r.setdefault(c, "")
-    print_table(rows, cols)
+    if rows:  # none when --layers names only element-wise or pooling layers
+        print_table(rows, cols)
     print()
     for nt, sm in summary.items():
         line = (f"threads={nt}: float32 GEMM 2048^2 {sm['gemm_gflops']:.1f} GFLOP/s; "

@@ -70,9 +70,19 @@ def test_set_num_threads_refuses_non_positive():
 @pytest.mark.parametrize("op", ["max", "avg"])
 @pytest.mark.parametrize("kernel,stride", [((3, 3), (2, 2)), ((2, 3), (1, 2)), ((2, 2), (2, 2))])
 def test_pool_kernels_match_reference(op, kernel, stride):
+    _check_pool(op, kernel, stride, (2, 3, 9, 8))
+
+
+@pytest.mark.parametrize("op", ["max", "avg"])
+def test_pool_kernels_threaded_match_reference(op, threads):
+    # parts of the batch on the kernels' pool (5 samples: uneven parts)
+    _check_pool(op, (3, 3), (2, 2), (5, 3, 9, 8))
+
+
+def _check_pool(op, kernel, stride, shape):
     rng = np.random.default_rng(5)
     # small integers: many ties inside windows, where the first maximum must win
-    x = rng.integers(-3, 4, (2, 3, 9, 8)).astype(np.float64)
+    x = rng.integers(-3, 4, shape).astype(np.float64)
     y, arg = numpy_kernels.pool_forward(x, kernel, stride, (1, 1), op)
     y_want, dx_of = pool_ref(x, kernel, stride, [(0, 0)] * 2, (1, 1), op)
     np.testing.assert_allclose(y, y_want, **TOL)

@@ -611,50 +611,69 @@ def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
                  dilation: Sequence[int], op: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Max or average over every window; for max also the flat argmax within each window.
 
-    A running maximum (or sum) over the kernel offsets, each a strided view of
-    ``x``; the argmax (the first maximum of each window, one byte when the
-    window has at most 256 elements) is updated where an offset beats it.
+    A running maximum (``np.maximum``) or sum over the kernel offsets, each a
+    strided view of ``x``; then the argmax (the first maximum of each window,
+    one byte when the window has at most 256 elements) by one equality test per
+    offset, last offset first, so the first offset that holds the maximum wins.
+    With :func:`set_num_threads` above one, parts of the batch run on the pool.
     """
     o = out_shape(x.shape[2:], kernel, stride, dilation)
     shape = tuple(x.shape[:2]) + o
     y = np.empty(shape, x.dtype)
-    if op == "avg":
-        for flat_k, view in _offset_views(x, kernel, stride, dilation, o):
-            if flat_k == 0:
-                np.copyto(y, view)
-            else:
-                np.add(y, view, out=y)
-        y *= x.dtype.type(1.0 / math.prod(kernel))
-        return y, None
-    arg = np.zeros(shape, _arg_dtype(kernel))
+    arg = None if op == "avg" else np.empty(shape, _arg_dtype(kernel))
     if y.size == 0:
         return y, arg
-    mask = np.empty(shape, bool)
-    for flat_k, view in _offset_views(x, kernel, stride, dilation, o):
-        if flat_k == 0:
-            np.copyto(y, view)
-            continue
-        np.greater(view, y, out=mask)  # strictly greater: the first maximum wins
-        np.copyto(arg, flat_k, where=mask)
-        np.copyto(y, view, where=mask)
+
+    def part(a: int, e: int) -> None:
+        xs, ys = x[a:e], y[a:e]
+        views = list(_offset_views(xs, kernel, stride, dilation, o))
+        np.copyto(ys, views[0][1])
+        reduce = np.add if op == "avg" else np.maximum
+        for _, view in views[1:]:
+            reduce(ys, view, out=ys)
+        if op == "avg":
+            ys *= x.dtype.type(1.0 / math.prod(kernel))
+            return
+        args = arg[a:e]
+        args[...] = len(views) - 1
+        mask = np.empty(ys.shape, bool)
+        for flat_k, view in reversed(views[:-1]):
+            np.equal(view, ys, out=mask)
+            np.copyto(args, flat_k, where=mask)
+
+    _run_parts(part, _batch_parts(x.shape[0]))
     return y, arg
 
 
 def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
                   stride: Sequence[int], dilation: Sequence[int], op: str,
                   arg: np.ndarray | None = None) -> np.ndarray:
-    """Gradient of :func:`pool_forward` over the whole (padded) input."""
+    """Gradient of :func:`pool_forward` over the whole (padded) input.
+
+    Per kernel offset, ``dy`` times the mask ``arg == offset`` (a plain multiply,
+    faster than a masked add; a non-finite ``dy`` also reaches the window's other cells)
+    is added into that offset's strided view of ``dx``;
+    parts of the batch run on the kernels' pool.
+    """
     dx = np.zeros(x_shape, dtype=dy.dtype)
     o = dy.shape[2:]
     if dy.size == 0:
         return dx
-    if op == "avg":
-        g = dy * dy.dtype.type(1.0 / math.prod(kernel))
-        for _, view in _offset_views(dx, kernel, stride, dilation, o):
-            np.add(view, g, out=view)
-        return dx
-    mask = np.empty(dy.shape, bool)
-    for flat_k, view in _offset_views(dx, kernel, stride, dilation, o):
-        np.equal(arg, flat_k, out=mask)
-        np.add(view, dy, out=view, where=mask)
+
+    def part(a: int, e: int) -> None:
+        dys, dxs = dy[a:e], dx[a:e]
+        if op == "avg":
+            g = dys * dy.dtype.type(1.0 / math.prod(kernel))
+            for _, view in _offset_views(dxs, kernel, stride, dilation, o):
+                np.add(view, g, out=view)
+            return
+        args = arg[a:e]
+        mask = np.empty(dys.shape, bool)
+        tmp = np.empty_like(dys)
+        for flat_k, view in _offset_views(dxs, kernel, stride, dilation, o):
+            np.equal(args, flat_k, out=mask)
+            np.multiply(dys, mask, out=tmp)
+            np.add(view, tmp, out=view)
+
+    _run_parts(part, _batch_parts(dy.shape[0]))
     return dx

@@ -73,14 +73,15 @@ class _Pool(WindowLayer):
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """As :meth:`WindowLayer.cost_spec`; max pooling also keeps its argmax (one byte per
-        output for windows of up to 256 elements) and each pass a one-byte mask per output."""
+        output for windows of up to 256 elements) and each pass a one-byte mask per output
+        (the backward pass also one masked gradient per output)."""
         spec = super().cost_spec(dist, itemsize)
         if self.op != "max":
             return spec
         _, out_block, _ = self._window_blocks(dist)
         arg = 1 if math.prod(self.spec.kernel) <= 256 else 8
         return dataclasses.replace(spec, saved=spec.saved + math.prod(out_block) * arg,
-                                   workspace=spec.workspace + math.prod(out_block))
+                                   workspace=spec.workspace + math.prod(out_block) * (1 + itemsize))
 
     def kernel_signature(self) -> str:
         s = self.spec
