@@ -218,6 +218,7 @@ def test_overlapped_dp_against_brute_force(kinds, nprocs, alpha, beta, grad_beta
         planner = Planner(model, shape, cost,
                           allowed=[(nprocs, 1, 1), (1, nprocs, 1), (1, 1, nprocs)])
     nodes = planner.nodes
+    assume(len(planner.cands) ** len(nodes) <= 3**8)  # brute force in seconds, not minutes
     brute = min(planner.assignment_cost({id(node): c for node, c in zip(nodes, a)})[0]
                 for a in itertools.product(range(len(planner.cands)), repeat=len(nodes)))
     plan = planner.plan()
