@@ -40,9 +40,10 @@ def time_collective(fn: Callable[[], Any], comm: MPI.Comm, reps: int, warmup: in
     return statistics.median(times)
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], comm: MPI.Comm, reps: int,
-                warmup: int = 2) -> dict[str, float]:
-    """Median times of several functions measured in alternation (fair under noise)."""
+def interleaved_stats(fns: dict[str, Callable[[], Any]], comm: MPI.Comm, reps: int,
+                      warmup: int = 3) -> dict[str, dict[str, float]]:
+    """Time several functions in alternation (fair under noise); per function the median,
+    min and max (s) of the slowest rank's wall time of one call, after a barrier."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -54,7 +55,20 @@ def interleaved(fns: dict[str, Callable[[], Any]], comm: MPI.Comm, reps: int,
             fn()
             dt = time.perf_counter() - t0
             samples[k].append(comm.allreduce(dt, op=MPI.MAX))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+            for k, v in samples.items()}
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], comm: MPI.Comm, reps: int,
+                warmup: int = 2) -> dict[str, float]:
+    """Median times of several functions measured in alternation (:func:`interleaved_stats`)."""
+    return {k: s["median"] for k, s in interleaved_stats(fns, comm, reps, warmup).items()}
+
+
+def timing_columns(name: str, s: dict[str, float]) -> dict[str, Any]:
+    """Table/JSON columns for one timed function: median and range in microseconds."""
+    return {f"{name}_us": 1e6 * s["median"],
+            f"{name}_range_us": f"{1e6 * s['min']:.4g}-{1e6 * s['max']:.4g}"}
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

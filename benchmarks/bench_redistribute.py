@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _common import print_table, write_json
-from _stats import interleaved_stats, timing_columns
+from _common import interleaved_stats, print_table, timing_columns, write_json
 from mpi4py import MPI
 
 import disttensor as dt
