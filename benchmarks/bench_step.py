@@ -41,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 from _common import print_table, write_json
@@ -143,14 +144,12 @@ def to_torch(layer):
 
 
 # ---------------------------------------------------------------- per-layer-type clocks
-def ours_clocks(model) -> tuple[dict[str, list[float]], list]:
-    """Forward and backward seconds per layer type, kept by hooks on every leaf layer."""
+def hook_clocks(named: list[tuple[str, Any]]) -> tuple[dict[str, list[float]], list]:
+    """Forward and backward seconds per layer type, kept by hooks on each ``(type, layer)``
+    (both libraries' layers take the same four hooks)."""
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     handles = []
-    for _, layer in model.named_modules():
-        if isinstance(layer, (Sequential, Residual)):
-            continue
-        name = type(layer).__name__
+    for name, layer in named:
         start = [0.0]
 
         def begin(*_, start=start):
@@ -168,28 +167,17 @@ def ours_clocks(model) -> tuple[dict[str, list[float]], list]:
     return totals, handles
 
 
+def ours_clocks(model) -> tuple[dict[str, list[float]], list]:
+    """:func:`hook_clocks` on every leaf layer of our model."""
+    return hook_clocks([(type(layer).__name__, layer) for _, layer in model.named_modules()
+                        if not isinstance(layer, (Sequential, Residual))])
+
+
 def torch_clocks(model) -> tuple[dict[str, list[float]], list]:
-    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    handles = []
-    for m in model.modules():
-        if len(list(m.children())):
-            continue
-        name = {"PixelShuffle": "DepthToSpace", "GlobalAvg": "GlobalAvgPool"}.get(
-            type(m).__name__, type(m).__name__)
-        start = [0.0]
-
-        def begin(*_, start=start):
-            start[0] = time.perf_counter()
-
-        def end_f(*_, start=start, name=name):
-            totals[name][0] += time.perf_counter() - start[0]
-
-        def end_b(*_, start=start, name=name):
-            totals[name][1] += time.perf_counter() - start[0]
-
-        handles += [m.register_forward_pre_hook(begin), m.register_forward_hook(end_f),
-                    m.register_full_backward_pre_hook(begin), m.register_full_backward_hook(end_b)]
-    return totals, handles
+    """:func:`hook_clocks` on every leaf module of the torch model, named as ours."""
+    rename = {"PixelShuffle": "DepthToSpace", "GlobalAvg": "GlobalAvgPool"}
+    return hook_clocks([(rename.get(type(m).__name__, type(m).__name__), m)
+                        for m in model.modules() if not list(m.children())])
 
 
 # ---------------------------------------------------------------- one model
