@@ -40,6 +40,7 @@ _previous_thread_hook = None
 _previous_exit = None
 _exit_status: int | None = None  # set when sys.exit(non-zero) ends the interpreter
 _EXIT_GRACE_S = 5.0  # how long an exiting rank waits for the others to exit too
+_FORWARD_S = 0.3  # how long an aborting rank waits for its last output to reach the launcher
 
 
 def _abort(status: int, why: str) -> None:
@@ -47,6 +48,7 @@ def _abort(status: int, why: str) -> None:
         f"disttensor: {why} on rank {MPI.COMM_WORLD.Get_rank()}; aborting the MPI job\n"
     )
     sys.stderr.flush()
+    time.sleep(_FORWARD_S)  # let the launcher forward what this rank printed before it ends
     MPI.COMM_WORLD.Abort(status)
 
 
