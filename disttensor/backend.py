@@ -9,6 +9,8 @@ The rest of the library calls these helpers and never tests for a library.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from functools import cache, lru_cache
 from types import ModuleType
 from typing import Any
@@ -22,6 +24,7 @@ __all__ = [
     "as_module",
     "astype",
     "check_movable",
+    "concat",
     "contiguous",
     "copy_from_host",
     "copy_to_host",
@@ -37,11 +40,14 @@ __all__ = [
     "mpi_buffer",
     "mpi_dtype",
     "namespace_dtype",
+    "nbytes",
     "numpy_dtype",
+    "permute_dims",
     "reshape",
     "synchronize",
     "to_numpy",
     "view_datatype",
+    "writes_in_place",
 ]
 
 
@@ -150,6 +156,35 @@ def as_module(x: Any, xp: ModuleType, device: Any = None) -> Any:
     if is_cupy(xp):  # pragma: no cover - GPU only
         return xp.asarray(host)
     return xp.asarray(host, **({} if device is None else {"device": device}))
+
+
+def nbytes(a: Any) -> int:
+    """Bytes of the elements of ``a`` (arrays of any module; the standard has no ``nbytes``)."""
+    return math.prod(a.shape) * numpy_dtype(a.dtype).itemsize
+
+
+def writes_in_place(xp: ModuleType) -> bool:
+    """Whether ``xp``'s element-wise functions take ``out=`` and views can be written through.
+
+    True for NumPy and CuPy, whose hot loops then write into existing
+    buffers; other array API libraries get the same arithmetic as new arrays.
+    """
+    return _takes_numpy_dtypes(xp)
+
+
+def concat(arrays: Sequence[Any], axis: int = 0) -> Any:
+    """Join arrays of one module along an existing axis (``concatenate`` before NumPy 2)."""
+    xp = array_namespace(arrays[0])
+    join = xp.concatenate if _takes_numpy_dtypes(xp) else xp.concat
+    return join(list(arrays), axis=axis)
+
+
+def permute_dims(x: Any, axes: Sequence[int]) -> Any:
+    """``x`` with its axes reordered (a view where the module makes one)."""
+    xp = array_namespace(x)
+    if _takes_numpy_dtypes(xp):
+        return x.transpose(tuple(axes))
+    return xp.permute_dims(x, tuple(axes))
 
 
 def reshape(x: Any, shape: tuple[int, ...]) -> Any:

@@ -15,15 +15,17 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor import DistArray, Distribution, ProcessGrid, backend
 from disttensor.backend import (
     array_namespace,
     as_module,
     astype,
+    concat,
     contiguous,
     device_of,
     fill,
     numpy_dtype,
+    reshape,
 )
 from disttensor.transport import AllreduceRequest, iallreduce
 from disttensor.transport import allreduce as transport_allreduce
@@ -171,21 +173,21 @@ def _split_large(grads: Sequence[tuple[Parameter, Any]], nbytes: int) -> tuple[l
     """(gradients of ``nbytes`` or more that can be reduced in place, the others)."""
     large, small = [], []
     for p, g in grads:
-        alone = g.nbytes >= nbytes and getattr(g, "flags", None) is not None and \
+        alone = backend.nbytes(g) >= nbytes and getattr(g, "flags", None) is not None and \
             g.flags.c_contiguous and g.flags.writeable
         (large if alone else small).append((p, g))
     return large, small
 
 
 def _concatenate(arrays: Sequence[Any]) -> Any:
-    return array_namespace(arrays[0]).concatenate([a.reshape(-1) for a in arrays])
+    return concat([reshape(a, (-1,)) for a in arrays])
 
 
 def _unpack(grads: Sequence[tuple[Parameter, Any]], flat: Any) -> None:
     """``p.grad += `` each parameter's slice of the reduced ``flat``."""
     offset = 0
     for p, g in grads:
-        part = flat[offset:offset + g.size].reshape(p.grad.shape)
+        part = reshape(flat[offset:offset + g.size], p.grad.shape)
         p.grad += astype(part, p.grad.dtype) if part.dtype != p.grad.dtype else part
         offset += g.size
 
@@ -255,11 +257,11 @@ class GradientBuckets:
         """
         large, grads = _split_large(grads, self.bucket_bytes)
         for p, g in large:
-            self._started.append((iallreduce(g.reshape(-1), comm), [(p, g)]))
+            self._started.append((iallreduce(reshape(g, (-1,)), comm), [(p, g)]))
         for p, g in grads:
-            key = (comm.py2f(), g.dtype.str)
+            key = (comm.py2f(), numpy_dtype(g.dtype).str)
             _, entries, nbytes = self._open.get(key, (comm, [], 0))
-            self._open[key] = (comm, entries, nbytes + g.nbytes)
+            self._open[key] = (comm, entries, nbytes + backend.nbytes(g))
             entries.append((p, g))
         for key in [k for k, (_, _, nbytes) in self._open.items()
                     if nbytes >= self.bucket_bytes]:

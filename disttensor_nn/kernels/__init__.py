@@ -10,8 +10,11 @@ on their local arrays:
 * CuPy arrays: :mod:`~disttensor_nn.kernels.cupy_kernels` (cuDNN through the
   ``nvidia-cudnn-frontend`` package where it is importable, else im2col and
   cuBLAS);
-* other array modules: the generic :mod:`~disttensor_nn.kernels.xp_kernels`,
-  when the module has the NumPy functions they use.
+* other array modules with the NumPy functions they use (``as_strided``
+  views, ``out=``): the generic :mod:`~disttensor_nn.kernels.xp_kernels`;
+* any other array API library: :mod:`~disttensor_nn.kernels.array_api_kernels`,
+  which use only the standard (slower; it is how the suite runs the layers on
+  ``array_api_strict``).
 
 Timers of GPU work call :func:`synchronize` before reading the clock.
 :func:`set_num_threads` gives the NumPy kernels a pool of threads (parts of
@@ -26,7 +29,7 @@ from typing import Any
 from disttensor.backend import array_namespace, is_cupy, is_numpy
 from disttensor.backend import synchronize as backend_synchronize
 
-from . import cupy_kernels, numpy_kernels, xp_kernels
+from . import array_api_kernels, cupy_kernels, numpy_kernels, xp_kernels
 
 __all__ = ["kernels_for", "synchronize", "set_num_threads", "get_num_threads"]
 
@@ -35,6 +38,9 @@ get_num_threads = numpy_kernels.get_num_threads
 
 # what the generic kernels need of an array module (besides array methods)
 _GENERIC_NEEDS = ("empty", "zeros", "matmul", "ascontiguousarray", "take_along_axis", "where")
+# what the standard-only kernels need of an array module
+_STANDARD_NEEDS = ("zeros", "stack", "concat", "reshape", "permute_dims", "matrix_transpose",
+                   "matmul", "sum", "mean", "max", "argmax", "where", "astype", "result_type")
 
 
 def kernels_for(array: Any) -> ModuleType:
@@ -43,8 +49,8 @@ def kernels_for(array: Any) -> ModuleType:
     Raises
     ------
     NotImplementedError
-        For array libraries without the NumPy functions the generic kernels use
-        (``lib.stride_tricks.as_strided``, ``matmul``, ...).
+        For an array library that is not an array API namespace (it lacks
+        ``stack``, ``matmul``, ``permute_dims``, ...).
     """
     xp = array_namespace(array)
     if is_numpy(xp):
@@ -54,9 +60,12 @@ def kernels_for(array: Any) -> ModuleType:
     strided = getattr(getattr(getattr(xp, "lib", None), "stride_tricks", None), "as_strided", None)
     if strided is not None and all(hasattr(xp, name) for name in _GENERIC_NEEDS):
         return xp_kernels
+    missing = [name for name in _STANDARD_NEEDS if not hasattr(xp, name)]
+    if not missing:
+        return array_api_kernels
     raise NotImplementedError(
         f"no local kernels for arrays of {getattr(xp, '__name__', xp)}: its array module lacks "
-        f"lib.stride_tricks.as_strided or one of {', '.join(_GENERIC_NEEDS)}")
+        f"{', '.join(missing)} (the array API standard's functions the kernels use)")
 
 
 def synchronize(xp: Any = None) -> None:

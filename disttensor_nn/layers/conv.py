@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import namespace_dtype
 
 from ..costspec import Allreduce, CostSpec
 from ..kernels import kernels_for
@@ -98,7 +99,7 @@ class ConvNd(WindowLayer):
         xp = dy.xp
         if xwin is None:
             dw = xp.zeros_like(self.weight.data)
-            db = xp.zeros(self.out_channels, self.dtype)
+            db = xp.zeros(self.out_channels, dtype=namespace_dtype(xp, self.dtype))
         else:
             _, dw, db = kernels_for(xwin).conv_backward(
                 dy.local, xwin, self.weight.data, self.spec.stride, self.spec.dilation,

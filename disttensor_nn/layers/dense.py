@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import astype, contiguous, namespace_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import Layer, Parameter, check_int, reduce_gradients_, split_axes_comm
@@ -45,11 +46,11 @@ class Flatten(Layer):
         features = int(np.prod(x.shape[1:]))
         out = Distribution((n, features), x.grid, (x.dist.axes[0], None),
                            [target.splits[0], None])
-        return DistArray(xs.local.reshape(xs.local_shape[0], features), out)
+        return DistArray(xs.xp.reshape(xs.local, (xs.local_shape[0], features)), out)
 
     def backward(self, dy: DistArray) -> DistArray:
-        local = dy.local.reshape(self._mid.local_shape())
-        g = DistArray(dy.xp.ascontiguousarray(local), self._mid)
+        local = dy.xp.reshape(dy.local, self._mid.local_shape())
+        g = DistArray(contiguous(local), self._mid)
         return g if self._mid == self._in_dist else g.redistribute(self._in_dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
@@ -112,17 +113,17 @@ class Linear(Layer):
             y = y + self.bias.data
         out = Distribution((x.shape[0], self.out_features), x.grid, (x.dist.axes[0], None),
                            [x.dist.splits[0], None])
-        return DistArray(x.xp.ascontiguousarray(y), out)
+        return DistArray(contiguous(y), out)
 
     def backward(self, dy: DistArray) -> DistArray:
         x = self._x
         xp = x.xp
         g = dy.local
         # summed in float64 over the ranks that split N
-        reduce_gradients_([(self.weight, (g.T @ x.local).astype(np.float64)),
-                           (self.bias, g.sum(axis=0, dtype=np.float64))],
+        reduce_gradients_([(self.weight, astype(g.T @ x.local, np.float64)),
+                           (self.bias, xp.sum(g, axis=0, dtype=namespace_dtype(xp, np.float64)))],
                           split_axes_comm(x.dist, (0,)))
-        return DistArray(xp.ascontiguousarray(g @ self.weight.data), x.dist)
+        return DistArray(contiguous(g @ self.weight.data), x.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """A GEMM on the sample block, which is kept for backward.

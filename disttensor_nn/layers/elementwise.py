@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import writes_in_place
 
 from ..costspec import CostSpec, largest_block
 from ..module import Layer, check_grad
@@ -29,18 +30,22 @@ class LeakyReLU(Layer):
         xp, xl = x.xp, x.local
         self._mask = mask = xp.greater(xl, 0)
         if self.negative_slope == 0:
-            y = xp.maximum(xl, x.dtype.type(0))
-        else:
-            y = xl * x.dtype.type(self.negative_slope)
+            y = xp.maximum(xl, 0)
+        elif writes_in_place(xp):
+            y = xl * self.negative_slope
             xp.copyto(y, xl, where=mask)
+        else:
+            y = xp.where(mask, xl, xl * self.negative_slope)
         return DistArray(y, x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:
-        g = dy.local
+        g, xp = dy.local, dy.xp
+        if not writes_in_place(xp):
+            return DistArray(xp.where(self._mask, g, g * self.negative_slope), dy.dist)
         if self.negative_slope == 0:
-            return DistArray(dy.xp.multiply(g, self._mask, dtype=g.dtype), dy.dist)
-        dx = g * dy.dtype.type(self.negative_slope)
-        dy.xp.copyto(dx, g, where=self._mask)
+            return DistArray(xp.multiply(g, self._mask, dtype=g.dtype), dy.dist)
+        dx = g * self.negative_slope
+        xp.copyto(dx, g, where=self._mask)
         return DistArray(dx, dy.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
@@ -67,7 +72,7 @@ class Sigmoid(Layer):
             raise TypeError("Sigmoid expects a DistArray")
         xp = x.xp
         z = xp.exp(-xp.abs(x.local))
-        y = xp.where(x.local >= 0, 1 / (1 + z), z / (1 + z)).astype(x.dtype, copy=False)
+        y = xp.where(x.local >= 0, 1 / (1 + z), z / (1 + z))
         self._y = y
         return DistArray(y, x.dist)
 

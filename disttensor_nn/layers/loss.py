@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import array_namespace, as_module, numpy_dtype
+from disttensor.backend import array_namespace, as_module, astype, device_kw, numpy_dtype
 
 from ..module import allreduce_, split_axes_comm
 
@@ -74,29 +74,30 @@ class SoftmaxCrossEntropy:
         ldist = Distribution((logits.shape[0],), logits.grid, (logits.dist.axes[0],),
                              [logits.dist.splits[0]])
         xp = logits.xp
-        y = _local_target(labels, ldist, xp).astype(np.int64)
+        y = astype(_local_target(labels, ldist, xp), np.int64)
         # out-of-range labels may sit on some ranks only: count them in the loss's
         # reduction so that every rank raises, instead of the others waiting in it
-        bad = int(bool(y.size) and (y.min() < 0 or y.max() >= logits.shape[1]))
-        z = logits.local.astype(np.float64)
-        z = z - z.max(axis=1, keepdims=True) if z.size else z
-        logp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
-        local = -float(logp[xp.arange(len(y)), y].sum()) if y.size and not bad else 0.0
+        bad = int(y.shape[0] > 0 and bool(xp.min(y) < 0 or xp.max(y) >= logits.shape[1]))
+        z = astype(logits.local, np.float64)
+        z = z - xp.max(z, axis=1, keepdims=True) if z.shape[0] else z
+        logp = z - xp.log(xp.sum(xp.exp(z), axis=1, keepdims=True))
+        # each sample's label as a one-hot row (labels picked without fancy indexing)
+        hot = y[:, None] == xp.arange(logits.shape[1], **device_kw(y))[None, :]
+        local = -float(xp.sum(xp.where(hot, logp, 0.0))) if y.shape[0] and not bad else 0.0
         sums = allreduce_(np.array([local, bad], np.float64), split_axes_comm(ldist))
         if sums[1]:
             raise ValueError(f"labels out of range [0, {logits.shape[1]})")
         n = logits.shape[0]
-        self._saved = (logits, xp.exp(logp), y, n)
+        self._saved = (logits, xp.exp(logp), hot, n)
         return float(sums[0]) / n
 
     __call__ = forward
 
     def backward(self) -> DistArray:
         """Gradient of the mean loss with respect to the logits."""
-        logits, p, y, n = _saved_state(self)
-        g = p.copy()
-        g[logits.xp.arange(len(y)), y] -= 1
-        return DistArray((g / n).astype(logits.dtype), logits.dist)
+        logits, p, hot, n = _saved_state(self)
+        g = p - astype(hot, p.dtype)
+        return DistArray(astype(g / n, logits.dtype), logits.dist)
 
 
 class _Pointwise:
@@ -104,8 +105,8 @@ class _Pointwise:
         self._saved = None
         if not isinstance(pred, DistArray):
             raise TypeError("the prediction must be a DistArray")
-        t = _local_target(target, pred.dist, pred.xp).astype(np.float64)
-        p = pred.local.astype(np.float64)
+        t = astype(_local_target(target, pred.dist, pred.xp), np.float64)
+        p = astype(pred.local, np.float64)
         count = pred.size
         loss, grad = self._block_loss(p, t)
         self._saved = (pred, grad / count)
@@ -116,7 +117,7 @@ class _Pointwise:
     def backward(self) -> DistArray:
         """Gradient of the mean loss with respect to the prediction."""
         pred, grad = _saved_state(self)
-        return DistArray(grad.astype(pred.dtype), pred.dist)
+        return DistArray(astype(grad, pred.dtype), pred.dist)
 
 
 class MSELoss(_Pointwise):
@@ -125,7 +126,7 @@ class MSELoss(_Pointwise):
     @staticmethod
     def _block_loss(p: Any, t: Any) -> tuple[float, Any]:
         d = p - t
-        return float((d * d).sum()), 2 * d
+        return float(array_namespace(d).sum(d * d)), 2 * d
 
 
 class BCEWithLogitsLoss(_Pointwise):
@@ -136,4 +137,4 @@ class BCEWithLogitsLoss(_Pointwise):
         xp = array_namespace(p)
         loss = xp.maximum(p, 0) - p * t + xp.log1p(xp.exp(-xp.abs(p)))
         sig = xp.where(p >= 0, 1 / (1 + xp.exp(-p)), xp.exp(p) / (1 + xp.exp(p)))
-        return float(loss.sum()), sig - t
+        return float(xp.sum(loss)), sig - t

@@ -9,11 +9,39 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import (
+    array_namespace,
+    as_module,
+    astype,
+    concat,
+    contiguous,
+    device_kw,
+    device_of,
+    namespace_dtype,
+    writes_in_place,
+)
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import Layer, Parameter, allreduce_, check_input, check_int, split_axes_comm
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
+
+
+def _scratch(xp: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any | None:
+    """A buffer for :func:`_into` where the module writes in place (else None)."""
+    return xp.empty(shape, dtype=dtype) if writes_in_place(xp) else None
+
+
+def _into(xp: ModuleType, op: str, a: Any, b: Any, out: Any | None) -> Any:
+    """``xp.<op>(a, b)``, written into ``out`` where the module writes in place."""
+    if out is not None and writes_in_place(xp):
+        return getattr(xp, op)(a, b, out=out)
+    return getattr(xp, op)(a, b)
+
+
+def _channel_sums(xp: ModuleType, a3: Any, f64: Any) -> Any:
+    """Per-channel sums of ``(N, C, M)``: rows in ``a3``'s dtype, then float64 over N."""
+    return xp.sum(xp.sum(a3, axis=2), axis=0, dtype=f64)
 
 
 class BatchNormNd(Layer):
@@ -71,50 +99,54 @@ class BatchNormNd(Layer):
         axes = (0, *range(2, x.ndim))
         xl = x.local
         xp = x.xp
+        f64 = namespace_dtype(xp, np.float64)
         n, c = xl.shape[:2]
-        x3 = xl.reshape(n, c, math.prod(xl.shape[2:]))
-        y = xp.empty(xl.shape, dtype=xl.dtype)
-        y3 = y.reshape(x3.shape)
+        x3 = xp.reshape(xl, (n, c, math.prod(xl.shape[2:])))
+        y3 = _scratch(xp, x3.shape, xl.dtype)
         batch_stats = self.training or not self.track_running_stats
         if batch_stats:
             spatial = tuple(range(2, x.ndim))
             comm = split_axes_comm(x.dist, axes if self.stats == "global" else spatial)
-            count = np.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
-                x.local_shape[0] * np.prod(x.shape[2:]))
+            count = math.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
+                x.local_shape[0] * math.prod(x.shape[2:]))
             # sums about this rank's own mean (the centre), so that no sum cancels: with
             # d = x - centre, sum(x) = m * centre + sum(d) and sum(x^2) = sum(d^2) +
             # 2 centre sum(d) + m centre^2 (m values here), rows pairwise in the input's
             # dtype, the rest in float64; y holds d, then becomes the output
             m = n * x3.shape[2]
-            centre = (x3.sum(axis=2).sum(axis=0, dtype=np.float64) / max(m, 1)).astype(xl.dtype)
-            xp.subtract(x3, centre[:, None], out=y3)
-            sum_d = y3.sum(axis=2).sum(axis=0, dtype=np.float64)
-            sum_d2 = xp.zeros(c, dtype=np.float64)
-            tmp = xp.empty(x3.shape[1:], dtype=xl.dtype)
-            for i in range(n):  # one sample at a time: the scratch stays in cache
-                xp.multiply(y3[i], y3[i], out=tmp)
-                sum_d2 += tmp.sum(axis=1)
-            c64 = centre.astype(np.float64)
-            sums = xp.concatenate([m * c64 + sum_d, sum_d2 + 2 * c64 * sum_d + m * c64**2])
-            allreduce_(sums, comm)
+            centre = astype(_channel_sums(xp, x3, f64) / max(m, 1), xl.dtype)
+            y3 = _into(xp, "subtract", x3, centre[:, None], y3)
+            sum_d = _channel_sums(xp, y3, f64)
+            if writes_in_place(xp):
+                sum_d2 = xp.zeros(c, dtype=f64)
+                tmp = xp.empty(x3.shape[1:], dtype=xl.dtype)
+                for i in range(n):  # one sample at a time: the scratch stays in cache
+                    xp.multiply(y3[i], y3[i], out=tmp)
+                    sum_d2 += tmp.sum(axis=1)
+            else:
+                sum_d2 = _channel_sums(xp, y3 * y3, f64)
+            c64 = astype(centre, np.float64)
+            sums = allreduce_(concat([m * c64 + sum_d, sum_d2 + 2 * c64 * sum_d + m * c64**2]),
+                              comm)
             mean = sums[:self.num_features] / max(count, 1)
             var = xp.maximum(sums[self.num_features:] / max(count, 1) - mean**2, 0.0)
             if self.training and self.track_running_stats:
                 self._update_running(x, mean, var, count)
         else:
-            self._follow(xp)
+            self._follow(xl)
             mean, var, count = self.running_mean, self.running_var, None
-            centre = mean.astype(xl.dtype)
-            xp.subtract(x3, centre[:, None], out=y3)
+            centre = astype(mean, xl.dtype)
+            y3 = _into(xp, "subtract", x3, centre[:, None], y3)
         inv = 1.0 / xp.sqrt(var + self.eps)
         # y = (x - centre) * scale + shift, scale = gamma * inv, shift = beta + (centre -
         # mean) * scale: the large parts cancel before rounding, as in (x - mean) * scale
-        scale = self.weight.data.astype(np.float64) * inv if self.affine else inv
-        shift = (centre.astype(np.float64) - mean) * scale
+        scale = astype(self.weight.data, np.float64) * inv if self.affine else inv
+        shift = (astype(centre, np.float64) - mean) * scale
         if self.affine:
-            shift = shift + self.bias.data
-        xp.multiply(y3, scale.astype(xl.dtype)[:, None], out=y3)
-        xp.add(y3, shift.astype(xl.dtype)[:, None], out=y3)
+            shift = shift + astype(self.bias.data, np.float64)
+        y3 = _into(xp, "multiply", y3, astype(scale, xl.dtype)[:, None], y3)
+        y3 = _into(xp, "add", y3, astype(shift, xl.dtype)[:, None], y3)
+        y = xp.reshape(y3, xl.shape)
         self._saved = (x.dist, xl, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
 
@@ -138,21 +170,24 @@ class BatchNormNd(Layer):
                              + (" (one sample per group with stats='group')"
                                 if self.stats == "group" else ""))
 
-    def _follow(self, xp: ModuleType) -> None:
-        """Move the running statistics to the array module ``xp`` (no copy if already there)."""
-        self.running_mean = xp.asarray(self.running_mean)
-        self.running_var = xp.asarray(self.running_var)
+    def _follow(self, like: Any) -> None:
+        """Move the running statistics to the array module and device of ``like`` (no copy if
+        already there)."""
+        xp, device = array_namespace(like), device_of(like)
+        self.running_mean = as_module(self.running_mean, xp, device)
+        self.running_var = as_module(self.running_var, xp, device)
 
     def _update_running(self, x: DistArray, mean: Any, var: Any, count: int) -> None:
         xp = x.xp
-        self._follow(xp)
+        self._follow(x.local)
         unbiased = var * count / max(count - 1, 1)
-        stats = xp.concatenate([mean, unbiased])
+        stats = concat([mean, unbiased])
         if self.stats == "group":  # average the groups' estimates so all ranks agree
             # (a group whose sample block is empty has no estimate and is left out)
             comm = split_axes_comm(x.dist, (0,))
             has = float(count > 0)
-            buf = allreduce_(xp.concatenate([stats * has, xp.full(1, has)]), comm)
+            ones = xp.ones(1, dtype=stats.dtype, **device_kw(stats))
+            buf = allreduce_(concat([stats * has, ones * has]), comm)
             stats = buf[:-1] / xp.maximum(buf[-1], 1.0)
         m = self.momentum
         self.running_mean = (1 - m) * self.running_mean + m * stats[:self.num_features]
@@ -163,49 +198,52 @@ class BatchNormNd(Layer):
         axes = (0, *range(2, dy.ndim))
         g = dy.local
         xp = dy.xp
+        f64 = namespace_dtype(xp, np.float64)
         n, c = xl.shape[:2]
-        x3 = xl.reshape(n, c, math.prod(xl.shape[2:]))
-        g3 = g.reshape(x3.shape)
-        cc = centre.astype(g.dtype)[:, None]
-        dx = xp.empty(xl.shape, dtype=g.dtype)
-        dx3 = dx.reshape(x3.shape)
-        xp.subtract(x3, cc, out=dx3)  # dx is the scratch of g * (x - centre)
-        xp.multiply(dx3, g3, out=dx3)
+        x3 = xp.reshape(xl, (n, c, math.prod(xl.shape[2:])))
+        g3 = xp.reshape(g, x3.shape)
+        cc = astype(centre, g.dtype)[:, None]
+        dx3 = _scratch(xp, x3.shape, g.dtype)
+        dx3 = _into(xp, "subtract", x3, cc, dx3)  # dx is the scratch of g * (x - centre)
+        dx3 = _into(xp, "multiply", dx3, g3, dx3)
         # sum(g * xhat) = inv * (sum(g * (x - centre)) + (centre - mean) * sum(g)); rows
         # in the input's dtype, the rest in float64
-        sum_g = g3.sum(axis=2).sum(axis=0, dtype=np.float64)
-        sum_gd = dx3.sum(axis=2).sum(axis=0, dtype=np.float64)
-        sums = xp.concatenate([sum_g, inv * (sum_gd + (centre.astype(np.float64) - mean) *
-                                             sum_g)])
+        sum_g = _channel_sums(xp, g3, f64)
+        sum_gd = _channel_sums(xp, dx3, f64)
+        sums = concat([sum_g, inv * (sum_gd + (astype(centre, np.float64) - mean) * sum_g)])
         if self.stats == "group":
-            allreduce_(sums, split_axes_comm(dist, tuple(range(2, dy.ndim))))
-            param_sums = allreduce_(sums.copy(), split_axes_comm(dist, (0,)))
+            sums = allreduce_(sums, split_axes_comm(dist, tuple(range(2, dy.ndim))))
+            param_sums = allreduce_(contiguous(sums, copy=True), split_axes_comm(dist, (0,)))
         else:
-            allreduce_(sums, split_axes_comm(dist, axes))
+            sums = allreduce_(sums, split_axes_comm(dist, axes))
             param_sums = sums
         if self.affine:
-            self.bias.grad += param_sums[:c].astype(self.dtype)
-            self.weight.grad += param_sums[c:].astype(self.dtype)
-        gamma = self.weight.data.astype(np.float64) if self.affine else xp.ones(c)
+            self.bias.grad += astype(param_sums[:c], self.dtype)
+            self.weight.grad += astype(param_sums[c:], self.dtype)
+        gamma = astype(self.weight.data, np.float64) if self.affine else \
+            xp.ones(c, dtype=f64, **device_kw(g))
         scale = gamma * inv
+        sc = astype(scale, g.dtype)[:, None]
         if batch_stats:  # the statistics depend on the input
             # dx = scale * (g - dmean - xhat * dvar) = scale * g + b * (x - centre) + shift
             m = max(count, 1)  # 0 on a rank with no samples in stats="group"
             dmean, dvar = sums[:c] / m, sums[c:] / m
             b = -scale * inv * dvar
-            shift = scale * (inv * dvar * (mean - centre.astype(np.float64)) - dmean)
-            bx, bs = b.astype(g.dtype)[:, None], shift.astype(g.dtype)[:, None]
-            tmp = xp.empty(x3.shape[1:], dtype=g.dtype)
-            sc = scale.astype(g.dtype)[:, None]
-            for i in range(n):  # one sample at a time: the scratch stays in cache
-                xp.multiply(g3[i], sc, out=dx3[i])
-                xp.subtract(x3[i], cc, out=tmp)
-                xp.multiply(tmp, bx, out=tmp)
-                xp.add(dx3[i], tmp, out=dx3[i])
-                xp.add(dx3[i], bs, out=dx3[i])
+            shift = scale * (inv * dvar * (mean - astype(centre, np.float64)) - dmean)
+            bx, bs = astype(b, g.dtype)[:, None], astype(shift, g.dtype)[:, None]
+            if writes_in_place(xp):
+                tmp = xp.empty(x3.shape[1:], dtype=g.dtype)
+                for i in range(n):  # one sample at a time: the scratch stays in cache
+                    xp.multiply(g3[i], sc, out=dx3[i])
+                    xp.subtract(x3[i], cc, out=tmp)
+                    xp.multiply(tmp, bx, out=tmp)
+                    xp.add(dx3[i], tmp, out=dx3[i])
+                    xp.add(dx3[i], bs, out=dx3[i])
+            else:
+                dx3 = g3 * sc + (x3 - cc) * bx + bs
         else:
-            xp.multiply(g3, scale.astype(g.dtype)[:, None], out=dx3)
-        return DistArray(dx, dist)
+            dx3 = _into(xp, "multiply", g3, sc, dx3)
+        return DistArray(xp.reshape(dx3, xl.shape), dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """Eight FLOPs per element; the input is kept for backward (not the normalised input).

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray, Distribution
+from disttensor import DistArray, Distribution, backend
 from disttensor.backend import array_namespace
 
 from ..costspec import Allreduce, CostSpec, largest_block
@@ -49,7 +49,7 @@ class _Pool(WindowLayer):
             xp = array_namespace(xwin)
             o = tuple(xwin.shape[:2]) + kernels.out_shape(xwin.shape[2:], s.kernel, s.stride,
                                                           s.dilation)
-            return xp.empty(o, dtype=xwin.dtype), xp.empty(o, dtype=np.intp)
+            return xp.zeros(o, dtype=xwin.dtype), backend.empty(xp, o, np.intp)
         return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
 
     def _kernel_forward(self, xwin: Any) -> Any:
@@ -151,18 +151,19 @@ class GlobalAvgPool(Layer):
         check_input(x, x.ndim, "GlobalAvgPool")
         spatial = tuple(range(2, x.ndim))
         count = int(np.prod(x.shape[2:]))
-        sums = x.xp.ascontiguousarray(x.local.sum(axis=spatial, dtype=np.float64))
+        sums = backend.contiguous(x.xp.sum(x.local, axis=spatial,
+                                           dtype=backend.namespace_dtype(x.xp, np.float64)))
         allreduce_(sums, split_axes_comm(x.dist, spatial))
         out_dist = x.dist.replace(global_shape=x.shape[:2], axes=(x.dist.axes[0], None),
                                   splits=(x.dist.splits[0], None))
         self._in = (x.dist, x.local_shape, count)
-        return DistArray.from_local((sums / count).astype(x.dtype), out_dist)
+        return DistArray.from_local(backend.astype(sums / count, x.dtype), out_dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         dist, shape, count = self._in
         xp = dy.xp
         grad = xp.broadcast_to((dy.local / count)[(...,) + (None,) * (len(shape) - 2)], shape)
-        return DistArray.from_local(xp.ascontiguousarray(grad), dist)
+        return DistArray.from_local(backend.contiguous(grad, writeable=True), dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """Not timed: forward and backward each stream the block once.

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution, halo_plan
+from disttensor.backend import device_kw, is_c_contiguous
 
 from ..costspec import CostSpec, largest_block
 from ..module import Layer, check_input
@@ -97,7 +98,7 @@ class WindowLayer(Layer):
             ext = plan.exchange(x, self._pad_value())
             local = self._kernel_forward(ext[geo.input_slices(geo.out_box)]) \
                 if all(b > a for a, b in geo.out_box) else None
-            if local is not None and local.shape == y.shape and local.flags.c_contiguous:
+            if local is not None and local.shape == y.shape and is_c_contiguous(local):
                 out = DistArray(local, out.dist)  # the kernel's output is the block: no copy
                 boxes = []
         for box in boxes:
@@ -132,7 +133,7 @@ class WindowLayer(Layer):
         if dxwin is not None and dxwin.shape == ext.shape:  # the window is the whole block
             dext = dxwin
         else:
-            dext = x.xp.zeros(ext.shape, dtype=dy.dtype)
+            dext = x.xp.zeros(ext.shape, dtype=dy.local.dtype, **device_kw(dy.local))
             if dxwin is not None:
                 dext[sl] = dxwin
         # The halo cells travel back to their owners while the parameter

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import contiguous, permute_dims
 
 from ..container import Sequential
 from ..costspec import CostSpec, largest_block
@@ -92,9 +93,10 @@ class DepthToSpace(Layer):
         c = cb // math.prod(b)
         # (n, c, b1..bk, s1..sk) -> (n, c, s1, b1, ..., sk, bk)
         order = (0, 1, *(a for i in range(nd) for a in (2 + nd + i, 2 + i)))
-        y = x.local.reshape(n, c, *b, *s).transpose(order)
+        xp = x.xp
+        y = permute_dims(xp.reshape(x.local, (n, c, *b, *s)), order)
         self._dists = (x.dist, out_dist)
-        return DistArray(np.ascontiguousarray(y).reshape(out_dist.local_shape()), out_dist)
+        return DistArray(xp.reshape(contiguous(y, copy=True), out_dist.local_shape()), out_dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         in_dist, out_dist = self._dists
@@ -107,8 +109,9 @@ class DepthToSpace(Layer):
         # (n, c, s1, b1, ..., sk, bk) -> (n, c, b1..bk, s1..sk)
         split = (n, c, *(a for i in range(nd) for a in (s[i], b[i])))
         order = (0, 1, *(3 + 2 * i for i in range(nd)), *(2 + 2 * i for i in range(nd)))
-        dx = dy.local.reshape(split).transpose(order)
-        return DistArray(np.ascontiguousarray(dx).reshape(n, cb, *s), in_dist)
+        xp = dy.xp
+        dx = permute_dims(xp.reshape(dy.local, split), order)
+        return DistArray(xp.reshape(contiguous(dx, copy=True), (n, cb, *s)), in_dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """A copy of the block each way; nothing is kept for backward."""

@@ -320,6 +320,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-memory", action="store_true",
                         help="print and save (metrics file) peak memory by phase and by layer, "
                         "with the largest allocations at the training step's peaks")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default=d.device,
+                        help="compute on CPU cores (NumPy) or on one GPU per rank (CuPy; a "
+                        "node's ranks take its GPUs in turn; --machine this then plans with "
+                        "the GPU calibration this-gpu)")
     a = parser.parse_args(argv)
     if a.resume and not a.checkpoint:
         parser.error("--resume needs --checkpoint DIR (the checkpoint to continue from)")
@@ -344,7 +348,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       checkpoint_every=a.checkpoint_every, resume=a.resume, metrics=a.metrics,
                       machine=a.machine, memory_per_rank=a.memory_per_rank,
                       progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate,
-                      profile_memory=a.profile_memory, recompute=a.recompute)
+                      profile_memory=a.profile_memory, recompute=a.recompute,
+                      device=a.device)
     try:
         train(cfg)
     except SetupError as exc:  # raised on every rank, before training

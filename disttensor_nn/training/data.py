@@ -21,12 +21,14 @@ import glob
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import as_module
 from disttensor.random import splitmix64 as _mix
 
 from ..module import Layout
@@ -608,15 +610,22 @@ class Loader:
     target_layout : Layout, optional
         How targets are split (a 4-D layout for spatial targets, a 1-D one
         for labels).
+    xp : module, optional
+        The array module (e.g. CuPy) the batches are moved to, once per
+        batch, after the host has read them (default: they stay NumPy).
+    device : optional
+        With ``xp`` an array API namespace, the device to put them on.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, layout: Layout, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True, *, target_layout: Layout | None = None):
+                 seed: int = 0, drop_last: bool = True, *, target_layout: Layout | None = None,
+                 xp: ModuleType | None = None, device: Any = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.dataset, self.batch_size, self.layout = dataset, int(batch_size), layout
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.target_layout = target_layout
+        self.xp, self.device = xp, device
         self.epoch = 0
         self.position = 0  # batches of the current epoch already yielded
 
@@ -645,7 +654,13 @@ class Loader:
         if self.target_layout is not None:
             tshape = (len(indices), *self.dataset.target_shape)
             dist_y = self.target_layout.distribution(tshape)
-        return self.dataset.batch(indices, dist_x, dist_y)
+        x, y = self.dataset.batch(indices, dist_x, dist_y)
+        if self.xp is None:
+            return x, y
+        return self._moved(x), self._moved(y) if isinstance(y, DistArray) else y
+
+    def _moved(self, a: DistArray) -> DistArray:
+        return DistArray(as_module(a.local, self.xp, self.device), a.dist)
 
     def __iter__(self) -> Iterator[tuple[DistArray, DistArray | np.ndarray]]:
         if self.position >= len(self):  # the epoch was consumed without exhausting the iterator

@@ -14,7 +14,11 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
+from disttensor import use_device
+from disttensor.backend import is_numpy, nbytes
+
 from ..container import Sequential
+from ..kernels import synchronize
 from ..memory import (
     MemoryProfile,
     available_bytes,
@@ -85,6 +89,7 @@ class TrainConfig:
     recalibrate: bool = False  # measure this machine again even if a calibration is cached
     profile_memory: bool = False  # peak memory by phase and layer, largest allocations
     recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
+    device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -158,8 +163,11 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
             raise ValueError(f"{cfg.layout}: {problem}")
         return plan
     machine = cfg.machine
-    if machine == "this":
-        path = this_machine_path()
+    device = "gpu" if cfg.device == "gpu" else "cpu"
+    if machine == "this" and device == "gpu":
+        machine = "this-gpu"  # the profile calibrated with the ranks on their GPUs
+    if machine in ("this", "this-gpu"):
+        path = this_machine_path(device=device)
         if comm.Get_size() == 1:
             machine = "v100-nvlink-edr"  # nothing to calibrate communication with
             _say(comm, "1 rank: nothing to calibrate communication with; planning for the "
@@ -168,7 +176,7 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
             _say(comm, f"calibrating this machine's communication and compute on "
                        f"{_plural(comm.Get_size(), 'rank')} (kept in {path} for later runs)...")
             with memory.phase("calibration"):
-                calibrate(comm)
+                calibrate(comm, device=device)
         else:
             profile = MachineProfile.load(path)
             _say(comm, f"using the cached calibration {path} ({profile.notes}); "
@@ -187,17 +195,23 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
     return plan
 
 
-def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple:
-    """Everything before the first step: model, plan, data, optimizer, resumed state."""
+def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> tuple:
+    """Everything before the first step: model, plan, data, optimizer, resumed state.
+
+    The model is built and planned on the host, then moved to ``xp`` (with
+    its optimizer state, created there); batches follow it one at a time.
+    """
     rank = comm.Get_rank()
     with memory.phase("data"):
         model, shape, spec, data = _model_and_data(cfg)
     # what a rank holds besides the parameters and their gradients (the interpreter,
     # NumPy, MPI, the data set): the process baseline of the predicted peak
-    params = sum(p.data.nbytes for p in model.parameters())
+    params = sum(nbytes(p.data) for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
     plan = _plan(cfg, model, shape, comm, memory, baseline)
     apply_plan(model, plan, shape, comm)
+    if not is_numpy(xp):
+        model.to(xp)
     nodes = leaf_nodes(trace(model, shape))
     recompute_segments([n.layer for n in nodes], [e.recompute for e in plan.entries])
     if rank == 0:
@@ -209,7 +223,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple:
     if data.has_spatial_target:
         target_layout = Layout(first.grid, first.axes)
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
-                    target_layout=target_layout)
+                    target_layout=target_layout, xp=None if is_numpy(xp) else xp)
     lr = cfg.lr if cfg.lr is not None else spec.lr
     opt = SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     step = 0
@@ -236,7 +250,7 @@ def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm) -> None:
     now passes the budget; warn when the node's free memory is short of it."""
     budget = plan.memory_budget
     now = comm.allreduce(resident_bytes(), op=MPI.MAX)
-    params = sum(p.data.nbytes for p in model.parameters())
+    params = sum(nbytes(p.data) for p in model.parameters())
     # what the plan counts and the ranks already hold: the process, parameters, gradients
     held = plan.baseline_memory + 2 * params
     extra = max(0.0, plan.peak_memory - held)
@@ -285,20 +299,40 @@ def _model_and_data(cfg: TrainConfig) -> tuple:
     return model, shape, spec, data
 
 
-def train(cfg: TrainConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, comm: MPI.Comm | None = None, *,
+          xp: Any = None) -> dict[str, Any]:
     """Run the training loop; collective. Returns the summary (same on every rank).
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+    comm : MPI.Comm, optional
+        The job's ranks (``MPI.COMM_WORLD`` by default).
+    xp : module, optional
+        The array module that holds the model, its gradients and each batch,
+        instead of the one ``cfg.device`` picks (NumPy for ``"cpu"``, CuPy on
+        this rank's GPU for ``"gpu"``): any array API library whose arrays
+        can be written by slices (the test suite trains on
+        ``array_api_strict`` this way). Data are read on the host and moved
+        to it once per batch; checkpoints go through the state protocol.
 
     Raises
     ------
     SetupError
         On every rank, before the first step, for a configuration that cannot
-        train (see :class:`SetupError`).
+        train (see :class:`SetupError`), including ``device="gpu"`` where
+        CuPy or a GPU is missing.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     memory = MemoryProfile(top=8 if cfg.profile_memory else 0)
     previous = _on_sigterm()
     try:
-        return _train(cfg, comm, memory)
+        if xp is None:
+            try:
+                xp = use_device(cfg.device, comm)
+            except (ValueError, RuntimeError) as exc:  # the same on every rank of the job
+                raise SetupError(f"--device {cfg.device}: {exc}") from exc
+        return _train(cfg, comm, memory, xp)
     except SetupError:  # raised on every rank alike: one line from rank 0
         peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
         _say(comm, f"peak resident memory per rank {peak / 2**20:.0f} MiB "
@@ -334,10 +368,11 @@ def _phase_line(memory: MemoryProfile) -> str:
         "before setup"
 
 
-def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str, Any]:
+def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
+           ) -> dict[str, Any]:
     rank = comm.Get_rank()
     try:
-        state = _setup(cfg, comm, memory)
+        state = _setup(cfg, comm, memory, xp)
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         if isinstance(exc, SetupError):
             raise
@@ -371,6 +406,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str,
             model.call_backward(loss_fn.backward())
         with memory.phase("optimizer"):
             opt.step()
+        synchronize(xp)  # the step's device work, inside its clock
         clocks_now = np.array([time.perf_counter() - t0, dt_data])
         comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
         dt_step, dt_data = clocks_now.tolist()
