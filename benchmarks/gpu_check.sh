@@ -14,7 +14,10 @@
 #      (mpiexec -n 2; both ranks share the GPU)  -> $OUT/<stage>.log, .xml
 #   4. the planner on the GPU: its GPU test, `disttensor-plan --calibrate --device gpu` on
 #      2 ranks, then a plan from that profile   -> $OUT/plan_gpu.json
-#   5. benchmarks/bench_gpu.py (conv fwd+bwd: CuPy cuDNN / im2col vs torch)
+#   5. benchmarks/gpu_train_check.py: mesh-demo trained 20 steps on the GPU at 1 rank and
+#      at 2 ranks sharing it, against the same run on the CPU (losses within float32
+#      tolerance; ms per step of each)  -> $OUT/gpu_train_1ranks.json, gpu_train_2ranks.json
+#   6. benchmarks/bench_gpu.py (conv fwd+bwd: CuPy cuDNN / im2col vs torch)
 #                                          -> $OUT/bench_gpu.json
 #
 # Every stage appends its outcome (exit status, seconds, last output line) to
@@ -125,6 +128,11 @@ stage plan_gpu_twins 60 "$PY" -m pytest -q -p no:cacheprovider -m "parallel[1]" 
 stage calibrate_gpu 60 "$MPIEXEC" -n 2 "$PY" "${PLAN[@]}" --calibrate --device gpu
 stage plan_gpu 60 "$MPIEXEC" -n 2 "$PY" "${PLAN[@]}" mesh-small --batch 4 --size 256x256 \
     --machine this-gpu --json "$OUT/plan_gpu.json"
+
+stage train_gpu_1rank 90 "$PY" benchmarks/gpu_train_check.py --steps 20 \
+    --out "$OUT/gpu_train_1ranks.json"
+stage train_gpu_2ranks 120 "$MPIEXEC" -n 2 "$PY" benchmarks/gpu_train_check.py --steps 20 \
+    --out "$OUT/gpu_train_2ranks.json"
 
 stage bench_gpu 180 "$PY" benchmarks/bench_gpu.py --reps 10 --batch 32 --out "$OUT/bench_gpu.json"
 

@@ -37,3 +37,22 @@ def test_gpu_check_without_cupy_reports_and_exits_2(tmp_path):
     stages = [s["stage"] for s in summary["stages"]]
     assert stages[:1] == ["nvidia-smi"] and "imports" in stages
     assert all({"rc", "seconds", "log", "last_line"} <= set(s) for s in summary["stages"])
+
+
+def test_gpu_train_check_dry_run(tmp_path):
+    """The GPU training check's comparison, with array_api_strict standing in for CuPy."""
+    import importlib.util
+
+    pytest.importorskip("array_api_strict")
+    path = SCRIPT.parent / "gpu_train_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_train_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    with pytest.raises(SystemExit):
+        check.parse_args(["--steps", "1"])
+    out = tmp_path / "train.json"
+    assert check.main(["--dry-run", "--steps", "3", "--size", "16x16", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["dry_run"] and data["device_module"] == "array_api_strict"
+    assert data["losses_agree"] and len(data["loss_gpu"]) == 3
+    assert data["max_relative_difference"] <= 1e-3 and data["ms_per_step_gpu"] > 0
