@@ -20,6 +20,7 @@ import disttensor.ops.indexing as indexing
 import disttensor.ops.linalg as linalg
 import disttensor.ops.reductions as reductions
 import disttensor.ops.shape as shape
+import disttensor.ops.sorting as sorting
 
 from ..array import DistArray
 from ..settings import collective
@@ -72,6 +73,8 @@ def _register_all() -> None:
         np.hstack: shape.hstack, np.vstack: shape.vstack, np.unstack: shape.unstack,
         np.nonzero: indexing.nonzero, np.flatnonzero: indexing.flatnonzero,
         np.argwhere: indexing.argwhere,
+        # sorting
+        np.sort: _np_sort, np.argsort: _np_argsort,
         # element-wise functions that are not ufuncs
         np.where: elementwise.where, np.clip: elementwise.clip,
         np.round: elementwise.round, np.around: elementwise.round,
@@ -147,6 +150,31 @@ def _full_like(a: Any, fill_value: Any, dtype: Any = None, order: str = "K",
     if dtype is None:
         dtype = a.dtype
     return _like(a, dtype, fill_value, shape)
+
+
+def _sort_args(a: Any, axis: Any, kind: Any, order: Any, stable: Any) -> tuple[Any, int, bool]:
+    """NumPy's sort arguments as (array, axis, stable); ``axis=None`` sorts the flattened array."""
+    if order is not None:
+        raise ValueError("Cannot specify order when the array has no fields.")
+    if kind not in (None, "quicksort", "mergesort", "heapsort", "stable"):
+        raise ValueError(f"sort kind must be one of 'quick', 'heap', or 'stable' (got {kind!r})")
+    if axis is None:
+        return a.ravel(), 0, bool(stable) or kind in ("stable", "mergesort")
+    return a, axis, bool(stable) or kind in ("stable", "mergesort")
+
+
+def _np_sort(a: Any, axis: Any = -1, kind: Any = None, order: Any = None, *,
+             stable: Any = None) -> Any:
+    """:func:`numpy.sort` (distributed, see :mod:`disttensor.ops.sorting`)."""
+    x, ax, st = _sort_args(a, axis, kind, order, stable)
+    return sorting.sort(x, axis=ax, stable=st)
+
+
+def _np_argsort(a: Any, axis: Any = -1, kind: Any = None, order: Any = None, *,
+                stable: Any = None) -> Any:
+    """:func:`numpy.argsort` (always stable)."""
+    x, ax, _ = _sort_args(a, axis, kind, order, stable)
+    return sorting.argsort(x, axis=ax)
 
 
 def _result_type(*arrays_and_dtypes: Any) -> np.dtype:

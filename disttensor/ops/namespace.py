@@ -27,6 +27,7 @@ import disttensor.ops.elementwise as elementwise
 import disttensor.ops.linalg as linalg
 import disttensor.ops.reductions as reductions
 import disttensor.ops.shape as _shape
+import disttensor.ops.sorting as sorting
 
 from ..array import DistArray
 from ._util import is_dist, wrap
@@ -291,6 +292,21 @@ def matmul(x1: Any, x2: Any, /) -> DistArray:
 def vecdot(x1: Any, x2: Any, /, *, axis: int = -1) -> DistArray:
     """Conjugated dot product along ``axis``."""
     return linalg.vecdot(x1, x2, axis=axis)
+
+
+# ------------------------------------------------------------------ sorting
+
+
+def sort(x: DistArray, /, *, axis: int = -1, descending: bool = False,
+         stable: bool = True) -> DistArray:
+    """Sorted copy along ``axis`` (distributed sample sort, see :mod:`disttensor.ops.sorting`)."""
+    return sorting.sort(x, axis=axis, descending=descending, stable=stable)
+
+
+def argsort(x: DistArray, /, *, axis: int = -1, descending: bool = False,
+            stable: bool = True) -> DistArray:
+    """Indices that sort ``x`` along ``axis``."""
+    return sorting.argsort(x, axis=axis, descending=descending, stable=stable)
 
 
 # ------------------------------------------------------------------ data types

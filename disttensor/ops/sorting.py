@@ -5,19 +5,21 @@ communication). Along a split axis of a 1-D array the sort is a sample sort
 over the ranks that share the other coordinates (``grid.subcomm`` of the
 axis' grid axes), in block order:
 
-1. every block sends evenly spaced samples (value, global index), weighted
-   by its size, to the others (one ``allgather`` of at most
-   ``OVERSAMPLE * p`` samples per block);
-2. every rank picks the same ``p - 1`` splitters from them, at the weighted
-   quantiles of the *target* block boundaries, so that bucket ``k`` already
-   holds about the elements that block ``k`` of the result needs (uneven and
-   empty blocks included);
-3. every rank cuts its block into buckets by the key (value, global index),
-   which is unique, so equal values are spread over buckets and a column of
-   equal values never piles up on one rank, and one ``Alltoallv`` moves
-   each bucket to its rank;
-4. every rank sorts the pieces it received (they arrive in block order, so
-   ties keep the input's order: the sort is stable);
+1. every rank sorts its block (NumPy's fastest sort; for floats the zeros
+   and NaNs are then put back in input order, which makes it stable);
+2. every block sends regular samples of its sorted block, weighted by its
+   size, to the others (one ``allgather`` of at most ``OVERSAMPLE * p``
+   samples per block), and every rank picks the same ``p - 1`` splitters at
+   the weighted quantiles of the *target* block boundaries, so that bucket
+   ``k`` already holds about the elements that block ``k`` of the result
+   needs (uneven and empty blocks included);
+3. every rank cuts its sorted block at the splitters (binary searches) by the
+   key (value, position), which orders equal values as their global indices
+   do and is unique, so a run of equal values is spread over buckets and
+   never piles up on one rank; one ``Alltoallv`` moves the slices, in place;
+4. every rank merges the sorted runs it received with NumPy's stable sort
+   (which finds the runs); they arrive in block order, so ties stay in input
+   order: the sort is stable;
 5. one redistribution (:mod:`disttensor.redistribute`) moves the buckets'
    few surplus elements to the input's block boundaries.
 
@@ -178,23 +180,37 @@ def _block_ranks(dist: Distribution) -> list[int]:
             for b in range(dist.nblocks[0])]
 
 
+def _local_sort(h: np.ndarray, index: bool, stable: bool) -> tuple[np.ndarray, Any]:
+    """This block sorted (stably where it matters) and, for ``index``, its sorting permutation."""
+    if index or h.dtype.kind == "c":
+        perm = np.argsort(h, kind="stable")
+        return h[perm], perm if index else None
+    out = np.sort(h)  # the fastest kind; equal elements differ only for floats:
+    if stable and h.dtype.kind == "f":
+        _restore_input_order(out, h)
+    return out, None
+
+
 def _splitters(samples: list, dist: Distribution, ranks: list[int]
                ) -> tuple[np.ndarray, np.ndarray, int]:
-    """The finite splitters (values, global indices) and the number of empty leading buckets.
+    """The finite splitters (values, keys) and the number of empty leading buckets.
 
-    Bucket ``k`` holds the keys from splitter ``k - 1`` (inclusive) to
-    splitter ``k``; the splitters sit at the weighted sample quantiles of the
-    result's block boundaries. A boundary at 0 is a splitter below every key.
+    A sample's key is its block's start plus its position in the sorted
+    block: among equal values it orders like the global index, so (value,
+    key) is the stable order. Bucket ``k`` holds the elements from splitter
+    ``k - 1`` (inclusive) to splitter ``k``; the splitters sit at the
+    weighted sample quantiles of the result's block boundaries. A boundary
+    at 0 is a splitter below every element.
     """
     b = dist.boundaries[0]
     n, p = b[-1], len(b) - 1
-    vals, idx, wts = [], [], []
+    vals, keys, wts = [], [], []
     for r in range(p):
         v, g = samples[ranks[r]]
         vals.append(v)
-        idx.append(g)
+        keys.append(g)
         wts.append(np.full(len(g), (b[r + 1] - b[r]) / max(len(g), 1)))
-    v, g, w = np.concatenate(vals), np.concatenate(idx), np.concatenate(wts)
+    v, g, w = np.concatenate(vals), np.concatenate(keys), np.concatenate(wts)
     order = np.lexsort((g, v))
     v, g = v[order], g[order]
     cw = np.cumsum(w[order])
@@ -204,37 +220,27 @@ def _splitters(samples: list, dist: Distribution, ranks: list[int]
     return v[pick], g[pick], below
 
 
-def _buckets(h: np.ndarray, gidx: np.ndarray, sv: np.ndarray, sg: np.ndarray,
-             below: int, n: int) -> np.ndarray:
-    """Bucket of each key (value, global index): the number of splitters at or below it."""
-    lo = np.searchsorted(sv, h, "left")
-    if len(sv):
-        hi = np.searchsorted(sv, h, "right")
-        tie = np.flatnonzero(lo != hi)
-        if tie.size:  # equal to a splitter's value: compare global indices
-            group = np.searchsorted(sv, sv, "left").astype(np.int64)
-            comb = group * n + sg
-            lo[tie] = np.searchsorted(comb, lo[tie].astype(np.int64) * n + gidx[tie], "right")
-    if below:
-        lo += below
-    return lo
+def _cuts(s: np.ndarray, start: int, sv: np.ndarray, sg: np.ndarray, below: int,
+          p: int) -> list[int]:
+    """Where the sorted block ``s`` (keys ``start + position``) is cut into ``p`` buckets."""
+    lo = np.searchsorted(s, sv, "left")
+    hi = np.searchsorted(s, sv, "right")
+    cut = np.clip(sg - start, lo, hi)  # equal values: by key
+    n = len(s)
+    return [0] * (below + 1) + [int(c) for c in cut] + [n] * (p - below - len(cut))
 
 
-def _exchange(comm: Any, send: np.ndarray, counts: np.ndarray, ranks: list[int],
+def _exchange(comm: Any, send: np.ndarray, cuts: list[int], ranks: list[int],
               rcounts_blocks: list[int]) -> np.ndarray:
-    """One ``Alltoallv``: ``send`` (grouped by target block) to the ranks of their blocks."""
+    """One ``Alltoallv``: slice ``cuts[k]:cuts[k+1]`` of ``send`` to the rank of block ``k``;
+    the pieces received are concatenated in block order."""
     p = len(ranks)
-    scounts = [0] * p
-    sdispls = [0] * p
-    rcounts = [0] * p
-    rdispls = [0] * p
-    off = roff = 0
+    scounts, sdispls, rcounts, rdispls = [0] * p, [0] * p, [0] * p, [0] * p
+    roff = 0
     for blk in range(p):
-        scounts[ranks[blk]] = int(counts[blk])
-        sdispls[ranks[blk]] = off
-        off += int(counts[blk])
-        rcounts[ranks[blk]] = rcounts_blocks[blk]
-        rdispls[ranks[blk]] = roff
+        r = ranks[blk]
+        scounts[r], sdispls[r] = cuts[blk + 1] - cuts[blk], cuts[blk]
+        rcounts[r], rdispls[r] = rcounts_blocks[blk], roff
         roff += rcounts_blocks[blk]
     recv = np.empty(roff, dtype=send.dtype)
     t = mpi_dtype(send.dtype)
@@ -246,47 +252,39 @@ def _sample_sort(x: DistArray, index: bool, stable: bool) -> DistArray:
     """Stable sample sort of a 1-D DistArray split over several blocks (module docstring)."""
     dist = x.dist
     b = dist.boundaries[0]
-    n, p = b[-1], len(b) - 1
+    p = len(b) - 1
     comm = dist.grid.subcomm(dist.dim_axes[0])
     ranks = _block_ranks(dist)
     me = dist.block_index()[0]
     start, nloc = b[me], b[me + 1] - b[me]
-    h = np.ascontiguousarray(to_numpy(x.local))
 
-    # 1-2. samples and splitters
-    s = min(nloc, OVERSAMPLE * p)
-    pos = (np.arange(s, dtype=np.int64) * nloc + nloc // 2) // max(s, 1)
-    samples = comm.allgather((h[pos], start + pos))
+    # 1. sort the block
+    s, perm = _local_sort(np.ascontiguousarray(to_numpy(x.local)), index, stable)
+
+    # 2. regular samples of the sorted blocks, the same splitters on every rank
+    m = min(nloc, OVERSAMPLE * p)
+    pos = (np.arange(m, dtype=np.int64) * nloc + nloc // 2) // max(m, 1)
+    samples = comm.allgather((s[pos], start + pos))
     sv, sg, below = _splitters(samples, dist, ranks)
 
-    # 3. buckets, grouped by target block in input order, and one Alltoallv
-    gidx = np.arange(start, start + nloc, dtype=np.intp)
-    bucket = _buckets(h, gidx, sv, sg, below, n)
-    counts = np.bincount(bucket, minlength=p)
-    if p <= 8:
-        order = np.concatenate([np.flatnonzero(bucket == k) for k in range(p)])
-    else:
-        order = np.argsort(bucket.astype(np.uint16 if p < 65536 else np.int64), kind="stable")
-    by_rank = comm.alltoall([int(counts[blk]) for blk in _inverse(ranks)])
+    # 3. cut the sorted block into buckets (binary searches) and move each to its rank
+    cuts = _cuts(s, start, sv, sg, below, p)
+    by_rank = comm.alltoall([cuts[blk + 1] - cuts[blk] for blk in _inverse(ranks)])
     rcounts = [by_rank[ranks[blk]] for blk in range(p)]
-    recv = _exchange(comm, h[order], counts, ranks, rcounts)
-    if index:
-        rg = _exchange(comm, gidx[order], counts, ranks, rcounts)
+    recv = _exchange(comm, s, cuts, ranks, rcounts)
 
-    # 4. local sort; the pieces arrived in block order, so ties are in input order
-    complex_values = h.dtype.kind == "c"
-    if index or (stable and complex_values):
-        perm = np.argsort(recv, kind="stable")
-        out = rg[perm] if index else recv[perm]
+    # 4. merge the sorted runs; they arrived in block order, so a stable merge keeps ties
+    #    in input order
+    if index:
+        gidx = _exchange(comm, start + perm, cuts, ranks, rcounts)
+        out = gidx[np.argsort(recv, kind="stable")]
     else:
-        out = np.sort(recv)
-        if stable and h.dtype.kind == "f":
-            _restore_input_order(out, recv)
+        out = np.sort(recv, kind="stable")
 
     # 5. to the input's block boundaries
     sizes = comm.allgather(len(out))
-    cuts = np.cumsum([sizes[ranks[blk]] for blk in range(p)])[:-1].tolist()
-    buckets = dist.replace(splits=[cuts])
+    bounds = np.cumsum([sizes[ranks[blk]] for blk in range(p)])[:-1].tolist()
+    buckets = dist.replace(splits=[bounds])
     return wrap(x.xp.asarray(out), buckets, x.xp).redistribute(dist)
 
 
@@ -298,18 +296,18 @@ def _inverse(ranks: list[int]) -> list[int]:
     return inv
 
 
-def _restore_input_order(out: np.ndarray, recv: np.ndarray) -> None:
-    """Put the zeros and NaNs of the sorted ``out`` back in their order in ``recv``.
+def _restore_input_order(out: np.ndarray, h: np.ndarray) -> None:
+    """Put the zeros and NaNs of the sorted ``out`` in their order in ``h``.
 
     Every other group of equal floats is bitwise identical, so this makes
-    ``numpy.sort``'s (unstable) result that of a stable sort.
+    ``numpy.sort``'s (unstable, fastest) result that of a stable sort.
     """
-    zeros = recv == 0
+    zeros = h == 0
     nz = int(np.count_nonzero(zeros))
     if nz:
         at = int(np.searchsorted(out, 0.0, "left"))
-        out[at:at + nz] = recv[zeros]
-    nan = np.isnan(recv)
+        out[at:at + nz] = h[zeros]
+    nan = np.isnan(h)
     nn = int(np.count_nonzero(nan))
     if nn:
-        out[len(out) - nn:] = recv[nan]
+        out[len(out) - nn:] = h[nan]
