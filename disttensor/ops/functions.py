@@ -19,6 +19,8 @@ import disttensor.ops.elementwise as elementwise
 import disttensor.ops.indexing as indexing
 import disttensor.ops.linalg as linalg
 import disttensor.ops.reductions as reductions
+import disttensor.ops.searching as searching
+import disttensor.ops.sets as sets
 import disttensor.ops.shape as shape
 import disttensor.ops.sorting as sorting
 
@@ -74,7 +76,10 @@ def _register_all() -> None:
         np.nonzero: indexing.nonzero, np.flatnonzero: indexing.flatnonzero,
         np.argwhere: indexing.argwhere,
         # sorting
-        np.sort: _np_sort, np.argsort: _np_argsort,
+        np.sort: _np_sort, np.argsort: _np_argsort, np.take: _np_take,
+        np.searchsorted: _np_searchsorted, np.unique_values: sets.unique_values,
+        np.unique_counts: sets.unique_counts, np.unique_inverse: sets.unique_inverse,
+        np.unique_all: sets.unique_all,
         # element-wise functions that are not ufuncs
         np.where: elementwise.where, np.clip: elementwise.clip,
         np.round: elementwise.round, np.around: elementwise.round,
@@ -175,6 +180,21 @@ def _np_argsort(a: Any, axis: Any = -1, kind: Any = None, order: Any = None, *,
     """:func:`numpy.argsort` (always stable)."""
     x, ax, _ = _sort_args(a, axis, kind, order, stable)
     return sorting.argsort(x, axis=ax)
+
+
+def _np_take(a: Any, indices: Any, axis: Any = None, out: Any = None,
+             mode: str = "raise") -> Any:
+    """:func:`numpy.take` with 1-D integer indices (``axis=None``: of the flattened array)."""
+    if out is not None or mode != "raise":
+        raise TypeError("take of a DistArray supports neither out= nor mode=")
+    if axis is None:
+        return searching.take(a.ravel(), indices, axis=0)
+    return searching.take(a, indices, axis=axis)
+
+
+def _np_searchsorted(a: Any, v: Any, side: str = "left", sorter: Any = None) -> Any:
+    """:func:`numpy.searchsorted` of a sorted 1-D DistArray."""
+    return searching.searchsorted(a, v, side=side, sorter=sorter)
 
 
 def _result_type(*arrays_and_dtypes: Any) -> np.dtype:

@@ -26,6 +26,8 @@ import disttensor.creation as creation
 import disttensor.ops.elementwise as elementwise
 import disttensor.ops.linalg as linalg
 import disttensor.ops.reductions as reductions
+import disttensor.ops.searching as searching
+import disttensor.ops.sets as sets
 import disttensor.ops.shape as _shape
 import disttensor.ops.sorting as sorting
 
@@ -307,6 +309,40 @@ def argsort(x: DistArray, /, *, axis: int = -1, descending: bool = False,
             stable: bool = True) -> DistArray:
     """Indices that sort ``x`` along ``axis``."""
     return sorting.argsort(x, axis=axis, descending=descending, stable=stable)
+
+
+def searchsorted(x1: DistArray, x2: Any, /, *, side: str = "left",
+                 sorter: Any = None) -> DistArray:
+    """Insertion indices of ``x2`` in the sorted 1-D ``x1`` (:mod:`disttensor.ops.searching`)."""
+    return searching.searchsorted(x1, x2, side=side, sorter=sorter)
+
+
+def take(x: DistArray, indices: Any, /, *, axis: int | None = None) -> DistArray:
+    """Elements at integer ``indices`` along ``axis``."""
+    return searching.take(x, indices, axis=axis)
+
+
+# ------------------------------------------------------------------ sets
+
+
+def unique_values(x: DistArray, /) -> DistArray:
+    """Distinct values, sorted (see :mod:`disttensor.ops.sets` for the distribution)."""
+    return sets.unique_values(x)
+
+
+def unique_counts(x: DistArray, /) -> Any:
+    """Distinct values and their counts."""
+    return sets.unique_counts(x)
+
+
+def unique_inverse(x: DistArray, /) -> Any:
+    """Distinct values and the inverse indices."""
+    return sets.unique_inverse(x)
+
+
+def unique_all(x: DistArray, /) -> Any:
+    """Distinct values, first indices, inverse indices and counts."""
+    return sets.unique_all(x)
 
 
 # ------------------------------------------------------------------ data types

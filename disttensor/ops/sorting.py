@@ -50,7 +50,7 @@ from ..distribution import Distribution
 from ..settings import collective
 from ._util import axis_index, block_coords, is_dist, subcomm_index, wrap
 
-__all__ = ["sort", "argsort", "OVERSAMPLE"]
+__all__ = ["sort", "argsort", "OVERSAMPLE", "block_ranks", "inverse_ranks"]
 
 #: Samples per block and per target block that choose the splitters.
 OVERSAMPLE = 64
@@ -172,12 +172,12 @@ def _lines_distribution(dist: Distribution, axis: int) -> Distribution:
 # ------------------------------------------------------------------ sample sort
 
 
-def _block_ranks(dist: Distribution) -> list[int]:
-    """Rank in ``grid.subcomm(dim_axes[0])`` of each block of dimension 0, around this rank."""
+def block_ranks(dist: Distribution, dim: int = 0) -> list[int]:
+    """Rank in ``grid.subcomm(dist.dim_axes[dim])`` of each block of ``dim``, around this rank."""
     grid = dist.grid
-    e = dist.dim_axes[0]
-    return [subcomm_index(grid, e, block_coords(dist, 0, b, grid.coords))
-            for b in range(dist.nblocks[0])]
+    e = dist.dim_axes[dim]
+    return [subcomm_index(grid, e, block_coords(dist, dim, b, grid.coords))
+            for b in range(dist.nblocks[dim])]
 
 
 def _local_sort(h: np.ndarray, index: bool, stable: bool) -> tuple[np.ndarray, Any]:
@@ -254,7 +254,7 @@ def _sample_sort(x: DistArray, index: bool, stable: bool) -> DistArray:
     b = dist.boundaries[0]
     p = len(b) - 1
     comm = dist.grid.subcomm(dist.dim_axes[0])
-    ranks = _block_ranks(dist)
+    ranks = block_ranks(dist)
     me = dist.block_index()[0]
     start, nloc = b[me], b[me + 1] - b[me]
 
@@ -269,7 +269,7 @@ def _sample_sort(x: DistArray, index: bool, stable: bool) -> DistArray:
 
     # 3. cut the sorted block into buckets (binary searches) and move each to its rank
     cuts = _cuts(s, start, sv, sg, below, p)
-    by_rank = comm.alltoall([cuts[blk + 1] - cuts[blk] for blk in _inverse(ranks)])
+    by_rank = comm.alltoall([cuts[blk + 1] - cuts[blk] for blk in inverse_ranks(ranks)])
     rcounts = [by_rank[ranks[blk]] for blk in range(p)]
     recv = _exchange(comm, s, cuts, ranks, rcounts)
 
@@ -279,7 +279,8 @@ def _sample_sort(x: DistArray, index: bool, stable: bool) -> DistArray:
         gidx = _exchange(comm, start + perm, cuts, ranks, rcounts)
         out = gidx[np.argsort(recv, kind="stable")]
     else:
-        out = np.sort(recv, kind="stable")
+        recv.sort(kind="stable")
+        out = recv
 
     # 5. to the input's block boundaries
     sizes = comm.allgather(len(out))
@@ -288,7 +289,7 @@ def _sample_sort(x: DistArray, index: bool, stable: bool) -> DistArray:
     return wrap(x.xp.asarray(out), buckets, x.xp).redistribute(dist)
 
 
-def _inverse(ranks: list[int]) -> list[int]:
+def inverse_ranks(ranks: list[int]) -> list[int]:
     """Block of each sub-communicator rank."""
     inv = [0] * len(ranks)
     for blk, r in enumerate(ranks):
