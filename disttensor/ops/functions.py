@@ -19,6 +19,7 @@ import disttensor.ops.elementwise as elementwise
 import disttensor.ops.indexing as indexing
 import disttensor.ops.linalg as linalg
 import disttensor.ops.reductions as reductions
+import disttensor.ops.replication as replication
 import disttensor.ops.searching as searching
 import disttensor.ops.sets as sets
 import disttensor.ops.shape as shape
@@ -79,7 +80,9 @@ def _register_all() -> None:
         np.sort: _np_sort, np.argsort: _np_argsort, np.take: _np_take,
         np.searchsorted: _np_searchsorted, np.unique_values: sets.unique_values,
         np.unique_counts: sets.unique_counts, np.unique_inverse: sets.unique_inverse,
-        np.unique_all: sets.unique_all,
+        np.unique_all: sets.unique_all, np.tile: replication.tile,
+        np.meshgrid: replication.meshgrid, np.tensordot: _np_tensordot,
+        np.repeat: _np_repeat,
         # element-wise functions that are not ufuncs
         np.where: elementwise.where, np.clip: elementwise.clip,
         np.round: elementwise.round, np.around: elementwise.round,
@@ -190,6 +193,16 @@ def _np_take(a: Any, indices: Any, axis: Any = None, out: Any = None,
     if axis is None:
         return searching.take(a.ravel(), indices, axis=0)
     return searching.take(a, indices, axis=axis)
+
+
+def _np_tensordot(a: Any, b: Any, axes: Any = 2) -> Any:
+    """:func:`numpy.tensordot` (a distributed matrix product)."""
+    return replication.tensordot(a, b, axes=axes)
+
+
+def _np_repeat(a: Any, repeats: Any, axis: Any = None) -> Any:
+    """:func:`numpy.repeat`."""
+    return replication.repeat(a, repeats, axis=axis)
 
 
 def _np_searchsorted(a: Any, v: Any, side: str = "left", sorter: Any = None) -> Any:

@@ -23,7 +23,8 @@ layout of the target region (an implicit move, see
 A boolean DistArray (or NumPy array) of ``x``'s shape is a mask: ``x[mask]``
 is the 1-D array of the selected elements in row-major order (``x`` and the
 mask move to row slabs first, then one ``allgather`` of the counts), and
-``x[mask] = scalar`` writes in place.
+``x[mask] = scalar`` writes in place. A 0-d boolean mask (``True``, a 0-d
+array) adds a dimension of length 1 (true) or 0 (false), as in NumPy.
 """
 
 from __future__ import annotations
@@ -265,9 +266,23 @@ def _swap_blocks(piece: Any, x: DistArray, p: _Plan) -> Any:
     return recv if is_numpy(xp) else xp.asarray(recv)
 
 
+def _scalar_mask(key: Any) -> bool | None:
+    """The value of a 0-d boolean key (Python, NumPy or DistArray), else None."""
+    k = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    if isinstance(k, (bool, np.bool_)):
+        return bool(k)
+    if (is_dist(k) or isinstance(k, np.ndarray)) and k.ndim == 0 and k.dtype == np.bool_:
+        return bool(k.local[()] if is_dist(k) else k[()])  # a 0-d DistArray: on every rank
+    return None
+
+
 @collective
 def getitem(x: DistArray, key: Any) -> DistArray:
     """``x[key]`` for basic keys and boolean masks (see the module docstring)."""
+    flag = _scalar_mask(key)
+    if flag is not None:  # a 0-d mask: a new axis of length 1 (True) or 0 (False)
+        y = getitem(x, None)
+        return y if flag else getitem(y, slice(0, 0))
     mask = _mask_key(x, key)
     if mask is not None:
         return _mask_getitem(x, mask)
@@ -311,6 +326,9 @@ def _strip_leading_ones(shape: tuple[int, ...], ndim: int) -> int:
 @collective
 def setitem(x: DistArray, key: Any, value: Any) -> None:
     """``x[key] = value`` (see the module docstring)."""
+    flag = _scalar_mask(key)
+    if flag is not None:  # a 0-d mask: the whole array, or nothing
+        return setitem(x, Ellipsis, value) if flag else None
     mask = _mask_key(x, key)
     if mask is not None:
         return _mask_setitem(x, mask, value)
