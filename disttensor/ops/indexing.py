@@ -59,7 +59,7 @@ from .align import (
     operand_distribution,
 )
 
-__all__ = ["getitem", "setitem", "parse_key"]
+__all__ = ["getitem", "setitem", "parse_key", "integer_array_key"]
 
 _INDEX_ERROR = (
     "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and a boolean "
@@ -96,6 +96,36 @@ class _New:
 
 _NEW = _New()
 Entry = _Int | _Slice | _New
+
+
+def _is_index_array(k: Any) -> bool:
+    if isinstance(k, list):
+        k = np.asarray(k)
+    return ((is_dist(k) or isinstance(k, np.ndarray)) and k.ndim == 1
+            and k.dtype.kind in "iu")
+
+
+def integer_array_key(key: Any, ndim: int) -> tuple[int, Any] | None:
+    """``(axis, indices)`` when ``key`` is one 1-D integer array (DistArray, NumPy array or
+    list) along one axis, every other entry a full slice ``:`` or ``...``; else None."""
+    items = key if isinstance(key, tuple) else (key,)
+    arrays = [i for i, k in enumerate(items) if _is_index_array(k)]
+    if len(arrays) != 1:
+        return None
+    at = arrays[0]
+    before, after = items[:at], items[at + 1:]
+    for k in before + after:
+        if not (k is Ellipsis or (isinstance(k, slice) and k == slice(None))):
+            return None
+    ell_before = any(k is Ellipsis for k in before)
+    ell_after = any(k is Ellipsis for k in after)
+    if ell_before and ell_after:
+        return None
+    axis = ndim - len(after) - 1 if ell_before else at
+    if not 0 <= axis < ndim or len(items) - (ell_before or ell_after) > ndim:
+        return None
+    k = items[at]
+    return axis, (np.asarray(k) if isinstance(k, list) else k)
 
 
 def _as_int(k: Any) -> int | None:

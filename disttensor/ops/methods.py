@@ -24,7 +24,8 @@ import disttensor.ops.shape as shape
 from ..array import DistArray
 from ..backend import is_cupy, is_numpy
 from .functions import array_function
-from .indexing import getitem, setitem
+from .indexing import getitem, integer_array_key, setitem
+from .searching import take
 from .ufuncs import array_ufunc
 
 __all__ = ["ArrayOperators"]
@@ -124,6 +125,9 @@ class ArrayOperators(NDArrayOperatorsMixin, metaclass=ABCMeta):
     # ------------------------------------------------------------ indexing
     def __getitem__(self, key: Any) -> Any:
         _check_modules(self)
+        fancy = integer_array_key(key, self.ndim)
+        if fancy is not None:  # one integer array along one axis: take
+            return take(self, fancy[1], axis=fancy[0])
         return getitem(self, key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
