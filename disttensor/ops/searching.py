@@ -4,7 +4,8 @@
 each value of ``x2``, its elements below it (``side="left"``) or at or below
 it (``"right"``); because ``x1`` is sorted, the sum of these counts over the
 blocks is the insertion index. ``x2`` is first made whole along the grid
-axes that split ``x1`` (a redistribution that replicates it over them), the
+axes that split ``x1`` (a redistribution that replicates it over them;
+all of it when it lives on another grid of the same processes), the
 counts are summed with one allreduce over those grid axes, and the result
 takes ``x2``'s distribution.
 
@@ -92,7 +93,10 @@ def searchsorted(x1: DistArray, x2: Any, /, *, side: str = "left",
     if sorter is not None:
         x1 = take(x1, sorter, axis=0)
     axes = split_grid_axes(x1.dist, [0])
-    whole = _without_axes(x2.dist, axes)
+    if x2.dist.grid_shape == x1.dist.grid_shape and x2.grid == x1.grid:
+        whole = _without_axes(x2.dist, axes)
+    else:  # another grid over the same processes: replicate x2 on x1's
+        whole = Distribution(x2.shape, x1.grid, (None,) * x2.ndim)
     y = x2 if whole == x2.dist else x2.redistribute(whole)
     counts = np.searchsorted(to_numpy(x1.local), to_numpy(y.local), side=side).astype(np.intp)
     counts = allreduce(np.ascontiguousarray(counts), x1.grid.subcomm(axes), MPI.SUM)
