@@ -72,7 +72,7 @@ def test_dlpack_whole_arrays_export_split_ones_point_to_local():
 @parallel
 def test_local_blocks_exchange_zero_copy_with_numpy_and_torch():
     torch = pytest.importorskip("torch")
-    x = DistArray.from_global(np.arange(24.0).reshape(4, 6), layouts((4, 6))[1])
+    x = DistArray.from_global(np.arange(24.0).reshape(4, 6), layouts((4, 6))[-1])
     t = torch.from_dlpack(x.local)
     t += 1.0  # writes x's block
     n = np.from_dlpack(x.local)

@@ -98,9 +98,14 @@ _NEW = _New()
 Entry = _Int | _Slice | _New
 
 
+def _list_index(k: list) -> np.ndarray:
+    a = np.asarray(k)
+    return a.astype(np.intp) if a.size == 0 else a  # x[[]] selects nothing, as in NumPy
+
+
 def _is_index_array(k: Any) -> bool:
     if isinstance(k, list):
-        k = np.asarray(k)
+        k = _list_index(k)
     return ((is_dist(k) or isinstance(k, np.ndarray)) and k.ndim == 1
             and k.dtype.kind in "iu")
 
@@ -125,7 +130,7 @@ def integer_array_key(key: Any, ndim: int) -> tuple[int, Any] | None:
     if not 0 <= axis < ndim or len(items) - (ell_before or ell_after) > ndim:
         return None
     k = items[at]
-    return axis, (np.asarray(k) if isinstance(k, list) else k)
+    return axis, (_list_index(k) if isinstance(k, list) else k)
 
 
 def _as_int(k: Any) -> int | None:
