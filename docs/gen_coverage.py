@@ -32,7 +32,7 @@ SUBMODULES = ("numpy.char", "numpy.fft", "numpy.lib.recfunctions", "numpy.lib.sc
               "numpy.lib.stride_tricks", "numpy.linalg", "numpy.polynomial.polynomial",
               "numpy.strings")
 
-# The function names of the Python array API standard, 2023.12 (core namespace).
+# The function names of the Python array API standard, 2023.12 (core namespace), all of them.
 ARRAY_API = sorted("""
 abs acos acosh add asin asinh atan atan2 atanh bitwise_and bitwise_left_shift bitwise_invert
 bitwise_or bitwise_right_shift bitwise_xor ceil clip conj copysign cos cosh divide equal exp
@@ -43,6 +43,7 @@ subtract tan tanh trunc
 cumulative_sum max mean min prod std sum var
 all any
 argmax argmin nonzero searchsorted where
+take
 broadcast_arrays broadcast_to concat expand_dims flip moveaxis permute_dims repeat reshape roll
 squeeze stack tile unstack
 matmul matrix_transpose tensordot vecdot
@@ -147,8 +148,9 @@ def render() -> str:
         lines.append(f"- `{mod}`: " + ", ".join(f"`{n}`" for n in groups[mod]))
     lines += ["", "## Array API namespace", "",
               "`x.__array_namespace__()` returns `disttensor.ops.namespace`.", "",
-              "Provided: " + ", ".join(f"`{n}`" for n in api_yes) + ".", "",
-              "Not provided: " + ", ".join(f"`{n}`" for n in api_no) + ".", ""]
+              "Provided: " + ", ".join(f"`{n}`" for n in api_yes) + ".", ""]
+    if api_no:
+        lines += ["Not provided: " + ", ".join(f"`{n}`" for n in api_no) + ".", ""]
     return "\n".join(lines)
 
 

@@ -90,14 +90,51 @@ def test_index_errors_match_numpy():
                      max_layouts=3, name="bad broadcast")
     check_like_numpy(lambda x: x.__setitem__(0, 300), shapes=[(5, 4)], dtypes=[np.int8],
                      max_layouts=3, name="int8 overflow")
-    # integer-array (fancy) indexing is not supported: a clear IndexError everywhere
+    # integer arrays on several axes, and writes through an integer array, are not
+    # supported: a clear IndexError everywhere
     x = dt.zeros((5, 4))
+    for bad in ((np.array([0, 1]), np.array([0, 1])), (np.array([[0, 1]]),)):
+        try:
+            x[bad]
+            raised = False
+        except IndexError:
+            raised = True
+        collective_assert(raised, f"x[{bad}] did not raise IndexError", x.comm)
     try:
-        x[[0, 1]]
+        x[[0, 1]] = 1.0
         raised = False
     except IndexError:
         raised = True
-    collective_assert(raised, "fancy indexing did not raise IndexError", x.comm)
+    collective_assert(raised, "writing through an integer array did not raise", x.comm)
+
+
+@st.composite
+def _fancy_case(draw):
+    d = draw(dists)
+    axis = draw(st.integers(0, d.ndim - 1))
+    n = d.global_shape[axis]
+    idx = draw(st.lists(st.integers(-n, n - 1), max_size=6)) if n else []
+    form = draw(st.sampled_from(["numpy", "list", "dist"]))
+    ell = draw(st.booleans())
+    return d, axis, idx, form, ell
+
+
+@parallel
+@settings(max_examples=25)
+@given(case=_fancy_case())
+def test_integer_array_index_along_one_axis(case):
+    """x[..., idx, ...] with one 1-D integer array (NumPy, list or DistArray) = numpy.take."""
+    d, axis, idx, form, ell = case
+    g = _values(d.global_shape)
+    x = DistArray.from_global(g, d)
+    arr = np.asarray(idx, dtype=np.int64)
+    ind = {"numpy": arr, "list": list(idx),
+           "dist": DistArray.from_global(arr, layouts(arr.shape)[-1])}[form]
+    if ell and axis == d.ndim - 1:
+        key = (Ellipsis, ind)
+    else:
+        key = (slice(None),) * axis + (ind,)
+    assert_equal(x[key], g[(slice(None),) * axis + (arr,)])
 
 
 @parallel

@@ -13,6 +13,9 @@ Importing this package gives ``DistArray`` the members of
 * ``__array_namespace__``: the Python array API namespace
   (:mod:`~disttensor.ops.namespace`);
 * ``x[key]`` and ``x[key] = value`` (:mod:`~disttensor.ops.indexing`);
+* sorting, searching and set functions (:mod:`~disttensor.ops.sorting`,
+  :mod:`~disttensor.ops.searching`, :mod:`~disttensor.ops.sets`) and
+  ``__dlpack__`` for arrays that are whole on the rank;
 * NumPy-style methods (``x.sum()``, ``x.reshape(...)``, ``x.T``, ...).
 
 Operands with different distributions are lined up by the rule in
@@ -21,8 +24,9 @@ implicit moves into errors. Rules and costs: docs/array_programming.md.
 
 The modules import :mod:`disttensor.array`, never the reverse, in one
 direction among themselves too: ``align``, ``indexing``, ``shape``,
-``reductions``, ``linalg``, ``ufuncs``, ``elementwise``, ``namespace``,
-``functions``, ``methods`` (each uses only those before it).
+``reductions``, ``linalg``, ``ufuncs``, ``elementwise``, ``sorting``,
+``searching``, ``sets``, ``replication``, ``namespace``, ``functions``,
+``methods`` (each uses only those before it).
 """
 
 from ._config import (

@@ -19,7 +19,11 @@ import disttensor.ops.elementwise as elementwise
 import disttensor.ops.indexing as indexing
 import disttensor.ops.linalg as linalg
 import disttensor.ops.reductions as reductions
+import disttensor.ops.replication as replication
+import disttensor.ops.searching as searching
+import disttensor.ops.sets as sets
 import disttensor.ops.shape as shape
+import disttensor.ops.sorting as sorting
 
 from ..array import DistArray
 from ..settings import collective
@@ -72,6 +76,13 @@ def _register_all() -> None:
         np.hstack: shape.hstack, np.vstack: shape.vstack, np.unstack: shape.unstack,
         np.nonzero: indexing.nonzero, np.flatnonzero: indexing.flatnonzero,
         np.argwhere: indexing.argwhere,
+        # sorting
+        np.sort: _np_sort, np.argsort: _np_argsort, np.take: _np_take,
+        np.searchsorted: _np_searchsorted, np.unique_values: sets.unique_values,
+        np.unique_counts: sets.unique_counts, np.unique_inverse: sets.unique_inverse,
+        np.unique_all: sets.unique_all, np.tile: replication.tile,
+        np.meshgrid: replication.meshgrid, np.tensordot: _np_tensordot,
+        np.repeat: _np_repeat,
         # element-wise functions that are not ufuncs
         np.where: elementwise.where, np.clip: elementwise.clip,
         np.round: elementwise.round, np.around: elementwise.round,
@@ -147,6 +158,56 @@ def _full_like(a: Any, fill_value: Any, dtype: Any = None, order: str = "K",
     if dtype is None:
         dtype = a.dtype
     return _like(a, dtype, fill_value, shape)
+
+
+def _sort_args(a: Any, axis: Any, kind: Any, order: Any, stable: Any) -> tuple[Any, int, bool]:
+    """NumPy's sort arguments as (array, axis, stable); ``axis=None`` sorts the flattened array."""
+    if order is not None:
+        raise ValueError("Cannot specify order when the array has no fields.")
+    if kind not in (None, "quicksort", "mergesort", "heapsort", "stable"):
+        raise ValueError(f"sort kind must be one of 'quick', 'heap', or 'stable' (got {kind!r})")
+    if axis is None:
+        return a.ravel(), 0, bool(stable) or kind in ("stable", "mergesort")
+    return a, axis, bool(stable) or kind in ("stable", "mergesort")
+
+
+def _np_sort(a: Any, axis: Any = -1, kind: Any = None, order: Any = None, *,
+             stable: Any = None) -> Any:
+    """:func:`numpy.sort` (distributed, see :mod:`disttensor.ops.sorting`)."""
+    x, ax, st = _sort_args(a, axis, kind, order, stable)
+    return sorting.sort(x, axis=ax, stable=st)
+
+
+def _np_argsort(a: Any, axis: Any = -1, kind: Any = None, order: Any = None, *,
+                stable: Any = None) -> Any:
+    """:func:`numpy.argsort` (always stable)."""
+    x, ax, _ = _sort_args(a, axis, kind, order, stable)
+    return sorting.argsort(x, axis=ax)
+
+
+def _np_take(a: Any, indices: Any, axis: Any = None, out: Any = None,
+             mode: str = "raise") -> Any:
+    """:func:`numpy.take` with 1-D integer indices (``axis=None``: of the flattened array)."""
+    if out is not None or mode != "raise":
+        raise TypeError("take of a DistArray supports neither out= nor mode=")
+    if axis is None:
+        return searching.take(a.ravel(), indices, axis=0)
+    return searching.take(a, indices, axis=axis)
+
+
+def _np_tensordot(a: Any, b: Any, axes: Any = 2) -> Any:
+    """:func:`numpy.tensordot` (a distributed matrix product)."""
+    return replication.tensordot(a, b, axes=axes)
+
+
+def _np_repeat(a: Any, repeats: Any, axis: Any = None) -> Any:
+    """:func:`numpy.repeat`."""
+    return replication.repeat(a, repeats, axis=axis)
+
+
+def _np_searchsorted(a: Any, v: Any, side: str = "left", sorter: Any = None) -> Any:
+    """:func:`numpy.searchsorted` of a sorted 1-D DistArray."""
+    return searching.searchsorted(a, v, side=side, sorter=sorter)
 
 
 def _result_type(*arrays_and_dtypes: Any) -> np.dtype:

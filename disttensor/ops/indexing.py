@@ -23,7 +23,8 @@ layout of the target region (an implicit move, see
 A boolean DistArray (or NumPy array) of ``x``'s shape is a mask: ``x[mask]``
 is the 1-D array of the selected elements in row-major order (``x`` and the
 mask move to row slabs first, then one ``allgather`` of the counts), and
-``x[mask] = scalar`` writes in place.
+``x[mask] = scalar`` writes in place. A 0-d boolean mask (``True``, a 0-d
+array) adds a dimension of length 1 (true) or 0 (false), as in NumPy.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from .align import (
     operand_distribution,
 )
 
-__all__ = ["getitem", "setitem", "parse_key"]
+__all__ = ["getitem", "setitem", "parse_key", "integer_array_key"]
 
 _INDEX_ERROR = (
     "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and a boolean "
@@ -95,6 +96,41 @@ class _New:
 
 _NEW = _New()
 Entry = _Int | _Slice | _New
+
+
+def _list_index(k: list) -> np.ndarray:
+    a = np.asarray(k)
+    return a.astype(np.intp) if a.size == 0 else a  # x[[]] selects nothing, as in NumPy
+
+
+def _is_index_array(k: Any) -> bool:
+    if isinstance(k, list):
+        k = _list_index(k)
+    return ((is_dist(k) or isinstance(k, np.ndarray)) and k.ndim == 1
+            and k.dtype.kind in "iu")
+
+
+def integer_array_key(key: Any, ndim: int) -> tuple[int, Any] | None:
+    """``(axis, indices)`` when ``key`` is one 1-D integer array (DistArray, NumPy array or
+    list) along one axis, every other entry a full slice ``:`` or ``...``; else None."""
+    items = key if isinstance(key, tuple) else (key,)
+    arrays = [i for i, k in enumerate(items) if _is_index_array(k)]
+    if len(arrays) != 1:
+        return None
+    at = arrays[0]
+    before, after = items[:at], items[at + 1:]
+    for k in before + after:
+        if not (k is Ellipsis or (isinstance(k, slice) and k == slice(None))):
+            return None
+    ell_before = any(k is Ellipsis for k in before)
+    ell_after = any(k is Ellipsis for k in after)
+    if ell_before and ell_after:
+        return None
+    axis = ndim - len(after) - 1 if ell_before else at
+    if not 0 <= axis < ndim or len(items) - (ell_before or ell_after) > ndim:
+        return None
+    k = items[at]
+    return axis, (_list_index(k) if isinstance(k, list) else k)
 
 
 def _as_int(k: Any) -> int | None:
@@ -265,9 +301,23 @@ def _swap_blocks(piece: Any, x: DistArray, p: _Plan) -> Any:
     return recv if is_numpy(xp) else xp.asarray(recv)
 
 
+def _scalar_mask(key: Any) -> bool | None:
+    """The value of a 0-d boolean key (Python, NumPy or DistArray), else None."""
+    k = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    if isinstance(k, (bool, np.bool_)):
+        return bool(k)
+    if (is_dist(k) or isinstance(k, np.ndarray)) and k.ndim == 0 and k.dtype == np.bool_:
+        return bool(k.local[()] if is_dist(k) else k[()])  # a 0-d DistArray: on every rank
+    return None
+
+
 @collective
 def getitem(x: DistArray, key: Any) -> DistArray:
     """``x[key]`` for basic keys and boolean masks (see the module docstring)."""
+    flag = _scalar_mask(key)
+    if flag is not None:  # a 0-d mask: a new axis of length 1 (True) or 0 (False)
+        y = getitem(x, None)
+        return y if flag else getitem(y, slice(0, 0))
     mask = _mask_key(x, key)
     if mask is not None:
         return _mask_getitem(x, mask)
@@ -311,6 +361,9 @@ def _strip_leading_ones(shape: tuple[int, ...], ndim: int) -> int:
 @collective
 def setitem(x: DistArray, key: Any, value: Any) -> None:
     """``x[key] = value`` (see the module docstring)."""
+    flag = _scalar_mask(key)
+    if flag is not None:  # a 0-d mask: the whole array, or nothing
+        return setitem(x, Ellipsis, value) if flag else None
     mask = _mask_key(x, key)
     if mask is not None:
         return _mask_setitem(x, mask, value)

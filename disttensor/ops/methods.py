@@ -24,7 +24,8 @@ import disttensor.ops.shape as shape
 from ..array import DistArray
 from ..backend import is_cupy, is_numpy
 from .functions import array_function
-from .indexing import getitem, setitem
+from .indexing import getitem, integer_array_key, setitem
+from .searching import take
 from .ufuncs import array_ufunc
 
 __all__ = ["ArrayOperators"]
@@ -97,9 +98,36 @@ class ArrayOperators(NDArrayOperatorsMixin, metaclass=ABCMeta):
             "on every rank); call x.to_global() to gather it, or x.local for this rank's block"
         )
 
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        """Export through DLPack when this rank holds the whole array (one rank, or every
+        dimension unsplit: replicated); the capsule shares this rank's memory.
+
+        A DistArray split over ranks has no single buffer: that raises BufferError
+        (the standard's error for arrays that cannot be exported) on the ranks
+        that hold a part, pointing to ``x.local``, whose blocks exchange with
+        NumPy, CuPy and PyTorch without copying (``torch.from_dlpack(x.local)``).
+        """
+        if self.dist.local_shape() != self.shape or any(n > 1 for n in self.dist.nblocks):
+            raise BufferError(
+                "a DistArray split over ranks cannot be exported through DLPack as one "
+                "array; export this rank's block instead: x.local.__dlpack__() (for example "
+                "torch.from_dlpack(x.local) or numpy.from_dlpack(x.local), no copy), or "
+                "gather it first with x.to_global()")
+        kw = {k: v for k, v in (("stream", stream), ("max_version", max_version),
+                                ("dl_device", dl_device), ("copy", copy)) if v is not None}
+        return self.local.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> tuple[Any, int]:
+        """The DLPack device of this rank's block."""
+        return self.local.__dlpack_device__()
+
     # ------------------------------------------------------------ indexing
     def __getitem__(self, key: Any) -> Any:
         _check_modules(self)
+        fancy = integer_array_key(key, self.ndim)
+        if fancy is not None:  # one integer array along one axis: take
+            return take(self, fancy[1], axis=fancy[0])
         return getitem(self, key)
 
     def __setitem__(self, key: Any, value: Any) -> None:

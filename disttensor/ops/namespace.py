@@ -2,12 +2,10 @@
 
 Array-API code written as ``xp = array_namespace(x); xp.mean(x, axis=0)``
 runs on DistArrays through this module. It covers the standard's element-wise
-functions, statistics, utility and searching functions (except
-``searchsorted``), manipulation functions (except ``tile`` and ``repeat``),
-``matmul``/``matrix_transpose``/``vecdot``, data type
-functions, constants and creation functions; sorting, sets, ``tensordot``,
-``meshgrid``, ``from_dlpack`` and the optional extensions (linalg, fft) are
-not provided. Semantics are NumPy's (NumPy 2 follows the standard).
+functions, statistics, utility and searching functions, manipulation functions,
+``matmul``/``matrix_transpose``/``vecdot``/``tensordot``, data type
+functions, constants, creation functions, sorting, searching and set
+functions: the whole 2023.12 core. Semantics are NumPy's (NumPy 2 follows the standard).
 
 Creation functions without an array argument (``zeros``, ``arange``,
 ``asarray``, ...) build arrays on the default grid (a 1-D grid over
@@ -18,7 +16,7 @@ distribution of their argument.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,7 +24,11 @@ import disttensor.creation as creation
 import disttensor.ops.elementwise as elementwise
 import disttensor.ops.linalg as linalg
 import disttensor.ops.reductions as reductions
+import disttensor.ops.replication as replication
+import disttensor.ops.searching as searching
+import disttensor.ops.sets as sets
 import disttensor.ops.shape as _shape
+import disttensor.ops.sorting as sorting
 
 from ..array import DistArray
 from ._util import is_dist, wrap
@@ -280,7 +282,28 @@ def broadcast_arrays(*arrays: Any) -> list[DistArray]:
     return _shape.broadcast_arrays(*arrays)
 
 
+def tile(x: DistArray, repetitions: Any, /) -> DistArray:
+    """Repeat the whole array along each dimension (:mod:`disttensor.ops.replication`)."""
+    return replication.tile(x, repetitions)
+
+
+def repeat(x: DistArray, repeats: Any, /, *, axis: int | None = None) -> DistArray:
+    """Repeat each element."""
+    return replication.repeat(x, repeats, axis=axis)
+
+
+def meshgrid(*arrays: DistArray, indexing: str = "xy") -> list[DistArray]:
+    """Coordinate grids from 1-D arrays."""
+    return replication.meshgrid(*arrays, indexing=indexing)
+
+
 # ------------------------------------------------------------------ linear algebra
+
+
+def tensordot(x1: DistArray, x2: DistArray, /, *, axes: Any = 2) -> DistArray:
+    """Sum of products over ``axes`` (a distributed matrix product)."""
+    return replication.tensordot(x1, x2, axes=axes)
+
 
 
 def matmul(x1: Any, x2: Any, /) -> DistArray:
@@ -289,8 +312,60 @@ def matmul(x1: Any, x2: Any, /) -> DistArray:
 
 
 def vecdot(x1: Any, x2: Any, /, *, axis: int = -1) -> DistArray:
-    """Conjugated dot product along ``axis``."""
-    return linalg.vecdot(x1, x2, axis=axis)
+    """Conjugated dot product along ``axis``, in the operands' result type (``uint8``
+    operands give ``uint8``, wrapping around as the standard's integer arithmetic does)."""
+    out = linalg.vecdot(x1, x2, axis=axis)
+    want = np.result_type(*(a.dtype if is_dist(a) else np.asarray(a).dtype for a in (x1, x2)))
+    return out if out.dtype == want else out.astype(want)
+
+
+# ------------------------------------------------------------------ sorting
+
+
+def sort(x: DistArray, /, *, axis: int = -1, descending: bool = False,
+         stable: bool = True) -> DistArray:
+    """Sorted copy along ``axis`` (distributed sample sort, see :mod:`disttensor.ops.sorting`)."""
+    return sorting.sort(x, axis=axis, descending=descending, stable=stable)
+
+
+def argsort(x: DistArray, /, *, axis: int = -1, descending: bool = False,
+            stable: bool = True) -> DistArray:
+    """Indices that sort ``x`` along ``axis``."""
+    return sorting.argsort(x, axis=axis, descending=descending, stable=stable)
+
+
+def searchsorted(x1: DistArray, x2: Any, /, *, side: str = "left",
+                 sorter: Any = None) -> DistArray:
+    """Insertion indices of ``x2`` in the sorted 1-D ``x1`` (:mod:`disttensor.ops.searching`)."""
+    return searching.searchsorted(x1, x2, side=side, sorter=sorter)
+
+
+def take(x: DistArray, indices: Any, /, *, axis: int | None = None) -> DistArray:
+    """Elements at integer ``indices`` along ``axis``."""
+    return searching.take(x, indices, axis=axis)
+
+
+# ------------------------------------------------------------------ sets
+
+
+def unique_values(x: DistArray, /) -> DistArray:
+    """Distinct values, sorted (see :mod:`disttensor.ops.sets` for the distribution)."""
+    return sets.unique_values(x)
+
+
+def unique_counts(x: DistArray, /) -> Any:
+    """Distinct values and their counts."""
+    return sets.unique_counts(x)
+
+
+def unique_inverse(x: DistArray, /) -> Any:
+    """Distinct values and the inverse indices."""
+    return sets.unique_inverse(x)
+
+
+def unique_all(x: DistArray, /) -> Any:
+    """Distinct values, first indices, inverse indices and counts."""
+    return sets.unique_all(x)
 
 
 # ------------------------------------------------------------------ data types
@@ -311,9 +386,25 @@ def result_type(*arrays_and_dtypes: Any) -> np.dtype:
     return np.result_type(*(a.dtype if is_dist(a) else a for a in arrays_and_dtypes))
 
 
-def finfo(type: Any, /) -> Any:  # noqa: A002
-    """Machine limits of a floating dtype (or of an array's dtype)."""
-    return np.finfo(type.dtype if is_dist(type) else type)
+class finfo_object(NamedTuple):  # noqa: N801 - the standard's name
+    """The standard's ``finfo`` result: Python floats and ints, and the dtype."""
+
+    bits: int
+    eps: float
+    max: float
+    min: float
+    smallest_normal: float
+    dtype: np.dtype
+
+
+def finfo(type: Any, /) -> finfo_object:  # noqa: A002
+    """Machine limits of a floating dtype (or of an array's dtype), as Python floats.
+
+    For complex dtypes the limits are those of their real and imaginary parts.
+    """
+    f = np.finfo(type.dtype if is_dist(type) else type)
+    return finfo_object(int(f.bits), float(f.eps), float(f.max), float(f.min),
+                        float(f.smallest_normal), f.dtype)
 
 
 def iinfo(type: Any, /) -> Any:  # noqa: A002
@@ -334,7 +425,31 @@ def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = N
         if dtype is not None and np.dtype(dtype) != obj.dtype:
             return obj.astype(dtype)
         return obj.copy() if copy else obj
-    return creation.asarray(np.asarray(obj, dtype=dtype), **dist_kw)
+    return creation.asarray(np.asarray(_scalars(obj), dtype=dtype), **dist_kw)
+
+
+def _scalars(obj: Any) -> Any:
+    """``obj`` with its 0-d DistArrays (at any depth of nested lists) replaced by their values;
+    a 0-d DistArray holds its value on every rank."""
+    if isinstance(obj, (list, tuple)):
+        return [_scalars(o) for o in obj]
+    if is_dist(obj):
+        if obj.ndim:
+            raise ValueError("asarray: a nested sequence may hold only 0-d DistArrays")
+        return obj.local[()]
+    return obj
+
+
+def from_dlpack(x: Any, /, *, device: Any = None, copy: Any = None) -> DistArray:
+    """A DistArray from a DLPack-capable object (the same on every rank), on the default grid.
+
+    A DistArray is returned as it is. The object is imported with
+    :func:`numpy.from_dlpack` (no copy) and then distributed, which copies
+    this rank's block.
+    """
+    if is_dist(x):
+        return x.copy() if copy else x
+    return creation.asarray(np.from_dlpack(x))
 
 
 def _default_dtype(dtype: Any) -> Any:
