@@ -20,11 +20,12 @@ from disttensor import limit_blas_threads
 from ..plan import Plan, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
+from .data import data_problem, save_dataset
 from .driver import RECOMPUTE, SetupError, TrainConfig, plan_mismatch, train
 from .plot import plot_scaling
 from .registry import build_model, check_size, model_names, model_spec
 
-__all__ = ["parse_bytes", "parse_size", "plan_main", "train_main"]
+__all__ = ["data_main", "parse_bytes", "parse_size", "plan_main", "train_main"]
 
 
 def parse_bytes(text: str) -> float:
@@ -292,9 +293,16 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         help="SGD weight decay")
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
-    parser.add_argument("--data", metavar="DIR",
-                        help="train on the .npy samples in DIR (sample_*.npy and target_*.npy, "
-                        "as save_npy_dataset writes them) instead of synthetic data")
+    parser.add_argument("--data", metavar="PATH",
+                        help="train on this data set instead of synthetic data: an HDF5 file "
+                        "(*.h5), a Zarr store (*.zarr) with arrays (N, C, *spatial) named by "
+                        "--data-input and --data-target, or a directory of sample_*.npy and "
+                        "target_*.npy (as save_npy_dataset writes them); every rank reads only "
+                        "its block of each sample")
+    parser.add_argument("--data-input", default=d.data_input, metavar="NAME",
+                        help="name of the input array in the --data file")
+    parser.add_argument("--data-target", default=d.data_target, metavar="NAME",
+                        help="name of the target array in the --data file")
     parser.add_argument("--seed", type=int, default=d.seed,
                         help="seed of the weights, the data and the shuffling")
     parser.add_argument("--checkpoint", metavar="DIR", help="directory for checkpoints")
@@ -325,8 +333,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         parser.error("--resume needs --checkpoint DIR (the checkpoint to continue from)")
     if a.checkpoint_every and not a.checkpoint:
         parser.error("--checkpoint-every needs --checkpoint DIR")
-    if a.data is not None and not os.path.isdir(a.data):
-        parser.error(f"--data {a.data}: not a directory")
+    if a.data is not None:
+        problem = data_problem(a.data)
+        if problem:
+            parser.error(f"--data {a.data}: {problem}")
     try:
         check_size(a.model, a.size)
     except ValueError as exc:
@@ -343,12 +353,67 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
                       checkpoint_every=a.checkpoint_every, resume=a.resume, metrics=a.metrics,
                       machine=a.machine, memory_per_rank=a.memory_per_rank,
-                      progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate,
+                      progress=not a.no_progress, data=a.data, data_input=a.data_input,
+                      data_target=a.data_target, recalibrate=a.recalibrate,
                       profile_memory=a.profile_memory, recompute=a.recompute)
     try:
         train(cfg)
     except SetupError as exc:  # raised on every rank, before training
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return 0
+
+
+def data_main(argv: Sequence[str] | None = None) -> int:
+    """``disttensor-data make-synthetic MODEL OUT [...]``: write a model's synthetic data set.
+
+    The data set is the model's default one (its registry entry), written to
+    one HDF5 file (``OUT`` ending in ``.h5``/``.hdf5``) or Zarr store (any
+    other ``OUT``, ``.zarr`` by convention) with arrays ``input`` and
+    ``target``, for ``disttensor-train MODEL --data OUT`` and
+    ``disttensor-predict``. Run it under mpiexec to write Zarr samples in
+    parallel.
+    """
+    parser = _Parser(prog="disttensor-data", formatter_class=_Help,
+                     description="Write data sets for disttensor-train --data and "
+                                 "disttensor-predict.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-synthetic", formatter_class=_Help,
+                          help="write a model's synthetic data set to HDF5 or Zarr",
+                          description="Write a model's built-in synthetic data set (the one "
+                          "disttensor-train uses without --data) to an HDF5 file (OUT.h5) or "
+                          "a Zarr store (OUT.zarr), arrays 'input' (N, C, *spatial) and "
+                          "'target'.")
+    make.add_argument("model", choices=model_names(), help="whose data set to write")
+    make.add_argument("out", help="the file to write: *.h5 / *.hdf5 (HDF5) or *.zarr (Zarr)")
+    make.add_argument("--samples", type=_positive_int, default=16, help="number of samples")
+    make.add_argument("--size", type=_size,
+                      help="spatial size, e.g. 64x64 (default: the model's)")
+    make.add_argument("--seed", type=int, default=0, help="selects the data set")
+    make.add_argument("--chunks", type=_size,
+                      help="chunk extent along each spatial dimension, e.g. 32x32 (default: "
+                      "64 each); a rank reads the chunks that meet its block")
+    a = parser.parse_args(argv)
+    try:
+        check_size(a.model, a.size)
+    except ValueError as exc:
+        make.error(f"--size: {exc}")
+    parent = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(parent):
+        make.error(f"{a.out}: the directory {parent} does not exist")
+    _, shape = build_model(a.model, a.size, 1)
+    if a.chunks and len(a.chunks) != len(shape) - 2:
+        make.error(f"--chunks needs {len(shape) - 2} extents for {a.model}'s samples "
+                   f"{tuple(shape[1:])}")
+    data = model_spec(a.model).dataset(a.samples, tuple(shape[1:]), a.seed)
+    try:
+        save_dataset(a.out, data, chunks=a.chunks)
+    except (OSError, ImportError) as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n" if MPI.COMM_WORLD.Get_rank() == 0
+                    else None)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(f"wrote {a.samples} samples of {a.model}'s data set, inputs {data.dtype} "
+              f"{tuple(data.sample_shape)}, targets {data.target_dtype} "
+              f"{tuple(data.target_shape)}, to {a.out}")
     return 0
 
 
