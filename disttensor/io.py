@@ -235,20 +235,49 @@ def from_npy(path: PathLike, dist: Distribution | None = None, *,
     return out
 
 
-def _file_type(dist: Distribution, itemsize: int) -> MPI.Datatype | None:
-    """A byte subarray type selecting this rank's block in the C-ordered file (None: empty)."""
+def _file_type(dist: Distribution, itemsize: int, file_shape: Sequence[int],
+               offset: Sequence[int]) -> MPI.Datatype | None:
+    """A byte subarray type selecting this rank's block, placed at ``offset`` in a C-ordered
+    file array of ``file_shape`` (None: the block is empty)."""
     local = dist.local_shape()
     if math.prod(local) == 0:
         return None
-    sizes = [*dist.global_shape[:-1], dist.global_shape[-1] * itemsize]
+    sizes = [*file_shape[:-1], file_shape[-1] * itemsize]
     subsizes = [*local[:-1], local[-1] * itemsize]
-    starts = [s.start for s in dist.local_slices()]
+    starts = [o + s.start for o, s in zip(offset, dist.local_slices())]
     starts[-1] *= itemsize
     return MPI.BYTE.Create_subarray(sizes, subsizes, starts).Commit()
 
 
+def _region(region: Any, target: tuple[int, ...], shape: tuple[int, ...], what: str) -> tuple:
+    """The start of ``region`` (slices of the leading dimensions of an array of shape
+    ``target``, the others whole) where an array of ``shape`` goes; checked."""
+    if not isinstance(region, (tuple, list)) or not all(isinstance(r, slice) for r in region):
+        raise TypeError(f"{what}: region must be a tuple of slices, got {region!r}")
+    if len(region) > len(target) or len(shape) != len(target):
+        raise ValueError(f"{what}: an array of shape {shape} cannot go into a region of "
+                         f"one of shape {target}")
+    full = (*region, *(slice(None),) * (len(target) - len(region)))
+    bounds = [r.indices(n) for r, n in zip(full, target)]
+    if any(step != 1 for _, _, step in bounds):
+        raise ValueError(f"{what}: region slices must have step 1, got {region!r}")
+    want = tuple(max(0, b - a) for a, b, _ in bounds)
+    if want != tuple(shape):
+        raise ValueError(f"{what}: the region {region!r} of the stored array {target} has "
+                         f"shape {want}, the array {tuple(shape)}")
+    return tuple(a for a, _, _ in bounds)
+
+
+def _npy_data_offset(path: str) -> int:
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        (np.lib.format.read_array_header_1_0 if version == (1, 0)
+         else np.lib.format.read_array_header_2_0)(f)
+        return f.tell()
+
+
 @collective
-def to_npy(array: DistArray, path: PathLike) -> None:
+def to_npy(array: DistArray, path: PathLike, *, region: Sequence[slice] | None = None) -> None:
     """Write a DistArray to one ``.npy`` file, every rank its block, through MPI-IO.
 
     Every rank computes the header (:func:`npy_header`); rank 0 writes it,
@@ -263,39 +292,58 @@ def to_npy(array: DistArray, path: PathLike) -> None:
         The array (blocks on any device; they are copied to host memory).
     path : path
         The file to write; its directory must exist.
+    region : tuple of slice, optional
+        Write into this region of an existing C-ordered ``.npy`` file of the
+        same dtype instead (slices of its leading dimensions, the others
+        whole; the region's shape must be the array's), e.g. ``(slice(i,
+        i + 1),)`` for sample ``i`` of a stack. The rest of the file is left
+        as it is.
 
     Raises
     ------
     FileNotFoundError
-        When the directory does not exist (on every rank alike).
+        When the directory (or, with ``region``, the file) does not exist.
+    ValueError
+        For a region that does not fit the file (on every rank alike).
     """
     path = os.fspath(path)
     dist = array.dist
     comm = dist.grid.comm
-
-    def check() -> None:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"to_npy: the directory {directory} does not exist")
-    _agree(comm, check)
     dtype = np.dtype(array.dtype)
-    header = npy_header(dist.global_shape, dtype)
-    total = len(header) + dist.size * dtype.itemsize
+
+    def check() -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        if region is None:
+            directory = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(directory):
+                raise FileNotFoundError(f"to_npy: the directory {directory} does not exist")
+            return dist.global_shape, (0,) * dist.ndim, len(npy_header(dist.global_shape, dtype))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"to_npy: no file {path} to write a region of")
+        shape, stored, fortran = _read_npy_header(path)
+        if fortran or stored != dtype:
+            raise ValueError(f"to_npy: {path} holds {'Fortran-ordered ' if fortran else ''}"
+                             f"{stored}, not C-ordered {dtype} in native byte order")
+        return shape, _region(region, shape, dist.global_shape, "to_npy"), \
+            _npy_data_offset(path)
+    file_shape, offset, start = _agree(comm, check)
     block = np.ascontiguousarray(to_numpy(array.local)) if _writes(dist) else None
-    f = MPI.File.Open(comm, path, MPI.MODE_WRONLY | MPI.MODE_CREATE)
+    mode = MPI.MODE_WRONLY | (MPI.MODE_CREATE if region is None else 0)
+    f = MPI.File.Open(comm, path, mode)
     try:
-        f.Set_size(total)  # collective; truncates what a longer former file left
-        if comm.Get_rank() == 0:
-            f.Write_at(0, header)
-        ftype = None if block is None or dist.ndim == 0 else _file_type(dist, dtype.itemsize)
+        if region is None:
+            f.Set_size(start + dist.size * dtype.itemsize)  # truncates a longer former file
+            if comm.Get_rank() == 0:
+                f.Write_at(0, npy_header(dist.global_shape, dtype))
+        ftype = None if block is None or dist.ndim == 0 else \
+            _file_type(dist, dtype.itemsize, file_shape, offset)
         if ftype is None:
-            f.Set_view(len(header), MPI.BYTE, MPI.BYTE)
+            f.Set_view(start, MPI.BYTE, MPI.BYTE)
             if dist.ndim == 0 and block is not None and comm.Get_rank() == 0:
                 f.Write_all(block.view(np.uint8).reshape(-1))
             else:
                 f.Write_all(np.empty(0, np.uint8))
         else:
-            f.Set_view(len(header), MPI.BYTE, ftype)
+            f.Set_view(start, MPI.BYTE, ftype)
             f.Write_all(block.view(np.uint8).reshape(-1))
             ftype.Free()
     finally:
@@ -441,7 +489,7 @@ def _aligned(dist: Distribution, chunks: tuple[int, ...]) -> bool:
 
 @collective
 def to_zarr(array: DistArray, store: Any, chunks: Sequence[int] | None = None, *,
-            overwrite: bool = True) -> None:
+            overwrite: bool = True, region: Sequence[slice] | None = None) -> None:
     """Write a DistArray to a Zarr (v3) array, every rank its own whole chunks.
 
     Rank 0 creates the array; then every rank writes the chunks inside its
@@ -461,18 +509,37 @@ def to_zarr(array: DistArray, store: Any, chunks: Sequence[int] | None = None, *
         dimension (whole blocks when the array is evenly split).
     overwrite : bool
         Replace an existing array (otherwise it is an error).
+    region : tuple of slice, optional
+        Write into this region of the existing array at ``store`` instead
+        (slices of its leading dimensions, the others whole; the region's
+        shape must be the array's and it must start on chunk boundaries),
+        e.g. ``(slice(i, i + 1),)`` for sample ``i`` of a stack; ``chunks``
+        and ``overwrite`` are then not used.
 
     Raises
     ------
     ImportError
         Without zarr (``pip install disttensor[data]``).
     ValueError
-        For a bad chunk shape (on every rank alike).
+        For a bad chunk shape or region (on every rank alike).
     """
     zarr = optional_module("zarr")
     dist = array.dist
     comm = dist.grid.comm
-    if chunks is None:
+    offset = (0,) * dist.ndim
+    if region is not None:
+        def existing() -> tuple[tuple[int, ...], tuple[int, ...]]:
+            target = _open_zarr(store)
+            if np.dtype(target.dtype) != np.dtype(array.dtype):
+                raise ValueError(f"to_zarr: {store} holds {target.dtype}, the array is "
+                                 f"{array.dtype}")
+            start = _region(region, tuple(target.shape), dist.global_shape, "to_zarr")
+            if any(a % c for a, c in zip(start, target.chunks)):
+                raise ValueError(f"to_zarr: the region {region!r} does not start on a "
+                                 f"boundary of the chunks {tuple(target.chunks)}")
+            return tuple(target.chunks), start
+        chunks, offset = _agree(comm, existing)
+    elif chunks is None:
         chunks = tuple(max(1, max(b[i + 1] - b[i] for i in range(len(b) - 1)))
                        for b in dist.boundaries)
     chunks = tuple(int(c) for c in chunks)
@@ -484,13 +551,15 @@ def to_zarr(array: DistArray, store: Any, chunks: Sequence[int] | None = None, *
         dist = array.dist
 
     def create() -> None:
-        if comm.Get_rank() == 0:
+        if comm.Get_rank() == 0 and region is None:
             zarr.create_array(store=store, shape=dist.global_shape, dtype=array.dtype,
                               chunks=chunks, overwrite=overwrite)
     _agree(comm, create)
     if _writes(dist) and math.prod(dist.local_shape()):
         target = zarr.open_array(store=store, mode="r+")
-        target[dist.local_slices()] = to_numpy(array.local)
+        where = tuple(slice(o + s.start, o + s.stop)
+                      for o, s in zip(offset, dist.local_slices()))
+        target[where] = to_numpy(array.local)
     comm.Barrier()  # the store is complete when any rank returns
 
 

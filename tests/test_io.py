@@ -107,6 +107,34 @@ def test_npy_overwrites_a_longer_file_and_reads_fortran_and_big_endian(shared_di
                  GLOBAL.astype(np.float64))
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS[1:3])
+def test_writing_into_a_region_of_a_stack(shared_dir, layout):
+    gshape, axes = layout
+    grid = dt.ProcessGrid(gshape)
+    x = dt.asarray(GLOBAL[None], grid=grid, axes=(None, *axes))
+    stack = (3, *SHAPE)
+    npy, zpath = shared_dir / "s.npy", str(shared_dir / "s.zarr")
+
+    def create():
+        np.lib.format.open_memmap(npy, "w+", np.float32, stack).flush()
+        zarr.create_array(store=zpath, shape=stack, dtype=np.float32, chunks=(1, 2, 3, 3),
+                          fill_value=0)
+    on_root(create)
+    x.to_npy(npy, region=(slice(1, 2),))
+    x.to_zarr(zpath, region=(slice(2, 3),))
+    want_npy, want_zarr = np.zeros(stack, np.float32), np.zeros(stack, np.float32)
+    want_npy[1], want_zarr[2] = GLOBAL, GLOBAL
+    collective_assert(np.array_equal(np.load(npy), want_npy), "to_npy region")
+    collective_assert(np.array_equal(zarr.open_array(zpath, mode="r")[...], want_zarr),
+                      "to_zarr region")
+    for call in [lambda: x.to_npy(npy, region=(slice(0, 2),)),
+                 lambda: x.to_zarr(zpath, region=(slice(0, 1), slice(1, 6))),
+                 lambda: x.astype(np.float64).to_npy(npy, region=(slice(0, 1),))]:
+        _, error = collective_outcome(call)
+        collective_assert(isinstance(error, ValueError), repr(error))
+
+
 def write_h5(path, chunks=None):
     def write():
         with h5py.File(path, "w") as f:
