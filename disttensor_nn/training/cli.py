@@ -20,12 +20,14 @@ from disttensor import limit_blas_threads
 from ..plan import Plan, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
+from .checkpoint import CheckpointError
 from .data import data_problem, save_dataset
 from .driver import RECOMPUTE, SetupError, TrainConfig, plan_mismatch, train
 from .plot import plot_scaling
+from .predict import PredictConfig, predict
 from .registry import build_model, check_size, model_names, model_spec
 
-__all__ = ["data_main", "parse_bytes", "parse_size", "plan_main", "train_main"]
+__all__ = ["data_main", "parse_bytes", "parse_size", "plan_main", "predict_main", "train_main"]
 
 
 def parse_bytes(text: str) -> float:
@@ -414,6 +416,74 @@ def data_main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {a.samples} samples of {a.model}'s data set, inputs {data.dtype} "
               f"{tuple(data.sample_shape)}, targets {data.target_dtype} "
               f"{tuple(data.target_shape)}, to {a.out}")
+    return 0
+
+
+def predict_main(argv: Sequence[str] | None = None) -> int:
+    """``disttensor-predict MODEL --checkpoint DIR --data PATH --out PATH [...]``.
+
+    Runs the trained model on every sample of the data set with a plan made
+    for inference memory, each rank writing its block of every output, and
+    prints the plan and the peak memory of every rank. Arguments are checked
+    first; a bad one ends the job with one usage message from rank 0.
+    """
+    d = PredictConfig()
+    parser = _Parser(
+        prog="disttensor-predict", formatter_class=_Help,
+        description="Run a trained network (a disttensor-train checkpoint) on whole samples "
+                    "of a data set, split over the ranks as the planner chooses for inference "
+                    "memory (run under mpiexec -n P); every rank reads its block of each "
+                    "input and writes its block of each output to one Zarr store or .npy file.")
+    parser.add_argument("model", choices=model_names(), help="the trained network")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="the checkpoint of disttensor-train --checkpoint DIR")
+    parser.add_argument("--data", required=True, metavar="PATH",
+                        help="the inputs: an HDF5 file (*.h5), a Zarr store (*.zarr), a "
+                        "directory of sample_*.npy or of NAME.npy arrays")
+    parser.add_argument("--data-input", default=d.data_input, metavar="NAME",
+                        help="name of the input array in the --data file")
+    parser.add_argument("--out", required=True, metavar="PATH",
+                        help="where the outputs (N, C, *spatial) go: a Zarr store (*.zarr) or "
+                        "one .npy file (*.npy); replaced if it exists")
+    parser.add_argument("--chunks", type=_size,
+                        help="Zarr output: chunk extent along each spatial dimension "
+                        "(default: 64 each)")
+    parser.add_argument("--memory-per-rank", type=_bytes,
+                        help="memory budget per rank, e.g. 2GiB (default: the machine's)")
+    parser.add_argument("--machine", default=d.machine,
+                        help="the machine profile to plan for: 'this' (calibrated here) or "
+                        f"a built-in one ({', '.join(builtin_profiles())})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = parser.parse_args(argv)
+    if not os.path.isdir(a.checkpoint):
+        parser.error(f"--checkpoint {a.checkpoint}: not a directory")
+    problem = data_problem(a.data)
+    if problem:
+        parser.error(f"--data {a.data}: {problem}")
+    if not a.out.lower().rstrip("/").endswith((".zarr", ".npy")):
+        parser.error(f"--out {a.out}: name a Zarr store (*.zarr) or a .npy file (*.npy)")
+    if a.chunks and a.out.lower().endswith(".npy"):
+        parser.error("--chunks is for a Zarr output")
+    parent = os.path.dirname(os.path.abspath(a.out.rstrip("/")))
+    if not os.path.isdir(parent):
+        parser.error(f"--out {a.out}: the directory {parent} does not exist")
+    limit_blas_threads()
+    cfg = PredictConfig(model=a.model, checkpoint=a.checkpoint, data=a.data, out=a.out,
+                        data_input=a.data_input, machine=a.machine,
+                        memory_per_rank=a.memory_per_rank, chunks=a.chunks,
+                        progress=not a.no_progress)
+    try:
+        result = predict(cfg)
+    except (ValueError, FileNotFoundError, OSError, CheckpointError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(result["plan"])
+        peaks = result["peak_memory_per_rank_bytes"]
+        print(f"wrote {result['samples']} outputs {tuple(result['output_shape'])} to "
+              f"{result['out']}; {result['time_per_sample_s'] * 1e3:.1f} ms per sample")
+        print("peak resident memory per rank (MiB): "
+              + ", ".join(f"{p / 2**20:.0f}" for p in peaks)
+              + f"; predicted {result['predicted_peak_memory_bytes'] / 2**20:.0f}")
     return 0
 
 

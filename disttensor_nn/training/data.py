@@ -180,6 +180,13 @@ class Dataset:
         return _blocks(idx, dist_x, self.sample_shape, self.dtype, self._input_block,
                        "dist_x", "the batch is")
 
+    def inputs(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution) -> DistArray:
+        """The inputs of samples ``indices`` alone, laid out as ``dist_x`` (for inference).
+
+        Each rank reads (or generates) only its own block; no communication.
+        """
+        return self._inputs(_indices(indices), dist_x)
+
     def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
               dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
         """The batch of samples ``indices``, laid out as ``dist_x``.
@@ -613,6 +620,11 @@ class ArrayDataset(Dataset):
     source : str
         A name for messages (the file's path).
 
+    Attributes
+    ----------
+    input_array, target_array : array-like
+        The arrays (``target_array`` None without targets).
+
     Raises
     ------
     ValueError
@@ -623,7 +635,7 @@ class ArrayDataset(Dataset):
         shape = tuple(int(n) for n in inputs.shape)
         if len(shape) < 3:
             raise ValueError(f"{source}: inputs must be (N, C, *spatial), got shape {shape}")
-        self.inputs, self.targets, self.source = inputs, targets, source
+        self.input_array, self.target_array, self.source = inputs, targets, source
         self.sample_shape, self.dtype = shape[1:], np.dtype(inputs.dtype).newbyteorder("=")
         self.target_shape, self.target_dtype = (), np.dtype(np.int64)
         if targets is not None:
@@ -638,23 +650,23 @@ class ArrayDataset(Dataset):
                 self.target_dtype = np.dtype(targets.dtype).newbyteorder("=")
 
     def __len__(self) -> int:
-        return int(self.inputs.shape[0])
+        return int(self.input_array.shape[0])
 
     def _input_block(self, sample: int, where: Slices) -> np.ndarray:
-        return np.asarray(self.inputs[(sample, *where)])
+        return np.asarray(self.input_array[(sample, *where)])
 
     def _target_block(self, sample: int, where: Slices) -> np.ndarray:
-        return np.asarray(self.targets[(sample, *where)])
+        return np.asarray(self.target_array[(sample, *where)])
 
     def _labels(self, samples: np.ndarray) -> np.ndarray:
-        if self.targets is None:
+        if self.target_array is None:
             raise ValueError(f"{self.source} has no targets")
-        return np.array([self.targets[int(i)] for i in samples], dtype=np.int64)
+        return np.array([self.target_array[int(i)] for i in samples], dtype=np.int64)
 
     def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
               dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
         """As :meth:`Dataset.batch`; ``y`` is None when there are no targets."""
-        if self.targets is not None:
+        if self.target_array is not None:
             return super().batch(indices, dist_x, dist_y)
         return self._inputs(_indices(indices), dist_x), None
 
