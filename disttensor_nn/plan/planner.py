@@ -145,6 +145,7 @@ class Plan:
     compute: float = 0.0  # of time: kernels
     exposed_comm: float = 0.0  # of time: communication on the critical path
     hidden_comm: float = 0.0  # communication overlapped with kernels (not in time)
+    training: bool = True  # a training step (False: an inference pass, nothing kept)
 
     def table(self) -> str:
         """The plan as a readable text table."""
@@ -159,7 +160,8 @@ class Plan:
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
                 f"{e.memory / 2**20:7.1f}{mark}")
         lines.append("-" * len(head))
-        lines.append(f"predicted time per iteration: {1e3 * self.time:.2f} ms on "
+        what = "iteration" if self.training else "inference pass (nothing kept for backward)"
+        lines.append(f"predicted time per {what}: {1e3 * self.time:.2f} ms on "
                      f"{self.nprocs} rank{'' if self.nprocs == 1 else 's'} ({self.machine}); "
                      "peak memory per rank "
                      f"{self.peak_memory / 2**20:.1f} MiB"
@@ -666,7 +668,8 @@ class Planner:
             prev = c
         step = self.assignment_step(assign)
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
-                    self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden)
+                    self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden,
+                    self.cost.training)
 
     def uniform_plan(self, cand: Candidate) -> Plan:
         """Every layer in the same distribution (for comparisons)."""

@@ -480,7 +480,10 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
         print(result["plan"])
         peaks = result["peak_memory_per_rank_bytes"]
         print(f"wrote {result['samples']} outputs {tuple(result['output_shape'])} to "
-              f"{result['out']}; {result['time_per_sample_s'] * 1e3:.1f} ms per sample")
+              f"{result['out']}; {result['time_per_sample_s'] * 1e3:.1f} ms per sample, of "
+              f"which reading and writing {result['io_time_per_sample_s'] * 1e3:.1f} ms "
+              f"(predicted compute and communication "
+              f"{result['predicted_time_per_sample_s'] * 1e3:.1f} ms)")
         print("peak resident memory per rank (MiB): "
               + ", ".join(f"{p / 2**20:.0f}" for p in peaks)
               + f"; predicted {result['predicted_peak_memory_bytes'] / 2**20:.0f}")

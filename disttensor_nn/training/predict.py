@@ -106,8 +106,11 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         The same on every rank: ``samples``, ``out``, ``output_shape`` (N, C,
         *S), ``plan`` (its table), ``predicted_peak_memory_bytes`` (per rank,
         the process included), ``peak_memory_per_rank_bytes`` (measured: the
-        resident peak of each rank while the samples ran) and
-        ``time_per_sample_s`` (median).
+        resident peak of each rank while the samples ran),
+        ``time_per_sample_s`` (median, the slowest rank's),
+        ``io_time_per_sample_s`` (of which reading the input and writing the
+        output) and ``predicted_time_per_sample_s`` (the plan's, compute and
+        communication).
 
     Raises
     ------
@@ -144,7 +147,7 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     first = nodes[0].layer.layout
     write = to_npy if cfg.out.lower().endswith(".npy") else to_zarr
     release_free_memory()
-    times = []
+    times, io_times = [], []
     bar = None
     if comm.Get_rank() == 0 and cfg.progress:
         bar = tqdm(total=n, desc=f"{cfg.model} on {comm.Get_size()} ranks", unit="sample")
@@ -152,11 +155,15 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         for i in range(n):
             t0 = time.perf_counter()
             x = data.inputs([i], first.distribution(shape))
+            t1 = time.perf_counter()
             y = model(x)
             del x
+            t2 = time.perf_counter()
             write(y.astype(np.float32, copy=False), cfg.out, region=(slice(i, i + 1),))
             del y
-            times.append(time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            times.append(t3 - t0)
+            io_times.append(t1 - t0 + t3 - t2)
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -166,4 +173,7 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
             "predicted_peak_memory_bytes": plan.peak_memory,
             "peak_memory_per_rank_bytes": peaks,
             "time_per_sample_s": comm.allreduce(float(np.median(times)) if times else 0.0,
-                                                op=MPI.MAX)}
+                                                op=MPI.MAX),
+            "io_time_per_sample_s": comm.allreduce(
+                float(np.median(io_times)) if io_times else 0.0, op=MPI.MAX),
+            "predicted_time_per_sample_s": plan.time}
