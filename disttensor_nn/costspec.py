@@ -83,6 +83,9 @@ class CostSpec:
         Bytes of scratch memory the forward or backward pass allocates and
         frees again (the larger of the two), beyond the input, the output,
         the incoming gradient and the returned one.
+    forward_workspace : int, optional
+        The forward pass's share of that scratch, when it is smaller (what an
+        inference pass needs); None: ``workspace``.
     keeps_input : bool
         The layer holds its input until backward (the whole block; halo
         margins grown into it count in ``saved``).
@@ -107,6 +110,7 @@ class CostSpec:
     redistributions: tuple[Distribution, ...] = ()
     saved: int = 0
     workspace: int = 0
+    forward_workspace: int | None = None
     keeps_input: bool = False
     keeps_output: bool = False
 
@@ -129,7 +133,9 @@ class CostSpec:
         and scratch, and what the layer saves until the pass ends.
         """
         if not training:
-            return in_bytes + out_bytes + self.workspace + self.saved
+            scratch = self.workspace if self.forward_workspace is None else \
+                self.forward_workspace
+            return in_bytes + out_bytes + scratch + self.saved
         return out_bytes + in_bytes + self.workspace
 
 
