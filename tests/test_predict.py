@@ -21,7 +21,7 @@ from disttensor_nn.plan.machine import builtin_profiles
 from disttensor_nn.training import MeshSynthetic, build_model, save_checkpoint
 from disttensor_nn.training.cli import predict_main
 from disttensor_nn.training.data import save_dataset
-from disttensor_nn.training.predict import PredictConfig, predict
+from disttensor_nn.training.inference import PredictConfig, predict
 
 h5py = pytest.importorskip("h5py")
 zarr = pytest.importorskip("zarr")

@@ -8,7 +8,7 @@
 * :mod:`~disttensor_nn.training.data`: data sets and the :class:`Loader`,
   each rank producing only its own block of a batch (synthetic, or read from
   HDF5, Zarr and ``.npy`` files: :func:`open_dataset`);
-* :mod:`~disttensor_nn.training.predict`: distributed inference,
+* :mod:`~disttensor_nn.training.inference`: distributed inference,
   :func:`predict` configured by a :class:`PredictConfig`;
 * :mod:`~disttensor_nn.training.checkpoint`: collective, atomic checkpoints;
 * :mod:`~disttensor_nn.training.plot`: plots of a run's metrics;
@@ -30,8 +30,8 @@ from .data import (
     save_npy_dataset,
 )
 from .driver import SetupError, TrainConfig, train
+from .inference import PredictConfig, predict
 from .plot import plot_main, plot_metrics, plot_scaling
-from .predict import PredictConfig, predict
 from .registry import (
     ModelSpec,
     build_model,

@@ -23,8 +23,8 @@ from ..plan.machine import builtin_profiles
 from .checkpoint import CheckpointError
 from .data import data_problem, save_dataset
 from .driver import RECOMPUTE, SetupError, TrainConfig, plan_mismatch, train
+from .inference import PredictConfig, predict
 from .plot import plot_scaling
-from .predict import PredictConfig, predict
 from .registry import build_model, check_size, model_names, model_spec
 
 __all__ = ["data_main", "parse_bytes", "parse_size", "plan_main", "predict_main", "train_main"]

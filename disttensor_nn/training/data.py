@@ -11,7 +11,7 @@ sample, and no communication is needed:
 * :class:`NpyDataset` memory-maps one ``.npy`` file per sample and slices out
   the local block;
 * :class:`ArrayDataset` reads the local block of each sample from arrays that
-  hold the whole data set, (N, C, *spatial) inputs and (N, C_t, *spatial) or
+  hold the whole data set, ``(N, C, *spatial)`` inputs and ``(N, C_t, *spatial)`` or
   (N,) targets: HDF5 data sets (hyperslab reads), Zarr arrays (the chunks
   that meet the block) or ``.npy`` memory maps. :func:`open_dataset` opens
   one by its path, once per rank, and :func:`save_dataset` writes one.
@@ -601,7 +601,7 @@ def save_npy_dataset(directory: str | os.PathLike, dataset: Dataset,
 
 # --------------------------------------------------------------------------- array files
 class ArrayDataset(Dataset):
-    """A data set held in two arrays: inputs (N, C, *spatial) and targets, read by block.
+    """A data set held in two arrays: inputs ``(N, C, *spatial)`` and targets, read by block.
 
     The arrays are anything that NumPy-style basic slicing reads from: an
     h5py Dataset (a hyperslab read), a zarr Array (the chunks that meet the
@@ -613,9 +613,9 @@ class ArrayDataset(Dataset):
     Parameters
     ----------
     inputs : array-like
-        (N, C, *spatial) inputs.
+        ``(N, C, *spatial)`` inputs.
     targets : array-like, optional
-        (N, C_t, *spatial) spatial targets, split like the inputs, or (N,)
+        ``(N, C_t, *spatial)`` spatial targets, split like the inputs, or (N,)
         integer labels (read whole by every rank). None: no targets.
     source : str
         A name for messages (the file's path).

@@ -103,8 +103,8 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     Returns
     -------
     dict
-        The same on every rank: ``samples``, ``out``, ``output_shape`` (N, C,
-        *S), ``plan`` (its table), ``predicted_peak_memory_bytes`` (per rank,
+        The same on every rank: ``samples``, ``out``, ``output_shape``
+        (``[N, C, *S]``), ``plan`` (its table), ``predicted_peak_memory_bytes`` (per rank,
         the process included), ``peak_memory_per_rank_bytes`` (measured: the
         resident peak of each rank while the samples ran),
         ``time_per_sample_s`` (median, the slowest rank's),
