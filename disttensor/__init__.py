@@ -2,7 +2,8 @@
 
 Importing the package completes :class:`DistArray`: :mod:`.redistribute`,
 :mod:`.halo` and :mod:`.ops` attach its data-movement methods and NumPy
-protocols (the array module itself imports none of them).
+protocols, :mod:`.io` its writers (the array module itself imports none of
+them).
 """
 
 from . import (
@@ -16,6 +17,7 @@ from .device import gpu_aware_mpi, nccl_enabled, node_local_rank, set_transport,
 from .distribution import Distribution, block_boundaries
 from .grid import ProcessGrid, factorizations
 from .halo import halo_accumulate, halo_plan
+from .io import chunk_splits, from_hdf5, from_npy, from_zarr, npy_header, to_npy, to_zarr
 from .redistribute import redistribution_plan
 from .runtime import abort_on_exception, limit_blas_threads
 from .settings import CollectiveMismatchError, get_options, options, set_options
@@ -29,8 +31,12 @@ __all__ = [
     "arange",
     "asarray",
     "block_boundaries",
+    "chunk_splits",
     "empty",
     "factorizations",
+    "from_hdf5",
+    "from_npy",
+    "from_zarr",
     "full",
     "get_options",
     "gpu_aware_mpi",
@@ -40,12 +46,15 @@ __all__ = [
     "make_distribution",
     "nccl_enabled",
     "node_local_rank",
+    "npy_header",
     "ones",
     "options",
     "random",
     "redistribution_plan",
     "set_options",
     "set_transport",
+    "to_npy",
+    "to_zarr",
     "use_device",
     "zeros",
 ]

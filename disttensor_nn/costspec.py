@@ -83,6 +83,9 @@ class CostSpec:
         Bytes of scratch memory the forward or backward pass allocates and
         frees again (the larger of the two), beyond the input, the output,
         the incoming gradient and the returned one.
+    forward_workspace : int, optional
+        The forward pass's share of that scratch, when it is smaller (what an
+        inference pass needs); None: ``workspace``.
     keeps_input : bool
         The layer holds its input until backward (the whole block; halo
         margins grown into it count in ``saved``).
@@ -93,7 +96,9 @@ class CostSpec:
     what every layer keeps (:meth:`kept`, an activation kept by both of the
     layers it joins counted once) to the largest transient need of one
     layer's pass (:meth:`transient`); the tests check these declarations
-    against allocations measured with ``tracemalloc``.
+    against allocations measured with ``tracemalloc``. For inference
+    (``training=False``) nothing is kept and the peak is the largest forward
+    pass of one layer.
     """
 
     local_shape: tuple[int, ...]
@@ -105,16 +110,32 @@ class CostSpec:
     redistributions: tuple[Distribution, ...] = ()
     saved: int = 0
     workspace: int = 0
+    forward_workspace: int | None = None
     keeps_input: bool = False
     keeps_output: bool = False
 
-    def kept(self, in_bytes: int, out_bytes: int) -> int:
-        """Bytes held from forward to backward, for input and output blocks of these sizes."""
+    def kept(self, in_bytes: int, out_bytes: int, training: bool = True) -> int:
+        """Bytes held from forward to backward, for input and output blocks of these sizes.
+
+        Nothing in inference (``training=False``): the runner drops what a
+        layer saves as soon as its forward returns (:meth:`Layer.release_saved
+        <disttensor_nn.Layer.release_saved>`).
+        """
+        if not training:
+            return 0
         return self.saved + in_bytes * self.keeps_input + out_bytes * self.keeps_output
 
-    def transient(self, in_bytes: int, out_bytes: int) -> int:
+    def transient(self, in_bytes: int, out_bytes: int, training: bool = True) -> int:
         """Bytes alive only while a pass runs: output or incoming gradient, returned
-        gradient and scratch (the input when the layer does not keep it)."""
+        gradient and scratch (the input when the layer does not keep it).
+
+        In inference (``training=False``) the forward pass alone: input, output
+        and scratch, and what the layer saves until the pass ends.
+        """
+        if not training:
+            scratch = self.workspace if self.forward_workspace is None else \
+                self.forward_workspace
+            return in_bytes + out_bytes + scratch + self.saved
         return out_bytes + in_bytes + self.workspace
 
 

@@ -146,7 +146,7 @@ TRAIN = ["mesh-demo", "--machine", V100, "--no-progress", "--metrics", ""]
     (["--size", "100x100"], "96 or 104"),
     (["--resume"], "--resume needs --checkpoint"),
     (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint"),
-    (["--data", "/no/such/dir"], "--data /no/such/dir: not a directory"),
+    (["--data", "/no/such/dir"], "--data /no/such/dir: no such file or directory"),
     (["--ranks-layout", "/no/such/plan.json"], "/no/such/plan.json: cannot read"),
     (["--memory-per-rank", "1KiB", "--size", "64x64"], "error:"),
     (["--memory-per-rank", "lots"], "cannot read a memory size"),

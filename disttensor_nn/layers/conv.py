@@ -133,7 +133,8 @@ class ConvNd(WindowLayer):
             math.prod(self.spec.kernel),
             allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim)), gradient=True),),
             workspace=max(math.prod(out_block) * itemsize + tile,
-                          math.prod(ext) * itemsize + 2 * tile))
+                          math.prod(ext) * itemsize + 2 * tile),
+            forward_workspace=math.prod(out_block) * itemsize + tile)
 
     def kernel_signature(self) -> str:
         s = self.spec

@@ -179,11 +179,18 @@ class CostModel:
     bucket_bytes : float
         Bytes of gradients per bucket (default: the runtime's default bucket,
         1 MiB).
+    training : bool
+        Price a training step (forward, backward, gradient reductions; the
+        activations kept for backward; parameters with gradients and
+        momenta) or, with False, an inference pass (forward alone, nothing
+        kept, the parameters alone).
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
-                 itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20):
+                 itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20,
+                 training: bool = True):
         self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
+        self.training = bool(training)
         if overlap is None:
             overlap = not (profile.measured and profile.device == "cpu")
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
@@ -223,16 +230,22 @@ class CostModel:
         in_bytes = math.prod(largest_block(dist)) * self.itemsize
         out_bytes = math.prod(largest_block(dist_for(out_shape, cand))) * self.itemsize \
             if len(out_shape) in (2, len(cand) + 1) else in_bytes
-        cost = LayerCost(memory=spec.kept(in_bytes, out_bytes),
-                         transient=spec.transient(in_bytes, out_bytes),
-                         keeps_input=in_bytes * spec.keeps_input,
-                         keeps_output=out_bytes * spec.keeps_output)
+        training = self.training
+        cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),
+                         transient=spec.transient(in_bytes, out_bytes, training),
+                         keeps_input=in_bytes * spec.keeps_input * training,
+                         keeps_output=out_bytes * spec.keeps_output * training)
         if spec.timed:
             cost.fwd, cost.bwd, cost.estimated, cost.tiled = self._compute(
                 layer, spec.local_shape, spec.flops, spec.nbytes)
         else:
             cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
+        passes = 2 if training else 1  # forward and backward, or forward alone
+        if not training:
+            cost.bwd = 0.0
         for a in spec.allreduces:
+            if a.gradient and not training:
+                continue
             lat, bw = self.profile.allreduce_terms(a.nbytes, *self._spread(dist, a.dims))
             if self.overlap and a.gradient:  # in a bucket with others
                 cost.grad += lat * min(1.0, a.nbytes / self.bucket_bytes) + bw
@@ -241,12 +254,12 @@ class CostModel:
         cost.comm += cost.grad
         if spec.halo is not None:  # the exchange forward, its accumulation backward
             halo = self._halo(dist, spec.halo)
-            cost.comm += 2 * halo
+            cost.comm += passes * halo
             if getattr(layer, "overlap", False):  # interior kernels run meanwhile
                 cost.hidden = min(halo, cost.fwd * _interior(dist, spec.halo)) + \
                     min(halo, cost.bwd / 2)  # backward: while the weight gradient computes
         for target in spec.redistributions:  # there forward, back backward
-            cost.comm += 2 * self.redistribution(dist, target)
+            cost.comm += passes * self.redistribution(dist, target)
         return cost
 
     def _spread(self, dist: Distribution, dims: Sequence[int]) -> tuple[int, int]:
@@ -283,8 +296,9 @@ class CostModel:
                                      inter=self.nprocs > self.profile.node_size)
 
     def params_memory(self, model: Layer) -> float:
-        """Bytes per rank of parameters, their gradients and momentum buffers."""
-        return 3.0 * sum(p.data.nbytes for p in model.parameters())
+        """Bytes per rank of parameters, their gradients and momentum buffers (training),
+        or of the parameters alone (inference)."""
+        return (3.0 if self.training else 1.0) * sum(p.data.nbytes for p in model.parameters())
 
 
 def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:

@@ -24,7 +24,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               memory: float | None = None, measure: bool = True, itemsize: int = 4,
               comm: MPI.Comm | None = None, baseline: float = 0.0,
               profile: MemoryProfile | None = None,
-              recompute: bool | str = False) -> tuple[Plan, Planner | None]:
+              recompute: bool | str = False,
+              training: bool = True) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -69,6 +70,11 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         Recompute segments of layers in backward instead of keeping their
         activations (:mod:`disttensor_nn.recompute`): never, always, or
         ``"auto"`` when no plan keeping them fits the budget.
+    training : bool
+        Plan a training step (True) or an inference pass (False: forward
+        alone, no activation kept for backward, parameters without gradients
+        and momenta; see :class:`~disttensor_nn.plan.CostModel`). Inference
+        never recomputes.
 
     Returns
     -------
@@ -88,8 +94,9 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     if machine_profile.measured:  # kernels are timed where the ranks compute (CPU or GPU)
         xp = use_device(machine_profile.device, MPI.COMM_SELF if comm is None else comm)
         timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
-    planner = Planner(model, batch_shape, CostModel(machine_profile, nprocs, timer, itemsize),
-                      memory, baseline=baseline, recompute=recompute)
+    planner = Planner(model, batch_shape,
+                      CostModel(machine_profile, nprocs, timer, itemsize, training=training),
+                      memory, baseline=baseline, recompute=recompute if training else False)
     with _phase(profile, "kernel measurement"):
         planner.calibrate(comm, progress=True)
     root = comm is None or comm.Get_rank() == 0

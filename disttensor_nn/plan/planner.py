@@ -37,6 +37,7 @@ from mpi4py import MPI
 from disttensor import ProcessGrid
 
 from ..container import Residual, Sequential
+from ..costspec import largest_block
 from ..module import Layer, Layout
 from .costmodel import Candidate, CostModel, LayerCost, StepTime, candidates, dist_for, step_time
 from .timer import KernelTimer, QueryRecorder
@@ -144,6 +145,7 @@ class Plan:
     compute: float = 0.0  # of time: kernels
     exposed_comm: float = 0.0  # of time: communication on the critical path
     hidden_comm: float = 0.0  # communication overlapped with kernels (not in time)
+    training: bool = True  # a training step (False: an inference pass, nothing kept)
 
     def table(self) -> str:
         """The plan as a readable text table."""
@@ -158,7 +160,8 @@ class Plan:
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
                 f"{e.memory / 2**20:7.1f}{mark}")
         lines.append("-" * len(head))
-        lines.append(f"predicted time per iteration: {1e3 * self.time:.2f} ms on "
+        what = "iteration" if self.training else "inference pass (nothing kept for backward)"
+        lines.append(f"predicted time per {what}: {1e3 * self.time:.2f} ms on "
                      f"{self.nprocs} rank{'' if self.nprocs == 1 else 's'} ({self.machine}); "
                      "peak memory per rank "
                      f"{self.peak_memory / 2**20:.1f} MiB"
@@ -196,7 +199,8 @@ class Plan:
 
 
 class Planner:
-    """Chooses the distribution of every layer of ``model`` for one training iteration.
+    """Chooses the distribution of every layer of ``model`` for one training iteration
+    (or, with a cost model made with ``training=False``, for one inference pass).
 
     Parameters
     ----------
@@ -225,11 +229,14 @@ class Planner:
             raise ValueError(f"recompute must be False, True or 'auto', got {recompute!r}")
         self.recompute = recompute
         self._recomputing = recompute is True
+        if recompute is True and not cost.training:
+            raise ValueError("recompute is for training: inference keeps no activations")
         # the process itself, parameters with their gradients and momenta, and what the
-        # loss holds (the network's output, the targets and the output's gradient)
+        # loss holds (the network's output, the targets and the output's gradient); in
+        # inference the parameters and the network's output alone
         out = self.nodes[-1].out_shape if self.nodes else self.batch_shape
         self.base_memory = self.baseline + cost.params_memory(model) + \
-            2 * math.prod(out) * cost.itemsize / cost.nprocs
+            (2 if cost.training else 1) * math.prod(out) * cost.itemsize / cost.nprocs
         self._layer_cost: dict[tuple[int, int], LayerCost] = {}
         self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
@@ -247,7 +254,8 @@ class Planner:
             cand = self.cands[c]
             if self.budget is not None:
                 alone = CostModel(self.cost.profile, self.cost.nprocs, QueryRecorder(),
-                                  self.cost.itemsize).layer(node.layer, node.in_shape, cand)
+                                  self.cost.itemsize, training=self.cost.training).layer(
+                                      node.layer, node.in_shape, cand)
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
                     self._layer_cost[key] = alone
@@ -278,10 +286,9 @@ class Planner:
             elif self._recomputing:  # each layer in a segment: kept only where one starts
                 kept = lc.memory if lc.keeps_input else 0.0
                 v[c] = kept if lam == np.inf else self._time(lc) + lc.fwd + lam * kept
-            elif lam == np.inf:  # memory alone
-                v[c] = lc.memory
-            else:
-                v[c] = self._time(lc) + lam * lc.memory
+            else:  # what the layer adds to the peak: kept (training) or its pass (inference)
+                mem = lc.memory if self.cost.training else lc.transient
+                v[c] = mem if lam == np.inf else self._time(lc) + lam * mem
         return v
 
     def _time(self, lc: LayerCost) -> float:
@@ -300,7 +307,8 @@ class Planner:
         budget: they cannot be chosen.
         """
         rec = QueryRecorder()
-        model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize)
+        model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize,
+                          training=self.cost.training)
         for node in self.nodes:
             n = len(rec.queries)
             lc = model.layer(node.layer, node.in_shape, cand)
@@ -447,6 +455,8 @@ class Planner:
         prev: list[Any] = [None]  # the layer that produced the current activation, unmoved
         groups = self.segments(assign) if self._recomputing else {}
         held: dict[int, list[float]] = {}  # segment -> [memory when kept, largest transient]
+        # inference: the inputs of the residual blocks being run, held for their sums
+        pending = [0.0]
 
         def walk(items: list, current: int | None) -> int | None:
             nonlocal memory, transient
@@ -472,12 +482,15 @@ class Planner:
                     memory += lc.memory
                     if prev[0] is not None and not moved:  # one array, kept by both
                         memory -= min(prev[0].keeps_output, lc.keeps_input)
-                    transient = max(transient, lc.transient)
+                    transient = max(transient, lc.transient + pending[0])
                     prev[0] = lc
                     current = c
                 else:
                     prev[0] = None
                     start = current if current is not None else assign[id(leaf_nodes([it])[0])]
+                    held_in = 0.0 if self.cost.training else self.cost.itemsize * math.prod(
+                        largest_block(dist_for(it.in_shape, self.cands[start])))
+                    pending[0] += held_in
                     out = walk(it.branch, start)
                     prev[0] = None
                     if it.shortcut is None:
@@ -486,6 +499,7 @@ class Planner:
                     else:
                         s = walk(it.shortcut, start)
                         shape = it.shortcut[-1].out_shape
+                    pending[0] -= held_in
                     if s != out:
                         costs.append(LayerCost(comm=self.shuffle_matrix(shape)[s, out]))
                     prev[0] = None
@@ -562,7 +576,7 @@ class Planner:
         ValueError
             When no assignment fits the budget (with the smallest peak found).
         """
-        if self.recompute != "auto":
+        if self.recompute != "auto" or not self.cost.training:
             return self._plan()
         try:
             return self._plan()  # keeping every activation, if a plan fits
@@ -654,7 +668,8 @@ class Planner:
             prev = c
         step = self.assignment_step(assign)
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
-                    self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden)
+                    self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden,
+                    self.cost.training)
 
     def uniform_plan(self, cand: Candidate) -> Plan:
         """Every layer in the same distribution (for comparisons)."""

@@ -6,16 +6,31 @@
 * :mod:`~disttensor_nn.training.registry`: the named models the driver and
   the tools know (:func:`register_model`, :func:`build_model`);
 * :mod:`~disttensor_nn.training.data`: data sets and the :class:`Loader`,
-  each rank producing only its own block of a batch;
+  each rank producing only its own block of a batch (synthetic, or read from
+  HDF5, Zarr and ``.npy`` files: :func:`open_dataset`);
+* :mod:`~disttensor_nn.training.inference`: distributed inference,
+  :func:`predict` configured by a :class:`PredictConfig`;
 * :mod:`~disttensor_nn.training.checkpoint`: collective, atomic checkpoints;
 * :mod:`~disttensor_nn.training.plot`: plots of a run's metrics;
-* :mod:`~disttensor_nn.training.cli`: the ``disttensor-train`` and
-  ``disttensor-plan`` command lines (not imported here).
+* :mod:`~disttensor_nn.training.cli`: the ``disttensor-train``,
+  ``disttensor-plan``, ``disttensor-predict`` and ``disttensor-data`` command
+  lines (not imported here).
 """
 
 from .checkpoint import FORMAT, VERSION, CheckpointError, load_checkpoint, save_checkpoint
-from .data import Dataset, ImageNetSynthetic, Loader, MeshSynthetic, NpyDataset, save_npy_dataset
+from .data import (
+    ArrayDataset,
+    Dataset,
+    ImageNetSynthetic,
+    Loader,
+    MeshSynthetic,
+    NpyDataset,
+    open_dataset,
+    save_dataset,
+    save_npy_dataset,
+)
 from .driver import SetupError, TrainConfig, train
+from .inference import PredictConfig, predict
 from .plot import plot_main, plot_metrics, plot_scaling
 from .registry import (
     ModelSpec,
@@ -27,9 +42,10 @@ from .registry import (
 )
 
 __all__ = [
-    "FORMAT", "VERSION", "CheckpointError", "Dataset", "ImageNetSynthetic", "Loader",
-    "MeshSynthetic", "ModelSpec", "NpyDataset", "TrainConfig", "build_model", "check_size",
-    "load_checkpoint",
-    "model_names", "model_spec", "plot_main", "plot_metrics", "plot_scaling", "register_model",
-    "save_checkpoint", "save_npy_dataset", "SetupError", "train",
+    "FORMAT", "VERSION", "ArrayDataset", "CheckpointError", "Dataset", "ImageNetSynthetic",
+    "Loader", "MeshSynthetic", "ModelSpec", "NpyDataset", "PredictConfig", "TrainConfig",
+    "build_model", "check_size", "load_checkpoint",
+    "model_names", "model_spec", "open_dataset", "plot_main", "plot_metrics", "plot_scaling",
+    "predict", "register_model", "save_checkpoint", "save_dataset", "save_npy_dataset",
+    "SetupError", "train",
 ]

@@ -20,11 +20,14 @@ from disttensor import limit_blas_threads
 from ..plan import Plan, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
+from .checkpoint import CheckpointError
+from .data import data_problem, save_dataset
 from .driver import RECOMPUTE, SetupError, TrainConfig, plan_mismatch, train
+from .inference import PredictConfig, predict
 from .plot import plot_scaling
 from .registry import build_model, check_size, model_names, model_spec
 
-__all__ = ["parse_bytes", "parse_size", "plan_main", "train_main"]
+__all__ = ["data_main", "parse_bytes", "parse_size", "plan_main", "predict_main", "train_main"]
 
 
 def parse_bytes(text: str) -> float:
@@ -292,9 +295,16 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         help="SGD weight decay")
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
-    parser.add_argument("--data", metavar="DIR",
-                        help="train on the .npy samples in DIR (sample_*.npy and target_*.npy, "
-                        "as save_npy_dataset writes them) instead of synthetic data")
+    parser.add_argument("--data", metavar="PATH",
+                        help="train on this data set instead of synthetic data: an HDF5 file "
+                        "(*.h5), a Zarr store (*.zarr) with arrays (N, C, *spatial) named by "
+                        "--data-input and --data-target, or a directory of sample_*.npy and "
+                        "target_*.npy (as save_npy_dataset writes them); every rank reads only "
+                        "its block of each sample")
+    parser.add_argument("--data-input", default=d.data_input, metavar="NAME",
+                        help="name of the input array in the --data file")
+    parser.add_argument("--data-target", default=d.data_target, metavar="NAME",
+                        help="name of the target array in the --data file")
     parser.add_argument("--seed", type=int, default=d.seed,
                         help="seed of the weights, the data and the shuffling")
     parser.add_argument("--checkpoint", metavar="DIR", help="directory for checkpoints")
@@ -329,8 +339,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         parser.error("--resume needs --checkpoint DIR (the checkpoint to continue from)")
     if a.checkpoint_every and not a.checkpoint:
         parser.error("--checkpoint-every needs --checkpoint DIR")
-    if a.data is not None and not os.path.isdir(a.data):
-        parser.error(f"--data {a.data}: not a directory")
+    if a.data is not None:
+        problem = data_problem(a.data)
+        if problem:
+            parser.error(f"--data {a.data}: {problem}")
     try:
         check_size(a.model, a.size)
     except ValueError as exc:
@@ -347,13 +359,139 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
                       checkpoint_every=a.checkpoint_every, resume=a.resume, metrics=a.metrics,
                       machine=a.machine, memory_per_rank=a.memory_per_rank,
-                      progress=not a.no_progress, data=a.data, recalibrate=a.recalibrate,
+                      progress=not a.no_progress, data=a.data, data_input=a.data_input,
+                      data_target=a.data_target, recalibrate=a.recalibrate,
                       profile_memory=a.profile_memory, recompute=a.recompute,
                       device=a.device)
     try:
         train(cfg)
     except SetupError as exc:  # raised on every rank, before training
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return 0
+
+
+def data_main(argv: Sequence[str] | None = None) -> int:
+    """``disttensor-data make-synthetic MODEL OUT [...]``: write a model's synthetic data set.
+
+    The data set is the model's default one (its registry entry), written to
+    one HDF5 file (``OUT`` ending in ``.h5``/``.hdf5``) or Zarr store (any
+    other ``OUT``, ``.zarr`` by convention) with arrays ``input`` and
+    ``target``, for ``disttensor-train MODEL --data OUT`` and
+    ``disttensor-predict``. Run it under mpiexec to write Zarr samples in
+    parallel.
+    """
+    parser = _Parser(prog="disttensor-data", formatter_class=_Help,
+                     description="Write data sets for disttensor-train --data and "
+                                 "disttensor-predict.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-synthetic", formatter_class=_Help,
+                          help="write a model's synthetic data set to HDF5 or Zarr",
+                          description="Write a model's built-in synthetic data set (the one "
+                          "disttensor-train uses without --data) to an HDF5 file (OUT.h5) or "
+                          "a Zarr store (OUT.zarr), arrays 'input' (N, C, *spatial) and "
+                          "'target'.")
+    make.add_argument("model", choices=model_names(), help="whose data set to write")
+    make.add_argument("out", help="the file to write: *.h5 / *.hdf5 (HDF5) or *.zarr (Zarr)")
+    make.add_argument("--samples", type=_positive_int, default=16, help="number of samples")
+    make.add_argument("--size", type=_size,
+                      help="spatial size, e.g. 64x64 (default: the model's)")
+    make.add_argument("--seed", type=int, default=0, help="selects the data set")
+    make.add_argument("--chunks", type=_size,
+                      help="chunk extent along each spatial dimension, e.g. 32x32 (default: "
+                      "64 each); a rank reads the chunks that meet its block")
+    a = parser.parse_args(argv)
+    try:
+        check_size(a.model, a.size)
+    except ValueError as exc:
+        make.error(f"--size: {exc}")
+    parent = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(parent):
+        make.error(f"{a.out}: the directory {parent} does not exist")
+    _, shape = build_model(a.model, a.size, 1)
+    if a.chunks and len(a.chunks) != len(shape) - 2:
+        make.error(f"--chunks needs {len(shape) - 2} extents for {a.model}'s samples "
+                   f"{tuple(shape[1:])}")
+    data = model_spec(a.model).dataset(a.samples, tuple(shape[1:]), a.seed)
+    try:
+        save_dataset(a.out, data, chunks=a.chunks)
+    except (OSError, ImportError) as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n" if MPI.COMM_WORLD.Get_rank() == 0
+                    else None)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(f"wrote {a.samples} samples of {a.model}'s data set, inputs {data.dtype} "
+              f"{tuple(data.sample_shape)}, targets {data.target_dtype} "
+              f"{tuple(data.target_shape)}, to {a.out}")
+    return 0
+
+
+def predict_main(argv: Sequence[str] | None = None) -> int:
+    """``disttensor-predict MODEL --checkpoint DIR --data PATH --out PATH [...]``.
+
+    Runs the trained model on every sample of the data set with a plan made
+    for inference memory, each rank writing its block of every output, and
+    prints the plan and the peak memory of every rank. Arguments are checked
+    first; a bad one ends the job with one usage message from rank 0.
+    """
+    d = PredictConfig()
+    parser = _Parser(
+        prog="disttensor-predict", formatter_class=_Help,
+        description="Run a trained network (a disttensor-train checkpoint) on whole samples "
+                    "of a data set, split over the ranks as the planner chooses for inference "
+                    "memory (run under mpiexec -n P); every rank reads its block of each "
+                    "input and writes its block of each output to one Zarr store or .npy file.")
+    parser.add_argument("model", choices=model_names(), help="the trained network")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="the checkpoint of disttensor-train --checkpoint DIR")
+    parser.add_argument("--data", required=True, metavar="PATH",
+                        help="the inputs: an HDF5 file (*.h5), a Zarr store (*.zarr), a "
+                        "directory of sample_*.npy or of NAME.npy arrays")
+    parser.add_argument("--data-input", default=d.data_input, metavar="NAME",
+                        help="name of the input array in the --data file")
+    parser.add_argument("--out", required=True, metavar="PATH",
+                        help="where the outputs (N, C, *spatial) go: a Zarr store (*.zarr) or "
+                        "one .npy file (*.npy); replaced if it exists")
+    parser.add_argument("--chunks", type=_size,
+                        help="Zarr output: chunk extent along each spatial dimension "
+                        "(default: 64 each)")
+    parser.add_argument("--memory-per-rank", type=_bytes,
+                        help="memory budget per rank, e.g. 2GiB (default: the machine's)")
+    parser.add_argument("--machine", default=d.machine,
+                        help="the machine profile to plan for: 'this' (calibrated here) or "
+                        f"a built-in one ({', '.join(builtin_profiles())})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = parser.parse_args(argv)
+    if not os.path.isdir(a.checkpoint):
+        parser.error(f"--checkpoint {a.checkpoint}: not a directory")
+    problem = data_problem(a.data)
+    if problem:
+        parser.error(f"--data {a.data}: {problem}")
+    if not a.out.lower().rstrip("/").endswith((".zarr", ".npy")):
+        parser.error(f"--out {a.out}: name a Zarr store (*.zarr) or a .npy file (*.npy)")
+    if a.chunks and a.out.lower().endswith(".npy"):
+        parser.error("--chunks is for a Zarr output")
+    parent = os.path.dirname(os.path.abspath(a.out.rstrip("/")))
+    if not os.path.isdir(parent):
+        parser.error(f"--out {a.out}: the directory {parent} does not exist")
+    limit_blas_threads()
+    cfg = PredictConfig(model=a.model, checkpoint=a.checkpoint, data=a.data, out=a.out,
+                        data_input=a.data_input, machine=a.machine,
+                        memory_per_rank=a.memory_per_rank, chunks=a.chunks,
+                        progress=not a.no_progress)
+    try:
+        result = predict(cfg)
+    except (ValueError, FileNotFoundError, OSError, CheckpointError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(result["plan"])
+        peaks = result["peak_memory_per_rank_bytes"]
+        print(f"wrote {result['samples']} outputs {tuple(result['output_shape'])} to "
+              f"{result['out']}; {result['time_per_sample_s'] * 1e3:.1f} ms per sample, of "
+              f"which reading and writing {result['io_time_per_sample_s'] * 1e3:.1f} ms "
+              f"(predicted compute and communication "
+              f"{result['predicted_time_per_sample_s'] * 1e3:.1f} ms)")
+        print("peak resident memory per rank (MiB): "
+              + ", ".join(f"{p / 2**20:.0f}" for p in peaks)
+              + f"; predicted {result['predicted_peak_memory_bytes'] / 2**20:.0f}")
     return 0
 
 

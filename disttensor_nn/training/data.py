@@ -9,7 +9,12 @@ sample, and no communication is needed:
   counter-based hashes of the same global coordinates (SplitMix64, as in
   :mod:`disttensor.random`), so any split of the batch gives the same values;
 * :class:`NpyDataset` memory-maps one ``.npy`` file per sample and slices out
-  the local block.
+  the local block;
+* :class:`ArrayDataset` reads the local block of each sample from arrays that
+  hold the whole data set, ``(N, C, *spatial)`` inputs and ``(N, C_t, *spatial)`` or
+  (N,) targets: HDF5 data sets (hyperslab reads), Zarr arrays (the chunks
+  that meet the block) or ``.npy`` memory maps. :func:`open_dataset` opens
+  one by its path, once per rank, and :func:`save_dataset` writes one.
 
 A :class:`Loader` turns a data set into a deterministic sequence of batches,
 the same on every rank.
@@ -29,16 +34,21 @@ from mpi4py import MPI
 
 from disttensor import DistArray, Distribution
 from disttensor.backend import as_module
+from disttensor.io import optional_module
 from disttensor.random import splitmix64 as _mix
 
 from ..module import Layout
 
 __all__ = [
+    "ArrayDataset",
     "Dataset",
+    "data_problem",
     "ImageNetSynthetic",
     "MeshSynthetic",
     "NpyDataset",
     "Loader",
+    "open_dataset",
+    "save_dataset",
     "save_npy_dataset",
 ]
 
@@ -171,6 +181,13 @@ class Dataset:
         self._check_index(idx)
         return _blocks(idx, dist_x, self.sample_shape, self.dtype, self._input_block,
                        "dist_x", "the batch is")
+
+    def inputs(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution) -> DistArray:
+        """The inputs of samples ``indices`` alone, laid out as ``dist_x`` (for inference).
+
+        Each rank reads (or generates) only its own block; no communication.
+        """
+        return self._inputs(_indices(indices), dist_x)
 
     def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
               dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
@@ -582,6 +599,255 @@ def save_npy_dataset(directory: str | os.PathLike, dataset: Dataset,
     if errors:
         raise OSError("save_npy_dataset failed: " + "; ".join(f"rank {r}: {e}" for r, e in errors))
     return paths
+
+
+# --------------------------------------------------------------------------- array files
+class ArrayDataset(Dataset):
+    """A data set held in two arrays: inputs ``(N, C, *spatial)`` and targets, read by block.
+
+    The arrays are anything that NumPy-style basic slicing reads from: an
+    h5py Dataset (a hyperslab read), a zarr Array (the chunks that meet the
+    slices) or a ``numpy.memmap``. :meth:`batch` reads, for every sample of
+    this rank's part of the batch, only this rank's block; nothing is read
+    when the data set is made but the arrays' shapes and dtypes.
+    :func:`open_dataset` makes one from a file's path.
+
+    Parameters
+    ----------
+    inputs : array-like
+        ``(N, C, *spatial)`` inputs.
+    targets : array-like, optional
+        ``(N, C_t, *spatial)`` spatial targets, split like the inputs, or (N,)
+        integer labels (read whole by every rank). None: no targets.
+    source : str
+        A name for messages (the file's path).
+
+    Attributes
+    ----------
+    input_array, target_array : array-like
+        The arrays (``target_array`` None without targets).
+
+    Raises
+    ------
+    ValueError
+        For arrays whose shapes do not fit together.
+    """
+
+    def __init__(self, inputs: Any, targets: Any = None, *, source: str = "arrays"):
+        shape = tuple(int(n) for n in inputs.shape)
+        if len(shape) < 3:
+            raise ValueError(f"{source}: inputs must be (N, C, *spatial), got shape {shape}")
+        self.input_array, self.target_array, self.source = inputs, targets, source
+        self.sample_shape, self.dtype = shape[1:], np.dtype(inputs.dtype).newbyteorder("=")
+        self.target_shape, self.target_dtype = (), np.dtype(np.int64)
+        if targets is not None:
+            tshape = tuple(int(n) for n in targets.shape)
+            if tshape[:1] != shape[:1]:
+                raise ValueError(f"{source}: {shape[0]} inputs but targets of shape {tshape}")
+            if len(tshape) > 1 and (len(tshape) != len(shape) or tshape[2:] != shape[2:]):
+                raise ValueError(f"{source}: targets must be (N,) labels or (N, C_t, "
+                                 f"{', '.join(map(str, shape[2:]))}), got {tshape}")
+            self.target_shape = tshape[1:]
+            if self.target_shape:
+                self.target_dtype = np.dtype(targets.dtype).newbyteorder("=")
+
+    def __len__(self) -> int:
+        return int(self.input_array.shape[0])
+
+    def _input_block(self, sample: int, where: Slices) -> np.ndarray:
+        return np.asarray(self.input_array[(sample, *where)])
+
+    def _target_block(self, sample: int, where: Slices) -> np.ndarray:
+        return np.asarray(self.target_array[(sample, *where)])
+
+    def _labels(self, samples: np.ndarray) -> np.ndarray:
+        if self.target_array is None:
+            raise ValueError(f"{self.source} has no targets")
+        return np.array([self.target_array[int(i)] for i in samples], dtype=np.int64)
+
+    def batch(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution,
+              dist_y: Distribution | None = None) -> tuple[DistArray, DistArray | np.ndarray]:
+        """As :meth:`Dataset.batch`; ``y`` is None when there are no targets."""
+        if self.target_array is not None:
+            return super().batch(indices, dist_x, dist_y)
+        return self._inputs(_indices(indices), dist_x), None
+
+    def __repr__(self) -> str:
+        return f"ArrayDataset({self.source}: {len(self)} samples of {self.dtype} " \
+               f"{self.sample_shape})"
+
+
+HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
+
+
+def _format(path: str) -> str:
+    """'hdf5', 'zarr', 'npy' (a file, or a directory of input.npy/target.npy) or 'npy-dir'."""
+    if path.lower().endswith(HDF5_SUFFIXES):
+        return "hdf5"
+    if path.rstrip("/").lower().endswith(".zarr") or os.path.exists(
+            os.path.join(path, "zarr.json")):
+        return "zarr"
+    if os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "sample_*.npy")):
+        return "npy-dir"
+    if path.lower().endswith(".npy") or os.path.isdir(path):
+        return "npy"
+    raise ValueError(f"{path}: not a data set this reader knows (an HDF5 file {HDF5_SUFFIXES}, "
+                     "a Zarr store, a directory of sample_*.npy or of NAME.npy arrays)")
+
+
+def data_problem(path: str | os.PathLike) -> str | None:
+    """What makes ``path`` unreadable as a data set (no such path, unknown format), or None."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return "no such file or directory"
+    try:
+        _format(path)
+    except ValueError as exc:
+        return str(exc).split(": ", 1)[1]
+    return None
+
+
+def open_dataset(path: str | os.PathLike, input: str = "input",
+                 target: str | None = "target") -> Dataset:
+    """Open a data set file by its path, once; batches then read only this rank's blocks.
+
+    The format comes from the path:
+
+    * ``*.h5``, ``*.hdf5``: an HDF5 file with data sets ``input`` and ``target``
+      (read with h5py; no parallel HDF5 needed);
+    * ``*.zarr`` (or a directory holding ``zarr.json``): a Zarr group with
+      arrays ``input`` and ``target``;
+    * a directory of ``sample_*.npy`` files: :class:`NpyDataset`;
+    * a directory holding ``INPUT.npy`` and ``TARGET.npy``: memory maps of the two.
+
+    Parameters
+    ----------
+    path : path
+        The file or directory (the same on every rank).
+    input, target : str
+        Names of the input and target arrays in the file (``target=None``,
+        or a file without it: no targets).
+
+    Returns
+    -------
+    Dataset
+
+    Raises
+    ------
+    FileNotFoundError
+        When the path or the input array does not exist.
+    ImportError
+        Without h5py or zarr for those formats (``pip install disttensor[data]``).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no data set at {path}")
+    kind = _format(path)
+    if kind == "npy-dir":
+        return NpyDataset(path)
+    if kind == "hdf5":
+        group = optional_module("h5py").File(path, "r")
+        names = set(group.keys())
+    elif kind == "zarr":
+        group = optional_module("zarr").open_group(store=path, mode="r")
+        names = set(group.array_keys())
+    else:
+        group = {os.path.basename(f)[:-4]: f for f in
+                 glob.glob(os.path.join(glob.escape(path), "*.npy"))}
+        names = set(group)
+    if input not in names:
+        raise FileNotFoundError(f"{path} holds no input array {input!r} (it has "
+                                f"{sorted(names)}; choose it with --data-input)")
+    if kind == "npy":
+        inputs = np.load(group[input], mmap_mode="r")
+        targets = np.load(group[target], mmap_mode="r") if target in names else None
+    else:
+        inputs = group[input]
+        targets = group[target] if target in names else None
+    return ArrayDataset(inputs, targets, source=path)
+
+
+def save_dataset(path: str | os.PathLike, dataset: Dataset, input: str = "input",
+                 target: str = "target", *, chunks: Sequence[int] | None = None,
+                 comm: MPI.Comm | None = None) -> None:
+    """Write a data set to one HDF5 file or Zarr store, for :func:`open_dataset`.
+
+    Collective over ``comm``. Both formats store the arrays in chunks of one
+    sample, all channels and ``chunks`` (default 64) elements along each
+    spatial dimension, so that a rank's block of a sample is read as the few
+    chunks that meet it; labels are one chunk. HDF5 (``*.h5``, ``*.hdf5``):
+    rank 0 writes every sample (h5py without parallel HDF5 has one writer).
+    Zarr (any other path, ``*.zarr`` by convention): rank ``r`` writes the
+    samples ``k`` with ``k % size == r``, and rank 0 the labels. Each sample
+    is built whole on its writer (:meth:`Dataset.sample`).
+
+    Parameters
+    ----------
+    path : path
+        Where to write (replaced if it exists).
+    dataset : Dataset
+    input, target : str
+        Names of the arrays.
+    chunks : sequence of int, optional
+        Chunk extent along each spatial dimension.
+    comm : mpi4py.MPI.Comm, optional
+        ``MPI.COMM_WORLD`` by default.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    path = os.fspath(path)
+    n = len(dataset)
+    xshape, tshape = (n, *dataset.sample_shape), (n, *dataset.target_shape)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    spatial = dataset.sample_shape[1:]
+    tile = tuple(int(t) for t in chunks) if chunks is not None else (64,) * len(spatial)
+    if len(tile) != len(spatial) or min(tile, default=1) < 1:
+        raise ValueError(f"chunks needs {len(spatial)} positive spatial extents, got {tile}")
+    block = (1, *(min(t, m) for t, m in zip(tile, spatial)))
+    xchunks = (1, xshape[1], *block[1:])
+    tchunks = (1, *tshape[1:2], *block[1:]) if dataset.target_shape else (max(n, 1),)
+    if path.lower().endswith(HDF5_SUFFIXES):
+        def write_hdf5() -> None:
+            if rank == 0:
+                with optional_module("h5py").File(path, "w") as f:
+                    x = f.create_dataset(input, xshape, dataset.dtype, chunks=xchunks)
+                    y = f.create_dataset(target, tshape, dataset.target_dtype,
+                                         chunks=tchunks if n else None)
+                    for k in range(n):
+                        x[k], y[k] = dataset.sample(k)
+        _together(comm, write_hdf5)
+        return
+    zarr = optional_module("zarr")
+
+    def create() -> None:
+        if rank == 0:
+            group = zarr.open_group(store=path, mode="w")
+            group.create_array(input, shape=xshape, dtype=dataset.dtype, chunks=xchunks)
+            group.create_array(target, shape=tshape, dtype=dataset.target_dtype,
+                               chunks=tchunks)
+            if not dataset.target_shape:
+                group[target][:] = dataset._labels(np.arange(n, dtype=np.int64))
+
+    def write() -> None:
+        group = zarr.open_group(store=path, mode="r+")
+        for k in range(rank, n, size):
+            x, y = dataset.sample(k)
+            group[input][k] = x
+            if dataset.target_shape:
+                group[target][k] = y
+    _together(comm, create)
+    _together(comm, write)
+
+
+def _together(comm: MPI.Comm, work: Callable[[], None]) -> None:
+    """Run ``work`` on every rank; raise one OSError on all ranks if it failed on any."""
+    error = None
+    try:
+        work()
+    except Exception as exc:  # agree on failure so no rank waits forever
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [(r, e) for r, e in enumerate(comm.allgather(error)) if e is not None]
+    if errors:
+        raise OSError("save_dataset failed: " + "; ".join(f"rank {r}: {e}" for r, e in errors))
 
 
 # --------------------------------------------------------------------------- loader

@@ -33,7 +33,7 @@ from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.planner import leaf_nodes, trace
 from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .data import Loader, NpyDataset
+from .data import Loader, open_dataset
 from .registry import build_model, check_size, model_spec
 
 __all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError", "MemoryBudgetError"]
@@ -85,7 +85,9 @@ class TrainConfig:
     machine: str = "this"
     memory_per_rank: float | None = None
     progress: bool = True
-    data: str | None = None  # a directory of .npy samples (NpyDataset) instead of synthetic data
+    data: str | None = None  # a data set file (open_dataset: HDF5, Zarr, .npy) instead of synthetic
+    data_input: str = "input"  # names of the input and target arrays in that file
+    data_target: str = "target"
     recalibrate: bool = False  # measure this machine again even if a calibration is cached
     profile_memory: bool = False  # peak memory by phase and layer, largest allocations
     recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
@@ -281,7 +283,7 @@ def _model_and_data(cfg: TrainConfig) -> tuple:
     spec = model_spec(cfg.model)
     size = cfg.size
     if cfg.data is not None:
-        data = NpyDataset(cfg.data)
+        data = open_dataset(cfg.data, cfg.data_input, cfg.data_target)
         if data.sample_shape[0] != spec.in_channels or (
                 size is not None and tuple(data.sample_shape[1:]) != tuple(size)):
             raise ValueError(f"the samples in {cfg.data} are {data.sample_shape}; model "

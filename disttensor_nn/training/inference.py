@@ -1,0 +1,179 @@
+"""Distributed inference: a trained model run on whole samples, each block written by its owner.
+
+:func:`predict` builds the model from the registry, loads a checkpoint's
+weights, plans the layers' distributions for an inference pass (the
+planner's memory model with ``training=False``: no activation is kept for a
+backward pass, so a spatial split is chosen only when a sample does not fit
+a rank otherwise, or when it is faster), and runs the samples of a data set
+one at a time in eval mode. Every layer drops what it saved for backward as
+soon as its forward returns (:meth:`~disttensor_nn.Layer.release_saved`), so
+a rank holds one layer's input and output blocks at a time. Every rank reads
+only its block of each input (:meth:`Dataset.inputs
+<disttensor_nn.training.data.Dataset.inputs>`) and writes only its block of
+each output into one Zarr store or ``.npy`` file (:func:`disttensor.to_zarr`
+/ :func:`disttensor.to_npy` with ``region=``), so no sample is ever whole
+on one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+from tqdm import tqdm
+
+from disttensor import to_npy, to_zarr
+from disttensor.io import optional_module
+
+from ..container import Sequential
+from ..memory import MemoryProfile, release_free_memory, resident_bytes
+from ..plan import Plan, apply_plan, make_plan
+from ..plan.calibrate import calibrate
+from ..plan.machine import this_machine_path
+from ..plan.planner import leaf_nodes, trace
+from .checkpoint import load_checkpoint
+from .data import open_dataset
+from .registry import build_model, model_spec
+
+__all__ = ["PredictConfig", "predict"]
+
+UNCALIBRATED = "v100-nvlink-edr"  # planning profile of a 1-rank job (nothing to calibrate)
+
+
+@dataclass
+class PredictConfig:
+    """Everything ``disttensor-predict`` can be told."""
+
+    model: str = "mesh-demo"
+    checkpoint: str = ""  # a checkpoint directory written by disttensor-train
+    data: str = ""  # a data set (open_dataset: HDF5, Zarr, .npy)
+    out: str = ""  # the output: a Zarr store (*.zarr) or one .npy file (*.npy)
+    data_input: str = "input"  # name of the input array in the data file
+    machine: str = "this"
+    memory_per_rank: float | None = None
+    chunks: tuple[int, ...] | None = None  # Zarr output: chunk extent per spatial dimension
+    seed: int = 0  # of the initial weights, all overwritten by the checkpoint's
+    progress: bool = True
+
+
+def _machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
+    """The machine profile to plan on; calibrates this machine once when needed."""
+    if cfg.machine != "this":
+        return cfg.machine
+    if comm.Get_size() == 1:
+        return UNCALIBRATED
+    if not os.path.exists(this_machine_path()):
+        calibrate(comm)
+    return "this"
+
+
+def _create_output(cfg: PredictConfig, shape: tuple[int, ...], dtype: np.dtype,
+                   comm: MPI.Comm) -> None:
+    """Rank 0 creates the output array (N, C, *S); every rank learns whether it could."""
+    error = None
+    if comm.Get_rank() == 0:
+        try:
+            if cfg.out.lower().endswith(".npy"):
+                np.lib.format.open_memmap(cfg.out, mode="w+", dtype=dtype, shape=shape).flush()
+            else:
+                tile = cfg.chunks or (64,) * (len(shape) - 2)
+                chunks = (1, shape[1], *(min(t, n) for t, n in zip(tile, shape[2:])))
+                optional_module("zarr").create_array(store=cfg.out, shape=shape, dtype=dtype,
+                                                     chunks=chunks, overwrite=True)
+        except Exception as exc:  # shared with the other ranks, raised on all
+            error = f"cannot create {cfg.out}: {type(exc).__name__}: {exc}"
+    error = comm.bcast(error, root=0)
+    if error:
+        raise OSError(error)
+
+
+def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
+    """Run a trained model on every sample of a data set; collective.
+
+    Parameters
+    ----------
+    cfg : PredictConfig
+    comm : mpi4py.MPI.Comm, optional
+        ``MPI.COMM_WORLD`` by default.
+
+    Returns
+    -------
+    dict
+        The same on every rank: ``samples``, ``out``, ``output_shape``
+        (``[N, C, *S]``), ``plan`` (its table), ``predicted_peak_memory_bytes`` (per rank,
+        the process included), ``peak_memory_per_rank_bytes`` (measured: the
+        resident peak of each rank while the samples ran),
+        ``time_per_sample_s`` (median, the slowest rank's),
+        ``io_time_per_sample_s`` (of which reading the input and writing the
+        output) and ``predicted_time_per_sample_s`` (the plan's, compute and
+        communication).
+
+    Raises
+    ------
+    ValueError, FileNotFoundError, OSError
+        On every rank alike, before any sample is run: data that does not fit
+        the model, no plan that fits the memory budget, a checkpoint that does
+        not fit the model, an output that cannot be created.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    memory = MemoryProfile()
+    spec = model_spec(cfg.model)
+    data = open_dataset(cfg.data, cfg.data_input, None)
+    if data.sample_shape[0] != spec.in_channels:
+        raise ValueError(f"the samples in {cfg.data} are {data.sample_shape}; model "
+                         f"{cfg.model!r} takes {spec.in_channels} channels")
+    model, shape = build_model(cfg.model, tuple(data.sample_shape[1:]), 1, seed=cfg.seed)
+    out_shape = tuple(model.output_shape(shape))  # raises for a size the network cannot take
+    if isinstance(model, Sequential) and len(model):
+        model[0].input_grad = False
+    model.eval()
+    load_checkpoint(cfg.checkpoint, model, None, comm=comm)
+    params = sum(p.data.nbytes for p in model.parameters())
+    baseline = comm.allreduce(resident_bytes() - params, op=MPI.MAX)
+    plan: Plan
+    plan, _ = make_plan(model, shape, comm.Get_size(), _machine(cfg, comm), cfg.memory_per_rank,
+                        comm=comm, baseline=baseline, profile=memory, training=False)
+    apply_plan(model, plan, shape, comm)
+    nodes = leaf_nodes(trace(model, shape))
+    for _, layer in model.named_modules():  # nothing kept for a backward pass
+        layer.register_forward_hook(lambda layer, x, y: layer.release_saved())
+    n = len(data)
+    stack = (n, *out_shape[1:])
+    _create_output(cfg, stack, np.dtype(np.float32), comm)
+    first = nodes[0].layer.layout
+    write = to_npy if cfg.out.lower().endswith(".npy") else to_zarr
+    release_free_memory()
+    times, io_times = [], []
+    bar = None
+    if comm.Get_rank() == 0 and cfg.progress:
+        bar = tqdm(total=n, desc=f"{cfg.model} on {comm.Get_size()} ranks", unit="sample")
+    with memory.phase("inference"):
+        for i in range(n):
+            t0 = time.perf_counter()
+            x = data.inputs([i], first.distribution(shape))
+            t1 = time.perf_counter()
+            y = model(x)
+            del x
+            t2 = time.perf_counter()
+            write(y.astype(np.float32, copy=False), cfg.out, region=(slice(i, i + 1),))
+            del y
+            t3 = time.perf_counter()
+            times.append(t3 - t0)
+            io_times.append(t1 - t0 + t3 - t2)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    peaks = comm.allgather(memory.phases["inference"].peak)
+    return {"samples": n, "out": cfg.out, "output_shape": list(stack), "plan": plan.table(),
+            "predicted_peak_memory_bytes": plan.peak_memory,
+            "peak_memory_per_rank_bytes": peaks,
+            "time_per_sample_s": comm.allreduce(float(np.median(times)) if times else 0.0,
+                                                op=MPI.MAX),
+            "io_time_per_sample_s": comm.allreduce(
+                float(np.median(io_times)) if io_times else 0.0, op=MPI.MAX),
+            "predicted_time_per_sample_s": plan.time}
