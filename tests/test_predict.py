@@ -142,3 +142,32 @@ def test_a_sample_that_fits_no_rank_alone(shared_dir, capsys):
     assert summary["predicted_peak_memory_bytes"] <= baseline + budget
     assert "(1, 3, 1)" in summary["plan"] or "(1, 1, 3)" in summary["plan"], summary["plan"]
     assert_allclose(np.load(out), reference(trained, data, size), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parallel([1, 2])
+def test_predict_on_another_array_module_and_without_a_gpu(shared_dir, capsys):
+    """The model on array_api_strict (CuPy's stand-in) predicts what the NumPy run does;
+    --device gpu without CuPy or a GPU is one clear error before any work."""
+    xps = pytest.importorskip("array_api_strict")
+    size = (16, 12)
+    data = MeshSynthetic(2, size, channels=18, seed=4)
+    ckpt, inp = shared_dir / "ckpt", shared_dir / "in.h5"
+    model = trained_checkpoint(ckpt, size)
+    save_dataset(inp, data)
+    cfg = PredictConfig(model="mesh-demo", checkpoint=str(ckpt), data=str(inp),
+                        out=str(shared_dir / "strict.zarr"), machine=V100, progress=False)
+    predict(cfg, xp=xps)
+    got = zarr.open_array(shared_dir / "strict.zarr", mode="r")[...]
+    assert_allclose(got, reference(model, data, size), rtol=1e-5, atol=1e-6)
+    try:
+        import cupy  # noqa: F401
+        return  # a machine with CuPy: the GPU tests cover it
+    except ImportError:
+        pass
+    with pytest.raises(SystemExit) as exc:
+        predict_main(["mesh-demo", "--checkpoint", str(ckpt), "--data", str(inp), "--out",
+                      str(shared_dir / "gpu.zarr"), "--machine", V100, "--device", "gpu"])
+    err = capsys.readouterr().err
+    collective_assert(exc.value.code == 2, f"exit {exc.value.code}")
+    if comm.Get_rank() == 0:
+        assert "--device gpu" in err and "CuPy" in err and "Traceback" not in err

@@ -459,6 +459,9 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
                         help="the machine profile to plan for: 'this' (calibrated here) or "
                         f"a built-in one ({', '.join(builtin_profiles())})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default=d.device,
+                        help="compute on CPU cores (NumPy) or on one GPU per rank (CuPy; "
+                        "--machine this then plans with the GPU calibration this-gpu)")
     a = parser.parse_args(argv)
     if not os.path.isdir(a.checkpoint):
         parser.error(f"--checkpoint {a.checkpoint}: not a directory")
@@ -476,7 +479,7 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
     cfg = PredictConfig(model=a.model, checkpoint=a.checkpoint, data=a.data, out=a.out,
                         data_input=a.data_input, machine=a.machine,
                         memory_per_rank=a.memory_per_rank, chunks=a.chunks,
-                        progress=not a.no_progress)
+                        progress=not a.no_progress, device=a.device)
     try:
         result = predict(cfg)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as exc:

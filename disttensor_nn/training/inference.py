@@ -26,10 +26,12 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from disttensor import to_npy, to_zarr
+from disttensor import DistArray, to_npy, to_zarr, use_device
+from disttensor.backend import as_module, is_numpy, to_numpy
 from disttensor.io import optional_module
 
 from ..container import Sequential
+from ..kernels import synchronize
 from ..memory import MemoryProfile, release_free_memory, resident_bytes
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
@@ -58,17 +60,20 @@ class PredictConfig:
     chunks: tuple[int, ...] | None = None  # Zarr output: chunk extent per spatial dimension
     seed: int = 0  # of the initial weights, all overwritten by the checkpoint's
     progress: bool = True
+    device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
 
 
 def _machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
-    """The machine profile to plan on; calibrates this machine once when needed."""
+    """The machine profile to plan on; calibrates this machine once when needed (with the
+    ranks on their GPUs for ``device="gpu"``: the profile ``this-gpu``)."""
     if cfg.machine != "this":
         return cfg.machine
     if comm.Get_size() == 1:
         return UNCALIBRATED
-    if not os.path.exists(this_machine_path()):
-        calibrate(comm)
-    return "this"
+    device = "gpu" if cfg.device == "gpu" else "cpu"
+    if not os.path.exists(this_machine_path(device=device)):
+        calibrate(comm, device=device)
+    return "this" if device == "cpu" else "this-gpu"
 
 
 def _create_output(cfg: PredictConfig, shape: tuple[int, ...], dtype: np.dtype,
@@ -91,7 +96,8 @@ def _create_output(cfg: PredictConfig, shape: tuple[int, ...], dtype: np.dtype,
         raise OSError(error)
 
 
-def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
+def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
+            xp: Any = None) -> dict[str, Any]:
     """Run a trained model on every sample of a data set; collective.
 
     Parameters
@@ -99,6 +105,12 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     cfg : PredictConfig
     comm : mpi4py.MPI.Comm, optional
         ``MPI.COMM_WORLD`` by default.
+    xp : module, optional
+        The array module the model computes with, instead of the one
+        ``cfg.device`` picks (NumPy, or CuPy on this rank's GPU): any array
+        API library (as :func:`~disttensor_nn.training.train`). Inputs are
+        read on the host and moved to it; outputs come back to the host to
+        be written.
 
     Returns
     -------
@@ -117,9 +129,15 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     ValueError, FileNotFoundError, OSError
         On every rank alike, before any sample is run: data that does not fit
         the model, no plan that fits the memory budget, a checkpoint that does
-        not fit the model, an output that cannot be created.
+        not fit the model, an output that cannot be created, ``device="gpu"``
+        without CuPy or a GPU.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    if xp is None:
+        try:
+            xp = use_device(cfg.device, comm)
+        except RuntimeError as exc:  # the same on every rank of the job
+            raise ValueError(f"--device {cfg.device}: {exc}") from exc
     memory = MemoryProfile()
     spec = model_spec(cfg.model)
     data = open_dataset(cfg.data, cfg.data_input, None)
@@ -138,6 +156,8 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     plan, _ = make_plan(model, shape, comm.Get_size(), _machine(cfg, comm), cfg.memory_per_rank,
                         comm=comm, baseline=baseline, profile=memory, training=False)
     apply_plan(model, plan, shape, comm)
+    if not is_numpy(xp):
+        model.to(xp)
     nodes = leaf_nodes(trace(model, shape))
     for _, layer in model.named_modules():  # nothing kept for a backward pass
         layer.register_forward_hook(lambda layer, x, y: layer.release_saved())
@@ -155,10 +175,15 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
         for i in range(n):
             t0 = time.perf_counter()
             x = data.inputs([i], first.distribution(shape))
+            if not is_numpy(xp):
+                x = DistArray(as_module(x.local, xp), x.dist)
             t1 = time.perf_counter()
             y = model(x)
             del x
+            synchronize(xp)
             t2 = time.perf_counter()
+            if not is_numpy(xp):
+                y = DistArray(to_numpy(y.local), y.dist)
             write(y.astype(np.float32, copy=False), cfg.out, region=(slice(i, i + 1),))
             del y
             t3 = time.perf_counter()
