@@ -6,8 +6,10 @@ functions, statistics, utility and searching functions (except
 ``searchsorted``), manipulation functions (except ``tile`` and ``repeat``),
 ``matmul``/``matrix_transpose``/``vecdot``, data type
 functions, constants and creation functions; sorting, sets, ``tensordot``,
-``meshgrid``, ``from_dlpack`` and the optional extensions (linalg, fft) are
-not provided. Semantics are NumPy's (NumPy 2 follows the standard).
+``meshgrid`` and ``from_dlpack`` are not provided. The extensions are
+``xp.linalg`` (:mod:`~disttensor.ops.linalg_ext`) and ``xp.fft``
+(:mod:`~disttensor.ops.fft`), namespaces holding exactly the standard's
+names. Semantics are NumPy's (NumPy 2 follows the standard).
 
 Creation functions without an array argument (``zeros``, ``arange``,
 ``asarray``, ...) build arrays on the default grid (a 1-D grid over
@@ -18,13 +20,15 @@ distribution of their argument.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import numpy as np
 
 import disttensor.creation as creation
 import disttensor.ops.elementwise as elementwise
-import disttensor.ops.linalg as linalg
+import disttensor.ops.fft as _fft
+import disttensor.ops.linalg as _linalg
 import disttensor.ops.reductions as reductions
 import disttensor.ops.shape as _shape
 
@@ -285,12 +289,28 @@ def broadcast_arrays(*arrays: Any) -> list[DistArray]:
 
 def matmul(x1: Any, x2: Any, /) -> DistArray:
     """Matrix product (SUMMA, see :mod:`disttensor.ops.linalg`)."""
-    return linalg.matmul(x1, x2)
+    return _linalg.matmul(x1, x2)
 
 
 def vecdot(x1: Any, x2: Any, /, *, axis: int = -1) -> DistArray:
     """Conjugated dot product along ``axis``."""
-    return linalg.vecdot(x1, x2, axis=axis)
+    return _linalg.vecdot(x1, x2, axis=axis)
+
+
+# ------------------------------------------------------------------ extensions
+
+
+def _extension(name: str, module: types.ModuleType) -> types.ModuleType:
+    """A namespace holding exactly ``module.STANDARD_NAMES`` (the standard's functions)."""
+    ns = types.ModuleType(f"disttensor.{name}", module.__doc__)
+    for n in module.STANDARD_NAMES:
+        setattr(ns, n, getattr(module, n))
+    ns.__all__ = list(module.STANDARD_NAMES)
+    return ns
+
+
+#: The array API ``fft`` extension (:mod:`disttensor.ops.fft`).
+fft = _extension("fft", _fft)
 
 
 # ------------------------------------------------------------------ data types
