@@ -43,7 +43,6 @@ block boundaries.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -58,7 +57,7 @@ from ..distribution import Distribution
 from ..redistribute import redistribution_plan
 from ..settings import collective
 from ._util import axis_index, is_dist, same_comm, wrap
-from .gathering import warn_gather
+from .gathering import warn_gather, whole_axes
 
 STANDARD_NAMES = [
     "fft", "ifft", "fftn", "ifftn", "rfft", "irfft", "rfftn", "irfftn", "hfft", "ihfft",
@@ -92,29 +91,6 @@ class Stage(NamedTuple):
 
 def _split(dist: Distribution, d: int) -> bool:
     return dist.nblocks[d] > 1
-
-
-def _localise(dist: Distribution, axis: int, pending: set[int]) -> Distribution:
-    """``dist`` with ``axis`` whole: its grid axes moved to the best other dimension."""
-    g = dist.grid_shape
-    dim_axes = [list(e) for e in dist.dim_axes]
-    moving = [a for a in dim_axes[axis] if g[a] > 1]
-    dim_axes[axis] = [a for a in dim_axes[axis] if g[a] == 1]
-    splits = list(dist.splits)
-    splits[axis] = None
-    pm = math.prod(g[a] for a in moving)
-    others = [d for d in range(dist.ndim) if d != axis]
-    if others:
-        def cost(d: int) -> tuple:
-            blocks = dist.nblocks[d] * pm
-            n = dist.global_shape[d]
-            return (n < blocks, d in pending, -n / blocks, d)
-
-        b = min(others, key=cost)
-        dim_axes[b] += moving
-        splits[b] = None
-    # without another dimension the moved grid axes hold replicas: a gather
-    return dist.replace(axes=[tuple(e) for e in dim_axes], splits=splits)
 
 
 def _with_length(dist: Distribution, axis: int, n: int) -> Distribution:
@@ -183,7 +159,7 @@ class FFTPlan:
                 for t in taken:
                     pending.remove(t)
             else:
-                nxt = _localise(cur, pending[0].axis, {t.axis for t in pending[1:]})
+                nxt = whole_axes(cur, [pending[0].axis], {t.axis for t in pending[1:]})
                 gathers = gathers or cur.ndim == 1
                 stages.append(Stage(nxt, (), nxt))
                 cur = nxt

@@ -29,6 +29,7 @@ import disttensor.creation as creation
 import disttensor.ops.elementwise as elementwise
 import disttensor.ops.fft as _fft
 import disttensor.ops.linalg as _linalg
+import disttensor.ops.linalg_ext as _linalg_ext
 import disttensor.ops.reductions as reductions
 import disttensor.ops.shape as _shape
 
@@ -311,6 +312,8 @@ def _extension(name: str, module: types.ModuleType) -> types.ModuleType:
 
 #: The array API ``fft`` extension (:mod:`disttensor.ops.fft`).
 fft = _extension("fft", _fft)
+#: The array API ``linalg`` extension (:mod:`disttensor.ops.linalg_ext`).
+linalg = _extension("linalg", _linalg_ext)
 
 
 # ------------------------------------------------------------------ data types
