@@ -32,7 +32,7 @@ What each function does with a distributed input:
 
 Data-dependent failures (a singular matrix, one that is not positive
 definite) raise :class:`numpy.linalg.LinAlgError` on every rank: the ranks
-agree on the outcome in one small allreduce. Argument errors raise before any
+agree on the outcome in one small allgather. Argument errors raise before any
 message. Results are NumPy's, up to the signs of factors that are unique only
 up to signs (``qr``, ``svd``, ``eigh``).
 """
