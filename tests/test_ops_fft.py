@@ -31,9 +31,17 @@ def test_one_dimensional_transforms_like_numpy():
                              lambda a, kw=kw, ours=ours: ours(a, **kw),
                              shapes=[(6, 5)], dtypes=dtypes[:1] if kw else dtypes,
                              name=f"{name}{kw}")
-    # a split 1-D array (gathered), int input, empty non-transformed axis
-    check_like_numpy(np.fft.fft, F.fft, shapes=[(9,), (0, 4)], dtypes=[np.int64],
+    # split 1-D arrays: composite lengths by the four-step method, primes gathered
+    for ref, ours in ((np.fft.fft, F.fft), (np.fft.ifft, F.ifft)):
+        name = ours.__name__
+        for norm in ("backward", "ortho"):
+            check_like_numpy(lambda a, f=ref, norm=norm: f(a, norm=norm),
+                             lambda a, f=ours, norm=norm: f(a, norm=norm),
+                             shapes=[(12,), (30,), (7,)], dtypes=[np.complex128],
+                             name=f"{name} 1-D {norm}")
+    check_like_numpy(np.fft.fft, F.fft, shapes=[(9,), (0, 4)], dtypes=[np.int64, np.complex64],
                      name="fft 1-D")
+    check_like_numpy(np.fft.rfft, F.rfft, shapes=[(10,)], name="rfft 1-D")
 
 
 @parallel
@@ -162,12 +170,14 @@ def test_namespace_extensions_hold_the_standards_names(monkeypatch):
     a = sample((5,), np.complex128)
     x = xp.asarray(a)
     assert_allclose(xp.fft.ifft(xp.fft.fft(x)), a, rtol=1e-12)
-    # a split 1-D array is gathered: warned above the threshold, silent below
+    # a split 1-D array of prime length is gathered (warned above the threshold); of
+    # composite length it is not, nor is a 2-D one
     monkeypatch.setattr(gathering, "GATHER_WARN_BYTES", 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         F.fft(x)
         F.fft(xp.reshape(x, (5, 1)), axis=0)  # the other axis takes the grid axis
+        F.ifft(xp.asarray(sample((6,), np.complex128)))
     kinds = [w.category for w in caught]
     want = [gathering.GatherWarning] if comm.size > 1 else []
     collective_assert(kinds == want, str(kinds), comm)

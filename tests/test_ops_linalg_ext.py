@@ -29,9 +29,9 @@ def _spd(shape, dtype, seed=0):
     return (a @ np.swapaxes(a, -1, -2).conj() / n + np.eye(n, dtype=dtype) * 2).astype(dtype)
 
 
-def _each_layout(a, fn, comm=MPI.COMM_WORLD):
-    """``fn(x)`` for ``a`` distributed in every layout of the test helper."""
-    for dist in layouts(a.shape, comm):
+def _each_layout(a, fn, limit=None, comm=MPI.COMM_WORLD):
+    """``fn(x)`` for ``a`` distributed in every layout of the test helper (or the first)."""
+    for dist in layouts(a.shape, comm)[:limit]:
         yield dist, fn(DistArray.from_global(a, dist))
 
 
@@ -45,13 +45,16 @@ def test_namespace_holds_exactly_the_standards_names():
 
 @parallel
 def test_local_per_matrix_functions_like_numpy():
-    for dtype in (np.float64, np.float32):
+    for dtype, shapes, names in (
+            (np.float64, ((3, 4, 4), (5, 5)), ("det", "inv", "eigvalsh", "matrix_rank",
+                                               "svdvals", "trace")),
+            (np.float32, ((3, 4, 4),), ("det", "inv"))):
         tol = TOL[dtype]
-        for shape in ((3, 4, 4), (5, 5)):
+        for shape in shapes:
             spd = _spd(shape, dtype)
-            for name in ("det", "inv", "eigvalsh", "matrix_rank", "svdvals", "trace"):
+            for name in names:
                 want = getattr(np.linalg, name)(spd)
-                for _, got in _each_layout(spd, getattr(L, name)):
+                for _, got in _each_layout(spd, getattr(L, name), 3):
                     assert_allclose(got, want, rtol=tol, atol=tol)
             for _, (sign, logdet) in _each_layout(spd, L.slogdet):
                 assert_allclose(sign, np.linalg.slogdet(spd)[0], rtol=tol)
@@ -90,13 +93,13 @@ def test_cholesky_eigh_and_solve_identities_at_both_precisions():
                 assert_allclose(w, np.linalg.eigvalsh(a), rtol=tol, atol=tol)
             b = sample(shape[:-1] + (2,), dtype, seed=4)
             bv = sample(shape[-1:], dtype, seed=5)
-            for dist in layouts(shape):
+            for k, dist in enumerate(layouts(shape)):
                 x = DistArray.from_global(a, dist)
                 for rhs in (b, bv):
-                    for rdist in layouts(rhs.shape)[:3]:
-                        sol = L.solve(x, DistArray.from_global(rhs, rdist))
-                        assert_allclose(sol, np.linalg.solve(a, rhs), rtol=tol * 10,
-                                        atol=tol * 10)
+                    rl = layouts(rhs.shape)
+                    sol = L.solve(x, DistArray.from_global(rhs, rl[k % len(rl)]))
+                    assert_allclose(sol, np.linalg.solve(a, rhs), rtol=tol * 10,
+                                    atol=tol * 10)
 
 
 @parallel
@@ -105,10 +108,12 @@ def test_qr_svd_identities_tall_skinny_and_general():
     p = comm.size
     for dtype in (np.float64, np.float32):
         tol = TOL[dtype]
-        for shape in ((4 * p * 3 + 1, 3), (6, 4), (2, 5, 3), (3, 5)):
+        shapes = ((4 * p * 3 + 1, 3), (6, 4), (2, 5, 3), (3, 5))
+        for shape in shapes if dtype == np.float64 else shapes[:1]:
             a = sample(shape, dtype, seed=7)
             for mode in ("reduced", "complete"):
-                for dist, (q, r) in _each_layout(a, lambda x, mode=mode: L.qr(x, mode=mode)):
+                for dist, (q, r) in _each_layout(a, lambda x, mode=mode: L.qr(x, mode=mode),
+                                                 None if shape == shapes[0] else 2):
                     gq, gr = q.to_global(), r.to_global()
                     eye = np.eye(gq.shape[-1])
                     ok = (np.allclose(np.swapaxes(gq, -1, -2).conj() @ gq, eye, atol=tol * 10)
@@ -120,7 +125,7 @@ def test_qr_svd_identities_tall_skinny_and_general():
                     collective_assert(ok, f"qr {mode} {shape} {dtype} {dist}")
             for full in (False, True):
                 for dist, (u, s, vh) in _each_layout(a, lambda x, f=full: L.svd(
-                        x, full_matrices=f)):
+                        x, full_matrices=f), None if shape == shapes[0] else 2):
                     gu, gs, gvh = u.to_global(), s.to_global(), vh.to_global()
                     k = gs.shape[-1]
                     rec = (gu[..., :k] * gs[..., None, :]) @ gvh[..., :k, :]

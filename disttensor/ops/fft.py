@@ -13,8 +13,11 @@ Distribution works, with uneven or empty blocks, replicas, or several grid
 axes on one dimension. Each redistribution is the library's own
 :class:`~disttensor.redistribute.RedistributionPlan` (one ``Alltoallw`` or
 ``Alltoallv``). A split 1-D array has no other dimension to move its grid
-axes to: it is gathered onto every rank that holds a replica (a
-:class:`~disttensor.ops.gathering.GatherWarning` above
+axes to: ``fft``/``ifft`` of composite length ``n = n1 * n2`` run as a 2-D
+transform of the array viewed as ``(n1, n2)``, with twiddle factors between
+the two stages (the four-step method); other 1-D transforms of a split
+array, and prime lengths, gather the axis onto every rank of its grid axes
+(a :class:`~disttensor.ops.gathering.GatherWarning` above
 :data:`~disttensor.ops.gathering.GATHER_WARN_BYTES`).
 
 **Where the result lives** (``out_dist``, beyond the standard):
@@ -43,6 +46,7 @@ block boundaries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -128,7 +132,8 @@ class FFTPlan:
     out_dist : Distribution
         The result's layout.
     gathers : bool
-        Whether a stage gathers a split axis (split 1-D arrays only).
+        Whether a stage gathers a split axis (split 1-D arrays only; ``fft``
+        and ``ifft`` of composite length avoid this plan, see above).
     """
 
     def __init__(self, dist: Distribution, transforms: tuple[Transform, ...], out: Any = None):
@@ -271,6 +276,40 @@ def _check_out(out_dist: Any, x: DistArray, shape: tuple[int, ...]) -> Any:
     return out_dist
 
 
+def _factor(n: int) -> int:
+    """The largest divisor of ``n`` not above its square root (1 for primes)."""
+    for f in range(math.isqrt(n), 1, -1):
+        if n % f == 0:
+            return f
+    return 1
+
+
+def _four_step(x: DistArray, t: Transform, norm: str, out: Any) -> DistArray:
+    """A complex FFT of a split 1-D array of length ``n1 * n2`` as a distributed 2-D one.
+
+    With ``j = n2 * j1 + j2`` and ``k = k1 + n1 * k2``: transform ``x`` viewed
+    as ``(n1, n2)`` along its first axis, multiply by the twiddles
+    ``w^(j2 k1)`` (``w = exp(-+2 pi i / n)``), transform along the second
+    axis, and read the ``(n1, n2)`` result in column-major order. Each
+    transform is a stage of the pencil method, so nothing is gathered.
+    """
+    n = t.n
+    n1 = _factor(n)
+    n2 = n // n1
+    a = _shape.reshape(x, (n1, n2))
+    b = fft_plan(a.dist, (Transform(0, t.kind, n1),), "transposed")(a, norm)
+    sl = b.dist.local_slices()
+    k1 = np.arange(sl[0].start, sl[0].stop)[:, None]
+    j2 = np.arange(sl[1].start, sl[1].stop)[None, :]
+    sign = -1 if t.kind == "fft" else 1
+    twiddle = np.exp(sign * 2j * np.pi * ((k1 * j2) % n) / n).astype(b.dtype)
+    b.local[...] *= b.xp.asarray(twiddle)
+    c = fft_plan(b.dist, (Transform(1, t.kind, n2),), "transposed")(b, norm)
+    y = _shape.reshape(_shape.transpose(c), (n,))
+    target = x.dist if out is None else (y.dist if isinstance(out, str) else out)
+    return y if y.dist == target else redistribution_plan(y.dist, target)(y)
+
+
 def _run(x: DistArray, spec: Sequence[tuple[int, str, int | None]], norm: Any,
          out_dist: Any) -> DistArray:
     norm = _check_norm(norm)
@@ -279,6 +318,12 @@ def _run(x: DistArray, spec: Sequence[tuple[int, str, int | None]], norm: Any,
     for t in transforms:
         shape[t.axis] = _out_length(t)
     out = _check_out(out_dist, x, tuple(shape))
+    if not transforms:
+        return x.copy()
+    t = transforms[0]
+    if (x.ndim == 1 and _split(x.dist, 0) and len(transforms) == 1 and t.kind in ("fft", "ifft")
+            and t.n == x.shape[0] and _factor(t.n) > 1):
+        return _four_step(x.astype(np.result_type(x.dtype, np.complex64)), t, norm, out)
     return fft_plan(x.dist, transforms, out)(x, norm)
 
 
