@@ -472,33 +472,9 @@ def cross(x1: DistArray, x2: DistArray, /, *, axis: int = -1) -> DistArray:
 
 @collective
 def tensordot(x1: DistArray, x2: DistArray, /, *, axes: Any = 2) -> DistArray:
-    """Sum of products over ``axes``, like :func:`numpy.tensordot`: the contracted
-    dimensions moved last in ``x1`` and first in ``x2``, merged, then SUMMA."""
-    if not is_dist(x1) or not is_dist(x2):
-        raise TypeError("linalg.tensordot: expected DistArrays")
-    if isinstance(axes, (int, np.integer)) and not isinstance(axes, (bool, np.bool_)):
-        if axes < 0 or axes > min(x1.ndim, x2.ndim):
-            raise ValueError(f"tensordot: axes={axes} must be in [0, {min(x1.ndim, x2.ndim)}]")
-        a1 = list(range(x1.ndim - axes, x1.ndim))
-        a2 = list(range(axes))
-    else:
-        a1, a2 = (list(np.atleast_1d(a)) for a in axes)
-        if len(a1) != len(a2):
-            raise ValueError("tensordot: the two axes sequences must have the same length")
-        a1 = [axis_index(a, x1.ndim) for a in a1]
-        a2 = [axis_index(a, x2.ndim) for a in a2]
-    if any(x1.shape[i] != x2.shape[j] for i, j in zip(a1, a2)):
-        raise ValueError("shape-mismatch for sum")
-    free1 = [i for i in range(x1.ndim) if i not in a1]
-    free2 = [j for j in range(x2.ndim) if j not in a2]
-    k = math.prod(x1.shape[i] for i in a1)
-    m = math.prod(x1.shape[i] for i in free1)
-    n = math.prod(x2.shape[j] for j in free2)
-    p1 = _shape.reshape(_shape.transpose(x1, free1 + a1), (m, k))
-    p2 = _shape.reshape(_shape.transpose(x2, a2 + free2), (k, n))
-    out = _linalg.matmul(p1, p2)
-    return _shape.reshape(out, tuple(x1.shape[i] for i in free1)
-                          + tuple(x2.shape[j] for j in free2))
+    """Sum of products over ``axes``, like :func:`numpy.tensordot`
+    (:func:`disttensor.ops.linalg.tensordot`: contracted axes merged, then SUMMA)."""
+    return _linalg.tensordot(x1, x2, axes=axes)
 
 
 @collective
