@@ -70,7 +70,7 @@ STANDARD_NAMES = [
 
 __all__ = [
     "fft", "ifft", "fftn", "ifftn", "rfft", "irfft", "rfftn", "irfftn", "hfft", "ihfft",
-    "fftfreq", "rfftfreq", "fftshift", "ifftshift", "FFTPlan", "fft_plan",
+    "fftfreq", "rfftfreq", "fftshift", "ifftshift", "FFTPlan", "fft_plan", "Transform", "Stage",
 ]
 
 _NORMS = ("backward", "ortho", "forward")
