@@ -24,9 +24,11 @@ implicit moves into errors. Rules and costs: docs/array_programming.md.
 
 The modules import :mod:`disttensor.array`, never the reverse, in one
 direction among themselves too: ``align``, ``indexing``, ``shape``,
-``reductions``, ``linalg``, ``ufuncs``, ``elementwise``, ``sorting``,
-``searching``, ``sets``, ``replication``, ``namespace``, ``functions``,
-``methods`` (each uses only those before it).
+``reductions``, ``linalg``, ``ufuncs``, ``elementwise``, ``gathering``,
+``fft``, ``linalg_ext``, ``sorting``, ``searching``, ``sets``, ``replication``,
+``namespace``, ``functions``, ``methods`` (each uses only those before it).
+``fft`` and ``linalg_ext`` are the array API's extensions, ``xp.fft`` and
+``xp.linalg`` (docs/fft_linalg.md).
 """
 
 from ._config import (

@@ -197,7 +197,7 @@ def _np_take(a: Any, indices: Any, axis: Any = None, out: Any = None,
 
 def _np_tensordot(a: Any, b: Any, axes: Any = 2) -> Any:
     """:func:`numpy.tensordot` (a distributed matrix product)."""
-    return replication.tensordot(a, b, axes=axes)
+    return linalg.tensordot(a, b, axes=axes)
 
 
 def _np_repeat(a: Any, repeats: Any, axis: Any = None) -> Any:

@@ -1,4 +1,5 @@
-"""Matrix products: ``matmul`` (``@``) by SUMMA, and ``dot``, ``vdot``, ``vecdot``, ``outer``.
+"""Matrix products: ``matmul`` (``@``) by SUMMA, and ``dot``, ``vdot``, ``vecdot``, ``outer``,
+``tensordot``; vector and matrix norms.
 
 SUMMA on the process grid: the grid's axes are split into a row group ``R``
 and a column group ``C``. ``A`` (m x k), ``B`` (k x n) and the result (m x n)
@@ -29,6 +30,7 @@ from ..array import DistArray
 from ..distribution import Distribution
 from ..settings import collective
 from ._util import (
+    axis_index,
     bcast_array,
     block_coords,
     is_dist,
@@ -40,9 +42,10 @@ from .reductions import _store, count_nonzero
 from .reductions import max as dmax
 from .reductions import min as dmin
 from .reductions import sum as dsum
-from .shape import expand_dims, ravel, reshape, squeeze
+from .shape import expand_dims, ravel, reshape, squeeze, transpose
 
-__all__ = ["matmul", "matmul_distributions", "dot", "vdot", "vecdot", "outer", "inner"]
+__all__ = ["matmul", "matmul_distributions", "dot", "vdot", "vecdot", "outer", "inner",
+           "tensordot"]
 
 
 def _groups(a: Distribution, b: Distribution) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -269,6 +272,42 @@ def outer(a: Any, b: Any, out: Any = None) -> DistArray:
     a = expand_dims(ravel(a), 1) if is_dist(a) else np.ravel(a)[:, None]
     b = expand_dims(ravel(b), 0) if is_dist(b) else np.ravel(b)[None, :]
     return np.multiply(a, b, out=out)
+
+
+@collective
+def tensordot(x1: DistArray, x2: DistArray, /, *, axes: Any = 2) -> DistArray:
+    """Sum of products over ``axes``, like :func:`numpy.tensordot`.
+
+    The contracted dimensions are moved last in ``x1`` and first in ``x2``
+    (no messages) and merged with the free ones by :func:`reshape` (a
+    redistribution where blocks do not line up), then multiplied by SUMMA
+    (:func:`matmul`) and reshaped back.
+    """
+    if not is_dist(x1) or not is_dist(x2):
+        raise TypeError("tensordot: expected DistArrays")
+    if isinstance(axes, (int, np.integer)) and not isinstance(axes, (bool, np.bool_)):
+        if axes < 0 or axes > min(x1.ndim, x2.ndim):
+            raise ValueError(f"tensordot: axes={axes} must be in [0, {min(x1.ndim, x2.ndim)}]")
+        a1 = list(range(x1.ndim - axes, x1.ndim))
+        a2 = list(range(axes))
+    else:
+        a1, a2 = (list(np.atleast_1d(a)) for a in axes)
+        if len(a1) != len(a2):
+            raise ValueError("tensordot: the two axes sequences must have the same length")
+        a1 = [axis_index(a, x1.ndim) for a in a1]
+        a2 = [axis_index(a, x2.ndim) for a in a2]
+    if any(x1.shape[i] != x2.shape[j] for i, j in zip(a1, a2)):
+        raise ValueError("shape-mismatch for sum")
+    free1 = [i for i in range(x1.ndim) if i not in a1]
+    free2 = [j for j in range(x2.ndim) if j not in a2]
+    k = math.prod(x1.shape[i] for i in a1)
+    m = math.prod(x1.shape[i] for i in free1)
+    n = math.prod(x2.shape[j] for j in free2)
+    p1 = reshape(transpose(x1, free1 + a1), (m, k))
+    p2 = reshape(transpose(x2, a2 + free2), (k, n))
+    out = matmul(p1, p2)
+    return reshape(out, tuple(x1.shape[i] for i in free1)
+                          + tuple(x2.shape[j] for j in free2))
 
 
 # ------------------------------------------------------------------ norms

@@ -5,7 +5,10 @@ runs on DistArrays through this module. It covers the standard's element-wise
 functions, statistics, utility and searching functions, manipulation functions,
 ``matmul``/``matrix_transpose``/``vecdot``/``tensordot``, data type
 functions, constants, creation functions, sorting, searching and set
-functions: the whole 2023.12 core. Semantics are NumPy's (NumPy 2 follows the standard).
+functions: the whole 2023.12 core. The extensions are
+``xp.linalg`` (:mod:`~disttensor.ops.linalg_ext`) and ``xp.fft``
+(:mod:`~disttensor.ops.fft`), namespaces holding exactly the standard's
+names. Semantics are NumPy's (NumPy 2 follows the standard).
 
 Creation functions without an array argument (``zeros``, ``arange``,
 ``asarray``, ...) build arrays on the default grid (a 1-D grid over
@@ -16,13 +19,16 @@ distribution of their argument.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any, NamedTuple
 
 import numpy as np
 
 import disttensor.creation as creation
 import disttensor.ops.elementwise as elementwise
-import disttensor.ops.linalg as linalg
+import disttensor.ops.fft as _fft
+import disttensor.ops.linalg as _linalg
+import disttensor.ops.linalg_ext as _linalg_ext
 import disttensor.ops.reductions as reductions
 import disttensor.ops.replication as replication
 import disttensor.ops.searching as searching
@@ -302,19 +308,19 @@ def meshgrid(*arrays: DistArray, indexing: str = "xy") -> list[DistArray]:
 
 def tensordot(x1: DistArray, x2: DistArray, /, *, axes: Any = 2) -> DistArray:
     """Sum of products over ``axes`` (a distributed matrix product)."""
-    return replication.tensordot(x1, x2, axes=axes)
+    return _linalg.tensordot(x1, x2, axes=axes)
 
 
 
 def matmul(x1: Any, x2: Any, /) -> DistArray:
     """Matrix product (SUMMA, see :mod:`disttensor.ops.linalg`)."""
-    return linalg.matmul(x1, x2)
+    return _linalg.matmul(x1, x2)
 
 
 def vecdot(x1: Any, x2: Any, /, *, axis: int = -1) -> DistArray:
     """Conjugated dot product along ``axis``, in the operands' result type (``uint8``
     operands give ``uint8``, wrapping around as the standard's integer arithmetic does)."""
-    out = linalg.vecdot(x1, x2, axis=axis)
+    out = _linalg.vecdot(x1, x2, axis=axis)
     want = np.result_type(*(a.dtype if is_dist(a) else np.asarray(a).dtype for a in (x1, x2)))
     return out if out.dtype == want else out.astype(want)
 
@@ -366,6 +372,24 @@ def unique_inverse(x: DistArray, /) -> Any:
 def unique_all(x: DistArray, /) -> Any:
     """Distinct values, first indices, inverse indices and counts."""
     return sets.unique_all(x)
+
+
+# ------------------------------------------------------------------ extensions
+
+
+def _extension(name: str, module: types.ModuleType) -> types.ModuleType:
+    """A namespace holding exactly ``module.STANDARD_NAMES`` (the standard's functions)."""
+    ns = types.ModuleType(f"disttensor.{name}", module.__doc__)
+    for n in module.STANDARD_NAMES:
+        setattr(ns, n, getattr(module, n))
+    ns.__all__ = list(module.STANDARD_NAMES)
+    return ns
+
+
+#: The array API ``fft`` extension (:mod:`disttensor.ops.fft`).
+fft = _extension("fft", _fft)
+#: The array API ``linalg`` extension (:mod:`disttensor.ops.linalg_ext`).
+linalg = _extension("linalg", _linalg_ext)
 
 
 # ------------------------------------------------------------------ data types

@@ -1,4 +1,4 @@
-"""Arrays built from copies of others: ``tile``, ``repeat``, ``meshgrid``; and ``tensordot``.
+"""Arrays built from copies of others: ``tile``, ``repeat``, ``meshgrid``.
 
 They are compositions of the distributed primitives, so they work on every
 distribution and their communication is that of the primitives:
@@ -10,19 +10,14 @@ distribution and their communication is that of the primitives:
   gathered, one integer per element);
 * ``meshgrid`` reshapes each 1-D input and broadcasts it
   (:func:`~disttensor.ops.shape.broadcast_to`);
-* ``tensordot`` moves the contracted axes last (of ``x1``) and first (of
-  ``x2``), reshapes both to matrices and multiplies them with the
-  distributed matrix product (:func:`~disttensor.ops.linalg.matmul`, SUMMA).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-import disttensor.ops.linalg as linalg
 import disttensor.ops.shape as _shape
 
 from ..array import DistArray
@@ -30,7 +25,7 @@ from ..settings import collective
 from ._util import axis_index, is_dist
 from .searching import take
 
-__all__ = ["tile", "repeat", "meshgrid", "tensordot"]
+__all__ = ["tile", "repeat", "meshgrid"]
 
 
 def _dist(x: Any, name: str) -> DistArray:
@@ -90,32 +85,3 @@ def meshgrid(*arrays: DistArray, indexing: str = "xy") -> list[DistArray]:
         s[d] = a.shape[0]
         out.append(_shape.broadcast_to(_shape.reshape(a, tuple(s)), tuple(shape)))
     return out
-
-
-@collective
-def tensordot(x1: DistArray, x2: DistArray, /, *, axes: Any = 2) -> DistArray:
-    """Sum of products over ``axes``, like :func:`numpy.tensordot` (a distributed matmul)."""
-    x1, x2 = _dist(x1, "tensordot"), _dist(x2, "tensordot")
-    if isinstance(axes, (int, np.integer)):
-        if axes < 0 or axes > min(x1.ndim, x2.ndim):
-            raise ValueError(f"tensordot: axes={axes} is out of range")
-        a1 = list(range(x1.ndim - axes, x1.ndim))
-        a2 = list(range(axes))
-    else:
-        a1, a2 = ([axis_index(a, x.ndim) for a in (ax if isinstance(ax, (list, tuple))
-                                                  else [ax])]
-                  for ax, x in zip(axes, (x1, x2)))
-        if len(a1) != len(a2):
-            raise ValueError("tensordot: the two sequences of axes differ in length")
-    if any(x1.shape[i] != x2.shape[j] for i, j in zip(a1, a2)):
-        raise ValueError("shape-mismatch for sum")
-    free1 = [d for d in range(x1.ndim) if d not in a1]
-    free2 = [d for d in range(x2.ndim) if d not in a2]
-    k = math.prod(x1.shape[d] for d in a1)
-    m = math.prod(x1.shape[d] for d in free1)
-    n = math.prod(x2.shape[d] for d in free2)
-    left = _shape.reshape(_shape.transpose(x1, free1 + a1), (m, k))
-    right = _shape.reshape(_shape.transpose(x2, a2 + free2), (k, n))
-    prod = linalg.matmul(left, right)
-    return _shape.reshape(prod, tuple(x1.shape[d] for d in free1)
-                          + tuple(x2.shape[d] for d in free2))
