@@ -238,7 +238,7 @@ def geometry(spec: WindowSpec, in_dist: Distribution) -> WindowGeometry:
 
 
 def transposed_length(spec: WindowSpec, i: int, n: int, output_padding: int = 0) -> int:
-    """Output length along spatial dimension ``i`` of the transposed window for input length ``n``."""
+    """Output length along spatial dim ``i`` of the transposed window for input length ``n``."""
     lo, hi = spec.padding[i]
     s, d, k = spec.stride[i], spec.dilation[i], spec.kernel[i]
     return max(0, (n - 1) * s - lo - hi + d * (k - 1) + output_padding + 1) if n else 0

@@ -1,4 +1,4 @@
-"""Distributed N-D upsampling (nearest and (bi/tri)linear interpolation) over sample and spatial splits."""
+"""Distributed N-D upsampling (nearest, (bi/tri)linear) over sample and spatial splits."""
 
 from __future__ import annotations
 
