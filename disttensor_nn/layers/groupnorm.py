@@ -64,7 +64,7 @@ class GroupNorm(Layer):
         self.bias = Parameter(np.zeros(num_channels, self.dtype)) if affine else None
 
     def _shape(self, x: Any) -> tuple[int, ...]:
-        return (x.shape[0], self.num_groups, -1)
+        return (x.shape[0], self.num_groups, math.prod(x.shape[1:]) // self.num_groups)
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 3:
