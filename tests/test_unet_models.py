@@ -10,6 +10,8 @@ whole sample that one process generates.
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -56,6 +58,14 @@ def train_unet(nd, norm, shape, in_dist, loss_fn, layouts=None):
     return np.array(losses), [p.data.copy() for p in net.parameters()]
 
 
+@cache
+def serial_unet(nd, norm, shape, loss):
+    """One process's training (cached: the 2-D variants share it)."""
+    serial = dt.Distribution(shape, dt.ProcessGrid((1,), MPI.COMM_SELF),
+                             (0,) + (None,) * (len(shape) - 1))
+    return train_unet(nd, norm, shape, serial, loss())
+
+
 def check_same(run, ref, what):
     check = Checks()
     losses, params = run
@@ -73,7 +83,6 @@ def check_same(run, ref, what):
 def test_unet2d_split_training_matches_one_process(variant):
     shape = (2, 1, 12, 8)
     p = comm.Get_size()
-    serial = dt.Distribution(shape, dt.ProcessGrid((1,), MPI.COMM_SELF), (0, None, None, None))
     layouts = None
     if variant == "sample x H uneven":
         g = grid(grid2_shape(p))
@@ -85,7 +94,7 @@ def test_unet2d_split_training_matches_one_process(variant):
         n = len(leaf_nodes(trace(unet(2, 1, 3, depth=3, width=2), shape)))
         sample = nn.Layout(g, (0, None, None, None))
         layouts = [None] * 6 + [sample] * (n - 6)
-    ref = train_unet(2, "batch", shape, serial, nn.CrossEntropyLoss())
+    ref = serial_unet(2, "batch", shape, nn.CrossEntropyLoss)
     run = train_unet(2, "batch", shape, dist, nn.CrossEntropyLoss(), layouts)
     check_same(run, ref, variant)
 
@@ -94,10 +103,8 @@ def test_unet2d_split_training_matches_one_process(variant):
 def test_unet3d_split_training_matches_one_process():
     shape = (1, 1, 8, 4, 8)
     p = comm.Get_size()
-    serial = dt.Distribution(shape, dt.ProcessGrid((1,), MPI.COMM_SELF),
-                             (0, None, None, None, None))
     dist = dt.Distribution(shape, grid(grid3_shape(p)), (None, None, 0, 1, 2))
-    ref = train_unet(3, "group", shape, serial, nn.DiceLoss())
+    ref = serial_unet(3, "group", shape, nn.DiceLoss)
     run = train_unet(3, "group", shape, dist, nn.DiceLoss())
     check_same(run, ref, "D x H x W")
 
