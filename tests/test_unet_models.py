@@ -10,6 +10,7 @@ whole sample that one process generates.
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 
 import numpy as np
@@ -20,6 +21,7 @@ from nn_reference import Checks, grid, grid2_shape, grid3_shape
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor_nn.models import cosmoflow, unet
+from disttensor_nn.plan import CostModel, MachineProfile, Planner
 from disttensor_nn.plan.planner import leaf_nodes, trace
 from disttensor_nn.training.registry import build_model, model_spec
 from disttensor_nn.training.volumes import CosmoSynthetic, SegmentationSynthetic
@@ -169,3 +171,29 @@ def test_registry_entries_build_and_fit_their_data():
     assert shape == (1, 4, 128, 128, 128) and model.output_shape(shape) == (1, 4)
     with pytest.raises(ValueError, match="norm"):
         unet(2, norm="layer")
+
+
+@pytest.mark.parallel([1])
+@pytest.mark.parametrize("alpha,flops", [(1e-6, 1e9), (1e-3, 1e12), (1e-8, 1e7)])
+def test_planner_solves_skip_blocks_exactly(alpha, flops):
+    """The DP over a U-Net level (conv, then Skip(pool -> up-conv, post=conv)) equals the
+    cheapest of all assignments, priced by walking the graph."""
+    prof = MachineProfile(name="test", p2p_alpha=alpha, p2p_beta=1e-9, allreduce_alpha=2 * alpha,
+                          allreduce_beta=2e-9, alltoall_alpha=alpha, alltoall_beta=3e-9,
+                          peak_flops=flops, efficiency=0.5, mem_bandwidth=1e10,
+                          memory_per_rank=2**30)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1),
+        nn.Skip(nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(2, 4, 3, padding=1),
+                              nn.ConvTranspose2d(4, 2, 2, stride=2)),
+                post=nn.Sequential(nn.Conv2d(4, 2, 3, padding=1), nn.GroupNorm(2, 2))),
+        nn.Conv2d(2, 3, 1))
+    shape = (2, 1, 12, 12)
+    assert model.output_shape(shape) == (2, 3, 12, 12)
+    planner = Planner(model, shape, CostModel(prof, 4, overlap=False),
+                      allowed=[(4, 1, 1), (1, 4, 1), (2, 2, 1)])
+    nodes, n = planner.nodes, len(planner.cands)
+    brute = min(planner.assignment_cost({id(node): c for node, c in zip(nodes, a)})[0]
+                for a in itertools.product(range(n), repeat=len(nodes)))
+    assert len(nodes) == 7
+    assert planner.plan().time == pytest.approx(brute, rel=1e-9, abs=1e-15)
