@@ -10,7 +10,8 @@ papers' widths are 32-64, reduced here) trained with a per-voxel
 cross-entropy and SGD on ``SegmentationSynthetic`` data, batch 1. In one
 ``mpiexec -n P`` job:
 
-1. all P ranks train it with the volume split D x H over a (P, 1) grid
+1. all P ranks train it with the volume split D x H over a ``--grid`` (default
+   all ranks along D)
    (each rank generates only its block of the volume and the labels; the
    layers derive their distributions, the U-Net's Concat redistributes where
    the pooled cuts differ);
@@ -27,7 +28,7 @@ process baseline before the model and data existed; and the inference peak:
 an eval-mode forward pass whose layers drop what they keep for backward as
 soon as they have run (forward hooks calling ``release_saved``), i.e. the
 activations an inference pass needs. Rows go to a table and to
-``benchmarks/results/bench_unet3d_pN.json``.
+``benchmarks/results/bench_unet3d_pP_DxH.json``.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def ours(comm: MPI.Comm, args, data) -> dict[str, Any]:
     p = comm.Get_size()
     release_free_memory()
     base = resident_bytes()
-    grid = dt.ProcessGrid((p, 1), comm)
+    grid = dt.ProcessGrid(args.grid if p > 1 else (1, 1), comm)
     shape = (1, 1, *(args.size,) * 3)
     dist = dt.Distribution(shape, grid, (None, None, 0, 1, None))
     model = unet(3, 1, 2, depth=args.depth, width=args.width, norm=args.norm, seed=0)
@@ -240,9 +241,19 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--norm", default="group", choices=("batch", "group", "instance", "none"))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--grid", default=None,
+                    help="ranks along D and H, e.g. 2x1 (default: all ranks along D)")
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
+    try:
+        args.grid = tuple(int(v) for v in (args.grid or f"{p}x1").split("x"))
+    except ValueError:
+        args.grid = ()
+    if len(args.grid) != 2 or args.grid[0] * args.grid[1] != p:
+        if rank == 0:
+            print(f"--grid must be DxH with D * H = {p} ranks, e.g. {p}x1", file=sys.stderr)
+        return 2
     if args.size % 2 ** (args.depth - 1) or min(args.size, args.width, args.reps) < 1:
         if rank == 0:
             print(f"--size must be divisible by 2**(depth-1) = {2 ** (args.depth - 1)}, and "
@@ -254,7 +265,7 @@ def main(argv=None) -> int:
     split = ours(comm, args, data)
     del split["model"]
     if rank == 0:
-        rows.append(row(f"disttensor D x H ({p}, 1)", p, 1, split))
+        rows.append(row(f"disttensor D x H {args.grid}", p, 1, split))
     if p > 1:
         if rank == 0:
             single = ours(MPI.COMM_SELF, args, data)
@@ -280,8 +291,9 @@ def main(argv=None) -> int:
         print_table(rows, ["config", "step_s", "step_range_s", "infer_s", "train_peak_MiB",
                            "train_above_base_MiB", "train_above_base_vs_1rank",
                            "infer_above_base_MiB", "first_loss"])
-        path = write_json(f"bench_unet3d_p{p}", rows, size=args.size, width=args.width,
-                          depth=args.depth, norm=args.norm, reps=args.reps)
+        path = write_json(f"bench_unet3d_p{p}_{args.grid[0]}x{args.grid[1]}", rows,
+                          size=args.size, width=args.width, depth=args.depth, norm=args.norm,
+                          reps=args.reps, grid=args.grid)
         print(f"wrote {path}")
     return 0
 
