@@ -292,6 +292,9 @@ def test_dropout_split_draws_what_one_process_draws():
         chk.close(layer.backward(dt.DistArray.from_global(dyg, dist)), dyg * y1 / xg,
                   f"{name} backward", rtol=1e-14, atol=0)
         chk.equal(layer(dt.DistArray.from_global(xg, dist)), y2, f"{name} second mask")
+    resumed = nn.Dropout(0.3, seed=7)  # the counter travels in the state dict
+    resumed.load_state_dict(ref.state_dict())
+    chk.equal(resumed(dt.DistArray.from_global(xg, one)), y2, "resumed from a state dict")
     layer.eval()
     chk.equal(layer(dt.DistArray.from_global(xg, dist)), xg, "eval passes through")
     chk.finish()

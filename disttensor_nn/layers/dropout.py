@@ -35,8 +35,9 @@ class Dropout(Layer):
 
     The mask is a counter-based hash (:func:`disttensor.random.splitmix64`)
     of the element's global index, the layer's ``seed`` and the number of
-    backward passes run so far, so a split run draws exactly what one
-    process draws, and a recomputed forward pass
+    backward passes run so far (the buffer ``draws``, saved in checkpoints),
+    so a split run draws exactly what one process draws, a resumed run what
+    the uninterrupted one draws, and a recomputed forward pass
     (:mod:`disttensor_nn.recompute`) draws its mask again. Evaluation mode
     passes the input through.
 
@@ -54,11 +55,12 @@ class Dropout(Layer):
         if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p < 1:
             raise ValueError(f"p must be a number in [0, 1), got {p!r}")
         self.p, self.seed = float(p), int(seed)
-        self.steps = 0  # backward passes so far: the mask's counter
+        # backward passes so far (the masks' counter): a buffer, so checkpoints restore it
+        self.register_buffer("draws", np.zeros((), np.int64))
 
     def _key(self) -> int:
         seed = np.random.SeedSequence([self.seed, 0x6D61736B]).generate_state(1, np.uint64)[0]
-        return int(splitmix64(np.uint64(self.steps), np.uint64(seed)))
+        return int(splitmix64(np.uint64(int(self.draws)), np.uint64(seed)))
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):
@@ -78,7 +80,7 @@ class Dropout(Layer):
         mask = self._mask
         if mask is None:
             return dy
-        self.steps += 1
+        self.draws[...] = int(self.draws) + 1
         return DistArray(dy.local * mask, dy.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
