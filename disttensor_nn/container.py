@@ -7,9 +7,10 @@ from collections.abc import Iterable, Iterator
 from disttensor import DistArray
 
 from .layers.elementwise import Add
+from .layers.merge import Concat
 from .module import Layer, Layout
 
-__all__ = ["Sequential", "Residual"]
+__all__ = ["Sequential", "Residual", "Skip"]
 
 
 class Sequential(Layer):
@@ -83,34 +84,47 @@ def _to_layout(x: DistArray, layout: Layout | None):
 
 
 class Residual(Layer):
-    """``branch(x) + shortcut(x)`` (identity shortcut when None), as in ResNet blocks.
+    """``post(merge(branch(x), shortcut(x)))``: by default ``branch(x) + shortcut(x)``.
 
-    The shortcut's output is redistributed to the branch's distribution when
-    they differ; the input gradient is the sum of both paths' gradients. The
-    sub-layers are named ``branch``, ``shortcut`` and ``post``.
+    The shortcut is the identity when None, as in ResNet blocks. The merge
+    is :class:`~disttensor_nn.Add` by default, or :class:`~disttensor_nn.Concat`
+    (U-Net's skip connections, see :class:`Skip`); it redistributes the
+    shortcut's output to the branch's distribution when they differ. The
+    input gradient is the sum of both paths' gradients. The sub-layers are
+    named ``branch``, ``shortcut`` and ``post``; the planner treats the block
+    as one residual edge whatever the merge.
     """
 
-    def __init__(self, branch: Layer, shortcut: Layer | None = None, post: Layer | None = None):
+    def __init__(self, branch: Layer, shortcut: Layer | None = None, post: Layer | None = None,
+                 *, merge: Add | Concat | None = None):
         self.add_module("branch", branch)
         self.add_module("shortcut", shortcut)
         self.add_module("post", post)
-        self._add = Add()
+        self._merge = Add() if merge is None else merge
+
+    def merged_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Global shape after the merge (the input shape of ``post``)."""
+        a = self.branch.output_shape(in_shape)
+        if isinstance(self._merge, Add):
+            return a
+        b = self.shortcut.output_shape(in_shape) if self.shortcut is not None else in_shape
+        return self._merge.output_shape(tuple(a), tuple(b))
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
-        out = self.branch.output_shape(in_shape)
+        out = self.merged_shape(in_shape)
         return self.post.output_shape(out) if self.post is not None else out
 
     def forward(self, x: DistArray) -> DistArray:
         x, self._moved = _to_layout(x, self.layout)
         a = self.branch(x)
         b = self.shortcut(x) if self.shortcut is not None else x
-        y = self._add(a, b)
+        y = self._merge(a, b)
         return self.post(y) if self.post is not None else y
 
     def backward(self, dy: DistArray) -> DistArray:
         if self.post is not None:
             dy = self.post.call_backward(dy)
-        da, db = self._add.backward(dy)
+        da, db = self._merge.backward(dy)
         dx = self.branch.call_backward(da)
         if self.shortcut is not None:
             db = self.shortcut.call_backward(db)
@@ -118,3 +132,17 @@ class Residual(Layer):
             db = db.redistribute(dx.dist)
         dx = DistArray(dx.local + db.local, dx.dist)
         return dx if self._moved is None else dx.redistribute(self._moved)
+
+
+class Skip(Residual):
+    """U-Net's skip connection: ``post(concatenate([branch(x), x], axis=1))``.
+
+    A :class:`Residual` block whose merge is :class:`~disttensor_nn.Concat`:
+    the branch's output channels come first, then the input's. The branch
+    usually goes down and back up (pool, the inner levels, an up-convolution)
+    and must return the input's spatial size; ``post`` is the decoder that
+    reads the concatenation.
+    """
+
+    def __init__(self, branch: Layer, post: Layer | None = None):
+        super().__init__(branch, None, post, merge=Concat(1))

@@ -24,7 +24,8 @@ from functools import lru_cache
 
 from disttensor import Distribution
 
-__all__ = ["WindowSpec", "WindowGeometry", "geometry", "normalize_tuple"]
+__all__ = ["WindowSpec", "WindowGeometry", "geometry", "normalize_tuple", "TransposedGeometry",
+           "transposed_geometry", "transposed_layout", "transposed_length"]
 
 
 def _is_int(value: object) -> bool:
@@ -224,3 +225,107 @@ def geometry(spec: WindowSpec, in_dist: Distribution) -> WindowGeometry:
     start = in_dist.local_start()
     origin = tuple(start[2 + i] - widths[2 + i][0] for i in range(nd))
     return WindowGeometry(spec, in_dist, out_dist, widths, out_box, origin)
+
+
+# --------------------------------------------------------------------------- transposed windows
+# A transposed window layer (ConvTranspose) is the adjoint of the window layer
+# ``spec`` that maps its output y back to its input x: input j spreads into the
+# outputs ``s*j - p_lo + d*i`` (``i < k``). Output o is placed on the rank that
+# owns input ``(o + p_lo - (d*(k-1))//2) / s`` (rounded down), so a 'same'
+# transposed layer keeps its input's distribution and a stride-s one cuts its
+# output at ``s`` times the input's cuts; applying the forward window rule to
+# that output gives back the input's cuts.
+
+
+def transposed_length(spec: WindowSpec, i: int, n: int, output_padding: int = 0) -> int:
+    """Output length along spatial dim ``i`` of the transposed window for input length ``n``."""
+    lo, hi = spec.padding[i]
+    s, d, k = spec.stride[i], spec.dilation[i], spec.kernel[i]
+    return max(0, (n - 1) * s - lo - hi + d * (k - 1) + output_padding + 1) if n else 0
+
+
+@dataclass(frozen=True)
+class TransposedGeometry:
+    """Everything a rank needs to run a transposed window layer on one input distribution.
+
+    ``in_widths`` is the halo of the input that the forward pass reads (the
+    inputs that spread into this rank's outputs); ``out_widths`` the halo of
+    the output gradient that the backward pass reads (the outputs that this
+    rank's inputs spread into). ``in_origin`` and ``out_origin`` are the global
+    indices of the first cell of the two extended blocks.
+    """
+
+    spec: WindowSpec
+    output_padding: tuple[int, ...]
+    in_dist: Distribution
+    out_dist: Distribution  # channels as the input's; layers substitute their own
+    in_widths: tuple[tuple[int, int], ...]
+    out_widths: tuple[tuple[int, int], ...]
+    in_origin: tuple[int, ...]
+    out_origin: tuple[int, ...]
+
+    def spread_start(self, i: int, j: int) -> int:
+        """First output position (global) that input ``j`` spreads into along spatial dim ``i``."""
+        return self.spec.stride[i] * j - self.spec.padding[i][0]
+
+    def spread_length(self, i: int, count: int) -> int:
+        """Length of the output window that ``count`` consecutive inputs spread into."""
+        s, d, k = self.spec.stride[i], self.spec.dilation[i], self.spec.kernel[i]
+        return s * (count - 1) + d * (k - 1) + 1 if count else 0
+
+
+def transposed_layout(spec: WindowSpec, output_padding: tuple[int, ...], in_dist: Distribution
+                      ) -> tuple[Distribution, tuple, tuple]:
+    """Output distribution, input halo widths (forward) and output halo widths (backward).
+
+    Pure: ``in_dist`` may be built on a grid shape alone. Widths are per
+    dimension (0 for N and C).
+    """
+    nd = len(spec.kernel)
+    shape = in_dist.global_shape
+    splits: list = [in_dist.splits[0], None]
+    out_shape = list(shape[:2])
+    in_w: list = [(0, 0), (0, 0)]
+    out_w: list = [(0, 0), (0, 0)]
+    for i in range(nd):
+        s, d, k = spec.stride[i], spec.dilation[i], spec.kernel[i]
+        p = spec.padding[i][0]
+        m = transposed_length(spec, i, shape[2 + i], output_padding[i])
+        out_shape.append(m)
+        ib = in_dist.boundaries[2 + i]
+        c = (d * (k - 1)) // 2
+        ob = [0, *(min(m, max(0, s * b - p + c)) for b in ib[1:-1]), m]
+        splits.append(ob[1:-1] if len(ob) > 2 else None)
+        ilo = ihi = olo = ohi = 0
+        for blk in range(len(ib) - 1):
+            o0, o1 = ob[blk], ob[blk + 1]
+            if o1 > o0:  # inputs that spread into [o0, o1)
+                j_min = -((-(o0 + p - d * (k - 1))) // s)
+                j_max = (o1 - 1 + p) // s
+                ilo = max(ilo, ib[blk] - j_min)
+                ihi = max(ihi, j_max + 1 - ib[blk + 1])
+            b0, b1 = ib[blk], ib[blk + 1]
+            if b1 > b0:  # outputs that inputs [b0, b1) spread into
+                first = s * b0 - p
+                last = s * (b1 - 1) - p + d * (k - 1)
+                olo = max(olo, o0 - first)
+                ohi = max(ohi, last + 1 - o1)
+        in_w.append((ilo, ihi))
+        out_w.append((olo, ohi))
+    out_dist = in_dist.replace(global_shape=tuple(out_shape), splits=splits)
+    return out_dist, tuple(in_w), tuple(out_w)
+
+
+@lru_cache(maxsize=512)
+def transposed_geometry(spec: WindowSpec, output_padding: tuple[int, ...],
+                        in_dist: Distribution) -> TransposedGeometry:
+    """The :class:`TransposedGeometry` of ``spec`` on ``in_dist`` for this rank (cached)."""
+    nd = len(spec.kernel)
+    out_dist, in_w, out_w = transposed_layout(spec, output_padding, in_dist)
+    in_start = in_dist.local_start()
+    block = in_dist.block_index()
+    out_start = [out_dist.boundaries[2 + i][block[2 + i]] for i in range(nd)]
+    in_origin = tuple(in_start[2 + i] - in_w[2 + i][0] for i in range(nd))
+    out_origin = tuple(out_start[i] - out_w[2 + i][0] for i in range(nd))
+    return TransposedGeometry(spec, tuple(output_padding), in_dist, out_dist, in_w, out_w,
+                              in_origin, out_origin)

@@ -97,6 +97,9 @@ class Linear(Layer):
             if bias else None
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``(N, out_features)``; ValueError for an input that is not ``(N, in_features)``."""
+        if len(in_shape) != 2 or in_shape[1] != self.in_features:
+            raise ValueError(f"Linear expects (N, {self.in_features}) inputs, got {in_shape}")
         return (in_shape[0], self.out_features)
 
     def forward(self, x: DistArray) -> DistArray:

@@ -82,7 +82,7 @@ def trace(model: Layer, in_shape: tuple[int, ...], prefix: str = "") -> list:
         return items
     if isinstance(model, Residual):
         branch = trace(model.branch, in_shape, prefix + "branch.")
-        mid = model.branch.output_shape(in_shape)
+        mid = model.merged_shape(in_shape)
         shortcut = trace(model.shortcut, in_shape, prefix + "shortcut.") \
             if model.shortcut is not None else None
         post = trace(model.post, mid, prefix + "post.") if model.post is not None else []

@@ -14,9 +14,13 @@ after which the driver and the command-line tools (``--model``) accept it::
         loss=MSELoss, lr=0.05))
 
 The built-in entries are the ResNets (``resnet18`` ... ``resnet152``, on
-ImageNet-shaped synthetic images with a softmax cross-entropy) and three
+ImageNet-shaped synthetic images with a softmax cross-entropy), three
 sizes of the mesh-tangling network (``mesh``, ``mesh-small``, ``mesh-demo``,
-on synthetic mesh fields with a mean squared error).
+on synthetic mesh fields with a mean squared error), the U-Nets ``unet2d``
+and ``unet3d`` (small widths, on thresholded smooth fields with a per-pixel
+cross-entropy), and ``cosmoflow`` (a narrow version on 4 x 32^3 volumes
+that encode 4 parameters, with a mean squared error) and
+``cosmoflow-mlperf`` (the benchmark's network on 4 x 128^3 volumes).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from typing import Any
 import numpy as np
 
 from ..layers.loss import MSELoss, SoftmaxCrossEntropy
-from ..models import mesh_fcn, resnet
+from ..layers.segloss import CrossEntropyLoss
+from ..models import cosmoflow, mesh_fcn, resnet, unet
 from ..module import Layer
 from .data import Dataset, ImageNetSynthetic, MeshSynthetic
+from .volumes import CosmoSynthetic, SegmentationSynthetic
 
 __all__ = ["ModelSpec", "build_model", "check_size", "model_names", "model_spec",
            "register_model"]
@@ -188,7 +194,8 @@ def _size_problem(name: str, model: Layer, size: tuple[int, ...]) -> str | None:
     except ValueError as exc:
         return str(exc)
     target = spec.dataset(1, shape[1:], 0).target_shape
-    if len(target) and tuple(out[1:]) != tuple(target):
+    # spatial sizes must agree; the channels may not (logits per class vs. one label)
+    if len(target) and tuple(out[2:]) != tuple(target[1:]):
         return (f"the network's output per sample {out[1:]} does not match the data's "
                 f"target {tuple(target)}")
     return None
@@ -265,3 +272,28 @@ register_model("mesh-small", ModelSpec(
 register_model("mesh-demo", ModelSpec(
     partial(mesh_fcn, widths=(16, 24, 32), convs_per_stage=2), 18, (256, 256), _mesh, MSELoss,
     0.1))
+
+
+def _segmentation(num_samples: int, sample_shape: tuple[int, ...], seed: int) -> Dataset:
+    return SegmentationSynthetic(num_samples, sample_shape[1:], channels=sample_shape[0],
+                                 classes=2, seed=seed)
+
+
+def _cosmo(num_samples: int, sample_shape: tuple[int, ...], seed: int) -> Dataset:
+    return CosmoSynthetic(num_samples, sample_shape[1:], channels=sample_shape[0], seed=seed)
+
+
+# small widths: the demos train in seconds to a minute on a laptop
+register_model("unet2d", ModelSpec(
+    partial(unet, 2, 1, 2, depth=3, width=8, norm="batch"), 1, (64, 64), _segmentation,
+    CrossEntropyLoss, 0.1))
+register_model("unet3d", ModelSpec(
+    partial(unet, 3, 1, 2, depth=3, width=4, norm="group"), 1, (32, 32, 32), _segmentation,
+    CrossEntropyLoss, 0.1, 2))
+# the network's dense layers fix the input size: "cosmoflow" is a reduced demo (32^3, narrow),
+# "cosmoflow-mlperf" the benchmark's network on its 4 x 128^3 samples
+register_model("cosmoflow", ModelSpec(
+    partial(cosmoflow, 4, 32, conv_layers=5, width=8), 4, (32, 32, 32), _cosmo, MSELoss, 0.01))
+register_model("cosmoflow-mlperf", ModelSpec(
+    partial(cosmoflow, 4, 128, conv_layers=5, width=32), 4, (128, 128, 128), _cosmo, MSELoss,
+    0.01, 2))

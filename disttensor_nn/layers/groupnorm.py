@@ -1,0 +1,150 @@
+"""Group and instance normalisation: statistics per sample, summed over the spatial ranks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from disttensor import DistArray, Distribution
+
+from ..costspec import Allreduce, CostSpec, largest_block
+from ..module import (
+    Layer,
+    Parameter,
+    allreduce_,
+    check_input,
+    check_int,
+    reduce_gradients_,
+    split_axes_comm,
+)
+
+__all__ = ["GroupNorm", "InstanceNorm"]
+
+
+class GroupNorm(Layer):
+    """``torch.nn.GroupNorm`` on (N, C, *S) DistArrays split over N and spatial dims.
+
+    Each sample's channels are divided into ``num_groups`` groups; each
+    group is normalised by its mean and (biased) variance over its channels
+    and all spatial positions, then scaled and shifted per channel
+    (``affine``). The statistics of a sample are summed over the ranks that
+    split its spatial dimensions (two small allreduces forward, one
+    backward, never over the sample dimension), so every split gives one
+    process's result. No running statistics: training and evaluation agree.
+
+    Parameters
+    ----------
+    num_groups : int
+    num_channels : int
+        Divisible by ``num_groups``.
+    eps : float
+    affine : bool
+        Learnable per-channel ``weight`` (ones) and ``bias`` (zeros).
+    dtype : dtype
+        Parameter dtype; inputs must match it.
+    """
+
+    saved_for_backward = ("_saved",)
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True, *, dtype: Any = np.float32):
+        num_groups = check_int(num_groups, "num_groups")
+        num_channels = check_int(num_channels, "num_channels")
+        if num_channels % num_groups:
+            raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups "
+                             f"({num_groups})")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        self.num_groups, self.num_channels, self.eps = num_groups, num_channels, float(eps)
+        self.affine = bool(affine)
+        self.dtype = np.dtype(dtype)
+        self.weight = Parameter(np.ones(num_channels, self.dtype)) if affine else None
+        self.bias = Parameter(np.zeros(num_channels, self.dtype)) if affine else None
+
+    def _shape(self, x: Any) -> tuple[int, ...]:
+        return (x.shape[0], self.num_groups, math.prod(x.shape[1:]) // self.num_groups)
+
+    def forward(self, x: DistArray) -> DistArray:
+        if not isinstance(x, DistArray) or x.ndim < 3:
+            raise TypeError(f"{type(self).__name__} expects an (N, C, *S) DistArray")
+        check_input(x, x.ndim, type(self).__name__, self.num_channels, self.dtype)
+        xp, xl = x.xp, x.local
+        comm = split_axes_comm(x.dist, range(2, x.ndim))
+        count = self.num_channels // self.num_groups * math.prod(x.shape[2:])
+        xr = xl.reshape(self._shape(xl))
+        mean = allreduce_(xr.sum(axis=-1, dtype=np.float64), comm) / count
+        centred = xr - mean[..., None].astype(x.dtype)
+        var = allreduce_((centred * centred).sum(axis=-1, dtype=np.float64), comm) / count
+        rstd = (1.0 / xp.sqrt(var + self.eps)).astype(x.dtype)
+        xhat = centred * rstd[..., None]
+        y = xhat.reshape(xl.shape)
+        if self.affine:
+            bshape = (1, -1) + (1,) * (x.ndim - 2)
+            y = y * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+        self._saved = (xhat, rstd, count, comm, x.dist)
+        return DistArray(xp.ascontiguousarray(y), x.dist)
+
+    def backward(self, dy: DistArray) -> DistArray:
+        xhat, rstd, count, comm, dist = self._saved
+        xp, g = dy.xp, dy.local
+        nd = g.ndim - 2
+        if self.affine:
+            xh = xhat.reshape(g.shape)
+            axes = (0, *range(2, 2 + nd))
+            dw = (g * xh).sum(axis=axes, dtype=self.dtype)
+            db = g.sum(axis=axes, dtype=self.dtype)
+            g = g * self.weight.data.reshape((1, -1) + (1,) * nd)
+        gr = g.reshape(self._shape(g))
+        sums = allreduce_(xp.stack([gr.sum(axis=-1, dtype=np.float64),
+                                    (gr * xhat).sum(axis=-1, dtype=np.float64)]), comm)
+        a, b = (sums / count).astype(dy.dtype)
+        dx = rstd[..., None] * (gr - a[..., None] - xhat * b[..., None])
+        if self.affine:
+            reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(dist))
+        return DistArray(xp.ascontiguousarray(dx.reshape(dy.local.shape)), dist)
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """A few passes over the block; the normalised input is kept for backward.
+
+        Three blocking allreduces of per-(sample, group) statistics over the
+        spatially splitting ranks (mean, variance; backward's two sums in one),
+        and the parameters' gradients over every splitting rank.
+        """
+        block = largest_block(dist)
+        n = math.prod(block)
+        stats = Allreduce(block[0] * self.num_groups * 8, tuple(range(2, dist.ndim)))
+        grads = (Allreduce(2 * self.num_channels * itemsize, tuple(range(dist.ndim)),
+                           gradient=True),) if self.affine else ()
+        return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, timed=False,
+                        allreduces=(stats, stats, Allreduce(2 * stats.nbytes, stats.dims))
+                        + grads, saved=n * itemsize, workspace=2 * n * itemsize)
+
+    def kernel_signature(self) -> str:
+        return f"groupnorm:{self.num_groups}:{self.num_channels}:{self.affine}"
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.num_groups}, {self.num_channels}, eps={self.eps}, "
+                f"affine={self.affine})")
+
+
+class InstanceNorm(GroupNorm):
+    """``torch.nn.InstanceNorm1d/2d/3d`` (no running statistics): one group per channel.
+
+    Parameters
+    ----------
+    num_features : int
+        Channels C.
+    eps : float
+    affine : bool
+        Learnable per-channel scale and shift (off by default, as in PyTorch).
+    dtype : dtype
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = False, *,
+                 dtype: Any = np.float32):
+        super().__init__(num_features, num_features, eps, affine, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"InstanceNorm({self.num_channels}, eps={self.eps}, affine={self.affine})"
