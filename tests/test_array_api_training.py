@@ -78,6 +78,18 @@ LAYERS = {
     "residual": ((3, 3, 6, 6), lambda: nn.Residual(
         nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, dtype=F64, seed=5), nn.ReLU()))),
     "depth_to_space": ((2, 8, 4, 5), lambda: DepthToSpace(2)),
+    "conv_transpose2d": ((2, 3, 5, 6), lambda: nn.ConvTranspose2d(
+        3, 4, 3, stride=2, padding=1, output_padding=1, dtype=F64, seed=6)),
+    "conv_transpose3d": ((1, 2, 3, 4, 3), lambda: nn.ConvTranspose3d(2, 2, 2, stride=2,
+                                                                      dtype=F64, seed=7)),
+    "upsample_nearest": ((2, 2, 4, 5), lambda: nn.Upsample(scale_factor=2)),
+    "upsample_bilinear": ((2, 2, 4, 5), lambda: nn.Upsample(scale_factor=2, mode="bilinear")),
+    "groupnorm": ((2, 4, 5, 6), lambda: nn.GroupNorm(2, 4, dtype=F64)),
+    "instancenorm": ((2, 4, 5, 6), lambda: nn.InstanceNorm(4, dtype=F64)),
+    "dropout": ((2, 3, 4, 5), lambda: nn.Dropout(0.3, seed=2)),
+    "softmax": ((2, 3, 4, 5), lambda: nn.Softmax(dim=1)),
+    "skip_concat": ((2, 2, 4, 4), lambda: nn.Skip(nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1, dtype=F64, seed=8), nn.ReLU()))),
 }
 
 
@@ -131,6 +143,10 @@ LOSSES = {
             lambda: np.random.default_rng(3).standard_normal((3, 2, 4, 5))),
     "bce": ((3, 1, 4, 5), nn.BCEWithLogitsLoss,
             lambda: (np.random.default_rng(4).random((3, 1, 4, 5)) > 0.5).astype(F64)),
+    "pixel_cross_entropy": ((3, 4, 5, 6), nn.CrossEntropyLoss,
+                            lambda: np.random.default_rng(5).integers(0, 4, (3, 5, 6))),
+    "dice": ((3, 4, 5, 6), nn.DiceLoss,
+             lambda: np.random.default_rng(6).integers(0, 4, (3, 5, 6))),
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import as_module, device_of, writes_in_place
 from disttensor.random import splitmix64
 
 from ..costspec import CostSpec, largest_block
@@ -68,12 +69,14 @@ class Dropout(Layer):
         if not self.training or self.p == 0:
             self._mask = None
             return x
-        xp = x.xp
+        # NumPy and CuPy hash on their own arrays; other libraries get the host's mask
+        xp = x.xp if writes_in_place(x.xp) else np
         key = np.uint64(self._key())
         bits = splitmix64(splitmix64(_global_index(x.dist, xp), key), key)
         u = (bits >> xp.uint64(11)).astype(np.float64) * (2.0 ** -53)
         scale = x.dtype.type(1.0 / (1.0 - self.p))
-        self._mask = xp.where(u >= self.p, scale, x.dtype.type(0))
+        mask = xp.where(u >= self.p, scale, x.dtype.type(0))
+        self._mask = mask if xp is x.xp else as_module(mask, x.xp, device_of(x.local))
         return DistArray(x.local * self._mask, x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:

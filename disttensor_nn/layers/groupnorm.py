@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
+from disttensor.backend import astype, contiguous, namespace_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import (
@@ -73,37 +74,41 @@ class GroupNorm(Layer):
         xp, xl = x.xp, x.local
         comm = split_axes_comm(x.dist, range(2, x.ndim))
         count = self.num_channels // self.num_groups * math.prod(x.shape[2:])
-        xr = xl.reshape(self._shape(xl))
-        mean = allreduce_(xr.sum(axis=-1, dtype=np.float64), comm) / count
-        centred = xr - mean[..., None].astype(x.dtype)
-        var = allreduce_((centred * centred).sum(axis=-1, dtype=np.float64), comm) / count
-        rstd = (1.0 / xp.sqrt(var + self.eps)).astype(x.dtype)
+        f64 = namespace_dtype(xp, np.float64)
+        xr = xp.reshape(xl, self._shape(xl))
+        mean = allreduce_(xp.sum(xr, axis=-1, dtype=f64), comm) / count
+        centred = xr - astype(mean[..., None], xl.dtype)
+        var = allreduce_(xp.sum(centred * centred, axis=-1, dtype=f64), comm) / count
+        rstd = astype(1.0 / xp.sqrt(var + self.eps), xl.dtype)
         xhat = centred * rstd[..., None]
-        y = xhat.reshape(xl.shape)
+        y = xp.reshape(xhat, xl.shape)
         if self.affine:
             bshape = (1, -1) + (1,) * (x.ndim - 2)
-            y = y * self.weight.data.reshape(bshape) + self.bias.data.reshape(bshape)
+            y = y * xp.reshape(self.weight.data, bshape) + xp.reshape(self.bias.data, bshape)
         self._saved = (xhat, rstd, count, comm, x.dist)
-        return DistArray(xp.ascontiguousarray(y), x.dist)
+        return DistArray(contiguous(y), x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         xhat, rstd, count, comm, dist = self._saved
         xp, g = dy.xp, dy.local
         nd = g.ndim - 2
+        own = namespace_dtype(xp, self.dtype)
         if self.affine:
-            xh = xhat.reshape(g.shape)
+            xh = xp.reshape(xhat, g.shape)
             axes = (0, *range(2, 2 + nd))
-            dw = (g * xh).sum(axis=axes, dtype=self.dtype)
-            db = g.sum(axis=axes, dtype=self.dtype)
-            g = g * self.weight.data.reshape((1, -1) + (1,) * nd)
-        gr = g.reshape(self._shape(g))
-        sums = allreduce_(xp.stack([gr.sum(axis=-1, dtype=np.float64),
-                                    (gr * xhat).sum(axis=-1, dtype=np.float64)]), comm)
-        a, b = (sums / count).astype(dy.dtype)
+            dw = xp.sum(g * xh, axis=axes, dtype=own)
+            db = xp.sum(g, axis=axes, dtype=own)
+            g = g * xp.reshape(self.weight.data, (1, -1) + (1,) * nd)
+        gr = xp.reshape(g, self._shape(g))
+        f64 = namespace_dtype(xp, np.float64)
+        sums = allreduce_(xp.stack([xp.sum(gr, axis=-1, dtype=f64),
+                                    xp.sum(gr * xhat, axis=-1, dtype=f64)]), comm)
+        ab = astype(sums / count, g.dtype)
+        a, b = ab[0, ...], ab[1, ...]
         dx = rstd[..., None] * (gr - a[..., None] - xhat * b[..., None])
         if self.affine:
             reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(dist))
-        return DistArray(xp.ascontiguousarray(dx.reshape(dy.local.shape)), dist)
+        return DistArray(contiguous(xp.reshape(dx, dy.local.shape)), dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """A few passes over the block; the normalised input is kept for backward.

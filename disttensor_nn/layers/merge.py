@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from disttensor import DistArray
+from disttensor.backend import concat, contiguous
 
 from ..module import check_grad
 
@@ -54,7 +55,7 @@ class Concat:
             b = b.redistribute(target)
         self._ca = a.shape[1]
         out_dist = a.dist.replace(global_shape=shape, splits=a.dist.splits)
-        out = DistArray(a.xp.concatenate([a.local, b.local], axis=1), out_dist)
+        out = DistArray(concat([a.local, b.local], axis=1), out_dist)
         self._out = (out.dist, out.dtype)
         self._a_dist, self._mid = a.dist, target
         return out
@@ -64,7 +65,6 @@ class Concat:
     def backward(self, dy: DistArray) -> tuple[DistArray, DistArray]:
         """Gradients with respect to ``a`` and ``b`` (each in its own distribution)."""
         dy = check_grad(dy, getattr(self, "_out", None), "Concat.backward")
-        xp = dy.xp
-        da = DistArray(xp.ascontiguousarray(dy.local[:, :self._ca]), self._a_dist)
-        db = DistArray(xp.ascontiguousarray(dy.local[:, self._ca:]), self._mid)
+        da = DistArray(contiguous(dy.local[:, :self._ca, ...], copy=True), self._a_dist)
+        db = DistArray(contiguous(dy.local[:, self._ca:, ...], copy=True), self._mid)
         return da, db if self._mid == self._b_dist else db.redistribute(self._b_dist)

@@ -15,7 +15,15 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import array_namespace, as_module, numpy_dtype
+from disttensor.backend import (
+    array_namespace,
+    as_module,
+    astype,
+    device_kw,
+    device_of,
+    numpy_dtype,
+    to_numpy,
+)
 
 from ..module import allreduce_, split_axes_comm
 
@@ -56,25 +64,27 @@ def _labels(logits: DistArray, target: Any, name: str) -> Any:
         local = (target if target.dist == tdist else target.redistribute(tdist)).local
     else:
         local = target[tdist.local_slices()]
-    local = as_module(local, logits.xp).astype(np.int64).reshape(
-        (logits.local.shape[0], *logits.local.shape[2:]))
-    bad = int(bool(local.size) and (local.min() < 0 or local.max() >= c))
+    xp = logits.xp
+    local = xp.reshape(astype(as_module(local, xp, device_of(logits.local)), np.int64),
+                       (logits.local.shape[0], *logits.local.shape[2:]))
+    bad = int(math.prod(local.shape) > 0 and bool(xp.min(local) < 0 or xp.max(local) >= c))
     if allreduce_(np.array([bad], np.float64), split_axes_comm(d))[0]:
         raise ValueError(f"{name}: labels out of range [0, {c})")
     return local
 
 
 def _softmax(z: Any) -> Any:
-    z = z - z.max(axis=1, keepdims=True) if z.size else z
-    e = array_namespace(z).exp(z)
-    return e / e.sum(axis=1, keepdims=True)
+    xp = array_namespace(z)
+    z = z - xp.max(z, axis=1, keepdims=True) if math.prod(z.shape) else z
+    e = xp.exp(z)
+    return e / xp.sum(e, axis=1, keepdims=True)
 
 
 def _one_hot(labels: Any, c: int, like: Any) -> Any:
     """(n, C, *s) one-hot of (n, *s) labels, of ``like``'s module and dtype."""
     xp = array_namespace(like)
-    classes = xp.arange(c).reshape((1, c) + (1,) * (labels.ndim - 1))
-    return (labels[:, None] == classes).astype(like.dtype)
+    classes = xp.reshape(xp.arange(c, **device_kw(like)), (1, c) + (1,) * (labels.ndim - 1))
+    return astype(labels[:, None, ...] == classes, like.dtype)
 
 
 def _saved(loss: Any) -> Any:
@@ -96,10 +106,11 @@ class CrossEntropyLoss:
         self._saved = None
         _check_logits(logits, "CrossEntropyLoss")
         labels = _labels(logits, target, "CrossEntropyLoss")
-        p = _softmax(logits.local.astype(np.float64))
+        p = _softmax(astype(logits.local, np.float64))
         onehot = _one_hot(labels, logits.shape[1], p)
         xp = array_namespace(p)
-        local = -float((onehot * xp.log(xp.maximum(p, 1e-300))).sum()) if p.size else 0.0
+        local = -float(xp.sum(onehot * xp.log(xp.maximum(p, 1e-300)))) \
+            if math.prod(p.shape) else 0.0
         count = logits.shape[0] * math.prod(logits.shape[2:])
         total = allreduce_(np.array([local], np.float64), split_axes_comm(logits.dist))[0]
         self._saved = (logits, p, onehot, count)
@@ -110,7 +121,7 @@ class CrossEntropyLoss:
     def backward(self) -> DistArray:
         """Gradient of the mean loss with respect to the logits."""
         logits, p, onehot, count = _saved(self)
-        return DistArray(((p - onehot) / count).astype(logits.dtype), logits.dist)
+        return DistArray(astype((p - onehot) / count, logits.dtype), logits.dist)
 
 
 class DiceLoss:
@@ -138,14 +149,15 @@ class DiceLoss:
         _check_logits(logits, "DiceLoss")
         labels = _labels(logits, target, "DiceLoss")
         n, c = logits.shape[:2]
-        p = _softmax(logits.local.astype(np.float64))
+        p = _softmax(astype(logits.local, np.float64))
         t = _one_hot(labels, c, p)
         axes = tuple(range(2, p.ndim))
         sums = np.zeros((3, n, c))
         rows = logits.dist.local_slices()[0]
-        if p.size:
+        if math.prod(p.shape):
+            xp = array_namespace(p)
             for k, a in enumerate((p * t, p, t)):
-                sums[k, rows] = np.asarray(a.sum(axis=axes))
+                sums[k, rows] = to_numpy(xp.sum(a, axis=axes))
         sums = allreduce_(sums, split_axes_comm(logits.dist))
         inter, psum, tsum = sums
         union = psum + tsum + self.smooth
@@ -158,12 +170,12 @@ class DiceLoss:
     def backward(self) -> DistArray:
         """Gradient of the loss with respect to the logits (through the softmax)."""
         logits, p, t, inter, union, count = _saved(self)
-        if not p.size:
-            return DistArray(p.astype(logits.dtype), logits.dist)
+        if not math.prod(p.shape):
+            return DistArray(astype(p, logits.dtype), logits.dist)
         xp = array_namespace(p)
         shape = inter.shape + (1,) * (p.ndim - 2)
-        u = xp.asarray(union).reshape(shape)
-        i = xp.asarray(inter).reshape(shape)
+        u = as_module(np.ascontiguousarray(union).reshape(shape), xp, device_of(p))
+        i = as_module(np.ascontiguousarray(inter).reshape(shape), xp, device_of(p))
         g = -(2 * t * u - (2 * i + self.smooth)) / (u * u) / count  # d loss / d p
-        dz = p * (g - (g * p).sum(axis=1, keepdims=True))
-        return DistArray(dz.astype(logits.dtype), logits.dist)
+        dz = p * (g - xp.sum(g * p, axis=1, keepdims=True))
+        return DistArray(astype(dz, logits.dtype), logits.dist)

@@ -34,15 +34,15 @@ class Softmax(Layer):
             raise TypeError("Softmax expects an (N, C, ...) DistArray")
         check_input(x, x.ndim, "Softmax")
         xp = x.xp
-        z = x.local - x.local.max(axis=1, keepdims=True) if x.local.size else x.local
+        z = x.local - xp.max(x.local, axis=1, keepdims=True) if x.local.size else x.local
         e = xp.exp(z)
-        y = e / e.sum(axis=1, keepdims=True)
+        y = e / xp.sum(e, axis=1, keepdims=True)
         self._y = y
         return DistArray(y, x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         y, g = self._y, dy.local
-        return DistArray(y * (g - (g * y).sum(axis=1, keepdims=True)), dy.dist)
+        return DistArray(y * (g - dy.xp.sum(g * y, axis=1, keepdims=True)), dy.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """A few FLOPs per element; the output is kept for backward."""

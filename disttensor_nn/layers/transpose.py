@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution, halo_plan
+from disttensor.backend import device_kw, namespace_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
@@ -118,7 +119,7 @@ class ConvTransposeNd(Layer):
         if y.size and ext.size:
             wshape = ext.shape[:1] + (self.out_channels,) + tuple(
                 geo.spread_length(i, n) for i, n in enumerate(ext.shape[2:]))
-            like = x.xp.broadcast_to(x.xp.zeros((), x.dtype), wshape)
+            like = x.xp.broadcast_to(x.xp.zeros((), dtype=ext.dtype, **device_kw(ext)), wshape)
             win, _, _ = kernels_for(ext).conv_backward(
                 ext, like, self.weight.data, self.spec.stride, self.spec.dilation,
                 self.groups, need_dx=True, need_dw=False)
@@ -135,7 +136,7 @@ class ConvTransposeNd(Layer):
             else:
                 y[tuple(dst)] = win[tuple(src)]
         if self.bias is not None and y.size:
-            y += self.bias.data.reshape((1, -1) + (1,) * self.nd)
+            y += x.xp.reshape(self.bias.data, (1, -1) + (1,) * self.nd)
         self._saved = (x, geo)
         return out
 
@@ -158,15 +159,15 @@ class ConvTransposeNd(Layer):
                 dx = k.conv_forward(window, self.weight.data, None, self.spec.stride,
                                     self.spec.dilation, self.groups)
             else:
-                dx = x.xp.zeros(xl.shape, dtype=x.dtype)
+                dx = x.xp.zeros(xl.shape, dtype=xl.dtype, **device_kw(xl))
         if window is not None:
             _, dw, _ = k.conv_backward(xl, window, self.weight.data, self.spec.stride,
                                        self.spec.dilation, self.groups, need_dx=False,
                                        need_dw=True)
         else:
             dw = x.xp.zeros_like(self.weight.data)
-        db = dy.local.sum(axis=(0, *range(2, 2 + self.nd)), dtype=self.dtype) \
-            if self.bias is not None else None
+        db = dy.xp.sum(dy.local, axis=(0, *range(2, 2 + self.nd)),
+                       dtype=namespace_dtype(dy.xp, self.dtype)) if self.bias is not None else None
         reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(x.dist))
         return None if dx is None else DistArray(dx, x.dist)
 

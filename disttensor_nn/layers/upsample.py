@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution, halo_plan
-from disttensor.backend import array_namespace
+from disttensor.backend import array_namespace, as_module, astype, contiguous, device_of
 
 from ..costspec import CostSpec, largest_block
 from ..module import Layer, check_input
@@ -156,16 +156,16 @@ class Upsample(Layer):
         mats = self._matrices(x.dist, out_dist, widths, sources, x.dtype)
         y = ext
         for i, m in enumerate(mats):
-            y = _along(x.xp.asarray(m), y, 2 + i)
+            y = _along(as_module(m, x.xp, device_of(ext)), y, 2 + i)
         self._saved = (plan, mats, x.dtype)
-        return DistArray(x.xp.ascontiguousarray(y), out_dist)
+        return DistArray(contiguous(y), out_dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         plan, mats, dtype = self._saved
         g = dy.local
         for i, m in enumerate(mats):
-            g = _along(dy.xp.asarray(m.T), g, 2 + i)
-        return plan.accumulate(dy.xp.ascontiguousarray(g, dtype=dtype), overwrite_input=True)
+            g = _along(as_module(np.ascontiguousarray(m.T), dy.xp, device_of(g)), g, 2 + i)
+        return plan.accumulate(astype(g, dtype), overwrite_input=True)
 
     # ------------------------------------------------------------ planner protocol
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
