@@ -1,4 +1,5 @@
-"""Distributed N-D convolution (Conv1d, Conv2d, Conv3d) over sample and spatial splits."""
+"""Distributed N-D convolution (Conv1d, Conv2d, Conv3d) over sample, spatial, channel and
+filter splits."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray, Distribution
+from disttensor import DistArray, Distribution, redistribution_plan
+from disttensor.backend import array_namespace
 
 from ..costspec import Allreduce, CostSpec
 from ..kernels import kernels_for
-from ..module import Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
+from ..module import (
+    Parameter,
+    allreduce_,
+    check_input,
+    check_int,
+    reduce_gradients_,
+    split_axes_comm,
+)
 from ..window import WindowSpec
 from .window_layer import PADDING_MODES, WindowLayer
 
@@ -25,7 +34,29 @@ class ConvNd(WindowLayer):
     Arguments follow ``torch.nn.ConvNd``. Any kernel size (odd or even), stride,
     padding (an int, a ``(before, after)`` pair per dimension, ``'same'`` or
     ``'valid'``), dilation and groups are supported on any split of the
-    sample and spatial dimensions; the channel dimension must not be split.
+    sample and spatial dimensions.
+
+    The channels may be split too (``groups=1``), and the weight is then
+    stored sharded (``weight.dist``; see ``docs/channel_filter.md``):
+
+    * **filter-parallel**, ``filter_axes`` given and the input's channels
+      whole: each rank holds ``weight[F_slice]`` and computes its output
+      channels; backward sums the partial input gradients over the filter
+      group (an allreduce);
+    * **channel-parallel**, the input split along C over grid axes other
+      than ``filter_axes``: each rank holds ``weight[F_slice, C_slice]``
+      (``F_slice`` all filters when ``filter_axes`` is empty), computes a
+      partial output from its channels and the partial outputs are summed
+      by an allreduce over the channel group; with ``filter_axes`` too this
+      is channel x filter, whose backward sums the input gradient over the
+      filter group;
+    * input split along C over exactly ``filter_axes``: the input is
+      gathered along C (an allgather) and the layer is filter-parallel; the
+      input gradient is summed back by a reduce-scatter (the adjoint of the
+      gather).
+
+    Weight and bias gradients are summed only over the ranks that hold the
+    same shard (those that split N or space).
 
     Parameters
     ----------
@@ -44,6 +75,10 @@ class ConvNd(WindowLayer):
     seed : int
         Seed of the weight initialisation (PyTorch's default uniform bounds);
         identical on every rank.
+    filter_axes : int or tuple of int
+        Grid axes (of the input's grid) that split the output channels (the
+        filters); none by default. They must not split the input's sample or
+        spatial dimensions.
     """
 
     nd = 0
@@ -51,7 +86,7 @@ class ConvNd(WindowLayer):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
                  padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
                  padding_mode: str = "zeros", *, overlap: bool = False,
-                 dtype: Any = np.float32, seed: int = 0):
+                 dtype: Any = np.float32, seed: int = 0, filter_axes: Any = ()):
         in_channels = check_int(in_channels, "in_channels")
         out_channels = check_int(out_channels, "out_channels")
         groups = check_int(groups, "groups")
@@ -68,6 +103,8 @@ class ConvNd(WindowLayer):
         self.mode = PADDING_MODES[padding_mode]
         self.padding_mode = padding_mode
         self.overlap = overlap
+        self.filter_axes = filter_axes
+        self._splits: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self.dtype = np.dtype(dtype)
         fan_in = in_channels // groups * int(np.prod(self.spec.kernel))
         bound = 1.0 / np.sqrt(fan_in)
@@ -77,18 +114,133 @@ class ConvNd(WindowLayer):
         self.bias = Parameter(rng.uniform(-bound, bound, out_channels).astype(self.dtype)) \
             if bias else None
 
+    @property
+    def filter_axes(self) -> tuple[int, ...]:
+        """Grid axes that split the output channels (the filters)."""
+        return self._filter_axes
+
+    @filter_axes.setter
+    def filter_axes(self, axes: Any) -> None:
+        axes = () if axes is None else (axes,) if isinstance(axes, int) else tuple(axes)
+        if not all(isinstance(a, int) and not isinstance(a, bool) for a in axes) or \
+                len(set(axes)) != len(axes):
+            raise TypeError(f"filter_axes must be an int or a tuple of distinct ints, got {axes!r}")
+        self._filter_axes = axes
+
+    def weight_splits(self, dist: Distribution) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Grid axes that split the weight's (filters, channels) for an input split as ``dist``.
+
+        Pure (no communication): the planner asks for any candidate. Filters
+        are split over :attr:`filter_axes`; channels over the axes that split
+        the input's channels, unless those are the filter axes (the input is
+        then gathered along C and the layer is filter-parallel).
+
+        Raises
+        ------
+        ValueError
+            For filter axes outside the grid or splitting N or space, filter
+            and channel axes that overlap in part, or a split channel or
+            filter dimension with ``groups > 1``.
+        """
+        name = type(self).__name__
+        ndim = len(dist.grid_shape)
+        if any(not -ndim <= a < ndim for a in self.filter_axes):
+            raise ValueError(f"{name}: filter_axes {self.filter_axes} outside the "
+                             f"{ndim}-axis grid")
+        a_f = tuple(a % ndim for a in self.filter_axes)
+        a_c = dist.dim_axes[1]
+        other = {a for d in range(dist.ndim) if d != 1 for a in dist.dim_axes[d]}
+        if set(a_f) & other:
+            raise ValueError(f"{name}: filter_axes {a_f} also split the input's sample or "
+                             f"spatial dimensions ({dist})")
+        if a_c and a_f and set(a_c) != set(a_f) and set(a_c) & set(a_f):
+            raise ValueError(f"{name}: the channel axes {a_c} and filter axes {a_f} overlap in "
+                             "part; use the same axes or disjoint ones")
+        if self.groups > 1 and (a_c or a_f):
+            raise ValueError(f"{name}: groups={self.groups} with a split channel or filter "
+                             "dimension is not supported")
+        return (a_f, ()) if set(a_f) == set(a_c) else (a_f, a_c)
+
     def _check(self, x: DistArray) -> None:
-        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype)
+        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype,
+                    split_channels=True)
+        self.weight_splits(x.dist)
 
     def _channels_out(self, c_in: int) -> int:
         return self.out_channels
 
+    def output_distribution(self, in_dist: Distribution) -> Distribution:
+        """As :meth:`WindowLayer.output_distribution`, the filters split over ``filter_axes``."""
+        d = super().output_distribution(in_dist)
+        axes, splits = list(d.axes), list(d.splits)
+        axes[1], splits[1] = tuple(a % len(d.grid_shape) for a in self.filter_axes) or None, None
+        return d.replace(axes=axes, splits=splits)
+
+    # ------------------------------------------------------------ channel and filter splits
+    def _kernel_input(self, x: DistArray) -> DistArray:
+        """Shard the parameters for ``x``'s split; gather ``x`` along C if filter-parallel."""
+        a_f, a_c = self.weight_splits(x.dist)
+        grid = x.dist.grid
+        rest = (None,) * self.nd
+        self.weight.shard_(Distribution(self.weight.shape, grid, (a_f or None, a_c or None)
+                                        + rest) if a_f or a_c else None)
+        if self.bias is not None:
+            self.bias.shard_(Distribution(self.bias.shape, grid, (a_f or None,))
+                             if a_f else None)
+        self._splits = (a_f, a_c)
+        if x.dist.dim_axes[1] and not a_c:  # filter-parallel on a C-split input: allgather
+            d = x.dist
+            axes, splits = list(d.axes), list(d.splits)
+            axes[1], splits[1] = None, None
+            return x.redistribute(d.replace(axes=axes, splits=splits))
+        return x
+
+    def _finish_output(self, y: DistArray) -> DistArray:
+        """Channel-parallel: sum the partial outputs over the channel group, then add the bias."""
+        a_c = self._splits[1]
+        if a_c:
+            r = allreduce_(y.local, y.grid.subcomm(a_c))
+            if r is not y.local:
+                y.local[...] = r
+            if self.bias is not None:
+                y.local[...] += self.bias.data.reshape((-1,) + (1,) * self.nd)
+        return y
+
+    def _input_grad(self, dx: DistArray, x: DistArray) -> DistArray:
+        """Sum the partial input gradients over the filter group (reduce-scatter if gathered)."""
+        a_f = self._splits[0]
+        if not a_f:
+            return dx
+        if dx.dist != x.dist and math.prod(x.dist.grid_shape[a] for a in x.dist.replica_axes) == 1:
+            # the adjoint of forward's allgather: each rank's partial sums travel to the
+            # owners of their channels and are added there (a reduce-scatter)
+            return redistribution_plan(x.dist, dx.dist).adjoint(dx)
+        r = allreduce_(dx.local, dx.grid.subcomm(a_f))
+        if dx.dist == x.dist:
+            if r is not dx.local:
+                dx.local[...] = r
+            return dx
+        # replicas of the input: every one of them gets the whole sum
+        c0, c1 = x.dist.local_slices()[1].start, x.dist.local_slices()[1].stop
+        return DistArray.from_local(r[:, c0:c1], x.dist)
+
+    # ------------------------------------------------------------ kernels
     def _kernel_forward(self, xwin: Any) -> Any:
-        b = self.bias.data if self.bias is not None else None
-        return kernels_for(xwin).conv_forward(xwin, self.weight.data, b, self.spec.stride,
-                                              self.spec.dilation, self.groups)
+        b = self.bias.data if self.bias is not None and not self._splits[1] else None
+        w = self.weight.data
+        s = self.spec
+        kernels = kernels_for(xwin)
+        if w.size == 0:  # an empty filter or channel slice
+            out = kernels.out_shape(xwin.shape[2:], s.kernel, s.stride, s.dilation)
+            y = array_namespace(xwin).zeros((xwin.shape[0], w.shape[0], *out), dtype=xwin.dtype)
+            if b is not None:
+                y += b.reshape((-1,) + (1,) * self.nd)
+            return y
+        return kernels.conv_forward(xwin, w, b, s.stride, s.dilation, self.groups)
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
+        if self.weight.data.size == 0:
+            return array_namespace(xwin).zeros(xwin.shape, dtype=dy.dtype)
         dx, _, _ = kernels_for(xwin).conv_backward(
             dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation, self.groups,
             need_dx=True, need_dw=False)
@@ -96,15 +248,18 @@ class ConvNd(WindowLayer):
 
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         xp = dy.xp
-        if xwin is None:
-            dw = xp.zeros_like(self.weight.data)
-            db = xp.zeros(self.out_channels, self.dtype)
+        w = self.weight.data
+        sum_axes = (0, *range(2, dy.ndim))
+        if xwin is None or w.size == 0:
+            dw = xp.zeros_like(w)
+            db = dy.local.sum(axis=sum_axes) if self.bias is not None else None
         else:
             _, dw, db = kernels_for(xwin).conv_backward(
-                dy.local, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
+                dy.local, xwin, w, self.spec.stride, self.spec.dilation,
                 self.groups, need_dx=False, need_dw=True)
-        # Every rank that splits the input over N or space holds part of the sum.
-        reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(dy.dist))
+        # The ranks that split N or space hold parts of the sums of the same shard.
+        reduce_gradients_([(self.weight, dw), (self.bias, db)],
+                          split_axes_comm(dy.dist, sum_axes))
 
     def __repr__(self) -> str:
         s = self.spec
