@@ -182,11 +182,14 @@ class ConvNd(WindowLayer):
         a_f, a_c = self.weight_splits(x.dist)
         grid = x.dist.grid
         rest = (None,) * self.nd
-        self.weight.shard_(Distribution(self.weight.shape, grid, (a_f or None, a_c or None)
-                                        + rest) if a_f or a_c else None)
+        # the weight's channels are split as the input's (explicit cuts included); a
+        # split over grid axes of one rank is none
+        splits = (None, x.dist.splits[1] if a_c else None) + rest
+        wd = Distribution(self.weight.shape, grid, (a_f or None, a_c or None) + rest, splits)
+        self.weight.shard_(wd if math.prod(wd.nblocks) > 1 else None)
         if self.bias is not None:
-            self.bias.shard_(Distribution(self.bias.shape, grid, (a_f or None,))
-                             if a_f else None)
+            bd = Distribution(self.bias.shape, grid, (a_f or None,))
+            self.bias.shard_(bd if bd.nblocks[0] > 1 else None)
         self._splits = (a_f, a_c)
         if x.dist.dim_axes[1] and not a_c:  # filter-parallel on a C-split input: allgather
             d = x.dist
