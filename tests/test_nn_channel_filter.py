@@ -30,6 +30,7 @@ from nn_reference import (
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor_nn.module import GradientBuckets
+from disttensor_nn.plan import CostModel, Planner, apply_plan, load_profile
 from disttensor_nn.training.checkpoint import load_checkpoint, save_checkpoint
 
 SIZES = [1, 2, 3, 4]
@@ -279,6 +280,7 @@ def test_state_and_momentum_move_between_splits(tmp_path):
 
 # --------------------------------------------------------------------------- training
 STEPS = 20
+PROFILE = "v100-nvlink-edr"
 TSHAPE = (4, 2, 8, 8)
 
 
@@ -298,8 +300,12 @@ def make_net(g=None, a_f=()):
     return net
 
 
-def train(dist, a_f=(), buckets=False):
+def train(dist, a_f=(), buckets=False, planned=False):
     net = make_net(a_f=a_f)
+    if planned:  # every layer split over the channels, as the planner applies it
+        p = comm.Get_size()
+        planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
+        apply_plan(net, planner.uniform_plan((1, p, 1, 1)), TSHAPE)
     opt = nn.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     loss_fn = nn.SoftmaxCrossEntropy()
     rng = np.random.default_rng(31)
@@ -320,7 +326,7 @@ def train(dist, a_f=(), buckets=False):
 
 
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("variant", ["N x F", "F, C = F, buckets"])
+@pytest.mark.parametrize("variant", ["N x F", "F, C = F, buckets", "planned C"])
 def test_training_with_channel_filter_splits_matches_one_process(variant):
     p = comm.Get_size()
     serial = dt.Distribution(TSHAPE, dt.ProcessGrid((1,), MPI.COMM_SELF), (None,) * 4)
@@ -328,6 +334,9 @@ def test_training_with_channel_filter_splits_matches_one_process(variant):
     if variant == "N x F":
         dist = dt.Distribution(TSHAPE, grid(g2(p)), (0, None, None, None))
         losses, state = train(dist, a_f=(1,))
+    elif variant == "planned C":
+        dist = dt.Distribution(TSHAPE, grid((p,)), (0, None, None, None))
+        losses, state = train(dist, planned=True)
     else:
         dist = dt.Distribution(TSHAPE, grid((p,)), (None,) * 4)
         losses, state = train(dist, a_f=(0,), buckets=True)
@@ -337,3 +346,42 @@ def test_training_with_channel_filter_splits_matches_one_process(variant):
     for k in want_state:
         check.close(state[k], want_state[k], f"{variant}: {k}", rtol=1e-9, atol=1e-11)
     check.finish()
+
+
+# --------------------------------------------------------------------------- planner
+def wide_net():
+    return nn.Sequential(nn.Conv2d(64, 512, 3, padding=1), nn.BatchNorm2d(512), nn.ReLU(),
+                         nn.Conv2d(512, 512, 3, padding=1), nn.BatchNorm2d(512), nn.ReLU(),
+                         nn.GlobalAvgPool(), nn.Linear(512, 10))
+
+
+def test_conv_cost_spec_under_a_channel_split():
+    """Hand-computed: the gather, a quarter of the work and of the weight-gradient bytes."""
+    conv = nn.Conv2d(64, 512, 3, padding=1)
+    dist = dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1), (0, 1, 2, 3))
+    spec = conv.cost_spec(dist)
+    params = 512 * 64 * 9 + 512
+    assert spec.share == 128 / 512
+    assert spec.redistributions == (dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1),
+                                                    (0, None, 2, 3)),)
+    assert len(spec.allreduces) == 1 and spec.allreduces[0].gradient
+    assert spec.allreduces[0].nbytes == params * 4 / 4 and spec.allreduces[0].dims == (0, 2, 3)
+    # the gathered block, one halo (or padding) cell on each side of H and W
+    assert spec.local_shape == (4, 64, 9, 16)
+    assert spec.flops == 2.0 * 4 * 512 * 7 * 14 * 64 * 9  # the twin's (whole F) work
+    assert spec.saved == (4 * 64 * 9 * 16 - 4 * 64 * 7 * 14) * 4 + 4 * 64 * 7 * 14 * 4
+
+
+def test_planner_splits_channels_where_its_model_says_they_pay():
+    net = wide_net()
+    shape = (4, 64, 14, 14)
+    prof = load_profile(PROFILE)
+    plain = Planner(net, shape, CostModel(prof, 16)).plan()
+    cf = Planner(net, shape, CostModel(prof, 16), channels=True).plan()
+    assert cf.time < plain.time
+    assert all(len(e.grid) == 4 for e in cf.entries)
+    assert any(e.grid[1] > 1 for e in cf.entries if e.layer == "Conv2d")
+    assert "grid (N,C,S..)" in cf.table() and "grid (N,S..)" in plain.table()
+    # one rank: nothing to split, the same plan either way
+    one = Planner(net, shape, CostModel(prof, 1), channels=True).plan()
+    assert one.time == pytest.approx(Planner(net, shape, CostModel(prof, 1)).plan().time)

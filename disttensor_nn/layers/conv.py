@@ -12,7 +12,7 @@ import numpy as np
 from disttensor import DistArray, Distribution, redistribution_plan
 from disttensor.backend import array_namespace
 
-from ..costspec import Allreduce, CostSpec
+from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
 from ..module import (
     Parameter,
@@ -277,20 +277,47 @@ class ConvNd(WindowLayer):
         of im2col columns) and backward's (the extended block's gradient and
         two tiles of columns); a tile holds the columns of at least 512 output
         positions, about 4 MiB, at most 64 MiB. The weight and bias gradients
-        are summed over every rank that splits the input.
+        are summed over every rank that splits the input's samples or space.
+
+        An input split along C is described as the planner applies it: the
+        filters split over the same grid axes, the input gathered along C
+        (a redistribution forward, its adjoint backward, and the gathered
+        block kept for backward), each rank doing ``F_slice / F`` of the
+        whole layer's kernel work (``share``) and reducing that share of the
+        weight gradients. ``filter_axes`` alone (whole input channels) split
+        the filters the same way without the gather.
         """
-        ext, out_block, _ = self._window_blocks(dist)
+        a_c = dist.dim_axes[1]
+        gathered = dist
+        if a_c:
+            axes, splits = list(dist.axes), list(dist.splits)
+            axes[1], splits[1] = None, None
+            gathered = dist.replace(axes=axes, splits=splits)
+            a_f = a_c
+        else:
+            try:
+                a_f = self.weight_splits(dist)[0]
+            except ValueError:  # filter axes meant for another grid: whole filters
+                a_f = ()
+        pf = math.prod(dist.grid_shape[a] for a in a_f)
+        share = -(-self.out_channels // pf) / self.out_channels
+        ext, out_block, _ = self._window_blocks(gathered)
         ck = self.in_channels // self.groups * math.prod(self.spec.kernel)
-        params = sum(q.data.size for q in self.own_parameters())
+        params = sum(math.prod(q.shape) for q in self.own_parameters())
         positions = math.prod(out_block) // max(out_block[1], 1)
         tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
+        out_bytes = math.prod(out_block) * itemsize * share
+        base = super().cost_spec(gathered, itemsize)
+        kept = math.prod(largest_block(gathered)) * itemsize if a_c else 0
         return dataclasses.replace(
-            super().cost_spec(dist, itemsize),
+            base,
             flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
             math.prod(self.spec.kernel),
-            allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim)), gradient=True),),
-            workspace=max(math.prod(out_block) * itemsize + tile,
-                          math.prod(ext) * itemsize + 2 * tile))
+            allreduces=(Allreduce(params * itemsize * share, tuple(
+                d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True),),
+            redistributions=(gathered,) if a_c else (),
+            saved=base.saved + kept, share=share,
+            workspace=max(out_bytes + tile, math.prod(ext) * itemsize + 2 * tile))
 
     def kernel_signature(self) -> str:
         s = self.spec

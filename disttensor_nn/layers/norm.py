@@ -242,8 +242,9 @@ class BatchNormNd(Layer):
         block = largest_block(dist)
         n = math.prod(block)
         spatial = tuple(range(2, dist.ndim))
+        chans = (1,) if dist.nblocks[1] > 1 else ()
         sums = Allreduce(2 * self.num_features * 8,
-                         (0, 1, *spatial) if self.stats == "global" else (1, *spatial))
+                         (0, *chans, *spatial) if self.stats == "global" else (*chans, *spatial))
         return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, allreduces=(sums, sums),
                         keeps_input=True, workspace=n // max(block[0], 1) * itemsize)
 
