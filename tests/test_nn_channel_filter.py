@@ -222,6 +222,36 @@ def test_pooling_on_channel_split_input(op):
     check.finish()
 
 
+@pytest.mark.parallel(SIZES)
+def test_linear_row_and_column_parallel():
+    """Row-parallel (features split), column-parallel (out_axes), both, and gathered."""
+    p = comm.Get_size()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 3))
+    w, b = rng.standard_normal((3, 3)), rng.standard_normal(3)
+    dy = rng.standard_normal((5, 3))
+    check = Checks()
+    for name, dist, oa in [
+        ("row", dt.Distribution((5, 3), grid((p,)), (None, 0)), ()),
+        ("row, empty blocks", dt.Distribution((5, 3), grid((p,)), (None, 0),
+                                              [None, empty_cuts(3, p) or None]), ()),
+        ("column", dt.Distribution((5, 3), grid((p,)), (None, None)), (0,)),
+        ("gathered", dt.Distribution((5, 3), grid((p,)), (None, 0)), (0,)),
+        ("N x row x column", dt.Distribution((5, 3), grid(g3(p)), (0, 1)), (2,)),
+    ]:
+        lin = nn.Linear(3, 3, dtype=np.float64, out_axes=oa)
+        lin.weight.data[...], lin.bias.data[...] = w, b
+        y = lin(dt.DistArray.from_global(x, dist))
+        check.close(y, x @ w.T + b, f"{name}: y")
+        lin.zero_grad()
+        dx = lin.backward(dt.DistArray.from_global(dy, y.dist))
+        check.true(dx.dist == dist, f"{name}: dx in {dx.dist}")
+        check.close(dx, dy @ w, f"{name}: dx")
+        check.close(lin.weight.grad, block(lin.weight, dy.T @ x), f"{name}: dW")
+        check.close(lin.bias.grad, block(lin.bias, dy.sum(axis=0)), f"{name}: db")
+    check.finish()
+
+
 # --------------------------------------------------------------------------- state across splits
 @pytest.mark.parallel(SIZES)
 def test_state_and_momentum_move_between_splits(tmp_path):

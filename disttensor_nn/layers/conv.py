@@ -9,20 +9,22 @@ from typing import Any
 
 import numpy as np
 
-from disttensor import DistArray, Distribution, redistribution_plan
+from disttensor import DistArray, Distribution
 from disttensor.backend import array_namespace
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
-from ..module import (
-    Parameter,
-    allreduce_,
-    check_input,
-    check_int,
-    reduce_gradients_,
-    split_axes_comm,
-)
+from ..module import Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
 from ..window import WindowSpec
+from .sharding import (
+    channel_split_axes,
+    gather_channels,
+    normalize_axes,
+    shard_parameters,
+    sum_input_grad,
+    sum_partial_outputs,
+    weight_splits,
+)
 from .window_layer import PADDING_MODES, WindowLayer
 
 __all__ = ["ConvNd", "Conv1d", "Conv2d", "Conv3d"]
@@ -121,11 +123,7 @@ class ConvNd(WindowLayer):
 
     @filter_axes.setter
     def filter_axes(self, axes: Any) -> None:
-        axes = () if axes is None else (axes,) if isinstance(axes, int) else tuple(axes)
-        if not all(isinstance(a, int) and not isinstance(a, bool) for a in axes) or \
-                len(set(axes)) != len(axes):
-            raise TypeError(f"filter_axes must be an int or a tuple of distinct ints, got {axes!r}")
-        self._filter_axes = axes
+        self._filter_axes = normalize_axes(axes, "filter_axes")
 
     def weight_splits(self, dist: Distribution) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Grid axes that split the weight's (filters, channels) for an input split as ``dist``.
@@ -133,7 +131,8 @@ class ConvNd(WindowLayer):
         Pure (no communication): the planner asks for any candidate. Filters
         are split over :attr:`filter_axes`; channels over the axes that split
         the input's channels, unless those are the filter axes (the input is
-        then gathered along C and the layer is filter-parallel).
+        then gathered along C and the layer is filter-parallel); see
+        :func:`disttensor_nn.layers.sharding.weight_splits`.
 
         Raises
         ------
@@ -142,24 +141,7 @@ class ConvNd(WindowLayer):
             and channel axes that overlap in part, or a split channel or
             filter dimension with ``groups > 1``.
         """
-        name = type(self).__name__
-        ndim = len(dist.grid_shape)
-        if any(not -ndim <= a < ndim for a in self.filter_axes):
-            raise ValueError(f"{name}: filter_axes {self.filter_axes} outside the "
-                             f"{ndim}-axis grid")
-        a_f = tuple(a % ndim for a in self.filter_axes)
-        a_c = dist.dim_axes[1]
-        other = {a for d in range(dist.ndim) if d != 1 for a in dist.dim_axes[d]}
-        if set(a_f) & other:
-            raise ValueError(f"{name}: filter_axes {a_f} also split the input's sample or "
-                             f"spatial dimensions ({dist})")
-        if a_c and a_f and set(a_c) != set(a_f) and set(a_c) & set(a_f):
-            raise ValueError(f"{name}: the channel axes {a_c} and filter axes {a_f} overlap in "
-                             "part; use the same axes or disjoint ones")
-        if self.groups > 1 and (a_c or a_f):
-            raise ValueError(f"{name}: groups={self.groups} with a split channel or filter "
-                             "dimension is not supported")
-        return (a_f, ()) if set(a_f) == set(a_c) else (a_f, a_c)
+        return weight_splits(type(self).__name__, dist, self.filter_axes, self.groups)
 
     def _check(self, x: DistArray) -> None:
         check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype,
@@ -172,60 +154,23 @@ class ConvNd(WindowLayer):
     def output_distribution(self, in_dist: Distribution) -> Distribution:
         """As :meth:`WindowLayer.output_distribution`, the filters split over ``filter_axes``."""
         d = super().output_distribution(in_dist)
-        axes, splits = list(d.axes), list(d.splits)
-        axes[1], splits[1] = tuple(a % len(d.grid_shape) for a in self.filter_axes) or None, None
-        return d.replace(axes=axes, splits=splits)
+        return channel_split_axes(d, tuple(a % len(d.grid_shape) for a in self.filter_axes))
 
     # ------------------------------------------------------------ channel and filter splits
     def _kernel_input(self, x: DistArray) -> DistArray:
         """Shard the parameters for ``x``'s split; gather ``x`` along C if filter-parallel."""
-        a_f, a_c = self.weight_splits(x.dist)
-        grid = x.dist.grid
-        rest = (None,) * self.nd
-        # the weight's channels are split as the input's (explicit cuts included); a
-        # split over grid axes of one rank is none
-        splits = (None, x.dist.splits[1] if a_c else None) + rest
-        wd = Distribution(self.weight.shape, grid, (a_f or None, a_c or None) + rest, splits)
-        self.weight.shard_(wd if math.prod(wd.nblocks) > 1 else None)
-        if self.bias is not None:
-            bd = Distribution(self.bias.shape, grid, (a_f or None,))
-            self.bias.shard_(bd if bd.nblocks[0] > 1 else None)
-        self._splits = (a_f, a_c)
-        if x.dist.dim_axes[1] and not a_c:  # filter-parallel on a C-split input: allgather
-            d = x.dist
-            axes, splits = list(d.axes), list(d.splits)
-            axes[1], splits[1] = None, None
-            return x.redistribute(d.replace(axes=axes, splits=splits))
-        return x
+        self._splits = a_f, a_c = self.weight_splits(x.dist)
+        shard_parameters(self.weight, self.bias, x, a_f, a_c)
+        return gather_channels(x, a_c)
 
     def _finish_output(self, y: DistArray) -> DistArray:
         """Channel-parallel: sum the partial outputs over the channel group, then add the bias."""
-        a_c = self._splits[1]
-        if a_c:
-            r = allreduce_(y.local, y.grid.subcomm(a_c))
-            if r is not y.local:
-                y.local[...] = r
-            if self.bias is not None:
-                y.local[...] += self.bias.data.reshape((-1,) + (1,) * self.nd)
+        sum_partial_outputs(y, self._splits[1], self.bias)
         return y
 
     def _input_grad(self, dx: DistArray, x: DistArray) -> DistArray:
         """Sum the partial input gradients over the filter group (reduce-scatter if gathered)."""
-        a_f = self._splits[0]
-        if not a_f:
-            return dx
-        if dx.dist != x.dist and math.prod(x.dist.grid_shape[a] for a in x.dist.replica_axes) == 1:
-            # the adjoint of forward's allgather: each rank's partial sums travel to the
-            # owners of their channels and are added there (a reduce-scatter)
-            return redistribution_plan(x.dist, dx.dist).adjoint(dx)
-        r = allreduce_(dx.local, dx.grid.subcomm(a_f))
-        if dx.dist == x.dist:
-            if r is not dx.local:
-                dx.local[...] = r
-            return dx
-        # replicas of the input: every one of them gets the whole sum
-        c0, c1 = x.dist.local_slices()[1].start, x.dist.local_slices()[1].stop
-        return DistArray.from_local(r[:, c0:c1], x.dist)
+        return sum_input_grad(dx, x, self._splits[0])
 
     # ------------------------------------------------------------ kernels
     def _kernel_forward(self, xwin: Any) -> Any:
@@ -290,9 +235,7 @@ class ConvNd(WindowLayer):
         a_c = dist.dim_axes[1]
         gathered = dist
         if a_c:
-            axes, splits = list(dist.axes), list(dist.splits)
-            axes[1], splits[1] = None, None
-            gathered = dist.replace(axes=axes, splits=splits)
+            gathered = channel_split_axes(dist, None)
             a_f = a_c
         else:
             try:
