@@ -490,14 +490,16 @@ def test_linear_feature_split_and_bad_input():
     rng = np.random.default_rng(16)
     x = rng.standard_normal((5, 6))
     lin = nn.Linear(6, 2, dtype=np.float64)
-    d = dt.Distribution((5, 6), grid((p,)), (None, 0))  # features split
+    w = lin.weight.data.copy()
+    d = dt.Distribution((5, 6), grid((p,)), (None, 0))  # features split: row-parallel
     y = lin(dt.DistArray.from_global(x, d))
-    assert_allclose(y, x @ lin.weight.data.T + lin.bias.data, **TOL)
+    assert_allclose(y, x @ w.T + lin.bias.data, **TOL)
     lin.zero_grad()
     dy = rng.standard_normal((5, 2))
     dx = lin.backward(dt.DistArray.from_global(dy, y.dist))
-    assert_allclose(dx, dy @ lin.weight.data, **TOL)
-    assert_allclose(lin.weight.grad, dy.T @ x, **TOL)
+    assert_allclose(dx, dy @ w, **TOL)
+    wd = lin.weight.dist  # each rank holds the weight's columns of its features
+    assert_allclose(lin.weight.grad, (dy.T @ x)[wd.local_slices()] if wd else dy.T @ x, **TOL)
     with pytest.raises(ValueError):
         lin(dt.DistArray.from_global(x[:, :5], dt.Distribution((5, 5), grid((p,)), (0, None))))
     with pytest.raises(TypeError):
