@@ -91,6 +91,11 @@ class CostSpec:
         margins grown into it count in ``saved``).
     keeps_output : bool
         The layer holds its output until backward.
+    share : float
+        The share of its twin's kernel work the layer does on ``local_shape``
+        (a convolution whose filters are split computes ``F_slice / F`` of
+        the twin's outputs): measured kernel times are scaled by it, and
+        ``flops`` and ``nbytes`` describe the twin's whole work.
 
     The planner's memory model (:mod:`disttensor_nn.plan`) adds, per rank,
     what every layer keeps (:meth:`kept`, an activation kept by both of the
@@ -113,6 +118,7 @@ class CostSpec:
     forward_workspace: int | None = None
     keeps_input: bool = False
     keeps_output: bool = False
+    share: float = 1.0
 
     def kept(self, in_bytes: int, out_bytes: int, training: bool = True) -> int:
         """Bytes held from forward to backward, for input and output blocks of these sizes.

@@ -34,42 +34,100 @@ from .costspec import CostSpec, largest_block
 
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
            "GradientBuckets", "reduce_gradients_", "split_axes_comm", "check_input",
-           "check_grad", "check_int"]
+           "check_grad", "check_int", "full_array", "local_block"]
 
 
 class Parameter:
-    """A trainable array, replicated on every rank.
+    """A trainable array, replicated on every rank or sharded over a process grid.
 
-    ``data`` and ``grad`` are arrays of the full (global) shape, of any array
-    module (NumPy, CuPy, or another array API namespace such as
-    ``array_api_strict``); ``grad`` lives in the module and on the device of
-    ``data``. After a backward pass ``grad`` holds the same values on every
-    rank. Gradients accumulate (``+=``) until :meth:`zero_grad`.
-    :meth:`Layer.to` moves both to another array module.
+    ``data`` and ``grad`` are this rank's arrays, of any array module (NumPy,
+    CuPy, or another array API namespace such as ``array_api_strict``);
+    ``grad`` lives in the module and on the device of ``data``. A replicated
+    parameter (``dist`` None) holds the full array on every rank, and after a
+    backward pass ``grad`` holds the same values everywhere. A sharded one
+    (``dist`` a :class:`~disttensor.Distribution` of the full shape) holds
+    its block of ``dist`` (``data.shape == dist.local_shape()``): the layers
+    of channel- and filter-parallel convolutions shard their weights so, and
+    their gradients are summed only over the ranks that hold the same block.
+    Gradients accumulate (``+=``) until :meth:`zero_grad`. :meth:`Layer.to`
+    moves both to another array module.
 
     Parameters
     ----------
     data : array
         The initial value (an array of any module; array_likes become NumPy
-        arrays). Kept C-contiguous.
+        arrays): the full array, or this rank's block of ``dist``. Kept
+        C-contiguous.
+    dist : Distribution, optional
+        The distribution of the full array over a process grid (None:
+        replicated).
     """
 
-    def __init__(self, data: Any):
+    def __init__(self, data: Any, dist: Distribution | None = None):
         data = data if hasattr(data, "shape") else np.asarray(data)
+        if dist is not None:
+            if not isinstance(dist, Distribution) or dist.grid is None:
+                raise TypeError("Parameter: dist must be a Distribution on a ProcessGrid")
+            if tuple(data.shape) != dist.local_shape():
+                raise ValueError(f"Parameter: data of shape {tuple(data.shape)} is not this "
+                                 f"rank's block {dist.local_shape()} of {dist}")
         self.data = contiguous(data)
         self.grad = array_namespace(self.data).zeros_like(self.data)
+        self.dist = dist
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Shape of the parameter."""
+        """Shape of the (full) parameter."""
+        return tuple(self.data.shape) if self.dist is None else self.dist.global_shape
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's ``data``."""
         return tuple(self.data.shape)
+
+    def full(self) -> Any:
+        """The full array (``data`` itself when replicated; collective when sharded)."""
+        return full_array(self.data, self.dist)
+
+    def shard_(self, dist: Distribution | None) -> None:
+        """Re-split ``data`` and ``grad`` as ``dist`` (None: replicate), in place.
+
+        Collective over the parameter's grid when it is sharded now (its full
+        value is gathered); local when it is replicated. Every rank must call
+        it alike.
+        """
+        if dist == self.dist:
+            return
+        if dist is not None and tuple(dist.global_shape) != self.shape:
+            raise ValueError(f"Parameter.shard_: {dist} is not for shape {self.shape}")
+        self.data = local_block(self.full(), dist)
+        self.grad = local_block(full_array(self.grad, self.dist), dist)
+        self.dist = dist
 
     def zero_grad(self) -> None:
         """Set the gradient to zero."""
         fill(self.grad, 0)
 
     def __repr__(self) -> str:
-        return f"Parameter(shape={self.shape}, dtype={self.data.dtype})"
+        split = "" if self.dist is None else f", dist={self.dist}"
+        return f"Parameter(shape={self.shape}, dtype={self.data.dtype}{split})"
+
+
+def full_array(local: Any, dist: Distribution | None) -> Any:
+    """The full array whose block ``local`` is under ``dist`` (``local`` itself for None).
+
+    Collective over ``dist``'s grid (an allgather by redistribution).
+    """
+    if dist is None:
+        return local
+    return DistArray.from_local(local, dist).redistribute(dist.replicated()).local
+
+
+def local_block(full: Any, dist: Distribution | None) -> Any:
+    """A contiguous copy of this rank's block of ``full`` under ``dist`` (all of it for None)."""
+    if dist is None:
+        return contiguous(full, copy=True)
+    return contiguous(full[dist.local_slices()], copy=True)
 
 
 class Layout:
@@ -284,15 +342,19 @@ class GradientBuckets:
 
 
 def check_input(x: Any, ndim: int, name: str, channels: int | None = None,
-                dtype: Any = None) -> None:
-    """Validate a layer input identically on every rank (shape and dtype are global facts)."""
+                dtype: Any = None, *, split_channels: bool = False) -> None:
+    """Validate a layer input identically on every rank (shape and dtype are global facts).
+
+    The channel dimension may be split only where ``split_channels`` is True
+    (layers that handle channel slices: convolution, pooling, batch norm).
+    """
     if not isinstance(x, DistArray):
         raise TypeError(f"{name} expects a DistArray, got {type(x).__name__}")
     if x.ndim != ndim:
         raise ValueError(f"{name} expects a {ndim}-D input (N, C, ...), got shape {x.shape}")
     if channels is not None and x.shape[1] != channels:
         raise ValueError(f"{name} expects {channels} channels, got {x.shape[1]}")
-    if ndim >= 2 and x.dist.nblocks[1] > 1:
+    if ndim >= 2 and x.dist.nblocks[1] > 1 and not split_channels:
         raise ValueError(f"{name}: the channel dimension must not be split, got {x.dist}")
     if dtype is not None and x.dtype != np.dtype(dtype):
         raise TypeError(f"{name} has {np.dtype(dtype)} parameters but the input is {x.dtype}")
@@ -816,6 +878,9 @@ class Layer:
         shared parameter appears under each of its names, as in PyTorch. The
         values are the arrays themselves, not copies (``Parameter.data``, or
         the Parameter with ``keep_vars=True``); copy them to keep a snapshot.
+        A sharded parameter (``Parameter.dist``) is given as its full array,
+        gathered from its shards: the call is then collective, and the
+        result loads under any other split.
 
         Parameters
         ----------
@@ -832,7 +897,7 @@ class Layer:
         out: dict[str, Any] = {}
         for key, _, _, value in self._state_entries():
             if isinstance(value, Parameter) and not keep_vars:
-                value = value.data
+                value = value.full()
             out[prefix + key] = value
         return out
 
@@ -849,7 +914,9 @@ class Layer:
         Parameters
         ----------
         state_dict : mapping of str to array
-            As :meth:`state_dict` returns (its values may be Parameters too).
+            As :meth:`state_dict` returns (its values may be Parameters too):
+            full arrays, also for sharded parameters, which keep their block
+            of it (so a state saved under one split loads under another).
         strict : bool
             Require exactly this layer's keys. With False, missing keys are
             left unchanged and unexpected keys ignored (shapes are still
@@ -869,7 +936,7 @@ class Layer:
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         targets: dict[str, Any] = {}
         for key, _, _, value in self._state_entries():
-            targets.setdefault(key, value.data if isinstance(value, Parameter) else value)
+            targets.setdefault(key, value)
         missing = [k for k in targets if k not in state_dict]
         unexpected = [k for k in state_dict if k not in targets]
         problems = []
@@ -881,10 +948,9 @@ class Layer:
             if key not in state_dict:
                 continue
             src = state_dict[key]
-            src = src.data if isinstance(src, Parameter) else src
             if not hasattr(src, "shape"):
                 problems.append(f"{key!r} is a {type(src).__name__}, not an array")
-            elif tuple(src.shape) != tuple(dst.shape):
+            elif tuple(src.shape) != tuple(dst.shape):  # a Parameter's full shape
                 problems.append(f"{key!r} has shape {tuple(src.shape)}, the layer's "
                                 f"{tuple(dst.shape)}")
         if problems:
@@ -893,7 +959,12 @@ class Layer:
         for key, dst in targets.items():
             if key in state_dict:
                 src = state_dict[key]
-                _copy_into(dst, src.data if isinstance(src, Parameter) else src)
+                src = src.full() if isinstance(src, Parameter) else src
+                if isinstance(dst, Parameter):
+                    if dst.dist is not None:  # this rank's block of the full value
+                        src = src[dst.dist.local_slices()]
+                    dst = dst.data
+                _copy_into(dst, src)
         return IncompatibleKeys(missing if not strict else [],
                                 unexpected if not strict else [])
 

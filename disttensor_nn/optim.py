@@ -9,7 +9,7 @@ import numpy as np
 
 from disttensor.backend import array_namespace, as_module, astype, contiguous, device_of, to_numpy
 
-from .module import Parameter
+from .module import Parameter, full_array, local_block
 
 __all__ = ["SGD"]
 
@@ -27,7 +27,9 @@ class SGD:
     layers' backward passes, so every rank applies the same update and the
     parameters stay identical without further communication. The
     parameters' arrays may be of any array module (NumPy, CuPy, an array API
-    namespace); the momentum buffers live beside them.
+    namespace); the momentum buffers live beside them. A sharded parameter's
+    (``Parameter.dist``) momentum buffer is sharded the same way, and
+    follows the parameter when a layer re-splits it.
 
     Parameters
     ----------
@@ -47,6 +49,7 @@ class SGD:
         self.lr, self.momentum, self.dampening = lr, momentum, dampening
         self.weight_decay, self.nesterov = weight_decay, nesterov
         self.state: list[Any | None] = [None] * len(self.params)
+        self._dists: list[Any] = [p.dist for p in self.params]  # the buffers' splits
 
     def step(self) -> None:
         """Update every parameter from its gradient."""
@@ -56,6 +59,9 @@ class SGD:
                 g = g + self.weight_decay * p.data
             if self.momentum:
                 buf = self.state[i]
+                if buf is not None and self._dists[i] != p.dist:  # the layer re-split p
+                    buf = self.state[i] = local_block(full_array(buf, self._dists[i]), p.dist)
+                self._dists[i] = p.dist
                 if buf is None:
                     buf = self.state[i] = contiguous(g, copy=True)
                 else:
@@ -79,14 +85,22 @@ class SGD:
 
         ``state[i]`` is the buffer of ``params[i]`` (None before its first
         step), copied to host memory whatever module the parameters use, so
-        that checkpoints can store it.
+        that checkpoints can store it. Buffers of sharded parameters are
+        given whole (gathered: the call is then collective), so that they
+        load under any other split.
         """
-        return {"state": [None if b is None else np.array(to_numpy(b), copy=True)
-                          for b in self.state],
+        return {"state": [None if b is None else
+                          np.array(to_numpy(full_array(b, d)), copy=True)
+                          for b, d in zip(self.state, self._dists)],
                 "lr": self.lr, "momentum": self.momentum}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output (buffers go to their parameters' array module)."""
-        self.state = [None if b is None else _like(p.data, b)
+        """Restore :meth:`state_dict` output (buffers go to their parameters' array module).
+
+        Whole buffers; a sharded parameter keeps its block of its buffer.
+        """
+        self.state = [None if b is None else
+                      _like(p.data, b if p.dist is None else b[p.dist.local_slices()])
                       for p, b in zip(self.params, state["state"])]
+        self._dists = [p.dist for p in self.params]
         self.lr, self.momentum = state["lr"], state["momentum"]

@@ -190,7 +190,7 @@ def output_layout(spec: WindowSpec, in_dist: Distribution) -> tuple[Distribution
     """
     nd = len(spec.kernel)
     shape = in_dist.global_shape
-    splits: list = [in_dist.splits[0], None]
+    splits: list = [in_dist.splits[0], in_dist.splits[1]]
     out_bounds = []
     for i in range(nd):
         ob = _out_boundaries(spec, i, in_dist.boundaries[2 + i], shape[2 + i])

@@ -350,15 +350,16 @@ def test_wrong_channel_count_ndim_and_dtype():
 
 
 @pytest.mark.parallel(SIZES)
-def test_split_channel_dim_is_rejected():
+def test_split_channel_dim_with_groups_is_rejected():
+    """A split channel dimension is channel-parallel (tests/test_nn_channel_filter.py),
+    except with groups > 1."""
     p = comm.Get_size()
     conv = nn.Conv2d(4, 2, 3, padding=1, dtype=np.float64)
     x = _x((2, 4, 6, 5), dist_axes=(None, 0, None, None))
-    if p == 1:
-        collective_assert(conv(x).shape == (2, 2, 6, 5))
-    else:
-        with pytest.raises(ValueError, match="channel"):
-            conv(x)
+    collective_assert(conv(x).shape == (2, 2, 6, 5))
+    if p > 1:
+        with pytest.raises(ValueError, match="split channel"):
+            nn.Conv2d(4, 2, 3, padding=1, groups=2, dtype=np.float64)(x)
     # the channel dim may be "split" over one block together with a spatial split
     g = grid((p, 1))
     x = _x((2, 4, 6, 5), dist_axes=(None, 1, 0, None), g=g)

@@ -1,4 +1,5 @@
-"""Distributed N-D convolution (Conv1d, Conv2d, Conv3d) over sample and spatial splits."""
+"""Distributed N-D convolution (Conv1d, Conv2d, Conv3d) over sample, spatial, channel and
+filter splits."""
 
 from __future__ import annotations
 
@@ -9,12 +10,21 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import namespace_dtype
+from disttensor.backend import array_namespace
 
-from ..costspec import Allreduce, CostSpec
+from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
 from ..module import Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
 from ..window import WindowSpec
+from .sharding import (
+    channel_split_axes,
+    gather_channels,
+    normalize_axes,
+    shard_parameters,
+    sum_input_grad,
+    sum_partial_outputs,
+    weight_splits,
+)
 from .window_layer import PADDING_MODES, WindowLayer
 
 __all__ = ["ConvNd", "Conv1d", "Conv2d", "Conv3d"]
@@ -26,7 +36,29 @@ class ConvNd(WindowLayer):
     Arguments follow ``torch.nn.ConvNd``. Any kernel size (odd or even), stride,
     padding (an int, a ``(before, after)`` pair per dimension, ``'same'`` or
     ``'valid'``), dilation and groups are supported on any split of the
-    sample and spatial dimensions; the channel dimension must not be split.
+    sample and spatial dimensions.
+
+    The channels may be split too (``groups=1``), and the weight is then
+    stored sharded (``weight.dist``; see ``docs/channel_filter.md``):
+
+    * **filter-parallel**, ``filter_axes`` given and the input's channels
+      whole: each rank holds ``weight[F_slice]`` and computes its output
+      channels; backward sums the partial input gradients over the filter
+      group (an allreduce);
+    * **channel-parallel**, the input split along C over grid axes other
+      than ``filter_axes``: each rank holds ``weight[F_slice, C_slice]``
+      (``F_slice`` all filters when ``filter_axes`` is empty), computes a
+      partial output from its channels and the partial outputs are summed
+      by an allreduce over the channel group; with ``filter_axes`` too this
+      is channel x filter, whose backward sums the input gradient over the
+      filter group;
+    * input split along C over exactly ``filter_axes``: the input is
+      gathered along C (an allgather) and the layer is filter-parallel; the
+      input gradient is summed back by a reduce-scatter (the adjoint of the
+      gather).
+
+    Weight and bias gradients are summed only over the ranks that hold the
+    same shard (those that split N or space).
 
     Parameters
     ----------
@@ -45,6 +77,10 @@ class ConvNd(WindowLayer):
     seed : int
         Seed of the weight initialisation (PyTorch's default uniform bounds);
         identical on every rank.
+    filter_axes : int or tuple of int
+        Grid axes (of the input's grid) that split the output channels (the
+        filters); none by default. They must not split the input's sample or
+        spatial dimensions.
     """
 
     nd = 0
@@ -52,7 +88,7 @@ class ConvNd(WindowLayer):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
                  padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
                  padding_mode: str = "zeros", *, overlap: bool = False,
-                 dtype: Any = np.float32, seed: int = 0):
+                 dtype: Any = np.float32, seed: int = 0, filter_axes: Any = ()):
         in_channels = check_int(in_channels, "in_channels")
         out_channels = check_int(out_channels, "out_channels")
         groups = check_int(groups, "groups")
@@ -69,6 +105,8 @@ class ConvNd(WindowLayer):
         self.mode = PADDING_MODES[padding_mode]
         self.padding_mode = padding_mode
         self.overlap = overlap
+        self.filter_axes = filter_axes
+        self._splits: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self.dtype = np.dtype(dtype)
         fan_in = in_channels // groups * int(np.prod(self.spec.kernel))
         bound = 1.0 / np.sqrt(fan_in)
@@ -78,18 +116,79 @@ class ConvNd(WindowLayer):
         self.bias = Parameter(rng.uniform(-bound, bound, out_channels).astype(self.dtype)) \
             if bias else None
 
+    @property
+    def filter_axes(self) -> tuple[int, ...]:
+        """Grid axes that split the output channels (the filters)."""
+        return self._filter_axes
+
+    @filter_axes.setter
+    def filter_axes(self, axes: Any) -> None:
+        self._filter_axes = normalize_axes(axes, "filter_axes")
+
+    def weight_splits(self, dist: Distribution) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Grid axes that split the weight's (filters, channels) for an input split as ``dist``.
+
+        Pure (no communication): the planner asks for any candidate. Filters
+        are split over :attr:`filter_axes`; channels over the axes that split
+        the input's channels, unless those are the filter axes (the input is
+        then gathered along C and the layer is filter-parallel); see
+        :func:`disttensor_nn.layers.sharding.weight_splits`.
+
+        Raises
+        ------
+        ValueError
+            For filter axes outside the grid or splitting N or space, filter
+            and channel axes that overlap in part, or a split channel or
+            filter dimension with ``groups > 1``.
+        """
+        return weight_splits(type(self).__name__, dist, self.filter_axes, self.groups)
+
     def _check(self, x: DistArray) -> None:
-        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype)
+        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype,
+                    split_channels=True)
+        self.weight_splits(x.dist)
 
     def _channels_out(self, c_in: int) -> int:
         return self.out_channels
 
+    def output_distribution(self, in_dist: Distribution) -> Distribution:
+        """As :meth:`WindowLayer.output_distribution`, the filters split over ``filter_axes``."""
+        d = super().output_distribution(in_dist)
+        return channel_split_axes(d, tuple(a % len(d.grid_shape) for a in self.filter_axes))
+
+    # ------------------------------------------------------------ channel and filter splits
+    def _kernel_input(self, x: DistArray) -> DistArray:
+        """Shard the parameters for ``x``'s split; gather ``x`` along C if filter-parallel."""
+        self._splits = a_f, a_c = self.weight_splits(x.dist)
+        shard_parameters(self.weight, self.bias, x, a_f, a_c)
+        return gather_channels(x, a_c)
+
+    def _finish_output(self, y: DistArray) -> DistArray:
+        """Channel-parallel: sum the partial outputs over the channel group, then add the bias."""
+        sum_partial_outputs(y, self._splits[1], self.bias)
+        return y
+
+    def _input_grad(self, dx: DistArray, x: DistArray) -> DistArray:
+        """Sum the partial input gradients over the filter group (reduce-scatter if gathered)."""
+        return sum_input_grad(dx, x, self._splits[0])
+
+    # ------------------------------------------------------------ kernels
     def _kernel_forward(self, xwin: Any) -> Any:
-        b = self.bias.data if self.bias is not None else None
-        return kernels_for(xwin).conv_forward(xwin, self.weight.data, b, self.spec.stride,
-                                              self.spec.dilation, self.groups)
+        b = self.bias.data if self.bias is not None and not self._splits[1] else None
+        w = self.weight.data
+        s = self.spec
+        kernels = kernels_for(xwin)
+        if w.size == 0:  # an empty filter or channel slice
+            out = kernels.out_shape(xwin.shape[2:], s.kernel, s.stride, s.dilation)
+            y = array_namespace(xwin).zeros((xwin.shape[0], w.shape[0], *out), dtype=xwin.dtype)
+            if b is not None:
+                y += b.reshape((-1,) + (1,) * self.nd)
+            return y
+        return kernels.conv_forward(xwin, w, b, s.stride, s.dilation, self.groups)
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
+        if self.weight.data.size == 0:
+            return array_namespace(xwin).zeros(xwin.shape, dtype=dy.dtype)
         dx, _, _ = kernels_for(xwin).conv_backward(
             dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation, self.groups,
             need_dx=True, need_dw=False)
@@ -97,15 +196,18 @@ class ConvNd(WindowLayer):
 
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         xp = dy.xp
-        if xwin is None:
-            dw = xp.zeros_like(self.weight.data)
-            db = xp.zeros(self.out_channels, dtype=namespace_dtype(xp, self.dtype))
+        w = self.weight.data
+        sum_axes = (0, *range(2, dy.ndim))
+        if xwin is None or w.size == 0:
+            dw = xp.zeros_like(w)
+            db = xp.sum(dy.local, axis=sum_axes) if self.bias is not None else None
         else:
             _, dw, db = kernels_for(xwin).conv_backward(
-                dy.local, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
+                dy.local, xwin, w, self.spec.stride, self.spec.dilation,
                 self.groups, need_dx=False, need_dw=True)
-        # Every rank that splits the input over N or space holds part of the sum.
-        reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(dy.dist))
+        # The ranks that split N or space hold parts of the sums of the same shard.
+        reduce_gradients_([(self.weight, dw), (self.bias, db)],
+                          split_axes_comm(dy.dist, sum_axes))
 
     def __repr__(self) -> str:
         s = self.spec
@@ -120,21 +222,46 @@ class ConvNd(WindowLayer):
         of im2col columns) and backward's (the extended block's gradient and
         two tiles of columns); a tile holds the columns of at least 512 output
         positions, about 4 MiB, at most 64 MiB. The weight and bias gradients
-        are summed over every rank that splits the input.
+        are summed over every rank that splits the input's samples or space.
+
+        An input split along C is described as the planner applies it: the
+        filters split over the same grid axes, the input gathered along C
+        (a redistribution forward, its adjoint backward, and the gathered
+        block kept for backward), each rank doing ``F_slice / F`` of the
+        whole layer's kernel work (``share``) and reducing that share of the
+        weight gradients. ``filter_axes`` alone (whole input channels) split
+        the filters the same way without the gather.
         """
-        ext, out_block, _ = self._window_blocks(dist)
+        a_c = dist.dim_axes[1]
+        gathered = dist
+        if a_c:
+            gathered = channel_split_axes(dist, None)
+            a_f = a_c
+        else:
+            try:
+                a_f = self.weight_splits(dist)[0]
+            except ValueError:  # filter axes meant for another grid: whole filters
+                a_f = ()
+        pf = math.prod(dist.grid_shape[a] for a in a_f)
+        share = -(-self.out_channels // pf) / self.out_channels
+        ext, out_block, _ = self._window_blocks(gathered)
         ck = self.in_channels // self.groups * math.prod(self.spec.kernel)
-        params = sum(q.data.size for q in self.own_parameters())
+        params = sum(math.prod(q.shape) for q in self.own_parameters())
         positions = math.prod(out_block) // max(out_block[1], 1)
         tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
+        out_bytes = math.prod(out_block) * itemsize * share
+        base = super().cost_spec(gathered, itemsize)
+        kept = math.prod(largest_block(gathered)) * itemsize if a_c else 0
         return dataclasses.replace(
-            super().cost_spec(dist, itemsize),
+            base,
             flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
             math.prod(self.spec.kernel),
-            allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim)), gradient=True),),
-            workspace=max(math.prod(out_block) * itemsize + tile,
-                          math.prod(ext) * itemsize + 2 * tile),
-            forward_workspace=math.prod(out_block) * itemsize + tile)
+            allreduces=(Allreduce(params * itemsize * share, tuple(
+                d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True),),
+            redistributions=(gathered,) if a_c else (),
+            saved=base.saved + kept, share=share,
+            workspace=max(out_bytes + tile, math.prod(ext) * itemsize + 2 * tile),
+            forward_workspace=out_bytes + tile)
 
     def kernel_signature(self) -> str:
         s = self.spec

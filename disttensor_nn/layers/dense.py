@@ -12,6 +12,14 @@ from disttensor.backend import astype, contiguous, namespace_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import Layer, Parameter, check_int, reduce_gradients_, split_axes_comm
+from .sharding import (
+    gather_channels,
+    normalize_axes,
+    shard_parameters,
+    sum_input_grad,
+    sum_partial_outputs,
+    weight_splits,
+)
 
 __all__ = ["Flatten", "Linear"]
 
@@ -71,7 +79,15 @@ class Flatten(Layer):
 class Linear(Layer):
     """``y = x W^T + b`` on (N, in_features) DistArrays split over N (replicas allowed).
 
-    The weight gradient is summed over the grid axes that split N.
+    The features may be split too, as a convolution's channels (see
+    :mod:`disttensor_nn.layers.sharding`): an input split along its
+    features makes the layer row-parallel (each rank holds ``W[:, in_slice]``
+    and the partial outputs are summed by an allreduce); ``out_axes`` make it
+    column-parallel (each rank holds ``W[out_slice]`` and computes those
+    outputs; the input gradient's partial sums are summed over them). With
+    both over the same axes the input is gathered first. The weight
+    gradient is summed over the grid axes that split N, each rank's shard
+    only.
 
     Parameters
     ----------
@@ -80,13 +96,16 @@ class Linear(Layer):
     dtype : dtype
     seed : int
         Initialisation seed (PyTorch's default uniform bounds), same on every rank.
+    out_axes : int or tuple of int
+        Grid axes that split the output features (none by default).
     """
 
     saved_for_backward = ("_x",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 dtype: Any = np.float32, seed: int = 0):
+                 dtype: Any = np.float32, seed: int = 0, out_axes: Any = ()):
         self.in_features = check_int(in_features, "in_features")
+        self.out_axes = normalize_axes(out_axes, "out_axes")
         self.out_features = check_int(out_features, "out_features")
         self.dtype = np.dtype(dtype)
         bound = 1.0 / np.sqrt(in_features)
@@ -106,27 +125,31 @@ class Linear(Layer):
         if not isinstance(x, DistArray) or x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"Linear expects an (N, {self.in_features}) DistArray, "
                              f"got {getattr(x, 'shape', type(x))}")
-        if x.dist.nblocks[1] > 1:
-            x = x.redistribute(sample_parallel(x.dist))
         if x.dtype != self.dtype:
             raise TypeError(f"Linear has {self.dtype} parameters but the input is {x.dtype}")
-        self._x = x
+        a_f, a_c = weight_splits("Linear", x.dist, self.out_axes)
+        shard_parameters(self.weight, self.bias, x, a_f, a_c)
+        xin, x = x, gather_channels(x, a_c)
+        self._x, self._splits = (xin, x), (a_f, a_c)
         y = x.local @ self.weight.data.T
-        if self.bias is not None:
+        if self.bias is not None and not a_c:
             y = y + self.bias.data
-        out = Distribution((x.shape[0], self.out_features), x.grid, (x.dist.axes[0], None),
-                           [x.dist.splits[0], None])
-        return DistArray(contiguous(y), out)
+        out = Distribution((x.shape[0], self.out_features), x.grid,
+                           (x.dist.axes[0], a_f or None), [x.dist.splits[0], None])
+        out = DistArray(contiguous(y), out)
+        sum_partial_outputs(out, a_c, self.bias)
+        return out
 
     def backward(self, dy: DistArray) -> DistArray:
-        x = self._x
+        xin, x = self._x
         xp = x.xp
         g = dy.local
-        # summed in float64 over the ranks that split N
+        # summed in float64 over the ranks that split N (each rank's shard)
         reduce_gradients_([(self.weight, astype(g.T @ x.local, np.float64)),
                            (self.bias, xp.sum(g, axis=0, dtype=namespace_dtype(xp, np.float64)))],
                           split_axes_comm(x.dist, (0,)))
-        return DistArray(contiguous(g @ self.weight.data), x.dist)
+        dx = DistArray(contiguous(g @ self.weight.data), x.dist)
+        return sum_input_grad(dx, xin, self._splits[0])
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """A GEMM on the sample block, which is kept for backward.
@@ -136,7 +159,7 @@ class Linear(Layer):
         """
         block = largest_block(dist)
         n = math.prod(block)
-        params = sum(q.data.size for q in self.own_parameters())
+        params = sum(math.prod(q.shape) for q in self.own_parameters())
         return CostSpec(block, flops=2.0 * block[0] * self.in_features * self.out_features,
                         nbytes=n * itemsize,
                         allreduces=(Allreduce(params * 8, (0,), gradient=True),),

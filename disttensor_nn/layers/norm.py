@@ -60,6 +60,13 @@ class BatchNormNd(Layer):
     Backward allreduces the two per-channel sums the input gradient needs over
     the same ranks; the scale and shift gradients are summed over all ranks.
 
+    The channels may be split too: each rank computes the statistics of its
+    channel slice, and the sums travel in one allreduce of all ``2 C`` of
+    them over the ranks above and those that split C, so that the
+    parameters, their gradients and the running statistics stay whole and
+    identical on every rank (``2 C`` float64 values, the same message as
+    without the channel split).
+
     All arithmetic uses the input's array module (NumPy or CuPy); the running
     statistics (float64 buffers ``running_mean`` and ``running_var``, in the
     :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
@@ -94,9 +101,11 @@ class BatchNormNd(Layer):
         self.register_buffer("running_var", np.ones(num_features, np.float64))
 
     def forward(self, x: DistArray) -> DistArray:
-        check_input(x, self.nd + 2, type(self).__name__, self.num_features, self.dtype)
+        check_input(x, self.nd + 2, type(self).__name__, self.num_features, self.dtype,
+                    split_channels=True)
         self._check_batch(x)
         axes = (0, *range(2, x.ndim))
+        chans = x.dist.local_slices()[1]
         xl = x.local
         xp = x.xp
         f64 = namespace_dtype(xp, np.float64)
@@ -106,7 +115,7 @@ class BatchNormNd(Layer):
         batch_stats = self.training or not self.track_running_stats
         if batch_stats:
             spatial = tuple(range(2, x.ndim))
-            comm = split_axes_comm(x.dist, axes if self.stats == "global" else spatial)
+            comm = split_axes_comm(x.dist, (1, *(axes if self.stats == "global" else spatial)))
             count = math.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * math.prod(x.shape[2:]))
             # sums about this rank's own mean (the centre), so that no sum cancels: with
@@ -126,29 +135,41 @@ class BatchNormNd(Layer):
             else:
                 sum_d2 = _channel_sums(xp, y3 * y3, f64)
             c64 = astype(centre, np.float64)
-            sums = allreduce_(concat([m * c64 + sum_d, sum_d2 + 2 * c64 * sum_d + m * c64**2]),
-                              comm)
+            sums = allreduce_(self._whole(xp, x.dist, m * c64 + sum_d,
+                                          sum_d2 + 2 * c64 * sum_d + m * c64**2), comm)
             mean = sums[:self.num_features] / max(count, 1)
             var = xp.maximum(sums[self.num_features:] / max(count, 1) - mean**2, 0.0)
             if self.training and self.track_running_stats:
                 self._update_running(x, mean, var, count)
+            mean, var = mean[chans], var[chans]
         else:
             self._follow(xl)
-            mean, var, count = self.running_mean, self.running_var, None
+            mean, var, count = self.running_mean[chans], self.running_var[chans], None
             centre = astype(mean, xl.dtype)
             y3 = _into(xp, "subtract", x3, centre[:, None], y3)
         inv = 1.0 / xp.sqrt(var + self.eps)
         # y = (x - centre) * scale + shift, scale = gamma * inv, shift = beta + (centre -
         # mean) * scale: the large parts cancel before rounding, as in (x - mean) * scale
-        scale = astype(self.weight.data, np.float64) * inv if self.affine else inv
+        scale = astype(self.weight.data[chans], np.float64) * inv if self.affine else inv
         shift = (astype(centre, np.float64) - mean) * scale
         if self.affine:
-            shift = shift + astype(self.bias.data, np.float64)
+            shift = shift + astype(self.bias.data[chans], np.float64)
         y3 = _into(xp, "multiply", y3, astype(scale, xl.dtype)[:, None], y3)
         y3 = _into(xp, "add", y3, astype(shift, xl.dtype)[:, None], y3)
         y = xp.reshape(y3, xl.shape)
         self._saved = (x.dist, xl, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
+
+    def _whole(self, xp: Any, dist: Distribution, *parts: Any) -> Any:
+        """Per-channel ``parts`` of this rank's channel slice placed into whole-C zeros, joined."""
+        chans = dist.local_slices()[1]
+        if chans.stop - chans.start == self.num_features:
+            return concat(parts)
+        out = xp.zeros(len(parts) * self.num_features, dtype=parts[0].dtype,
+                       **device_kw(parts[0]))
+        for i, part in enumerate(parts):
+            out[i * self.num_features + chans.start:i * self.num_features + chans.stop] = part
+        return out
 
     def _check_batch(self, x: DistArray) -> None:
         """Refuse batch statistics over one value per channel, as PyTorch does (all ranks alike).
@@ -196,6 +217,7 @@ class BatchNormNd(Layer):
     def backward(self, dy: DistArray) -> DistArray:
         dist, xl, mean, inv, count, batch_stats, centre = self._saved
         axes = (0, *range(2, dy.ndim))
+        chans = dist.local_slices()[1]
         g = dy.local
         xp = dy.xp
         f64 = namespace_dtype(xp, np.float64)
@@ -210,17 +232,20 @@ class BatchNormNd(Layer):
         # in the input's dtype, the rest in float64
         sum_g = _channel_sums(xp, g3, f64)
         sum_gd = _channel_sums(xp, dx3, f64)
-        sums = concat([sum_g, inv * (sum_gd + (astype(centre, np.float64) - mean) * sum_g)])
+        sums = self._whole(xp, dist, sum_g,
+                           inv * (sum_gd + (astype(centre, np.float64) - mean) * sum_g))
         if self.stats == "group":
-            sums = allreduce_(sums, split_axes_comm(dist, tuple(range(2, dy.ndim))))
+            sums = allreduce_(sums, split_axes_comm(dist, (1, *range(2, dy.ndim))))
             param_sums = allreduce_(contiguous(sums, copy=True), split_axes_comm(dist, (0,)))
         else:
-            sums = allreduce_(sums, split_axes_comm(dist, axes))
+            sums = allreduce_(sums, split_axes_comm(dist, (1, *axes)))
             param_sums = sums
+        C = self.num_features
         if self.affine:
-            self.bias.grad += astype(param_sums[:c], self.dtype)
-            self.weight.grad += astype(param_sums[c:], self.dtype)
-        gamma = astype(self.weight.data, np.float64) if self.affine else \
+            self.bias.grad += astype(param_sums[:C], self.dtype)
+            self.weight.grad += astype(param_sums[C:], self.dtype)
+        sums = concat([sums[:C][chans], sums[C:][chans]])
+        gamma = astype(self.weight.data[chans], np.float64) if self.affine else \
             xp.ones(c, dtype=f64, **device_kw(g))
         scale = gamma * inv
         sc = astype(scale, g.dtype)[:, None]
@@ -251,13 +276,14 @@ class BatchNormNd(Layer):
         Two allreduces of ``2 C`` float64 sums (statistics forward, the
         input gradient's sums backward) over the ranks that share the
         statistics: those splitting N and space (``stats="global"``) or space
-        only (``"group"``).
+        only (``"group"``), and those splitting C.
         """
         block = largest_block(dist)
         n = math.prod(block)
         spatial = tuple(range(2, dist.ndim))
+        chans = (1,) if dist.nblocks[1] > 1 else ()
         sums = Allreduce(2 * self.num_features * 8,
-                         (0, *spatial) if self.stats == "global" else spatial)
+                         (0, *chans, *spatial) if self.stats == "global" else (*chans, *spatial))
         return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, allreduces=(sums, sums),
                         keeps_input=True, workspace=n // max(block[0], 1) * itemsize)
 

@@ -136,8 +136,8 @@ class GlobalAvgPool(Layer):
     """Mean over all spatial dimensions: (N, C, *S) -> (N, C).
 
     Partial sums are reduced along the grid axes that split the spatial
-    dimensions; the output keeps the input's sample split and those grid axes
-    hold replicas of it.
+    dimensions; the output keeps the input's sample and channel splits and
+    those grid axes hold replicas of it.
     """
 
     saved_for_backward = ("_in",)
@@ -148,14 +148,14 @@ class GlobalAvgPool(Layer):
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 3:
             raise ValueError("GlobalAvgPool expects an (N, C, *S) DistArray")
-        check_input(x, x.ndim, "GlobalAvgPool")
+        check_input(x, x.ndim, "GlobalAvgPool", split_channels=True)
         spatial = tuple(range(2, x.ndim))
         count = int(np.prod(x.shape[2:]))
         sums = backend.contiguous(x.xp.sum(x.local, axis=spatial,
                                            dtype=backend.namespace_dtype(x.xp, np.float64)))
         allreduce_(sums, split_axes_comm(x.dist, spatial))
-        out_dist = x.dist.replace(global_shape=x.shape[:2], axes=(x.dist.axes[0], None),
-                                  splits=(x.dist.splits[0], None))
+        out_dist = x.dist.replace(global_shape=x.shape[:2], axes=x.dist.axes[:2],
+                                  splits=x.dist.splits[:2])
         self._in = (x.dist, x.local_shape, count)
         return DistArray.from_local(backend.astype(sums / count, x.dtype), out_dist)
 

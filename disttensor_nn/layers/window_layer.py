@@ -51,7 +51,7 @@ class WindowLayer(Layer):
         return c_in
 
     def _check(self, x: DistArray) -> None:
-        check_input(x, self.nd + 2, type(self).__name__)
+        check_input(x, self.nd + 2, type(self).__name__, split_channels=True)
 
     def _check_window(self, in_shape: tuple[int, ...]) -> None:
         """Refuse an input whose padded size is below the (dilated) kernel, as PyTorch does."""
@@ -82,6 +82,8 @@ class WindowLayer(Layer):
     def forward(self, x: DistArray) -> DistArray:
         self._check(x)
         self._check_window(x.shape)
+        xin = x
+        x = self._kernel_input(xin)
         geo = geometry(self.spec, x.dist)
         plan = halo_plan(x.dist, geo.widths, self.mode)
         out = DistArray.empty(self.output_distribution(x.dist), self._out_dtype(x), xp=x.xp)
@@ -103,8 +105,23 @@ class WindowLayer(Layer):
                 boxes = []
         for box in boxes:
             self._run_box(ext, geo, box, y)
-        self._saved = (x, geo, plan, x.halo_token)
-        return out
+        self._saved = (xin, x, geo, plan, x.halo_token)
+        return self._finish_output(out)
+
+    def _kernel_input(self, x: DistArray) -> DistArray:
+        """The array the kernel windows run on (``x``; a layer may gather its channels)."""
+        return x
+
+    def _finish_output(self, y: DistArray) -> DistArray:
+        """The layer's output from the kernel's (``y``; a layer may sum partial outputs)."""
+        return y
+
+    def _input_grad(self, dx: DistArray, x: DistArray) -> DistArray:
+        """The gradient of the input ``x`` from that of the kernel's input ``dx``.
+
+        The adjoint of :meth:`_kernel_input` (``dx`` itself by default).
+        """
+        return dx
 
     def _out_dtype(self, x: DistArray) -> np.dtype:
         return x.dtype
@@ -117,12 +134,13 @@ class WindowLayer(Layer):
 
     # ------------------------------------------------------------ backward
     def _extended_input(self) -> tuple[DistArray, WindowGeometry, Any, Any]:
-        x, geo, plan, key = self._saved
+        _, x, geo, plan, key = self._saved
         if x.halo_token is not key or key is None:  # the halo was overwritten since forward
             plan.exchange(x, self._pad_value())
         return x, geo, plan, x.extended(geo.widths)
 
     def backward(self, dy: DistArray) -> DistArray | None:
+        xin = self._saved[0]
         x, geo, plan, ext = self._extended_input()
         sl = geo.input_slices(geo.out_box)
         nonempty = all(b > a for a, b in geo.out_box)
@@ -140,9 +158,8 @@ class WindowLayer(Layer):
         # gradients are computed (with overlap) or after them.
         request = plan.start_accumulate(dext, overwrite_input=True) if self.overlap else None
         self._param_backward(dy, ext[sl] if nonempty else None)
-        if request is None:
-            return plan.accumulate(dext, overwrite_input=True)
-        return request.finish()
+        dx = plan.accumulate(dext, overwrite_input=True) if request is None else request.finish()
+        return self._input_grad(dx, xin)
 
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         """Gradients of the layer's parameters (``xwin`` is None on an empty block)."""

@@ -2,9 +2,13 @@
 
 A candidate distribution is a factorisation of the rank count over the
 sample dimension and the spatial dimensions, ``(pN, pS1, ..., pSk)``: the
-activation ``(N, C, S1, ..., Sk)`` is split by a grid of that shape (channels
-are never split); 2-D activations ``(N, F)`` keep the sample split and the
-spatial factors become replicas. A layer states its work under a candidate
+activation ``(N, C, S1, ..., Sk)`` is split by a grid of that shape; with
+channel splits (``candidates(..., channels=True)``) over the channels too,
+``(pN, pC, pS1, ..., pSk)``, and convolutions then split their filters as
+their input's channels (each rank computes ``F / pC`` output channels from
+the input gathered along C, and holds that slice of the weights).
+2-D activations ``(N, F)`` keep the sample split and the other factors
+become replicas. A layer states its work under a candidate
 (:meth:`disttensor_nn.Layer.cost_spec`, a :class:`~disttensor_nn.costspec.CostSpec`);
 the cost model prices it on a machine profile: the compute of its local
 kernels on the largest local block (halo included; measured by a
@@ -42,9 +46,9 @@ __all__ = ["candidates", "dist_for", "LayerCost", "CostModel", "StepTime", "step
 Candidate = tuple[int, ...]
 
 
-def candidates(nprocs: int, nspatial: int) -> list[Candidate]:
-    """Every ordered factorisation of ``nprocs`` over (N, S1, ..., Sk)."""
-    return factorizations(nprocs, nspatial + 1)
+def candidates(nprocs: int, nspatial: int, channels: bool = False) -> list[Candidate]:
+    """Every ordered factorisation of ``nprocs`` over (N, S1, ..., Sk), or (N, C, S1, ..., Sk)."""
+    return factorizations(nprocs, nspatial + 1 + bool(channels))
 
 
 def dist_for(shape: tuple[int, ...], cand: Candidate) -> Distribution:
@@ -54,6 +58,8 @@ def dist_for(shape: tuple[int, ...], cand: Candidate) -> Distribution:
         axes = (0, None)
     elif len(shape) == nsp + 2:
         axes = (0, None, *range(1, nsp + 1))
+    elif len(shape) == len(cand) and len(shape) > 2:  # (pN, pC, pS..): channels split too
+        axes = tuple(range(len(shape)))
     else:
         raise ValueError(f"activation {shape} does not fit candidate {cand}")
     return Distribution(shape, cand, axes)
@@ -203,17 +209,17 @@ class CostModel:
 
     # ------------------------------------------------------------ compute
     def _compute(self, layer: Layer, local_in: tuple[int, ...], flops: float,
-                 nbytes: float) -> tuple[float, float, bool, bool]:
+                 nbytes: float, share: float = 1.0) -> tuple[float, float, bool, bool]:
         if any(n == 0 for n in local_in):
             return 0.0, 0.0, False, False
         dtype = np.dtype(f"f{self.itemsize}")
         if self.timer is not None:
             f, b, est, co = self.timer.times(layer, local_in, dtype, flops, self.corun)
-            scale = 1.0 if co >= self.corun else self.contention
+            scale = (1.0 if co >= self.corun else self.contention) * share
             tiled = getattr(self.timer, "tiled", None)
             return f * scale, b * scale, est, bool(tiled and tiled(layer, local_in, dtype, co))
         p = self.profile
-        t = p.kernel_time(flops, nbytes)  # backward: two kernels (data and weights)
+        t = p.kernel_time(flops * share, nbytes * share)  # backward: data and weights
         return t, 2 * t, True, False
 
     def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate) -> LayerCost:
@@ -229,7 +235,7 @@ class CostModel:
         out_shape = tuple(layer.output_shape(tuple(in_shape)))
         in_bytes = math.prod(largest_block(dist)) * self.itemsize
         out_bytes = math.prod(largest_block(dist_for(out_shape, cand))) * self.itemsize \
-            if len(out_shape) in (2, len(cand) + 1) else in_bytes
+            if len(out_shape) in (2, len(cand), len(cand) + 1) else in_bytes
         training = self.training
         cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),
                          transient=spec.transient(in_bytes, out_bytes, training),
@@ -237,7 +243,7 @@ class CostModel:
                          keeps_output=out_bytes * spec.keeps_output * training)
         if spec.timed:
             cost.fwd, cost.bwd, cost.estimated, cost.tiled = self._compute(
-                layer, spec.local_shape, spec.flops, spec.nbytes)
+                layer, spec.local_shape, spec.flops, spec.nbytes, spec.share)
         else:
             cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
         passes = 2 if training else 1  # forward and backward, or forward alone
@@ -297,8 +303,12 @@ class CostModel:
 
     def params_memory(self, model: Layer) -> float:
         """Bytes per rank of parameters, their gradients and momentum buffers (training),
-        or of the parameters alone (inference)."""
-        return (3.0 if self.training else 1.0) * sum(p.data.nbytes for p in model.parameters())
+        or of the parameters alone (inference).
+
+        Whole parameters: an upper bound where a plan shards some of them.
+        """
+        return (3.0 if self.training else 1.0) * sum(
+            math.prod(p.shape) * p.data.itemsize for p in model.parameters())
 
 
 def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:

@@ -24,8 +24,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               memory: float | None = None, measure: bool = True, itemsize: int = 4,
               comm: MPI.Comm | None = None, baseline: float = 0.0,
               profile: MemoryProfile | None = None,
-              recompute: bool | str = False,
-              training: bool = True) -> tuple[Plan, Planner | None]:
+              recompute: bool | str = False, training: bool = True,
+              channels: bool = False) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -75,6 +75,9 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         alone, no activation kept for backward, parameters without gradients
         and momenta; see :class:`~disttensor_nn.plan.CostModel`). Inference
         never recomputes.
+    channels : bool
+        Consider channel and filter splits too (grids over (N, C, *S); see
+        :class:`Planner`).
 
     Returns
     -------
@@ -96,7 +99,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
     planner = Planner(model, batch_shape,
                       CostModel(machine_profile, nprocs, timer, itemsize, training=training),
-                      memory, baseline=baseline, recompute=recompute if training else False)
+                      memory, baseline=baseline, recompute=recompute if training else False,
+                      channels=channels)
     with _phase(profile, "kernel measurement"):
         planner.calibrate(comm, progress=True)
     root = comm is None or comm.Get_rank() == 0
@@ -125,7 +129,7 @@ def _phase(profile: MemoryProfile | None, name: str) -> AbstractContextManager[A
 
 def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[int],
                     machine: str = "this", memory: float | None = None,
-                    measure: bool = True) -> list[dict[str, Any]]:
+                    measure: bool = True, channels: bool = False) -> list[dict[str, Any]]:
     """Predicted strong scaling: a plan of ``model`` for each rank count, in this process.
 
     Parameters
@@ -136,7 +140,7 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         Global shape of one input batch, (N, C, *S), the same for every rank count.
     ranks : sequence of int
         The rank counts.
-    machine, memory, measure
+    machine, memory, measure, channels
         As for :func:`make_plan`.
 
     Returns
@@ -154,12 +158,13 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
     rows: list[dict[str, Any]] = []
     for p in ranks:
         try:
-            plan, planner = make_plan(model, batch_shape, p, machine, memory, measure)
+            plan, planner = make_plan(model, batch_shape, p, machine, memory, measure,
+                                      channels=channels)
         except ValueError as exc:
             rows.append({"ranks": p, "time_ms": None, "note": str(exc)})
             continue
         grids = sorted({e.grid for e in plan.entries}, key=str)
-        sample_parallel = (p,) + (1,) * (len(batch_shape) - 2)
+        sample_parallel = (p,) + (1,) * (len(planner.cands[0]) - 1)
         uniform = _uniform(planner, sample_parallel)
         rows.append({"ranks": p, "time_ms": 1e3 * plan.time, "compute_ms": 1e3 * plan.compute,
                      "exposed_ms": 1e3 * plan.exposed_comm, "hidden_ms": 1e3 * plan.hidden_comm,

@@ -149,14 +149,16 @@ class Plan:
 
     def table(self) -> str:
         """The plan as a readable text table."""
-        head = f"{'layer':<28} {'grid (N,S..)':<14} {'fwd ms':>8} {'bwd ms':>8} " \
+        dims = "(N,C,S..)" if any(len(e.grid) == len(self.batch_shape) for e in self.entries) \
+            else "(N,S..)"
+        head = f"{'layer':<28} {'grid ' + dims:<16} {'fwd ms':>8} {'bwd ms':>8} " \
                f"{'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
         lines = [head, "-" * len(head)]
         for e in self.entries:
             mark = ("*" if e.estimated else "~" if e.tiled else " ") + \
                 ("R" if e.recompute >= 0 else "")
             lines.append(
-                f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<14} {1e3 * e.fwd:8.2f} "
+                f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<16} {1e3 * e.fwd:8.2f} "
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
                 f"{e.memory / 2**20:7.1f}{mark}")
         lines.append("-" * len(head))
@@ -213,16 +215,21 @@ class Planner:
         Bytes per rank that the plan must fit.
     allowed : list of candidates, optional
         Restrict the candidate distributions (e.g. to compare uniform plans).
+    channels : bool
+        Also split the channels (candidates over (N, C, *S), see
+        :func:`~disttensor_nn.plan.candidates`): convolutions then split
+        their filters as their input's channels.
     """
 
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
                  memory_budget: float | None = None, allowed: list[Candidate] | None = None,
-                 baseline: float = 0.0, recompute: bool | str = False):
+                 baseline: float = 0.0, recompute: bool | str = False, channels: bool = False):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
         self.items = trace(model, self.batch_shape)
         self.nodes = leaf_nodes(self.items)
         nsp = len(self.batch_shape) - 2
-        self.cands = list(allowed) if allowed is not None else candidates(cost.nprocs, nsp)
+        self.cands = list(allowed) if allowed is not None else \
+            candidates(cost.nprocs, nsp, channels)
         self.budget = memory_budget
         self.baseline = float(baseline)
         if recompute not in (False, True, "auto"):
@@ -684,6 +691,8 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
 
     Layers are matched in traversal order; their input shapes must match the
     plan's, so a plan is only applied to the model and batch shape it was made for.
+    Layers with ``filter_axes`` (convolutions) get the channel axis of their
+    grid where the plan splits channels (none otherwise).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_size() != plan.nprocs:
@@ -699,7 +708,8 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
         g = tuple(entry.grid)
         if g not in grids:
             grids[g] = ProcessGrid(g, comm)
-        nsp = len(g) - 1
         ndim = len(node.in_shape)
-        axes = (0, None) if ndim == 2 else (0, None, *range(1, nsp + 1))
+        axes = dist_for(tuple(node.in_shape), g).axes
         node.layer.layout = Layout(grids[g], axes)
+        if hasattr(node.layer, "filter_axes") and ndim > 2:
+            node.layer.filter_axes = (1,) if len(g) == ndim else ()

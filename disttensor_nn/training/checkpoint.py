@@ -293,7 +293,8 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
         a non-empty directory that is not a checkpoint is never replaced. Rank
         0's path is used.
     model : Layer or None
-        Its parameters (``model.named_parameters()``, replicated) and buffers
+        Its parameters (``model.named_parameters()``; sharded ones are
+        gathered and stored whole, so they load under any split) and buffers
         (``model.named_buffers()``, such as batch-norm running statistics),
         arrays of any array module; they are stored as NumPy arrays.
     optimizer : object or None
@@ -362,6 +363,16 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
                               f"optimizer or arrays of rank(s) {differ} differ from rank 0's; "
                               "every rank must pass the same")
 
+    # -- whole values of sharded parameters and optimizer buffers (collective gathers)
+    values: list[Any] = []
+    opt_state = None
+    try:
+        values = [p.full() for _, p in params]
+        opt_state = None if optimizer is None else optimizer.state_dict()
+    except Exception as exc:
+        error = exc
+    _agree(comm, error, "save_checkpoint (gathering sharded state)")
+
     # -- rank 0: replicated state, preallocated array files
     if rank == 0:
         try:
@@ -369,9 +380,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
             manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": step,
                                         "world_size": comm.Get_size()}
             manifest["parameters"] = []
-            for i, (name, p) in enumerate(params):
+            for i, ((name, _), full) in enumerate(zip(params, values)):
                 key = f"param_{i:04d}"
-                state[key] = value = _host(p.data)
+                state[key] = value = _host(full)
                 manifest["parameters"].append({"name": name, "key": key,
                                                "shape": list(value.shape),
                                                "dtype": value.dtype.str})
@@ -384,7 +395,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
                                             "dtype": value.dtype.str})
             manifest["optimizer"] = None if optimizer is None else {
                 "class": type(optimizer).__name__,
-                "state": _encode(optimizer.state_dict(), state, "optimizer_")}
+                "state": _encode(opt_state, state, "optimizer_")}
             manifest["rng_state"] = _encode(rng_state, state, "rng_")
             manifest["extra"] = _encode(extra, state, "extra_")
             manifest["arrays"] = [{"name": name, "file": fname, "shape": list(a.shape),
@@ -496,7 +507,7 @@ def _verify(directory: str, model: Layer | None, optimizer: Any,
             _refuse(f"{directory}: the manifest lacks {key!r}")
     _check_files(directory, manifest)
     _compare("parameters", manifest["parameters"],
-             [(n, tuple(p.data.shape), numpy_dtype(p.data.dtype))
+             [(n, tuple(p.shape), numpy_dtype(p.data.dtype))
               for n, p in named_parameters(model)])
     _compare("buffers", manifest["buffers"],
              [(n, tuple(getattr(lay, a).shape), numpy_dtype(getattr(lay, a).dtype))
@@ -549,9 +560,9 @@ def _check_optimizer_state(state: Any, model: Layer | None, optimizer: Any) -> N
         _refuse(f"the optimizer state is for {len(bufs)} parameters, the optimizer has "
                 f"{len(params)}")
     for i, (b, p) in enumerate(zip(bufs, params)):
-        if b is not None and np.shape(b) != tuple(p.data.shape):
+        if b is not None and np.shape(b) != tuple(p.shape):
             _refuse(f"optimizer state {i} has shape {np.shape(b)}, its parameter "
-                    f"{tuple(p.data.shape)}")
+                    f"{tuple(p.shape)}")
 
 
 def _bcast_arrays(comm: MPI.Comm, state: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
@@ -596,7 +607,7 @@ def _describe_arguments(model: Layer | None, optimizer: Any,
             raise ValueError(f"array {name!r} lives on another communicator than the "
                              "checkpoint's")
         described.append((name, repr(dist), dtype))
-    params = [(n, tuple(p.data.shape), numpy_dtype(p.data.dtype).str)
+    params = [(n, tuple(p.shape), numpy_dtype(p.data.dtype).str)
               for n, p in named_parameters(model)]
     buffers = [(n, tuple(getattr(lay, a).shape), numpy_dtype(getattr(lay, a).dtype).str)
                for n, lay, a in named_buffers(model)]

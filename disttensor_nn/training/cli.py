@@ -173,6 +173,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                         "GPU profile is then --machine this-gpu")
     parser.add_argument("--scaling", type=_rank_counts,
                         help="comma-separated rank counts: predicted strong scaling")
+    parser.add_argument("--channel-splits", action="store_true",
+                        help="also split channels and filters (grids over (N, C, S..))")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
     args = parser.parse_args(argv)
     if args.plot and not args.scaling:
@@ -217,7 +219,8 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     root = comm is None or comm.Get_rank() == 0
     try:
         plan, _ = make_plan(model, shape, nprocs, args.machine, args.memory_per_rank,
-                            not args.no_measure, comm=comm, recompute=RECOMPUTE[args.recompute])
+                            not args.no_measure, comm=comm, recompute=RECOMPUTE[args.recompute],
+                            channels=args.channel_splits)
     except (ValueError, FileNotFoundError) as exc:
         if root:
             print(f"disttensor-plan: error: {exc}", file=sys.stderr)
@@ -235,12 +238,12 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
 
 def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> int:
     rows = predict_scaling(model, shape, args.scaling, args.machine, args.memory_per_rank,
-                           not args.no_measure)
+                           not args.no_measure, channels=args.channel_splits)
     first = next((r["time_ms"] for r in rows if r["time_ms"]), None)  # speedup's base
     print(f"predicted strong scaling of {args.model}, batch {shape}, machine {args.machine}")
     print(f"{'ranks':>6} {'ms/iter':>9} {'speedup':>8} {'compute':>9} {'exposed':>9} "
           f"{'hidden':>9} {'sample-par':>11} {'s-p exposed':>11} {'peak MiB':>9}"
-          "  grids used (N, S..)")
+          f"  grids used {'(N, C, S..)' if args.channel_splits else '(N, S..)'}")
     for r in rows:
         if r["time_ms"] is None:
             print(f"{r['ranks']:>6} {'-':>9}  {r['note']}")

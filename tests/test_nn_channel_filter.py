@@ -1,0 +1,417 @@
+"""Channel and filter splits: convolution, batch norm, pooling, Linear, sharded parameters.
+
+Every layer runs on activations split along C (and its convolutions with
+their filters split along F) and is compared with the independent serial
+references of ``nn_reference`` on the global arrays: outputs, input
+gradients, and each rank's shard of the weight gradients. The layouts
+cover filter-only, channel-only, channel x filter, an input split along
+C over the filter axes (gathered), replicas, C/F combined with N and H
+splits, and explicit channel splits with empty blocks; world sizes 1-4
+give uneven and empty channel and filter slices. State written under one
+split loads under another, and a small network trained with channel and
+filter splits reproduces the one-process loss curve.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from nn_reference import (
+    Checks,
+    bn_ref,
+    conv_ref,
+    conv_ref_backward,
+    empty_cuts,
+    grid,
+    pool_ref,
+)
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor_nn.module import GradientBuckets
+from disttensor_nn.plan import CostModel, Planner, apply_plan, load_profile
+from disttensor_nn.training.checkpoint import load_checkpoint, save_checkpoint
+
+SIZES = [1, 2, 3, 4]
+comm = MPI.COMM_WORLD
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+SHAPE = {1: (2, 3, 9), 2: (2, 3, 7, 6), 3: (2, 3, 5, 4, 3)}  # C = 3: empty slices at 4 ranks
+
+
+def g2(p):
+    return {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}[p]
+
+
+def g3(p):
+    return {1: (1, 1, 1), 2: (2, 1, 1), 3: (1, 3, 1), 4: (2, 1, 2)}[p]
+
+
+def cf_layouts(shape):
+    """(name, input Distribution, filter_axes) of an (N, C, *S) array for this world size."""
+    p = comm.Get_size()
+    nd = len(shape) - 2
+    free = (None,) * nd
+    c_split = [None, empty_cuts(shape[1], p) or None] + [None] * nd
+    h = (0,) + (None,) * (nd - 1)
+    return [
+        ("filter", dt.Distribution(shape, grid((p,)), (None, None) + free), (0,)),
+        ("channel", dt.Distribution(shape, grid((p,)), (None, 0) + free), ()),
+        ("channel, empty blocks",
+         dt.Distribution(shape, grid((p,)), (None, 0) + free, c_split), ()),
+        ("gathered C = F", dt.Distribution(shape, grid((p,)), (None, 0) + free), (0,)),
+        ("channel x filter", dt.Distribution(shape, grid(g2(p)), (None, 0) + free), (1,)),
+        ("C = F + replicas", dt.Distribution(shape, grid(g2(p)), (None, 0) + free), (0,)),
+        ("N x C x F", dt.Distribution(shape, grid(g3(p)), (0, 1) + free), (2,)),
+        ("H x C = F", dt.Distribution(shape, grid(g2(p)), (None, 1) + h), (1,)),
+        ("N x H x C", dt.Distribution(shape, grid(g3(p)), (0, 2) + tuple(
+            1 if i == 0 else None for i in range(nd))), ()),
+    ]
+
+
+def block(p, full):
+    """This rank's shard of a parameter's full value ``full``."""
+    return full if p.dist is None else full[p.dist.local_slices()]
+
+
+def make_conv(nd, filter_axes, seed=0, **kw):
+    conv = CONV[nd](3, 3, 3, stride=2, padding=1, dtype=np.float64, filter_axes=filter_axes,
+                    **kw)
+    rng = np.random.default_rng(seed)
+    conv.weight.data[...] = rng.standard_normal(conv.weight.shape)
+    conv.bias.data[...] = rng.standard_normal(conv.bias.shape)
+    return conv
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_conv_channel_filter_splits_match_reference(nd):
+    shape = SHAPE[nd]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape)
+    check = Checks()
+    for name, dist, fa in cf_layouts(shape):
+        for overlap in (False, True) if name == "N x C x F" else (False,):
+            conv = make_conv(nd, fa, overlap=overlap)
+            w, b = conv.weight.data.copy(), conv.bias.data.copy()
+            want = conv_ref(x, w, b, 2, [(1, 1)] * nd, 1)
+            dy = rng.standard_normal(want.shape)
+            dx_want, dw_want, db_want = conv_ref_backward(x, w, dy, 2, [(1, 1)] * nd, 1)
+            msg = f"{nd}-D {name} {dist} filter_axes={fa} overlap={overlap}"
+            y = conv(dt.DistArray.from_global(x, dist))
+            check.close(y, want, msg)
+            check.true(y.dist.dim_axes[1] == fa, f"{msg}: output split {y.dist}")
+            dx = conv.backward(dt.DistArray.from_global(dy, y.dist))
+            check.true(dx.dist == dist, f"{msg}: dx in {dx.dist}")
+            check.close(dx, dx_want, f"{msg}: dx")
+            check.close(conv.weight.grad, block(conv.weight, dw_want), f"{msg}: dW")
+            check.close(conv.bias.grad, block(conv.bias, db_want), f"{msg}: db")
+            ranks = int(np.prod([dist.grid_shape[a] for a in {*fa, *dist.dim_axes[1]}]))
+            sharded = ranks > 1
+            check.true((conv.weight.dist is not None) == sharded,
+                       f"{msg}: weight split {conv.weight.dist}")
+            check.close(conv.state_dict()["weight"], w, f"{msg}: state_dict weight", 0, 0)
+    check.finish()
+
+
+@pytest.mark.parallel(SIZES)
+def test_conv_weight_shard_sizes_and_gradient_communicators():
+    """channel x filter: each rank holds weight[F_slice, C_slice]; the shards tile the weight."""
+    p = comm.Get_size()
+    conv = make_conv(2, (1,))
+    dist = dt.Distribution(SHAPE[2], grid(g2(p)), (None, 0, None, None))
+    conv(dt.DistArray.from_global(np.ones(SHAPE[2]), dist))
+    wd = conv.weight.dist
+    sizes = comm.allgather(conv.weight.data.size)
+    check = Checks()
+    if p > 1:
+        check.true(wd.dim_axes[:2] == ((1,), (0,)), f"weight split {wd}")
+        check.true(sum(sizes) == 3 * 3 * 9, f"shards {sizes} do not tile the weight")
+    check.finish()
+
+
+@pytest.mark.parallel(SIZES)
+def test_conv_channel_filter_bad_arguments():
+    p = comm.Get_size()
+    shape = SHAPE[2]
+    x = dt.DistArray.from_global(np.ones(shape), dt.Distribution(shape, grid((p,)),
+                                                                 (None, None, 0, None)))
+    with pytest.raises(ValueError, match="also split the input's sample or spatial"):
+        make_conv(2, (0,))(x)
+    with pytest.raises(ValueError, match="outside the 1-axis grid"):
+        make_conv(2, (3,))(x)
+    with pytest.raises(TypeError, match="filter_axes"):
+        make_conv(2, ("a",))
+    xc = dt.DistArray.from_global(np.ones((2, 4, 5, 5)), dt.Distribution(
+        (2, 4, 5, 5), grid(g2(p)), (None, (0, 1), None, None)))
+    with pytest.raises(ValueError, match="overlap in part"):
+        nn.Conv2d(4, 4, 3, dtype=np.float64, filter_axes=(1,))(xc)
+    with pytest.raises(ValueError, match="groups=2 with a split channel"):
+        nn.Conv2d(4, 4, 3, groups=2, dtype=np.float64)(xc)
+
+
+# --------------------------------------------------------------------------- other layers
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("stats", ["global", "group"])
+def test_batchnorm_on_channel_split_input(stats):
+    p = comm.Get_size()
+    shape = (4, 3, 5, 4)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(shape) * 2 + 1
+    gamma, beta = rng.standard_normal(3), rng.standard_normal(3)
+    check = Checks()
+    for name, dist in [
+        ("C", dt.Distribution(shape, grid((p,)), (None, 0, None, None))),
+        ("C empty blocks", dt.Distribution(shape, grid((p,)), (None, 0, None, None),
+                                           [None, empty_cuts(3, p) or None, None, None])),
+        ("N x H x C", dt.Distribution(shape, grid(g3(p)), (0, 2, 1, None))),
+    ]:
+        bn = nn.BatchNorm2d(3, dtype=np.float64, stats=stats)
+        bn.weight.data[...], bn.bias.data[...] = gamma, beta
+        y = bn(dt.DistArray.from_global(x, dist))
+        dy = rng.standard_normal(shape)
+        dx = bn.backward(dt.DistArray.from_global(dy, y.dist))
+        sl = dist.local_slices()
+        # "group": the ranks that hold the same samples normalise over them alone
+        a_, b_ = (0, shape[0]) if stats == "global" else (sl[0].start, sl[0].stop)
+        if b_ == a_:
+            continue
+        y_want, back, mean, uvar = bn_ref(x[a_:b_], gamma, beta, 1e-5)
+        dx_want, dg_want, db_want = back(dy[a_:b_])
+        rows = slice(sl[0].start - a_, sl[0].stop - a_)
+        check.close(y.local, y_want[(rows,) + sl[1:]], f"{stats} {name}: y")
+        check.close(dx.local, dx_want[(rows,) + sl[1:]], f"{stats} {name}: dx")
+        if stats == "global":
+            check.close(bn.weight.grad, dg_want, f"{name}: dgamma")
+            check.close(bn.bias.grad, db_want, f"{name}: dbeta")
+            check.close(bn.running_mean, 0.1 * mean, f"{name}: running mean")
+            check.close(bn.running_var, 0.9 + 0.1 * uvar, f"{name}: running var")
+    check.finish()
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("op", ["max", "avg"])
+def test_pooling_on_channel_split_input(op):
+    p = comm.Get_size()
+    shape = (2, 3, 7, 6)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape)
+    want, dx_of = pool_ref(x, 3, 2, [(1, 1)] * 2, 1, op)
+    dy = rng.standard_normal(want.shape)
+    dx_want = dx_of(dy)
+    cls = nn.MaxPool2d if op == "max" else nn.AvgPool2d
+    check = Checks()
+    for name, dist in [
+        ("C", dt.Distribution(shape, grid((p,)), (None, 0, None, None),
+                              [None, empty_cuts(3, p) or None, None, None])),
+        ("N x C x H", dt.Distribution(shape, grid(g3(p)), (0, 1, 2, None))),
+    ]:
+        pool = cls(3, 2, 1)
+        y = pool(dt.DistArray.from_global(x, dist))
+        check.true(y.dist.dim_axes[1] == dist.dim_axes[1] and
+                   y.dist.boundaries[1] == dist.boundaries[1], f"{name}: output {y.dist}")
+        check.close(y, want, f"{op} {name}: y")
+        check.close(pool.backward(dt.DistArray.from_global(dy, y.dist)), dx_want,
+                    f"{op} {name}: dx")
+        gap = nn.GlobalAvgPool()
+        z = gap(dt.DistArray.from_global(x, dist))
+        check.close(z, x.mean(axis=(2, 3)), f"{name}: global average")
+        dz = rng.standard_normal(z.shape)
+        check.close(gap.backward(dt.DistArray.from_global(dz, z.dist)),
+                    np.broadcast_to(dz[:, :, None, None] / 42, shape), f"{name}: global dx")
+    check.finish()
+
+
+@pytest.mark.parallel(SIZES)
+def test_linear_row_and_column_parallel():
+    """Row-parallel (features split), column-parallel (out_axes), both, and gathered."""
+    p = comm.Get_size()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 3))
+    w, b = rng.standard_normal((3, 3)), rng.standard_normal(3)
+    dy = rng.standard_normal((5, 3))
+    check = Checks()
+    for name, dist, oa in [
+        ("row", dt.Distribution((5, 3), grid((p,)), (None, 0)), ()),
+        ("row, empty blocks", dt.Distribution((5, 3), grid((p,)), (None, 0),
+                                              [None, empty_cuts(3, p) or None]), ()),
+        ("column", dt.Distribution((5, 3), grid((p,)), (None, None)), (0,)),
+        ("gathered", dt.Distribution((5, 3), grid((p,)), (None, 0)), (0,)),
+        ("N x row x column", dt.Distribution((5, 3), grid(g3(p)), (0, 1)), (2,)),
+    ]:
+        lin = nn.Linear(3, 3, dtype=np.float64, out_axes=oa)
+        lin.weight.data[...], lin.bias.data[...] = w, b
+        y = lin(dt.DistArray.from_global(x, dist))
+        check.close(y, x @ w.T + b, f"{name}: y")
+        lin.zero_grad()
+        dx = lin.backward(dt.DistArray.from_global(dy, y.dist))
+        check.true(dx.dist == dist, f"{name}: dx in {dx.dist}")
+        check.close(dx, dy @ w, f"{name}: dx")
+        check.close(lin.weight.grad, block(lin.weight, dy.T @ x), f"{name}: dW")
+        check.close(lin.bias.grad, block(lin.bias, dy.sum(axis=0)), f"{name}: db")
+    check.finish()
+
+
+# --------------------------------------------------------------------------- state across splits
+@pytest.mark.parallel(SIZES)
+def test_state_and_momentum_move_between_splits(tmp_path):
+    """Weights and momentum written under one split load under another (and replicated)."""
+    p = comm.Get_size()
+    shape = SHAPE[2]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(shape)
+    dist_a = dt.Distribution(shape, grid(g2(p)), (None, 0, None, None))  # channel x filter
+    dist_b = dt.Distribution(shape, grid((p,)), (None, None, 0, None))  # H: replicated weights
+
+    def step(conv, opt, dist):
+        y = conv(dt.DistArray.from_global(x, dist))
+        conv.zero_grad()
+        conv.backward(dt.DistArray.from_global(np.ones(y.shape), y.dist))
+        opt.step()
+        return y.to_global()
+
+    serial = make_conv(2, ())
+    sopt = nn.SGD(serial.parameters(), lr=0.01, momentum=0.9)
+    one = dt.Distribution(shape, dt.ProcessGrid((1,), MPI.COMM_SELF), (None,) * 4)
+    ys, ws = [], []
+    for _ in range(3):
+        ys.append(step(serial, sopt, one))
+        ws.append(serial.weight.data.copy())
+    conv = make_conv(2, (1,))
+    opt = nn.SGD(conv.parameters(), lr=0.01, momentum=0.9)
+    ya = [step(conv, opt, dist_a) for _ in range(2)]
+    directory = comm.bcast(str(tmp_path) if comm.Get_rank() == 0 else None)
+    save_checkpoint(directory + "/ck", conv, opt, step=2)
+    check = Checks()
+    for k in range(2):
+        check.close(ya[k], ys[k], f"step {k} under channel x filter", 1e-12, 1e-12)
+    # load under another split: a new layer, first sharded by a forward call
+    other = make_conv(2, (), seed=9)
+    other_opt = nn.SGD(other.parameters(), lr=0.01, momentum=0.9)
+    load_checkpoint(directory + "/ck", other, other_opt)
+    check.close(other.weight.data, ws[1], "weights loaded under H", 1e-12, 1e-12)
+    yb = step(other, other_opt, dist_b)
+    check.close(yb, ys[2], "step 3 under H after loading", 1e-12, 1e-12)
+    check.close(other.weight.data, serial.weight.data, "weights after step 3", 1e-12, 1e-12)
+    # the layer moves back to a channel split: its momentum follows its shards
+    step(other, other_opt, dist_a)
+    step(serial, sopt, one)
+    check.close(other.state_dict()["weight"], serial.weight.data, "after re-splitting",
+                1e-12, 1e-12)
+    check.close(other_opt.state_dict()["state"][0], sopt.state_dict()["state"][0],
+                "momentum after re-splitting", 1e-12, 1e-12)
+    # a full state_dict loads into a sharded layer
+    fresh = make_conv(2, (1,), seed=5)
+    fresh(dt.DistArray.from_global(x, dist_a))
+    fresh.load_state_dict(serial.state_dict())
+    check.close(fresh.weight.data, block(fresh.weight, serial.weight.data), "loaded shard", 0, 0)
+    check.finish()
+
+
+# --------------------------------------------------------------------------- training
+STEPS = 20
+PROFILE = "v100-nvlink-edr"
+TSHAPE = (4, 2, 8, 8)
+
+
+def make_net(g=None, a_f=()):
+    f64 = np.float64
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, dtype=f64, filter_axes=a_f),  # F split
+        nn.BatchNorm2d(4, dtype=f64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, padding=1, dtype=f64, filter_axes=a_f),  # gathered C = F
+        nn.BatchNorm2d(4, dtype=f64), nn.ReLU(),
+        nn.Conv2d(4, 4, 1, dtype=f64),  # channel-parallel: partial sums allreduced
+        nn.GlobalAvgPool(), nn.Linear(4, 3, dtype=f64),
+    )
+    rng = np.random.default_rng(30)
+    for prm in net.parameters():
+        prm.data[...] = rng.standard_normal(prm.shape) * 0.5
+    return net
+
+
+def train(dist, a_f=(), buckets=False, planned=False):
+    net = make_net(a_f=a_f)
+    if planned:  # every layer split over the channels, as the planner applies it
+        p = comm.Get_size()
+        planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
+        apply_plan(net, planner.uniform_plan((1, p, 1, 1)), TSHAPE)
+    opt = nn.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    loss_fn = nn.SoftmaxCrossEntropy()
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal(TSHAPE)
+    labels = np.argmax(x[:, 0, :, :3].mean(axis=(1, 2))[:, None] * [1, -1, 0.5], axis=1)
+    losses = []
+    for _ in range(STEPS):
+        out = net(dt.DistArray.from_global(x, dist))
+        losses.append(loss_fn(out, labels))
+        opt.zero_grad()
+        if buckets:
+            with GradientBuckets(bucket_bytes=256):
+                net.backward(loss_fn.backward())
+        else:
+            net.backward(loss_fn.backward())
+        opt.step()
+    return np.array(losses), net.state_dict()
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("variant", ["N x F", "F, C = F, buckets", "planned C"])
+def test_training_with_channel_filter_splits_matches_one_process(variant):
+    p = comm.Get_size()
+    serial = dt.Distribution(TSHAPE, dt.ProcessGrid((1,), MPI.COMM_SELF), (None,) * 4)
+    want, want_state = train(serial)
+    if variant == "N x F":
+        dist = dt.Distribution(TSHAPE, grid(g2(p)), (0, None, None, None))
+        losses, state = train(dist, a_f=(1,))
+    elif variant == "planned C":
+        dist = dt.Distribution(TSHAPE, grid((p,)), (0, None, None, None))
+        losses, state = train(dist, planned=True)
+    else:
+        dist = dt.Distribution(TSHAPE, grid((p,)), (None,) * 4)
+        losses, state = train(dist, a_f=(0,), buckets=True)
+    check = Checks()
+    check.true(np.ptp(want) > 0.1, f"training changes nothing: {want}")
+    check.close(losses, want, f"{variant}: loss curve", rtol=1e-10, atol=1e-12)
+    for k in want_state:
+        check.close(state[k], want_state[k], f"{variant}: {k}", rtol=1e-9, atol=1e-11)
+    check.finish()
+
+
+# --------------------------------------------------------------------------- planner
+def wide_net():
+    return nn.Sequential(nn.Conv2d(64, 512, 3, padding=1), nn.BatchNorm2d(512), nn.ReLU(),
+                         nn.Conv2d(512, 512, 3, padding=1), nn.BatchNorm2d(512), nn.ReLU(),
+                         nn.GlobalAvgPool(), nn.Linear(512, 10))
+
+
+def test_conv_cost_spec_under_a_channel_split():
+    """Hand-computed: the gather, a quarter of the work and of the weight-gradient bytes."""
+    conv = nn.Conv2d(64, 512, 3, padding=1)
+    dist = dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1), (0, 1, 2, 3))
+    spec = conv.cost_spec(dist)
+    params = 512 * 64 * 9 + 512
+    assert spec.share == 128 / 512
+    assert spec.redistributions == (dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1),
+                                                    (0, None, 2, 3)),)
+    assert len(spec.allreduces) == 1 and spec.allreduces[0].gradient
+    assert spec.allreduces[0].nbytes == params * 4 / 4 and spec.allreduces[0].dims == (0, 2, 3)
+    # the gathered block, one halo (or padding) cell on each side of H and W
+    assert spec.local_shape == (4, 64, 9, 16)
+    assert spec.flops == 2.0 * 4 * 512 * 7 * 14 * 64 * 9  # the twin's (whole F) work
+    assert spec.saved == (4 * 64 * 9 * 16 - 4 * 64 * 7 * 14) * 4 + 4 * 64 * 7 * 14 * 4
+
+
+def test_planner_splits_channels_where_its_model_says_they_pay():
+    net = wide_net()
+    shape = (4, 64, 14, 14)
+    prof = load_profile(PROFILE)
+    plain = Planner(net, shape, CostModel(prof, 16)).plan()
+    cf = Planner(net, shape, CostModel(prof, 16), channels=True).plan()
+    assert cf.time < plain.time
+    assert all(len(e.grid) == 4 for e in cf.entries)
+    assert any(e.grid[1] > 1 for e in cf.entries if e.layer == "Conv2d")
+    assert "grid (N,C,S..)" in cf.table() and "grid (N,S..)" in plain.table()
+    # one rank: nothing to split, the same plan either way
+    one = Planner(net, shape, CostModel(prof, 1), channels=True).plan()
+    assert one.time == pytest.approx(Planner(net, shape, CostModel(prof, 1)).plan().time)
