@@ -232,7 +232,7 @@ class ConvNd(WindowLayer):
         weight gradients. ``filter_axes`` alone (whole input channels) split
         the filters the same way without the gather.
         """
-        a_c = dist.dim_axes[1]
+        a_c = tuple(a for a in dist.dim_axes[1] if dist.grid_shape[a] > 1)  # real splits
         gathered = dist
         if a_c:
             gathered = channel_split_axes(dist, None)
