@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from disttensor.backend import array_namespace
+from disttensor.backend import array_namespace, numpy_dtype
 
 from .numpy_kernels import out_shape  # the same geometry for every backend
 
@@ -88,11 +88,6 @@ def _batch_tiles(n: int, per_sample: int, workspace: int) -> Iterator[tuple[int,
         yield n0, min(n, n0 + nb)
 
 
-def _itemsize(xp: Any, dtype: Any) -> int:
-    info = xp.finfo(dtype) if xp.isdtype(dtype, "real floating") else xp.iinfo(dtype)
-    return info.bits // 8
-
-
 def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
                  dilation: Sequence[int], groups: int = 1,
                  workspace_bytes: int = WORKSPACE_BYTES) -> Any:
@@ -125,7 +120,7 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
         return xp.zeros((n, f) + o, dtype=dtype, device=device)
     x, w = xp.astype(x, dtype, copy=False), xp.astype(w, dtype, copy=False)
     ck = cg * math.prod(kernel)
-    per_sample = ck * math.prod(o) * _itemsize(xp, dtype)
+    per_sample = ck * math.prod(o) * numpy_dtype(dtype).itemsize
     parts = []
     for n0, n1 in _batch_tiles(n, per_sample, workspace_bytes):
         groups_out = []
@@ -166,7 +161,7 @@ def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequ
     if not (need_dx or need_dw):
         return dx, dw, db
     ck = cg * math.prod(kernel)
-    per_sample = ck * math.prod(o) * _itemsize(xp, dtype)
+    per_sample = ck * math.prod(o) * numpy_dtype(dtype).itemsize
     slices = list(_offset_slices(kernel, stride, dilation, o))
     for g in range(groups):
         gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
