@@ -27,7 +27,7 @@ from .layers.segloss import CrossEntropyLoss, DiceLoss
 from .layers.softmax import Softmax
 from .layers.transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, ConvTransposeNd
 from .layers.upsample import Upsample
-from .module import Layer, Layout, Parameter
+from .module import Layer, Layout, Parameter, no_sync
 from .optim import SGD
 from .placement import to_array_module
 
@@ -38,5 +38,5 @@ __all__ = [
     "CrossEntropyLoss", "DiceLoss", "Dropout", "Flatten", "GlobalAvgPool", "GroupNorm",
     "InstanceNorm", "Layer", "Layout", "LeakyReLU", "Linear", "MSELoss", "MaxPool1d",
     "MaxPool2d", "MaxPool3d", "Parameter", "ReLU", "Residual", "SGD", "Sequential", "Sigmoid",
-    "Skip", "Softmax", "SoftmaxCrossEntropy", "Upsample", "to_array_module",
+    "Skip", "Softmax", "SoftmaxCrossEntropy", "Upsample", "no_sync", "to_array_module",
 ]

@@ -33,7 +33,7 @@ from disttensor.transport import allreduce as transport_allreduce
 from .costspec import CostSpec, largest_block
 
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
-           "GradientBuckets", "reduce_gradients_", "split_axes_comm", "check_input",
+           "GradientBuckets", "no_sync", "reduce_gradients_", "split_axes_comm", "check_input",
            "check_grad", "check_int", "full_array", "local_block"]
 
 
@@ -50,7 +50,10 @@ class Parameter:
     of channel- and filter-parallel convolutions shard their weights so, and
     their gradients are summed only over the ranks that hold the same block.
     Gradients accumulate (``+=``) until :meth:`zero_grad`. :meth:`Layer.to`
-    moves both to another array module.
+    moves both to another array module. Under :func:`no_sync` the layers'
+    local gradient parts gather in ``unreduced`` instead (not summed over
+    ranks); the next backward outside it adds them to its own parts before
+    the one reduction.
 
     Parameters
     ----------
@@ -74,6 +77,7 @@ class Parameter:
         self.data = contiguous(data)
         self.grad = array_namespace(self.data).zeros_like(self.data)
         self.dist = dist
+        self.unreduced: Any = None  # this rank's gradient parts kept back by no_sync
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -98,6 +102,9 @@ class Parameter:
         """
         if dist == self.dist:
             return
+        if self.unreduced is not None:
+            raise RuntimeError("Parameter.shard_: gradient parts kept back by no_sync are "
+                               "not reduced yet; run a backward pass outside no_sync first")
         if dist is not None and tuple(dist.global_shape) != self.shape:
             raise ValueError(f"Parameter.shard_: {dist} is not for shape {self.shape}")
         self.data = local_block(self.full(), dist)
@@ -105,8 +112,9 @@ class Parameter:
         self.dist = dist
 
     def zero_grad(self) -> None:
-        """Set the gradient to zero."""
+        """Set the gradient to zero (and drop parts kept back by :func:`no_sync`)."""
         fill(self.grad, 0)
+        self.unreduced = None
 
     def __repr__(self) -> str:
         split = "" if self.dist is None else f", dist={self.dist}"
@@ -202,6 +210,57 @@ DEFAULT_BUCKET_BYTES = 2**20
 """Gradient bytes per bucket of :class:`GradientBuckets` unless given."""
 
 _active_buckets: list[GradientBuckets] = []
+_no_sync_depth = [0]
+
+
+class no_sync:  # noqa: N801 - a context manager named like PyTorch DDP's
+    """Gradient accumulation without reduction: a context in which backward passes
+    keep each parameter's local gradient part on its rank.
+
+    Inside it, :func:`reduce_gradients_` adds the local parts of the weight
+    gradients to ``Parameter.unreduced`` and sends nothing. The first
+    backward pass outside it adds those parts to its own before its (one)
+    reduction, so K micro-batches cost one gradient reduction instead of K,
+    and the sums equal those of K reduced backward passes up to rounding
+    (as ``DistributedDataParallel.no_sync``). Batch-norm statistics are
+    still reduced in every micro-batch: the forward and backward passes
+    need them. An optimiser step while parts are kept back raises
+    (:meth:`disttensor_nn.SGD.step`); :meth:`Parameter.zero_grad` drops them.
+
+    Examples
+    --------
+    >>> for i, (x, y) in enumerate(micro_batches):    # doctest: +SKIP
+    ...     with no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+    ...         model.call_backward(loss_fn.backward(loss_fn(model(x), y)))
+    >>> opt.step()                                     # doctest: +SKIP
+    """
+
+    def __enter__(self) -> no_sync:
+        _no_sync_depth[0] += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _no_sync_depth[0] -= 1
+
+
+def _keep_back(grads: Sequence[tuple[Parameter, Any]]) -> None:
+    """Add the local parts to ``unreduced`` (the :func:`no_sync` path)."""
+    for p, g in grads:
+        if p.unreduced is None:
+            p.unreduced = contiguous(g, copy=True)
+        else:
+            p.unreduced += astype(g, p.unreduced.dtype) if g.dtype != p.unreduced.dtype else g
+
+
+def _with_kept(grads: Sequence[tuple[Parameter, Any]]) -> list[tuple[Parameter, Any]]:
+    """The local parts plus what :func:`no_sync` kept back (which is then released)."""
+    out = []
+    for p, g in grads:
+        if p.unreduced is not None:
+            kept, p.unreduced = p.unreduced, None
+            g = g + (astype(kept, g.dtype) if kept.dtype != g.dtype else kept)
+        out.append((p, g))
+    return out
 
 
 def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
@@ -212,11 +271,17 @@ def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
     parameter is None are skipped. Inside a :class:`GradientBuckets` context the
     sums join its buckets (non-blocking, finished by its ``wait``); otherwise
     one blocking allreduce of all of them. Either way each gradient element is
-    summed over the same ranks: the results are the same.
+    summed over the same ranks: the results are the same. Inside a
+    :func:`no_sync` context nothing is sent: the parts are kept back on the
+    parameters and join the next reduction.
     """
     grads = [(p, g) for p, g in grads if p is not None]
     if not grads:
         return
+    if _no_sync_depth[0]:
+        _keep_back(grads)
+        return
+    grads = _with_kept(grads)
     if _active_buckets:
         _active_buckets[-1].add(grads, comm)
         return
@@ -994,6 +1059,8 @@ class Layer:
         for p in self.parameters():
             p.data = as_module(p.data, xp, device)
             p.grad = as_module(p.grad, xp, device)
+            if p.unreduced is not None:
+                p.unreduced = as_module(p.unreduced, xp, device)
         for layer in self.modules():
             for name, value in layer._buffers.items():
                 if value is not None:

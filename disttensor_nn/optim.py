@@ -52,7 +52,19 @@ class SGD:
         self._dists: list[Any] = [p.dist for p in self.params]  # the buffers' splits
 
     def step(self) -> None:
-        """Update every parameter from its gradient."""
+        """Update every parameter from its gradient.
+
+        Raises
+        ------
+        RuntimeError
+            When gradient parts kept back by :func:`~disttensor_nn.no_sync`
+            have not been reduced by a backward pass outside it (the update
+            would use gradients that differ from rank to rank). Nothing is
+            updated then.
+        """
+        if any(p.unreduced is not None for p in self.params):
+            raise RuntimeError("SGD.step: gradients accumulated under no_sync are not reduced "
+                               "yet; run the last micro-batch's backward outside no_sync")
         for i, p in enumerate(self.params):
             g = p.grad
             if self.weight_decay:

@@ -64,6 +64,22 @@ def test_hybrid_training_matches_one_rank():
     collective_assert(dist["ranks"] == 4 and ref["ranks"] == 1, "rank counts")
 
 
+@pytest.mark.parallel(3)
+def test_accumulated_micro_batches_match_one_rank():
+    """--accumulate: two micro-batches per step, one gradient reduction, the same losses
+    as on one rank (where no reduction happens at all)."""
+    comm = MPI.COMM_WORLD
+    cfg = config(batch=2, accumulate=2, steps=4)
+    dist = train(cfg)
+    ref = comm.bcast(train(cfg, comm=MPI.COMM_SELF) if comm.Get_rank() == 0 else None)
+    a, b = np.array(_history(dist)), np.array(_history(ref))
+    collective_assert(len(a) == 4 and np.allclose(a, b, rtol=2e-5, atol=0),
+                      f"losses differ: {a} vs {b}")
+    collective_assert(a[-1] < a[0], f"no learning: {a}")
+    with pytest.raises(ValueError, match="accumulate"):
+        driver._model_and_data(config(accumulate=0))
+
+
 def _history(summary: dict) -> list[float]:
     return summary["history"]
 
@@ -138,6 +154,7 @@ TRAIN = ["mesh-demo", "--machine", V100, "--no-progress", "--metrics", ""]
     (["--batch", "0"], "--batch: must be > 0"),
     (["--lr", "0"], "--lr: must be > 0"),
     (["--samples", "0"], "--samples: must be > 0"),
+    (["--accumulate", "0"], "--accumulate: must be > 0"),
     (["--checkpoint-every", "-1"], "must be >= 0"),
     (["--size", "256by256"], "positive ints joined by 'x'"),
     (["--size", "0x0"], "entries must be >= 1"),

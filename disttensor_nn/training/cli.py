@@ -289,6 +289,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         help="global mini-batch size")
     parser.add_argument("--steps", type=_positive_int, default=d.steps,
                         help="train until this step (counting the resumed ones)")
+    parser.add_argument("--accumulate", type=_positive_int, default=d.accumulate, metavar="K",
+                        help="micro-batches of --batch samples per step: their gradients "
+                        "are accumulated and reduced over the ranks once per step "
+                        "(default: %(default)s)")
     parser.add_argument("--size", type=_size,
                         help="input spatial size, e.g. 256x256 (default: the model's)")
     parser.add_argument("--lr", type=_positive, help="learning rate (default: the model's)")
@@ -365,7 +369,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       progress=not a.no_progress, data=a.data, data_input=a.data_input,
                       data_target=a.data_target, recalibrate=a.recalibrate,
                       profile_memory=a.profile_memory, recompute=a.recompute,
-                      device=a.device)
+                      device=a.device, accumulate=a.accumulate)
     try:
         train(cfg)
     except SetupError as exc:  # raised on every rank, before training

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -25,7 +26,7 @@ from ..memory import (
     release_free_memory,
     resident_bytes,
 )
-from ..module import GradientBuckets, Layer, Layout, RemovableHandle
+from ..module import GradientBuckets, Layer, Layout, RemovableHandle, no_sync
 from ..optim import SGD
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
@@ -92,6 +93,7 @@ class TrainConfig:
     profile_memory: bool = False  # peak memory by phase and layer, largest allocations
     recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
+    accumulate: int = 1  # micro-batches of `batch` samples per step, one gradient reduction
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -280,6 +282,9 @@ def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm) -> None:
 
 def _model_and_data(cfg: TrainConfig) -> tuple:
     """The model, the batch shape, the model's registry entry and the data set."""
+    if isinstance(cfg.accumulate, bool) or not isinstance(cfg.accumulate, int) or \
+            cfg.accumulate < 1:
+        raise ValueError(f"accumulate must be a positive integer, got {cfg.accumulate!r}")
     spec = model_spec(cfg.model)
     size = cfg.size
     if cfg.data is not None:
@@ -391,25 +396,33 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     times, data_times = [], []
     warmup = [0.0] * len(clocks)
     while step < cfg.steps:
-        t_data = time.perf_counter()
-        try:
-            x, y = next(it)
-        except StopIteration:
-            it = iter(loader)
-            x, y = next(it)
-        dt_data = time.perf_counter() - t_data
         comm.Barrier()
         t0 = time.perf_counter()
+        dt_data, losses = 0.0, []
         opt.zero_grad()
-        with memory.phase("forward"):
-            out = model(x)
-            loss = loss_fn(out, y)
-        with memory.phase("backward"), GradientBuckets():  # gradient sums fused, overlapped
-            model.call_backward(loss_fn.backward())
+        for micro in range(cfg.accumulate):
+            t_data = time.perf_counter()
+            try:
+                x, y = next(it)
+            except StopIteration:
+                it = iter(loader)
+                x, y = next(it)
+            dt_data += time.perf_counter() - t_data
+            with memory.phase("forward"):
+                out = model(x)
+                losses.append(loss_fn(out, y))
+            # the gradient of the mean over the micro-batches; its sums over ranks fused and
+            # overlapped, and sent once, with the last micro-batch's backward
+            last = micro == cfg.accumulate - 1
+            with memory.phase("backward"), GradientBuckets(), \
+                    (contextlib.nullcontext() if last else no_sync()):
+                dy = loss_fn.backward()
+                model.call_backward(dy if cfg.accumulate == 1 else dy * (1 / cfg.accumulate))
+        loss = float(np.mean(losses))
         with memory.phase("optimizer"):
             opt.step()
         synchronize(xp)  # the step's device work, inside its clock
-        clocks_now = np.array([time.perf_counter() - t0, dt_data])
+        clocks_now = np.array([time.perf_counter() - t0 - dt_data, dt_data])
         comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
         dt_step, dt_data = clocks_now.tolist()
         step += 1
@@ -419,7 +432,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         data_times.append(dt_data)
         total = dt_step + dt_data
         history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
-                        "data_s": dt_data, "samples_per_s": cfg.batch / total})
+                        "data_s": dt_data, "samples_per_s": cfg.batch * cfg.accumulate / total})
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", compute_ms=f"{1e3 * dt_step:.0f}",
                             data_ms=f"{1e3 * dt_data:.0f}")
@@ -449,9 +462,11 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         "time_per_iteration_s": float(np.median(np.add(times, data_times))) if times else None,
         "compute_time_per_iteration_s": float(np.median(times)) if times else None,
         "data_time_per_iteration_s": float(np.median(data_times)) if times else None,
-        "samples_per_s": cfg.batch / float(np.median(np.add(times, data_times)))
+        "samples_per_s": cfg.batch * cfg.accumulate /
+        float(np.median(np.add(times, data_times)))
         if times else None,
-        "predicted_time_per_iteration_s": plan.time,
+        # the plan is for one micro-batch, its gradient reduction included: an upper bound
+        "predicted_time_per_iteration_s": cfg.accumulate * plan.time,
         "peak_memory_per_rank_bytes": peak, "predicted_peak_memory_bytes": plan.peak_memory,
         "training_peak_memory_per_rank_bytes": phase_peak("forward", "backward", "optimizer"),
         "planning_peak_memory_per_rank_bytes": phase_peak("calibration", "kernel measurement",
@@ -515,7 +530,9 @@ def _write_metrics(prefix: str | None, history: list[dict], summary: dict) -> No
 
 
 def _print_summary(s: dict) -> None:
-    print(f"\n{s['model']} {tuple(s['batch_shape'])} on {_plural(s['ranks'], 'rank')}: "
+    k = s["config"].get("accumulate", 1)
+    micro = f" x {k} micro-batches" if k > 1 else ""
+    print(f"\n{s['model']} {tuple(s['batch_shape'])}{micro} on {_plural(s['ranks'], 'rank')}: "
           f"{_plural(s['steps'], 'step')}")
     if s["first_loss"] is not None:
         print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
