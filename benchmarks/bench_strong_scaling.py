@@ -13,8 +13,12 @@ machine's calibrated profile, kernels measured in network order in this
 run) and of the uniform plans: sample-parallel ``(2, 1, 1)`` and spatial
 ``(1, 2, 1)``, ``(1, 1, 2)``. It prints each plan's predicted and measured
 time, the speedup over 1 rank, and the planner's plan against the best
-measured; the table and JSON (``benchmarks/results/bench_strong_scaling.json``)
-hold medians and ranges.
+measured. A last row per case, "ceiling", is what two ranks can reach on
+this machine at best: each rank trains one half of the sample (H halved)
+alone, both at once, with no message and no halo, so its speedup over
+1 rank bounds any split of the sample over the two ranks (they share
+the cores' memory bandwidth and caches). The table and JSON
+(``benchmarks/results/bench_strong_scaling.json``) hold medians and ranges.
 """
 
 from __future__ import annotations
@@ -112,8 +116,16 @@ def main() -> None:
                 plans["1 rank"] = one.uniform_plan((1, 1, 1))
                 timer.save()
             plans = comm.bcast(plans, root=0)
+            # the ceiling: each rank alone on half the sample, both at once (no messages)
+            half_model, half_shape = MODELS[name]((size[0] // 2,) + size[1:], batch)
+            half_plan = Planner(half_model, half_shape,
+                                CostModel(profile, 1)).uniform_plan((1,) * len(half_shape[1:]))
             samples: dict[str, list[list[float]]] = {k: [] for k in plans}
+            samples["ceiling"] = []
             for _ in range(args.rounds):
+                comm.Barrier()
+                mine = step_times(half_model, half_shape, half_plan, MPI.COMM_SELF, args.iters)
+                samples["ceiling"].append(list(np.max(comm.allgather(mine), axis=0)))
                 for key, plan in plans.items():
                     if key == "1 rank":  # rank 0 alone; rank 1 sleeps meanwhile
                         if comm.rank == 0:
@@ -126,10 +138,19 @@ def main() -> None:
             # each plan's faster round (the first measured pays for cold caches)
             best = {k: min(v, key=statistics.median) for k, v in samples.items()}
             base = statistics.median(best["1 rank"])
-            measured2 = {k: statistics.median(v) for k, v in best.items() if k != "1 rank"}
+            measured2 = {k: statistics.median(v) for k, v in best.items()
+                         if k not in ("1 rank", "ceiling")}
             top = min(measured2, key=measured2.get)
             for key, times in best.items():
                 m = statistics.median(times)
+                if key == "ceiling":
+                    rows.append({"model": name, "batch": batch, "plan": key,
+                                 "grids": "each rank: half the sample alone",
+                                 "predicted_ms": float("nan"), "measured_ms": 1e3 * m,
+                                 "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times),
+                                 "error_%": float("nan"), "speedup_vs_1_rank": base / m,
+                                 "vs_best_2_rank": m / measured2[top]})
+                    continue
                 rows.append({
                     "model": name, "batch": batch, "plan": key,
                     "grids": " ".join(sorted({str(e.grid) for e in plans[key].entries})),
