@@ -183,8 +183,10 @@ def test_cli_prints_and_writes_plan(tmp_path, capsys):
 
 
 @pytest.mark.parallel([1, 2, 3, 4])
-def test_applied_plan_trains_like_one_rank():
-    """A plan (mixed distributions) applied to a model gives the 1-rank forward and gradients."""
+@pytest.mark.parametrize("inner", ["space", "sample"])
+def test_applied_plan_trains_like_one_rank(inner):
+    """A plan (mixed distributions) applied to a model gives the 1-rank forward and gradients,
+    with the grids laid on the ranks either way (spatial or sample splits inside a node)."""
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
 
@@ -196,13 +198,22 @@ def test_applied_plan_trains_like_one_rank():
 
     shape = (4, 3, 12, 10)
     m = model()
-    planner = Planner(m, shape, CostModel(profile(), p))
+    cost = CostModel(profile(), p)
+    cost.inner = inner
+    planner = Planner(m, shape, cost)
     # alternate distributions layer by layer to exercise the shuffles
     nodes = planner.nodes
     assign = {id(node): i % len(planner.cands) for i, node in enumerate(nodes)}
     t, mem = planner.assignment_cost(assign)
     plan = planner._make_plan(assign, t, mem, [])
+    assert plan.inner == inner
+    plan = Plan.from_json(plan.to_json())
     apply_plan(m, plan, shape)
+    for node, entry in zip(nodes, plan.entries):  # the sample split's grid axis is the last
+        dist = node.layer.layout.distribution(node.in_shape)
+        assert dist.nblocks[0] == entry.grid[0]
+        if inner == "sample" and len(entry.grid) > 1:
+            assert dist.dim_axes[0] == (len(entry.grid) - 1,), (entry.grid, dist)
     rng = np.random.default_rng(0)
     a = rng.standard_normal(shape)
     labels = np.array([0, 2, 1, 2])

@@ -149,6 +149,71 @@ def test_halo_and_allreduce_priced_by_where_ranks_live():
                                    p.allreduce(params * 4, 8, local=4))
 
 
+def test_sample_inner_placement_moves_the_sample_split_into_the_nodes():
+    """Grid (N, H, W) = (4, 2, 1) over 8 ranks, 4 per node: laid out with the sample axis
+    last, the 4 ranks splitting N share a node and the H neighbours are on other nodes;
+    the blocks are the same as in the spatial placement."""
+    shape = (8, 4, 16, 8)
+    space, sample = dist_for(shape, (4, 2, 1)), dist_for(shape, (4, 2, 1), "sample")
+    assert space.grid_shape == (4, 2, 1) and sample.grid_shape == (2, 1, 4)
+    assert sample.nblocks == space.nblocks
+    n_axes, h_axes = sample.dim_axes[0], sample.dim_axes[2]
+    assert ranks_per_node_of(sample, n_axes, 4) == (4, 4)
+    assert ranks_per_node_of(sample, h_axes, 4) == (2, 1)
+    assert ranks_per_node_of(space, space.dim_axes[0], 4) == (4, 2)
+    assert ranks_per_node_of(space, space.dim_axes[2], 4) == (2, 2)
+    with pytest.raises(ValueError, match="inner"):
+        dist_for(shape, (4, 2, 1), "channels")
+    p = two_level()
+    cm = CostModel(p, 8, overlap=False)
+    cm.inner = "sample"
+    conv = nn.Conv2d(4, 4, 3, padding=1)
+    face = 2 * 4 * 8 * 4  # the (N, C, W) face of a (2, 4, 8, 8) block, width 1
+    params = 4 * 4 * 9 + 4
+    c = cm.layer(conv, shape, (4, 2, 1))  # the H neighbours now cross nodes
+    assert c.comm == pytest.approx(2 * p.p2p(face, inter=True) +
+                                   p.allreduce(params * 4, 8, local=4))
+    # Linear on (N, F) split by N alone (the spatial axes hold replicas): its weight
+    # gradient is summed over the 4 ranks of N, inside one node under "sample"
+    lin = nn.Linear(64, 32)
+    lp = (64 * 32 + 32) * 8  # summed in float64
+    assert cm.layer(lin, (8, 64), (4, 2, 1)).comm == pytest.approx(p.allreduce(lp, 4, local=4))
+    cm.inner = "space"
+    assert cm.layer(lin, (8, 64), (4, 2, 1)).comm == pytest.approx(p.allreduce(lp, 4, local=2))
+
+
+def test_planner_keeps_the_faster_placement_on_several_nodes():
+    """On one node there is nothing to choose. On two nodes whose link is 10x slower than
+    the node's, with every layer split (4, 2, 1): a network whose cost is the weight
+    gradient of a large Linear (summed over the 4 ranks of N) runs faster with the
+    sample split inside a node, one whose cost is the halo of wide images with the H
+    split inside; the plan is the faster of the two and says which."""
+    def slow_link() -> MachineProfile:
+        return profile(ranks_per_node=4, inter_alpha=7e-6, inter_beta=2e-8, nic_share=2)
+
+    wide = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.GlobalAvgPool(),
+                         nn.Linear(8, 2048), nn.ReLU(), nn.Linear(2048, 2048))
+    halo = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1))
+    one = Planner(halo, (8, 4, 32, 32), CostModel(profile(ranks_per_node=8), 8))
+    assert one.placements() == ("space",)
+    for model, shape, winner in ((wide, (8, 4, 32, 32), "sample"),
+                                 (halo, (8, 4, 256, 256), "space")):
+        times = {}
+        for inner in ("space", "sample"):
+            cm = CostModel(slow_link(), 8)
+            cm.inner = inner
+            times[inner] = Planner(model, shape, cm, allowed=[(4, 2, 1)])._plan_placed().time
+        assert min(times, key=times.get) == winner, times
+        assert times[winner] < 0.99 * max(times.values()), times
+        planner = Planner(model, shape, CostModel(slow_link(), 8), allowed=[(4, 2, 1)])
+        assert planner.placements() == ("space", "sample")
+        plan = planner.plan()
+        assert plan.inner == winner and plan.time == pytest.approx(times[winner])
+        assert planner.cost.inner == "space"  # left as it was
+        assert ("sample split stays inside a node" in plan.table()) == (winner == "sample")
+
+
 def test_old_profile_json_loads_with_one_level(tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps({**ONE_LEVEL, "cores_per_node": 2, "measured": True}))

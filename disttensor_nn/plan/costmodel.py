@@ -19,7 +19,9 @@ redistributions. Nothing here depends on the layer's class.
 
 Messages are priced by where their ranks live (:class:`MachineProfile`'s
 two levels): ranks fill nodes in order and a grid is laid over them
-row-major, so its last axes stay inside a node. :func:`step_time` turns
+row-major, so its last axes stay inside a node: the spatial splits, or
+with ``CostModel.inner = "sample"`` the sample split (see :func:`dist_for`;
+the planner tries both on machines of several nodes). :func:`step_time` turns
 the per-layer costs of a plan into the time of one training step when
 gradient reductions overlap backward.
 """
@@ -40,8 +42,8 @@ from ..module import Layer
 from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
 
-__all__ = ["candidates", "dist_for", "LayerCost", "CostModel", "StepTime", "step_time",
-           "ranks_per_node_of"]
+__all__ = ["candidates", "dist_for", "NODE_INNER", "LayerCost", "CostModel", "StepTime",
+           "step_time", "ranks_per_node_of"]
 
 Candidate = tuple[int, ...]
 
@@ -51,8 +53,24 @@ def candidates(nprocs: int, nspatial: int, channels: bool = False) -> list[Candi
     return factorizations(nprocs, nspatial + 1 + bool(channels))
 
 
-def dist_for(shape: tuple[int, ...], cand: Candidate) -> Distribution:
-    """Pure Distribution of an activation of ``shape`` under ``cand`` (grid shape only)."""
+NODE_INNER = ("space", "sample")
+"""Which grid axes a plan keeps inside a node (see :func:`dist_for`)."""
+
+
+def dist_for(shape: tuple[int, ...], cand: Candidate, inner: str = "space") -> Distribution:
+    """Pure Distribution of an activation of ``shape`` under ``cand`` (grid shape only).
+
+    Ranks fill nodes in order and the grid is row-major over them, so its
+    last axes stay inside a node. ``inner="space"`` lays the grid out in the
+    candidate's order, ``(pN, [pC,] pS1, ..., pSk)``: the spatial splits stay
+    inside a node (halo exchanges on the fast links) and the sample split
+    spans nodes. ``inner="sample"`` moves the sample axis last,
+    ``([pC,] pS1, ..., pSk, pN)``: the ranks that split the batch share a
+    node (gradient reductions over them on the fast links first) and the
+    spatial splits span nodes.
+    """
+    if inner not in NODE_INNER:
+        raise ValueError(f"inner must be one of {NODE_INNER}, got {inner!r}")
     nsp = len(cand) - 1
     if len(shape) == 2:
         axes = (0, None)
@@ -62,7 +80,12 @@ def dist_for(shape: tuple[int, ...], cand: Candidate) -> Distribution:
         axes = tuple(range(len(shape)))
     else:
         raise ValueError(f"activation {shape} does not fit candidate {cand}")
-    return Distribution(shape, cand, axes)
+    grid = tuple(cand)
+    if inner == "sample" and len(cand) > 1:  # grid axis 0 (the sample split) moves last
+        last = len(cand) - 1
+        grid = grid[1:] + grid[:1]
+        axes = tuple(None if a is None else last if a == 0 else a - 1 for a in axes)
+    return Distribution(shape, grid, axes)
 
 
 @dataclass
@@ -200,6 +223,7 @@ class CostModel:
         if overlap is None:
             overlap = not (profile.measured and profile.device == "cpu")
         self.overlap, self.bucket_bytes = overlap, bucket_bytes
+        self.inner = "space"  # the grid axes inside a node (dist_for); the planner sets it
         # Ranks sharing a node's cores slow each other's kernels down. Kernel times
         # measured on all ranks at once include that; others are scaled by the
         # oversubscription of the cores.
@@ -229,13 +253,15 @@ class CostModel:
         this prices it on the machine profile, with kernel times from the
         timer where there is one.
         """
-        dist = dist_for(in_shape, cand)
+        dist = dist_for(in_shape, cand, self.inner)
         spec = layer.cost_spec(dist, self.itemsize)
         _check_spec(layer, spec, dist)
         out_shape = tuple(layer.output_shape(tuple(in_shape)))
         in_bytes = math.prod(largest_block(dist)) * self.itemsize
-        out_bytes = math.prod(largest_block(dist_for(out_shape, cand))) * self.itemsize \
-            if len(out_shape) in (2, len(cand), len(cand) + 1) else in_bytes
+        out_bytes = in_bytes
+        if len(out_shape) in (2, len(cand), len(cand) + 1):
+            out_bytes = math.prod(largest_block(dist_for(out_shape, cand, self.inner))) * \
+                self.itemsize
         training = self.training
         cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),
                          transient=spec.transient(in_bytes, out_bytes, training),
@@ -288,7 +314,7 @@ class CostModel:
     # ------------------------------------------------------------ shuffles
     def shuffle(self, shape: tuple[int, ...], src: Distribution, dst: Candidate) -> float:
         """Time to redistribute an activation laid out as ``src`` to candidate ``dst``."""
-        return self.redistribution(src, dist_for(shape, dst))
+        return self.redistribution(src, dist_for(shape, dst, self.inner))
 
     def redistribution(self, src: Distribution, dst: Distribution) -> float:
         """Time to redistribute an activation from ``src`` to ``dst`` (pure distributions).

@@ -150,8 +150,9 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         iteration, None when nothing fits, with the reason in ``note``),
         ``compute_ms``, ``exposed_ms`` and ``hidden_ms`` (its kernels, the
         communication on its critical path, and the communication overlapped
-        with kernels), ``peak_MiB``, ``grids`` (the candidates the plan uses)
-        and ``sample_parallel_ms`` (the plan that splits only the samples,
+        with kernels), ``peak_MiB``, ``grids`` (the candidates the plan uses),
+        ``inner`` (the grid axes it keeps inside a node: ``"space"`` or
+        ``"sample"``, see ``Plan.inner``) and ``sample_parallel_ms`` (the plan that splits only the samples,
         None when the batch cannot be split so) with ``sample_parallel_split``
         (its compute, exposed and hidden ms).
     """
@@ -169,7 +170,7 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         rows.append({"ranks": p, "time_ms": 1e3 * plan.time, "compute_ms": 1e3 * plan.compute,
                      "exposed_ms": 1e3 * plan.exposed_comm, "hidden_ms": 1e3 * plan.hidden_comm,
                      "peak_MiB": plan.peak_memory / 2**20,
-                     "grids": [list(g) for g in grids],
+                     "grids": [list(g) for g in grids], "inner": plan.inner,
                      "sample_parallel_ms": 1e3 * uniform.time if uniform else None,
                      "sample_parallel_split": [1e3 * uniform.compute, 1e3 * uniform.exposed_comm,
                                                1e3 * uniform.hidden_comm] if uniform else None})

@@ -39,7 +39,16 @@ from disttensor import ProcessGrid
 from ..container import Residual, Sequential
 from ..costspec import largest_block
 from ..module import Layer, Layout
-from .costmodel import Candidate, CostModel, LayerCost, StepTime, candidates, dist_for, step_time
+from .costmodel import (
+    NODE_INNER,
+    Candidate,
+    CostModel,
+    LayerCost,
+    StepTime,
+    candidates,
+    dist_for,
+    step_time,
+)
 from .timer import KernelTimer, QueryRecorder
 
 __all__ = ["Node", "Block", "trace", "leaf_nodes", "Planner", "Plan", "PlanEntry",
@@ -146,6 +155,7 @@ class Plan:
     exposed_comm: float = 0.0  # of time: communication on the critical path
     hidden_comm: float = 0.0  # communication overlapped with kernels (not in time)
     training: bool = True  # a training step (False: an inference pass, nothing kept)
+    inner: str = "space"  # grid axes inside a node: the spatial splits, or "sample" (dist_for)
 
     def table(self) -> str:
         """The plan as a readable text table."""
@@ -183,6 +193,9 @@ class Plan:
             lines.append(f"R recomputed in backward from its segment's input "
                          f"({len({e.recompute for e in self.entries} - {-1})} segments): "
                          "memory kept only at each segment's start, forward run twice")
+        if self.inner != "space":
+            lines.append("ranks placed so that the sample split stays inside a node and the "
+                         "spatial splits span nodes (grids laid out (C.., S.., N))")
         lines += self.notes
         return "\n".join(lines)
 
@@ -244,9 +257,12 @@ class Planner:
         out = self.nodes[-1].out_shape if self.nodes else self.batch_shape
         self.base_memory = self.baseline + cost.params_memory(model) + \
             (2 if cost.training else 1) * math.prod(out) * cost.itemsize / cost.nprocs
+        # costs under each placement of the grid on the nodes (CostModel.inner)
+        self._caches: dict[str, tuple[dict, dict]] = {}
         self._layer_cost: dict[tuple[int, int], LayerCost] = {}
-        self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
+        self._place(cost.inner)
+        self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._weight = 1.0  # share of gradient reductions the DP charges
 
     # ------------------------------------------------------------ tables
@@ -277,8 +293,8 @@ class Planner:
             m = np.zeros((n, n))
             for i, j in itertools.product(range(n), range(n)):
                 if i != j:
-                    m[i, j] = self.cost.shuffle(shape, dist_for(shape, self.cands[i]),
-                                                self.cands[j])
+                    m[i, j] = self.cost.shuffle(
+                        shape, dist_for(shape, self.cands[i], self.cost.inner), self.cands[j])
             self._shuffle[shape] = m
         return self._shuffle[shape]
 
@@ -496,7 +512,8 @@ class Planner:
                     prev[0] = None
                     start = current if current is not None else assign[id(leaf_nodes([it])[0])]
                     held_in = 0.0 if self.cost.training else self.cost.itemsize * math.prod(
-                        largest_block(dist_for(it.in_shape, self.cands[start])))
+                        largest_block(dist_for(it.in_shape, self.cands[start],
+                                               self.cost.inner)))
                     pending[0] += held_in
                     out = walk(it.branch, start)
                     prev[0] = None
@@ -572,17 +589,52 @@ class Planner:
         walk(self.items)
         return out
 
+    def _place(self, inner: str) -> None:
+        """Price layers and shuffles with the grids laid on the nodes as ``inner`` says."""
+        self.cost.inner = inner
+        self._layer_cost, self._shuffle = self._caches.setdefault(inner, ({}, {}))
+
+    def placements(self) -> tuple[str, ...]:
+        """The placements the planner compares: both when the ranks span several nodes."""
+        node = self.cost.profile.node_size
+        return NODE_INNER if 1 < node < self.cost.nprocs else (self.cost.inner,)
+
     def plan(self) -> Plan:
         """The cheapest plan that fits the memory budget.
 
         With overlapped gradient reductions, the fastest on the critical path
-        of the plans solved for each of :data:`GRADIENT_WEIGHTS`.
+        of the plans solved for each of :data:`GRADIENT_WEIGHTS`. When the
+        ranks span several nodes, the fastest of the plans solved for each
+        placement of the grids on the nodes (:meth:`placements`: spatial
+        splits inside a node, or the sample split; ``Plan.inner``).
 
         Raises
         ------
         ValueError
             When no assignment fits the budget (with the smallest peak found).
         """
+        start = self.cost.inner
+        best: Plan | None = None
+        error: ValueError | None = None
+        try:
+            for inner in self.placements():
+                self._place(inner)
+                try:
+                    found = self._plan_placed()
+                except ValueError as exc:
+                    error = error or exc
+                    continue
+                if best is None or found.time < best.time:
+                    best = found
+        finally:
+            self._place(start)
+        if best is None:
+            assert error is not None
+            raise error
+        return best
+
+    def _plan_placed(self) -> Plan:
+        """:meth:`plan` for the current placement."""
         if self.recompute != "auto" or not self.cost.training:
             return self._plan()
         try:
@@ -676,7 +728,7 @@ class Planner:
         step = self.assignment_step(assign)
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
                     self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden,
-                    self.cost.training)
+                    self.cost.training, self.cost.inner)
 
     def uniform_plan(self, cand: Candidate) -> Plan:
         """Every layer in the same distribution (for comparisons)."""
@@ -706,10 +758,10 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
     grids: dict[tuple[int, ...], ProcessGrid] = {}
     for node, entry in zip(nodes, plan.entries):
         g = tuple(entry.grid)
-        if g not in grids:
-            grids[g] = ProcessGrid(g, comm)
+        dist = dist_for(tuple(node.in_shape), g, plan.inner)
+        if dist.grid_shape not in grids:
+            grids[dist.grid_shape] = ProcessGrid(dist.grid_shape, comm)
         ndim = len(node.in_shape)
-        axes = dist_for(tuple(node.in_shape), g).axes
-        node.layer.layout = Layout(grids[g], axes)
+        node.layer.layout = Layout(grids[dist.grid_shape], dist.axes)
         if hasattr(node.layer, "filter_axes") and ndim > 2:
-            node.layer.filter_axes = (1,) if len(g) == ndim else ()
+            node.layer.filter_axes = dist.dim_axes[1] if len(g) == ndim else ()

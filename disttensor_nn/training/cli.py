@@ -252,7 +252,8 @@ def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> in
         spx = f"{r['sample_parallel_split'][1]:.2f}" if r["sample_parallel_split"] else "-"
         print(f"{r['ranks']:>6} {r['time_ms']:9.2f} {first / r['time_ms']:8.2f} "
               f"{r['compute_ms']:9.2f} {r['exposed_ms']:9.2f} {r['hidden_ms']:9.2f} {sp:>11} "
-              f"{spx:>11} {r['peak_MiB']:9.1f}  {r['grids']}")
+              f"{spx:>11} {r['peak_MiB']:9.1f}  {r['grids']}"
+              + (" (sample split inside the nodes)" if r["inner"] == "sample" else ""))
     print("ms per iteration: compute + exposed communication = the step; hidden communication "
           "runs under compute; s-p: the sample-parallel plan")
     if args.json:
