@@ -36,6 +36,10 @@ class Allreduce:
         layer's input (the communicator
         :func:`~disttensor_nn.module.split_axes_comm` gives for them); ranks
         holding replicas take no part.
+    axes : tuple of int
+        Grid axes of the input's grid that take part too though they split
+        none of the input's dimensions (the replicas over which a
+        filter-parallel layer sums its partial input gradients).
     gradient : bool
         It sums parameter gradients, which nothing needs before the
         optimizer step: the runtime reduces them in buckets while backward
@@ -46,6 +50,7 @@ class Allreduce:
     nbytes: float
     dims: tuple[int, ...]
     gradient: bool = False
+    axes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ filter splits reproduces the one-process loss curve.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -330,12 +333,39 @@ def make_net(g=None, a_f=()):
     return net
 
 
+#: Per layer of make_net: the input's channels split (S) or whole (R) over the channel axis,
+#: and for a convolution the output's after it: filter-parallel (RS), channel-parallel (SR),
+#: replicated (RR) and, in the second, filter-parallel on the gathered input (SS).
+MODE_PLANS = {"modes": ["RS", "S", "S", "S", "SR", "R", "R", "RS", "S", "S"],
+              "modes 2": ["RR", "R", "R", "R", "RS", "S", "S", "SS", "S", "S"]}
+
+
+def mode_plan(net, p, modes):
+    """A plan of ``net`` on grid (1, p, 1, 1) with the convolutions in the given modes."""
+    planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
+    if p == 1:
+        return planner.uniform_plan((1, 1, 1, 1))
+    state = {"S": planner.states.index(((1, p, 1, 1), True)),
+             "R": planner.states.index(((1, p, 1, 1), False))}
+    assign = {}
+    for node, m in zip(planner.nodes, modes):
+        io = [state[ch] for ch in m]
+        assign[id(node)] = io[0] if len(io) == 1 else tuple(io)
+    return planner.assignment_plan(assign)
+
+
 def train(dist, a_f=(), buckets=False, planned=False):
     net = make_net(a_f=a_f)
-    if planned:  # every layer split over the channels, as the planner applies it
+    if planned:  # as the planner applies it
         p = comm.Get_size()
-        planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
-        apply_plan(net, planner.uniform_plan((1, p, 1, 1)), TSHAPE)
+        if planned is True:  # every layer split over the channels
+            planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
+            apply_plan(net, planner.uniform_plan((1, p, 1, 1)), TSHAPE)
+        else:
+            plan = mode_plan(net, p, MODE_PLANS[planned])
+            want = ["gathered", "channel", "filter", "replicated"] if p > 1 else [""]
+            assert {e.mode for e in plan.entries if e.layer == "Conv2d"} <= set(want)
+            apply_plan(net, plan, TSHAPE)
     opt = nn.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     loss_fn = nn.SoftmaxCrossEntropy()
     rng = np.random.default_rng(31)
@@ -352,11 +382,17 @@ def train(dist, a_f=(), buckets=False, planned=False):
         else:
             net.backward(loss_fn.backward())
         opt.step()
+    if isinstance(planned, str) and comm.Get_size() > 1:  # the split modes held shards
+        convs = [m for m in net if isinstance(m, nn.Conv2d)]
+        modes = [m for m in MODE_PLANS[planned] if len(m) == 2]
+        for conv, m in zip(convs, modes):
+            assert (conv.weight.dist is None) == (m == "RR"), (planned, m)
     return np.array(losses), net.state_dict()
 
 
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("variant", ["N x F", "F, C = F, buckets", "planned C"])
+@pytest.mark.parametrize("variant", ["N x F", "F, C = F, buckets", "planned C", "modes",
+                                     "modes 2"])
 def test_training_with_channel_filter_splits_matches_one_process(variant):
     p = comm.Get_size()
     serial = dt.Distribution(TSHAPE, dt.ProcessGrid((1,), MPI.COMM_SELF), (None,) * 4)
@@ -367,6 +403,9 @@ def test_training_with_channel_filter_splits_matches_one_process(variant):
     elif variant == "planned C":
         dist = dt.Distribution(TSHAPE, grid((p,)), (0, None, None, None))
         losses, state = train(dist, planned=True)
+    elif variant.startswith("modes"):  # planned filter-, channel-parallel, replicated convs
+        dist = dt.Distribution(TSHAPE, grid((p,)), (None,) * 4)
+        losses, state = train(dist, planned=variant)
     else:
         dist = dt.Distribution(TSHAPE, grid((p,)), (None,) * 4)
         losses, state = train(dist, a_f=(0,), buckets=True)
@@ -387,7 +426,7 @@ def wide_net():
 
 def test_conv_cost_spec_under_a_channel_split():
     """Hand-computed: the gather, a quarter of the work and of the weight-gradient bytes."""
-    conv = nn.Conv2d(64, 512, 3, padding=1)
+    conv = nn.Conv2d(64, 512, 3, padding=1, filter_axes=(1,))
     dist = dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1), (0, 1, 2, 3))
     spec = conv.cost_spec(dist)
     params = 512 * 64 * 9 + 512
@@ -415,3 +454,108 @@ def test_planner_splits_channels_where_its_model_says_they_pay():
     # one rank: nothing to split, the same plan either way
     one = Planner(net, shape, CostModel(prof, 1), channels=True).plan()
     assert one.time == pytest.approx(Planner(net, shape, CostModel(prof, 1)).plan().time)
+
+
+def test_conv_cost_spec_of_each_mode():
+    """Hand-computed shares, sums and kept bytes of channel-, filter-parallel and replicated."""
+    params = 512 * 64 * 9 + 512
+    grid_shape = (1, 4, 2, 1)
+    split = dt.Distribution((4, 64, 14, 14), grid_shape, (0, 1, 2, 3))
+    whole = dt.Distribution((4, 64, 14, 14), grid_shape, (0, None, 2, 3))
+    # channel-parallel: a quarter of the input channels, every filter; the output summed
+    spec = nn.Conv2d(64, 512, 3, padding=1).cost_spec(split)
+    assert spec.share == 16 / 64 and spec.redistributions == ()
+    assert spec.local_shape == (4, 64, 9, 16)  # timed on the whole-channel twin
+    grad, out = spec.allreduces
+    assert grad.gradient and grad.nbytes == params * 4 / 4 and grad.dims == (0, 2, 3)
+    assert not out.gradient and out.dims == (1,) and out.nbytes == 4 * 512 * 7 * 14 * 4
+    assert spec.saved == (4 * 16 * 9 * 16 - 4 * 16 * 7 * 14) * 4  # halo growth of 16 channels
+    # filter-parallel on whole channels: a quarter of the filters; the input gradient summed
+    spec = nn.Conv2d(64, 512, 3, padding=1, filter_axes=(1,)).cost_spec(whole)
+    assert spec.share == 128 / 512 and spec.redistributions == ()
+    grad, dx = spec.allreduces  # dims: the channels are whole, dimension 1 splits nothing
+    assert grad.nbytes == params * 4 / 4 and grad.dims == (0, 1, 2, 3)
+    assert not dx.gradient and dx.dims == () and dx.axes == (1,)
+    assert dx.nbytes == 4 * 64 * 7 * 14 * 4
+    assert spec.saved == (4 * 64 * 9 * 16 - 4 * 64 * 7 * 14) * 4
+    # replicated: the whole layer on each of the 4 replicas
+    spec = nn.Conv2d(64, 512, 3, padding=1).cost_spec(whole)
+    assert spec.share == 1 and len(spec.allreduces) == 1
+    assert spec.allreduces[0].nbytes == params * 4
+    # uneven: 6 input channels over 4 ranks, the largest slice holds 2
+    spec = nn.Conv2d(6, 8, 1).cost_spec(dt.Distribution((2, 6, 4, 4), (1, 4, 1, 1),
+                                                        (0, 1, 2, 3)))
+    assert spec.share == 2 / 6
+
+
+def test_cost_model_prices_each_mode_by_hand():
+    """The LayerCost of a 1x1 convolution (no halo) in every mode, from the profile's formulas."""
+    prof = load_profile(PROFILE)
+    cm = CostModel(prof, 8, overlap=False)  # two nodes of 4: C inside one, N across both
+    assert prof.node_size == 4
+    conv = nn.Conv2d(64, 32, 1)
+    shape, cand = (4, 64, 14, 14), (2, 4, 1, 1)
+    params = (32 * 64 + 32) * 4
+    block_in, block_out = 2 * 64 * 14 * 14 * 4, 2 * 32 * 14 * 14 * 4
+    flops, nbytes = 2.0 * 2 * 32 * 14 * 14 * 64, (2 * 64 + 2 * 32) * 14 * 14 * 4
+
+    def price(filter_axes, split, split_out):
+        conv.filter_axes = filter_axes
+        return cm.layer(conv, shape, cand, split, split_out)
+
+    def kernels(c, share):
+        t = prof.kernel_time(flops * share, nbytes * share)
+        assert c.fwd == pytest.approx(t) and c.bwd == pytest.approx(2 * t)
+
+    # gathered: the allgather along C forward (3 peers send 3/4 of the block), its adjoint back
+    c = price((1,), True, True)
+    gather = prof.alltoall(block_in * 3 / 4, 3, inter=True)
+    assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) + 2 * gather)
+    kernels(c, 1 / 4)
+    # channel-parallel: the whole output block summed over the 4 channel ranks
+    c = price((), True, False)
+    assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) +
+                                   prof.allreduce(block_out, 4, 4))
+    kernels(c, 1 / 4)
+    # filter-parallel: the whole input gradient summed over the 4 filter ranks
+    c = price((1,), False, True)
+    assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) +
+                                   prof.allreduce(block_in, 4, 4))
+    kernels(c, 1 / 4)
+    # replicated: the whole weight gradient over the 2 sample ranks only
+    c = price((), False, False)
+    assert c.comm == pytest.approx(prof.allreduce(params, 2, 1))
+    kernels(c, 1)
+
+
+def test_planner_dp_equals_brute_force_over_modes():
+    """Every layer's state and every convolution's mode enumerated: the DP finds the minimum."""
+    net = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64),
+                        nn.Conv2d(64, 8, 1))
+    shape = (2, 16, 8, 8)
+    prof = load_profile(PROFILE)
+    for p, allowed, slower in [(2, None, 1.0), (2, None, 100.0),
+                               (4, [(4, 1, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2)], 1.0)]:
+        # slower kernels make splitting the work pay
+        slow = dataclasses.replace(prof, peak_flops=prof.peak_flops / slower)
+        planner = Planner(net, shape, CostModel(slow, p, overlap=False), allowed=allowed,
+                          channels=True)
+        n = len(planner.states)
+        options = []
+        for node in planner.nodes:
+            if planner.modal(node):
+                options.append([(c, o) for c in range(n) for o in range(n)
+                                if planner.states[c][0] == planner.states[o][0]])
+            else:
+                options.append(list(range(n)))
+        best, best_assign = np.inf, None
+        for a in itertools.product(*options):
+            t = planner.assignment_cost({id(node): v for node, v in zip(planner.nodes, a)})[0]
+            if t < best:
+                best, best_assign = t, a
+        plan = planner.plan()
+        assert plan.time == pytest.approx(best, rel=1e-9), (p, slower, best_assign)
+        if slower > 1:  # here the model says: gathered filter-parallel, then channel-parallel
+            assert [e.mode for e in plan.entries if e.layer == "Conv2d"][:2] == \
+                ["gathered", "channel"], plan.table()

@@ -221,44 +221,59 @@ class ConvNd(WindowLayer):
         The workspace is the larger of forward's (an output block and a tile
         of im2col columns) and backward's (the extended block's gradient and
         two tiles of columns); a tile holds the columns of at least 512 output
-        positions, about 4 MiB, at most 64 MiB. The weight and bias gradients
-        are summed over every rank that splits the input's samples or space.
+        positions, about 4 MiB, at most 64 MiB.
 
-        An input split along C is described as the planner applies it: the
-        filters split over the same grid axes, the input gathered along C
-        (a redistribution forward, its adjoint backward, and the gathered
-        block kept for backward), each rank doing ``F_slice / F`` of the
-        whole layer's kernel work (``share``) and reducing that share of the
-        weight gradients. ``filter_axes`` alone (whole input channels) split
-        the filters the same way without the gather.
+        Channel and filter splits are described as the layer runs them for
+        this input and its :attr:`filter_axes` (:meth:`weight_splits`): each
+        rank does ``F_slice / F * C_slice / C`` of the whole layer's kernel
+        work (``share``; the kernels are timed on the block with whole
+        channels) and reduces that share of the weight gradients over the
+        ranks that split samples or space. Filter-parallel on a channel-split
+        input gathers it along C (a redistribution forward, its adjoint, a
+        reduce-scatter, backward; the gathered block kept for backward);
+        channel-parallel sums the partial outputs (an allreduce forward over
+        the channel axes); filter-parallel on whole channels, or channel x
+        filter, sums the partial input gradients over the filter axes (an
+        allreduce backward). A ``filter_axes`` that does not fit ``dist``
+        (meant for another grid) counts as none.
         """
         a_c = tuple(a for a in dist.dim_axes[1] if dist.grid_shape[a] > 1)  # real splits
-        gathered = dist
-        if a_c:
-            gathered = channel_split_axes(dist, None)
-            a_f = a_c
-        else:
-            try:
-                a_f = self.weight_splits(dist)[0]
-            except ValueError:  # filter axes meant for another grid: whole filters
-                a_f = ()
+        try:
+            a_f, a_w = self.weight_splits(dist)
+        except ValueError:  # filter axes meant for another grid: whole filters
+            a_f, a_w = (), dist.dim_axes[1]
+        a_f = tuple(a for a in a_f if dist.grid_shape[a] > 1)
+        a_w = tuple(a for a in a_w if dist.grid_shape[a] > 1)
+        gathered_mode = bool(a_c) and not a_w  # the input gathered along C
+        whole = channel_split_axes(dist, None)  # the kernels' block with every channel
+        kin = dist if a_w else whole  # the block the kernels run on
         pf = math.prod(dist.grid_shape[a] for a in a_f)
-        share = -(-self.out_channels // pf) / self.out_channels
-        ext, out_block, _ = self._window_blocks(gathered)
+        pc = math.prod(dist.grid_shape[a] for a in a_w)
+        f_share = -(-self.out_channels // pf) / self.out_channels
+        share = f_share * (-(-self.in_channels // pc) / self.in_channels)
+        ext, out_block, _ = self._window_blocks(kin)
         ck = self.in_channels // self.groups * math.prod(self.spec.kernel)
         params = sum(math.prod(q.shape) for q in self.own_parameters())
         positions = math.prod(out_block) // max(out_block[1], 1)
         tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
-        out_bytes = math.prod(out_block) * itemsize * share
-        base = super().cost_spec(gathered, itemsize)
-        kept = math.prod(largest_block(gathered)) * itemsize if a_c else 0
+        # the output block: every filter of the layer, this rank's share of them
+        out_bytes = math.prod(out_block) * itemsize * f_share
+        base = super().cost_spec(kin, itemsize)
+        twin = super().cost_spec(whole, itemsize) if a_w else base
+        kept = math.prod(largest_block(whole)) * itemsize if gathered_mode else 0
+        sums = [Allreduce(params * itemsize * share, tuple(
+            d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True)]
+        if a_w:  # channel-parallel: the partial outputs summed forward
+            sums.append(Allreduce(out_bytes, (1,)))
+        if a_f and not gathered_mode:  # the partial input gradients summed backward
+            sums.append(Allreduce(math.prod(largest_block(dist)) * itemsize, (), axes=a_f))
         return dataclasses.replace(
             base,
+            local_shape=twin.local_shape,
             flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
             math.prod(self.spec.kernel),
-            allreduces=(Allreduce(params * itemsize * share, tuple(
-                d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True),),
-            redistributions=(gathered,) if a_c else (),
+            allreduces=tuple(sums),
+            redistributions=(whole,) if gathered_mode else (),
             saved=base.saved + kept, share=share,
             workspace=max(out_bytes + tile, math.prod(ext) * itemsize + 2 * tile),
             forward_workspace=out_bytes + tile)
