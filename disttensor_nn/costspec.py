@@ -17,6 +17,7 @@ names layer classes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from disttensor import Distribution
 
@@ -101,6 +102,11 @@ class CostSpec:
         (a convolution whose filters are split computes ``F_slice / F`` of
         the twin's outputs): measured kernel times are scaled by it, and
         ``flops`` and ``nbytes`` describe the twin's whole work.
+    twin : Layer, optional
+        The layer whose one-process kernels do this rank's work on
+        ``local_shape``, where it is not the layer itself (a convolution on a
+        slice of its channels or filters runs a narrower convolution); the
+        kernel timer measures its twin.
 
     The planner's memory model (:mod:`disttensor_nn.plan`) adds, per rank,
     what every layer keeps (:meth:`kept`, an activation kept by both of the
@@ -124,6 +130,7 @@ class CostSpec:
     keeps_input: bool = False
     keeps_output: bool = False
     share: float = 1.0
+    twin: Any = None
 
     def kept(self, in_bytes: int, out_bytes: int, training: bool = True) -> int:
         """Bytes held from forward to backward, for input and output blocks of these sizes.

@@ -424,20 +424,25 @@ def wide_net():
                          nn.GlobalAvgPool(), nn.Linear(512, 10))
 
 
+def twin_of(spec):
+    """(in, out) channels of the convolution a cost spec's kernels are timed as."""
+    return (spec.twin.in_channels, spec.twin.out_channels) if spec.twin else None
+
+
 def test_conv_cost_spec_under_a_channel_split():
     """Hand-computed: the gather, a quarter of the work and of the weight-gradient bytes."""
     conv = nn.Conv2d(64, 512, 3, padding=1, filter_axes=(1,))
     dist = dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1), (0, 1, 2, 3))
     spec = conv.cost_spec(dist)
     params = 512 * 64 * 9 + 512
-    assert spec.share == 128 / 512
+    assert spec.share == 1 and twin_of(spec) == (64, 128)  # 64 channels into 128 filters
     assert spec.redistributions == (dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1),
                                                     (0, None, 2, 3)),)
     assert len(spec.allreduces) == 1 and spec.allreduces[0].gradient
     assert spec.allreduces[0].nbytes == params * 4 / 4 and spec.allreduces[0].dims == (0, 2, 3)
     # the gathered block, one halo (or padding) cell on each side of H and W
     assert spec.local_shape == (4, 64, 9, 16)
-    assert spec.flops == 2.0 * 4 * 512 * 7 * 14 * 64 * 9  # the twin's (whole F) work
+    assert spec.flops == 2.0 * 4 * 128 * 7 * 14 * 64 * 9  # a quarter of the filters
     assert spec.saved == (4 * 64 * 9 * 16 - 4 * 64 * 7 * 14) * 4 + 4 * 64 * 7 * 14 * 4
 
 
@@ -464,15 +469,17 @@ def test_conv_cost_spec_of_each_mode():
     whole = dt.Distribution((4, 64, 14, 14), grid_shape, (0, None, 2, 3))
     # channel-parallel: a quarter of the input channels, every filter; the output summed
     spec = nn.Conv2d(64, 512, 3, padding=1).cost_spec(split)
-    assert spec.share == 16 / 64 and spec.redistributions == ()
-    assert spec.local_shape == (4, 64, 9, 16)  # timed on the whole-channel twin
+    assert twin_of(spec) == (16, 512) and spec.redistributions == ()
+    assert spec.local_shape == (4, 16, 9, 16)  # timed as a 16-channel convolution
+    assert spec.flops == 2.0 * 4 * 512 * 7 * 14 * 16 * 9
     grad, out = spec.allreduces
     assert grad.gradient and grad.nbytes == params * 4 / 4 and grad.dims == (0, 2, 3)
     assert not out.gradient and out.dims == (1,) and out.nbytes == 4 * 512 * 7 * 14 * 4
     assert spec.saved == (4 * 16 * 9 * 16 - 4 * 16 * 7 * 14) * 4  # halo growth of 16 channels
     # filter-parallel on whole channels: a quarter of the filters; the input gradient summed
     spec = nn.Conv2d(64, 512, 3, padding=1, filter_axes=(1,)).cost_spec(whole)
-    assert spec.share == 128 / 512 and spec.redistributions == ()
+    assert twin_of(spec) == (64, 128) and spec.redistributions == ()
+    assert spec.local_shape == (4, 64, 9, 16) and spec.flops == 2.0 * 4 * 128 * 7 * 14 * 64 * 9
     grad, dx = spec.allreduces  # dims: the channels are whole, dimension 1 splits nothing
     assert grad.nbytes == params * 4 / 4 and grad.dims == (0, 1, 2, 3)
     assert not dx.gradient and dx.dims == () and dx.axes == (1,)
@@ -480,12 +487,13 @@ def test_conv_cost_spec_of_each_mode():
     assert spec.saved == (4 * 64 * 9 * 16 - 4 * 64 * 7 * 14) * 4
     # replicated: the whole layer on each of the 4 replicas
     spec = nn.Conv2d(64, 512, 3, padding=1).cost_spec(whole)
-    assert spec.share == 1 and len(spec.allreduces) == 1
+    assert spec.twin is None and len(spec.allreduces) == 1
     assert spec.allreduces[0].nbytes == params * 4
     # uneven: 6 input channels over 4 ranks, the largest slice holds 2
     spec = nn.Conv2d(6, 8, 1).cost_spec(dt.Distribution((2, 6, 4, 4), (1, 4, 1, 1),
                                                         (0, 1, 2, 3)))
-    assert spec.share == 2 / 6
+    assert twin_of(spec) == (2, 8)
+    assert spec.allreduces[0].nbytes == pytest.approx((8 * 6 + 8) * 4 * 2 / 6)
 
 
 def test_cost_model_prices_each_mode_by_hand():
@@ -497,35 +505,34 @@ def test_cost_model_prices_each_mode_by_hand():
     shape, cand = (4, 64, 14, 14), (2, 4, 1, 1)
     params = (32 * 64 + 32) * 4
     block_in, block_out = 2 * 64 * 14 * 14 * 4, 2 * 32 * 14 * 14 * 4
-    flops, nbytes = 2.0 * 2 * 32 * 14 * 14 * 64, (2 * 64 + 2 * 32) * 14 * 14 * 4
 
     def price(filter_axes, split, split_out):
         conv.filter_axes = filter_axes
         return cm.layer(conv, shape, cand, split, split_out)
 
-    def kernels(c, share):
-        t = prof.kernel_time(flops * share, nbytes * share)
+    def kernels(c, cin, f):  # the rate model on the rank's (2, cin, 14, 14) -> (2, f, 14, 14)
+        t = prof.kernel_time(2.0 * 2 * f * 14 * 14 * cin, (2 * cin + 2 * f) * 14 * 14 * 4)
         assert c.fwd == pytest.approx(t) and c.bwd == pytest.approx(2 * t)
 
     # gathered: the allgather along C forward (3 peers send 3/4 of the block), its adjoint back
     c = price((1,), True, True)
     gather = prof.alltoall(block_in * 3 / 4, 3, inter=True)
     assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) + 2 * gather)
-    kernels(c, 1 / 4)
+    kernels(c, 64, 8)
     # channel-parallel: the whole output block summed over the 4 channel ranks
     c = price((), True, False)
     assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) +
                                    prof.allreduce(block_out, 4, 4))
-    kernels(c, 1 / 4)
+    kernels(c, 16, 32)
     # filter-parallel: the whole input gradient summed over the 4 filter ranks
     c = price((1,), False, True)
     assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) +
                                    prof.allreduce(block_in, 4, 4))
-    kernels(c, 1 / 4)
+    kernels(c, 64, 8)
     # replicated: the whole weight gradient over the 2 sample ranks only
     c = price((), False, False)
     assert c.comm == pytest.approx(prof.allreduce(params, 2, 1))
-    kernels(c, 1)
+    kernels(c, 64, 32)
 
 
 def test_planner_dp_equals_brute_force_over_modes():

@@ -4,6 +4,7 @@ filter splits."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -225,10 +226,11 @@ class ConvNd(WindowLayer):
 
         Channel and filter splits are described as the layer runs them for
         this input and its :attr:`filter_axes` (:meth:`weight_splits`): each
-        rank does ``F_slice / F * C_slice / C`` of the whole layer's kernel
-        work (``share``; the kernels are timed on the block with whole
-        channels) and reduces that share of the weight gradients over the
-        ranks that split samples or space. Filter-parallel on a channel-split
+        rank runs a convolution of its slice of the channels into its slice
+        of the filters (``twin``: the kernels are timed as that narrower
+        convolution on the rank's block) and reduces ``F_slice / F * C_slice
+        / C`` of the weight gradients over the ranks that split samples or
+        space. Filter-parallel on a channel-split
         input gathers it along C (a redistribution forward, its adjoint, a
         reduce-scatter, backward; the gathered block kept for backward);
         channel-parallel sums the partial outputs (an allreduce forward over
@@ -245,36 +247,40 @@ class ConvNd(WindowLayer):
         a_f = tuple(a for a in a_f if dist.grid_shape[a] > 1)
         a_w = tuple(a for a in a_w if dist.grid_shape[a] > 1)
         gathered_mode = bool(a_c) and not a_w  # the input gathered along C
-        whole = channel_split_axes(dist, None)  # the kernels' block with every channel
+        whole = channel_split_axes(dist, None)  # the input with every channel
         kin = dist if a_w else whole  # the block the kernels run on
         pf = math.prod(dist.grid_shape[a] for a in a_f)
-        pc = math.prod(dist.grid_shape[a] for a in a_w)
-        f_share = -(-self.out_channels // pf) / self.out_channels
-        share = f_share * (-(-self.in_channels // pc) / self.in_channels)
+        f_loc = -(-self.out_channels // pf)  # the largest filter slice
         ext, out_block, _ = self._window_blocks(kin)
-        ck = self.in_channels // self.groups * math.prod(self.spec.kernel)
+        c_loc = ext[1]  # the largest channel slice (every channel unless channel-parallel)
+        out_block = (out_block[0], f_loc, *out_block[2:])
+        ck = c_loc // self.groups * math.prod(self.spec.kernel)
         params = sum(math.prod(q.shape) for q in self.own_parameters())
+        share = f_loc / self.out_channels * c_loc / self.in_channels  # of the weights
         positions = math.prod(out_block) // max(out_block[1], 1)
         tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
-        # the output block: every filter of the layer, this rank's share of them
-        out_bytes = math.prod(out_block) * itemsize * f_share
+        out_bytes = math.prod(out_block) * itemsize
         base = super().cost_spec(kin, itemsize)
-        twin = super().cost_spec(whole, itemsize) if a_w else base
         kept = math.prod(largest_block(whole)) * itemsize if gathered_mode else 0
         sums = [Allreduce(params * itemsize * share, tuple(
             d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True)]
         if a_w:  # channel-parallel: the partial outputs summed forward
             sums.append(Allreduce(out_bytes, (1,)))
-        if a_f and not gathered_mode:  # the partial input gradients summed backward
+        if a_f and not gathered_mode and self.input_grad:  # partial input gradients, backward
             sums.append(Allreduce(math.prod(largest_block(dist)) * itemsize, (), axes=a_f))
+        twin = None
+        if (c_loc, f_loc) != (self.in_channels, self.out_channels):
+            s = self.spec
+            twin = _sliced_twin(type(self), c_loc, f_loc, s.kernel, s.stride, s.dilation,
+                                self.groups, self.bias is not None, self.dtype.str,
+                                self.input_grad)
         return dataclasses.replace(
             base,
-            local_shape=twin.local_shape,
-            flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
-            math.prod(self.spec.kernel),
+            flops=2.0 * math.prod(out_block) * ck,
+            nbytes=(math.prod(ext) + math.prod(out_block)) * itemsize,
             allreduces=tuple(sums),
             redistributions=(whole,) if gathered_mode else (),
-            saved=base.saved + kept, share=share,
+            saved=base.saved + kept, twin=twin,
             workspace=max(out_bytes + tile, math.prod(ext) * itemsize + 2 * tile),
             forward_workspace=out_bytes + tile)
 
@@ -287,6 +293,15 @@ class ConvNd(WindowLayer):
         s = self.spec
         return type(self)(self.in_channels, self.out_channels, s.kernel, s.stride, 0,
                           s.dilation, self.groups, self.bias is not None, dtype=self.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _sliced_twin(cls: type, c: int, f: int, kernel: tuple, stride: tuple, dilation: tuple,
+                 groups: int, bias: bool, dtype: str, input_grad: bool) -> ConvNd:
+    """The convolution one rank runs on a slice of ``c`` channels into ``f`` filters."""
+    twin = cls(c, f, kernel, stride, 0, dilation, groups, bias, dtype=np.dtype(dtype))
+    twin.input_grad = input_grad
+    return twin
 
 
 class Conv1d(ConvNd):

@@ -253,7 +253,8 @@ class CostModel:
                          keeps_output=out_bytes * spec.keeps_output * training)
         if spec.timed:
             cost.fwd, cost.bwd, cost.estimated, cost.tiled = self._compute(
-                layer, spec.local_shape, spec.flops, spec.nbytes, spec.share)
+                layer if spec.twin is None else spec.twin, spec.local_shape, spec.flops,
+                spec.nbytes, spec.share)
         else:
             cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
         passes = 2 if training else 1  # forward and backward, or forward alone

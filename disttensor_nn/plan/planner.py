@@ -257,6 +257,10 @@ class Planner:
         input (split channels in, split filters out), channel-parallel
         (split in, whole out), filter-parallel (whole in, split out) or
         replicated (whole in and out).
+    modes : sequence of str, optional
+        Restrict the convolutions' modes under such grids to these (keys of
+        :data:`MODES`; e.g. ``("channel",)`` with ``allowed=[(1, p, 1, 1)]``
+        for a channel-parallel plan). Default: all.
 
     Attributes
     ----------
@@ -270,8 +274,12 @@ class Planner:
 
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
                  memory_budget: float | None = None, allowed: list[Candidate] | None = None,
-                 baseline: float = 0.0, recompute: bool | str = False, channels: bool = False):
+                 baseline: float = 0.0, recompute: bool | str = False, channels: bool = False,
+                 modes: Any = None):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
+        if modes is not None and (isinstance(modes, str) or not set(modes) <= set(MODES)):
+            raise ValueError(f"modes must be a sequence of {list(MODES)}, got {modes!r}")
+        self.modes = None if modes is None else frozenset(modes)
         self.items = trace(model, self.batch_shape)
         self.nodes = leaf_nodes(self.items)
         nsp = len(self.batch_shape) - 2
@@ -354,6 +362,8 @@ class Planner:
         cand, split = self.states[c]
         if len(cand) != len(node.in_shape) or cand[1] == 1:
             return node.layer if c == o else None
+        if self.modes is not None and self.mode(node, c, o) not in self.modes:
+            return None
         layer = copy.copy(node.layer)
         layer.filter_axes = (1,) if self.states[o][1] else ()
         try:
