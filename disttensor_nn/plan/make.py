@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -150,8 +151,10 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         iteration, None when nothing fits, with the reason in ``note``),
         ``compute_ms``, ``exposed_ms`` and ``hidden_ms`` (its kernels, the
         communication on its critical path, and the communication overlapped
-        with kernels), ``peak_MiB``, ``grids`` (the candidates the plan uses)
-        and ``sample_parallel_ms`` (the plan that splits only the samples,
+        with kernels), ``peak_MiB``, ``grids`` (the candidates the plan uses),
+        ``modes`` (how many convolutions the plan runs in each channel/filter
+        mode, :data:`~disttensor_nn.plan.planner.MODES`) and
+        ``sample_parallel_ms`` (the plan that splits only the samples,
         None when the batch cannot be split so) with ``sample_parallel_split``
         (its compute, exposed and hidden ms).
     """
@@ -170,6 +173,8 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
                      "exposed_ms": 1e3 * plan.exposed_comm, "hidden_ms": 1e3 * plan.hidden_comm,
                      "peak_MiB": plan.peak_memory / 2**20,
                      "grids": [list(g) for g in grids],
+                     "modes": dict(sorted(Counter(e.mode for e in plan.entries
+                                                  if e.mode).items())),
                      "sample_parallel_ms": 1e3 * uniform.time if uniform else None,
                      "sample_parallel_split": [1e3 * uniform.compute, 1e3 * uniform.exposed_comm,
                                                1e3 * uniform.hidden_comm] if uniform else None})

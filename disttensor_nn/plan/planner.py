@@ -287,6 +287,9 @@ class Planner:
             candidates(cost.nprocs, nsp, channels)
         self.states: list[tuple[Candidate, bool]] = [(c, True) for c in self.cands] + [
             (c, False) for c in self.cands if len(c) == nsp + 2 and c[1] > 1]
+        index = {st: i for i, st in enumerate(self.states)}  # the other state of each grid
+        self._peer = np.array([index.get((g, not split), i)
+                               for i, (g, split) in enumerate(self.states)])
         self.budget = memory_budget
         self.baseline = float(baseline)
         if recompute not in (False, True, "auto"):
@@ -400,14 +403,18 @@ class Planner:
         return np.array([self._price(self.layer_cost(node, c), lam)
                          for c in range(len(self.states))])
 
-    def _matrix(self, node: Node, lam: float) -> np.ndarray:
-        """Prices of a convolution from state ``c`` (rows) to ``o`` (columns)."""
-        n = len(self.states)
-        m = np.full((n, n), np.inf)
-        for c, o in itertools.product(range(n), range(n)):
-            if self.states[c][0] == self.states[o][0]:
-                m[c, o] = self._price(self.layer_cost(node, c, o), lam)
-        return m
+    def _modal_step(self, sh: np.ndarray, node: Node, lam: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """A convolution's step matrix: the shuffle to its input state ``c`` (``sh``), then
+        the layer from ``c`` to its output state ``o`` (one of the two states of ``o``'s
+        grid); and the chosen ``c`` for each (arriving state, ``o``)."""
+        peer, own = self._peer, np.arange(len(self.states))
+        stay = np.array([self._price(self.layer_cost(node, o, o), lam) for o in own])
+        swap = np.array([self._price(self.layer_cost(node, int(peer[o]), o), lam)
+                         if peer[o] != o else np.inf for o in own])
+        t1 = sh + stay[None, :]
+        t2 = sh[:, peer] + swap[None, :]
+        return np.minimum(t1, t2), np.where(t2 < t1, peer[None, :], own[None, :])
 
     def _time(self, lc: LayerCost) -> float:
         """The DP's additive price of a layer: its gradient reduction at the current weight."""
@@ -496,7 +503,7 @@ class Planner:
                 else:
                     sh = self.shuffle_matrix(it.in_shape)
                 if self.modal(it):  # input moved to c, the layer from c to its output's state
-                    t, sub = _minplus(sh, self._matrix(it, lam))
+                    t, sub = self._modal_step(sh, it, lam)
                 else:
                     t, sub = sh + self._vector(it, lam)[None, :], None
             else:
