@@ -149,8 +149,51 @@ def test_conv_channel_filter_bad_arguments():
         (2, 4, 5, 5), grid(g2(p)), (None, (0, 1), None, None)))
     with pytest.raises(ValueError, match="overlap in part"):
         nn.Conv2d(4, 4, 3, dtype=np.float64, filter_axes=(1,))(xc)
-    with pytest.raises(ValueError, match="groups=2 with a split channel"):
-        nn.Conv2d(4, 4, 3, groups=2, dtype=np.float64)(xc)
+    if p > 1:  # channel-parallel grouped (one rank: nothing is split, nothing refused)
+        with pytest.raises(ValueError, match="groups=2 with a split channel"):
+            nn.Conv2d(4, 4, 3, groups=2, dtype=np.float64)(xc)
+
+
+@pytest.mark.parallel(SIZES)
+def test_grouped_and_depthwise_conv_on_whole_groups():
+    """Channels and filters split alike, each rank holding whole groups: no message, the
+    reference's values and gradients; any other split of a grouped layer is refused."""
+    p = comm.Get_size()
+    shape = (2, 24, 5, 4)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape)
+    check = Checks()
+    layouts = [("C = F", grid((p,)), (None, 0, None, None), (0,)),
+               ("N x C = F", grid(g2(p)), (0, 1, None, None), (1,))]
+    for groups, f in [(12, 24), (24, 24)]:  # grouped, depthwise
+        for name, g, axes, fa in layouts:
+            conv = nn.Conv2d(24, f, 3, padding=1, groups=groups, dtype=np.float64,
+                             filter_axes=fa)
+            w, b = conv.weight.data.copy(), conv.bias.data.copy()
+            want = conv_ref(x, w, b, 1, [(1, 1)] * 2, 1, groups)
+            dy = rng.standard_normal(want.shape)
+            dx_want, dw_want, db_want = conv_ref_backward(x, w, dy, 1, [(1, 1)] * 2, 1, groups)
+            dist = dt.Distribution(shape, g, axes)
+            msg = f"groups={groups} {name} {dist}"
+            y = conv(dt.DistArray.from_global(x, dist))
+            check.close(y, want, msg)
+            dx = conv.backward(dt.DistArray.from_global(dy, y.dist))
+            check.true(dx.dist == dist, f"{msg}: dx in {dx.dist}")
+            check.close(dx, dx_want, f"{msg}: dx")
+            check.close(conv.weight.grad, block(conv.weight, dw_want), f"{msg}: dW")
+            check.close(conv.bias.grad, block(conv.bias, db_want), f"{msg}: db")
+            spec = conv.cost_spec(dist)  # priced as it runs: no gather, no sum but dW's
+            check.true(spec.redistributions == () and len(spec.allreduces) == 1, msg)
+    check.finish()
+    if p == 1:
+        return
+    bad = [(dt.Distribution(shape, grid((p,)), (None, 0, None, None)), ()),  # channel-parallel
+           (dt.Distribution(shape, grid((p,)), (None, 0, None, None),
+                            (None, [1] * (p - 1), None, None)), (0,))]  # groups cut in two
+    for dist, fa in bad:
+        conv = nn.Conv2d(24, 24, 3, padding=1, groups=12, dtype=np.float64, filter_axes=fa)
+        with pytest.raises(ValueError, match="groups=12 with a split channel or filter"):
+            conv(dt.DistArray.from_global(x, dist))
 
 
 # --------------------------------------------------------------------------- other layers
@@ -566,3 +609,18 @@ def test_planner_dp_equals_brute_force_over_modes():
         if slower > 1:  # here the model says: gathered filter-parallel, then channel-parallel
             assert [e.mode for e in plan.entries if e.layer == "Conv2d"][:2] == \
                 ["gathered", "channel"], plan.table()
+
+
+def test_planner_prices_grouped_convolutions_only_where_they_run():
+    """A depthwise convolution: whole groups per rank (split in, split out) or replicated."""
+    net = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU())
+    planner = Planner(net, (2, 8, 6, 6), CostModel(load_profile(PROFILE), 4), channels=True)
+    node = planner.nodes[0]
+    split, whole = (planner.states.index(((1, 4, 1, 1), s)) for s in (True, False))
+    assert planner.mode(node, split, split) == "grouped"
+    assert np.isfinite(planner.layer_cost(node, split, split).fwd)
+    assert np.isfinite(planner.layer_cost(node, whole, whole).fwd)
+    assert not np.isfinite(planner.layer_cost(node, split, whole).fwd)  # channel-parallel
+    assert not np.isfinite(planner.layer_cost(node, whole, split).fwd)  # filter-parallel
+    spec = planner.layer_cost(node, split, split)
+    assert spec.comm == 0  # no gather, no partial sums, no weight gradient to share

@@ -55,8 +55,10 @@ MODES = {
     "channel": "channel-parallel, partial outputs allreduced",
     "filter": "filter-parallel, partial input gradients allreduced",
     "replicated": "the whole layer on each replica",
+    "grouped": "grouped, each rank's whole groups, no message",
 }
-_MODE_LABEL = {"gathered": "C>F", "channel": "C>-", "filter": "->F", "replicated": "->-"}
+_MODE_LABEL = {"gathered": "C>F", "channel": "C>-", "filter": "->F", "replicated": "->-",
+               "grouped": "C>F g"}
 
 
 def _split_label(e: PlanEntry) -> str:
@@ -351,9 +353,11 @@ class Planner:
         cand, split = self.states[c]
         if not self.modal(node) or len(cand) != len(node.in_shape) or cand[1] == 1:
             return ""
+        out = self.states[o][1]
+        if split and out and getattr(node.layer, "groups", 1) > 1:
+            return "grouped"
         return {(True, True): "gathered", (True, False): "channel",
-                (False, True): "filter", (False, False): "replicated"}[
-                    (split, self.states[o][1])]
+                (False, True): "filter", (False, False): "replicated"}[(split, out)]
 
     def _moded(self, node: Node, c: int, o: int) -> Layer | None:
         """The layer as it runs from state ``c`` to ``o`` (a copy with its filter axes set),
@@ -831,7 +835,7 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
     Under a grid over (N, C, S..) a layer's input has its channels split
     along the channel axis or whole (``PlanEntry.split_channels``), and a
     layer with ``filter_axes`` (a convolution) splits its filters over that
-    axis in the modes that do ("gathered", "filter"; :data:`MODES`); a plan
+    axis in the modes that do ("gathered", "filter", "grouped"; :data:`MODES`); a plan
     without modes (an older plan file) splits them wherever it splits the
     channels.
     """
@@ -853,5 +857,6 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
         axes = dist_for(tuple(node.in_shape), g, entry.split_channels).axes
         node.layer.layout = Layout(grids[g], axes)
         if hasattr(node.layer, "filter_axes") and ndim > 2:
-            split = entry.mode in ("gathered", "filter") if entry.mode else len(g) == ndim
+            split = entry.mode in ("gathered", "filter", "grouped") if entry.mode else \
+                len(g) == ndim
             node.layer.filter_axes = (1,) if split and len(g) == ndim else ()
