@@ -32,6 +32,7 @@ from nn_reference import (
 
 import disttensor as dt
 import disttensor_nn as nn
+from disttensor_nn.models import DepthToSpace
 from disttensor_nn.module import GradientBuckets
 from disttensor_nn.plan import CostModel, Planner, apply_plan, load_profile
 from disttensor_nn.training.checkpoint import load_checkpoint, save_checkpoint
@@ -194,6 +195,38 @@ def test_grouped_and_depthwise_conv_on_whole_groups():
         conv = nn.Conv2d(24, 24, 3, padding=1, groups=12, dtype=np.float64, filter_axes=fa)
         with pytest.raises(ValueError, match="groups=12 with a split channel or filter"):
             conv(dt.DistArray.from_global(x, dist))
+
+
+@pytest.mark.parallel(SIZES)
+def test_depth_to_space_on_channel_split_input():
+    """Channel blocks on multiples of b^2: a local rearrangement, as the NumPy formula; other
+    channel splits refused before any message."""
+    p = comm.Get_size()
+    n, c, h, w, b = 2, 3, 3, 4, 2
+    x = np.random.default_rng(9).standard_normal((n, c * b * b, h, w))
+    want = x.reshape(n, c, b, b, h, w).transpose(0, 1, 4, 2, 5, 3).reshape(n, c, h * b, w * b)
+    cuts = [0, 4, 8][:p - 1]  # channel blocks of 0, 4, 4, 4 (.. 12) channels: whole outputs
+    check = Checks()
+    for name, g, axes in [("C", grid((p,)), (None, 0, None, None)),
+                          ("C x H", grid(g2(p)), (None, 1, 0, None))]:
+        pc = g.shape[axes[1]]  # C x H: 8 + 4 channels where two ranks split them
+        splits = [None, cuts if name == "C" else [8][:pc - 1] or None, None, None]
+        dist = dt.Distribution(x.shape, g, axes, splits)
+        layer = DepthToSpace(b)
+        y = layer(dt.DistArray.from_global(x, dist))
+        check.close(y, want, f"{name}: forward", 0, 0)
+        check.true(y.dist.boundaries[1] == tuple(v // 4 for v in dist.boundaries[1]),
+                   f"{name}: output channels {y.dist}")
+        dy = np.random.default_rng(10).standard_normal(want.shape)
+        dx = layer.backward(dt.DistArray.from_global(dy, y.dist))
+        # the adjoint of a permutation: <y, dy> = <x, dx>
+        check.close(float(np.vdot(dx.to_global(), x)), float(np.vdot(dy, want)), f"{name}: dx")
+    check.finish()
+    if p > 1:
+        dist = dt.Distribution(x.shape, grid((p,)), (None, 0, None, None),
+                               (None, [2] * (p - 1), None, None))
+        with pytest.raises(ValueError, match="every block boundary must be a multiple of 4"):
+            DepthToSpace(b)(dt.DistArray.from_global(x, dist))
 
 
 # --------------------------------------------------------------------------- other layers
@@ -624,3 +657,16 @@ def test_planner_prices_grouped_convolutions_only_where_they_run():
     assert not np.isfinite(planner.layer_cost(node, whole, split).fwd)  # filter-parallel
     spec = planner.layer_cost(node, split, split)
     assert spec.comm == 0  # no gather, no partial sums, no weight gradient to share
+
+
+def test_planner_keeps_depth_to_space_off_channel_splits_it_refuses():
+    """64 channels into 8x8 blocks: no channel split of 2 ranks gives whole output channels."""
+    net = nn.Sequential(nn.Conv2d(4, 64, 1), DepthToSpace(8))
+    planner = Planner(net, (1, 4, 4, 4), CostModel(load_profile(PROFILE), 2), channels=True)
+    node = planner.nodes[1]
+    split = planner.states.index(((1, 2, 1, 1), True))
+    whole = planner.states.index(((1, 2, 1, 1), False))
+    assert not np.isfinite(planner.layer_cost(node, split).fwd)  # 32 | 32: cut mid-block
+    assert np.isfinite(planner.layer_cost(node, whole).fwd)
+    plan = planner.plan()
+    assert not (plan.entries[1].grid[1] > 1 and plan.entries[1].split_channels)

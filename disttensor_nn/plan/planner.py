@@ -318,7 +318,8 @@ class Planner:
         States index :attr:`states`; ``o`` defaults to ``c``. Only a
         convolution under a grid over (N, C, S..) may change the state (to the
         same grid, its channels split or whole: its mode, :meth:`mode`); any
-        other change, or a mode the layer refuses, costs infinite time. A
+        other change, or a split or mode the layer refuses (its
+        ``output_distribution`` or ``weight_splits`` raising), costs infinite time. A
         layer whose memory alone exceeds the budget costs infinite time: it
         is not measured (which would need that memory) and cannot be chosen.
         """
@@ -363,6 +364,11 @@ class Planner:
         """The layer as it runs from state ``c`` to ``o`` (a copy with its filter axes set),
         or None where it cannot."""
         if c == o and not self.modal(node):
+            if hasattr(node.layer, "output_distribution") and len(node.in_shape) > 2:
+                try:  # the layer refuses this split (e.g. a channel block it cannot take)
+                    node.layer.output_distribution(dist_for(node.in_shape, *self.states[c]))
+                except ValueError:
+                    return None
             return node.layer
         if not self.modal(node) or self.states[c][0] != self.states[o][0]:
             return None
