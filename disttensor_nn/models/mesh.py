@@ -130,7 +130,11 @@ class DepthToSpace(Layer):
         return DistArray(xp.reshape(contiguous(dx, copy=True), (n, cb, *s)), in_dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """A copy of the block each way; nothing is kept for backward."""
+        """A copy of the block each way; nothing is kept for backward.
+
+        Raises ValueError for a channel split it refuses (as :meth:`output_distribution`).
+        """
+        self.output_distribution(dist)
         block = largest_block(dist)
         n = math.prod(block)
         return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize)

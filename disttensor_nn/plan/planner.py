@@ -310,6 +310,7 @@ class Planner:
         self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
         self._weight = 1.0  # share of gradient reductions the DP charges
+        self._mask: np.ndarray | None = None  # the states the DP may use (None: all)
 
     # ------------------------------------------------------------ tables
     def layer_cost(self, node: Node, c: int, o: int | None = None) -> LayerCost:
@@ -318,8 +319,8 @@ class Planner:
         States index :attr:`states`; ``o`` defaults to ``c``. Only a
         convolution under a grid over (N, C, S..) may change the state (to the
         same grid, its channels split or whole: its mode, :meth:`mode`); any
-        other change, or a split or mode the layer refuses (its
-        ``output_distribution`` or ``weight_splits`` raising), costs infinite time. A
+        other change, or a channel split or mode the layer refuses (its
+        ``cost_spec`` or ``weight_splits`` raising ValueError), costs infinite time. A
         layer whose memory alone exceeds the budget costs infinite time: it
         is not measured (which would need that memory) and cannot be chosen.
         """
@@ -364,9 +365,10 @@ class Planner:
         """The layer as it runs from state ``c`` to ``o`` (a copy with its filter axes set),
         or None where it cannot."""
         if c == o and not self.modal(node):
-            if hasattr(node.layer, "output_distribution") and len(node.in_shape) > 2:
-                try:  # the layer refuses this split (e.g. a channel block it cannot take)
-                    node.layer.output_distribution(dist_for(node.in_shape, *self.states[c]))
+            g, split = self.states[c]
+            if split and len(g) == len(node.in_shape) and g[1] > 1:
+                try:  # a layer refuses a channel split it cannot take (its cost spec says)
+                    node.layer.cost_spec(dist_for(node.in_shape, g), self.cost.itemsize)
                 except ValueError:
                     return None
             return node.layer
@@ -410,8 +412,9 @@ class Planner:
         return mem if lam == np.inf else self._time(lc) + lam * mem
 
     def _vector(self, node: Node, lam: float) -> np.ndarray:
-        return np.array([self._price(self.layer_cost(node, c), lam)
-                         for c in range(len(self.states))])
+        v = np.array([self._price(self.layer_cost(node, c), lam)
+                      for c in range(len(self.states))])
+        return v if self._mask is None else np.where(self._mask, v, np.inf)
 
     def _modal_step(self, sh: np.ndarray, node: Node, lam: float
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -422,6 +425,9 @@ class Planner:
         stay = np.array([self._price(self.layer_cost(node, o, o), lam) for o in own])
         swap = np.array([self._price(self.layer_cost(node, int(peer[o]), o), lam)
                          if peer[o] != o else np.inf for o in own])
+        if self._mask is not None:  # both ends in allowed states
+            stay = np.where(self._mask, stay, np.inf)
+            swap = np.where(self._mask & self._mask[peer], swap, np.inf)
         t1 = sh + stay[None, :]
         t2 = sh[:, peer] + swap[None, :]
         return np.minimum(t1, t2), np.where(t2 < t1, peer[None, :], own[None, :])
@@ -731,17 +737,32 @@ class Planner:
     def _plan(self) -> Plan:
         """The cheapest plan that fits the budget, recomputing or not as set now."""
         weights = GRADIENT_WEIGHTS if self.cost.overlap else (1.0,)
+        # With overlap the DP is approximate, so more states could price worse on the
+        # critical path: the channel splits' plans are also solved without them (a subset
+        # of the states), so that adding channel splits never gives a slower plan.
+        masks = [None]
+        if self.cost.overlap and any(len(g) == len(self.batch_shape) and g[1] > 1
+                                     for g, _ in self.states):
+            masks.append(np.array([len(g) != len(self.batch_shape) or g[1] == 1
+                                   for g, _ in self.states]))
         best = None
         try:
-            for w in weights:
-                self._weight = w
-                found = self._plan_at_weight()
-                if best is None or found[1] < best[1]:
-                    best = found
-                if not any(lc.grad > 0 for lc in self._layer_cost.values()):
-                    break  # no gradient reduction anywhere: every weight gives this plan
+            for mask in masks:
+                self._mask = mask
+                for w in weights:
+                    self._weight = w
+                    try:
+                        found = self._plan_at_weight()
+                    except ValueError:
+                        if mask is None:
+                            raise
+                        break  # nothing fits without channel splits
+                    if best is None or found[1] < best[1]:
+                        best = found
+                    if not any(lc.grad > 0 for lc in self._layer_cost.values()):
+                        break  # no gradient reduction anywhere: every weight gives this plan
         finally:
-            self._weight = 1.0
+            self._weight, self._mask = 1.0, None
         assert best is not None
         return self._make_plan(*best)
 
