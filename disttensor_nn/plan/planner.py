@@ -444,19 +444,29 @@ class Planner:
         (with the activations' channels split or whole, under a grid over (N, C, S..)).
 
         Returns the ``(layer, local shape, dtype, flops)`` list in network
-        order (as :meth:`KernelTimer.measure_chain` takes it), without the
-        layers whose memory alone (kept, transient and the base) exceeds the
-        budget: they cannot be chosen.
+        order (as :meth:`KernelTimer.measure_chain` takes it), a convolution's
+        for each of its modes from this state, without the layers whose
+        memory alone (kept, transient and the base) exceeds the budget or
+        that cannot run so: they cannot be chosen.
         """
         rec = QueryRecorder()
         model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize,
                           training=self.cost.training)
+        c = self.states.index((tuple(cand), split_channels)) \
+            if (tuple(cand), split_channels) in self.states else None
         for node in self.nodes:
-            n = len(rec.queries)
-            lc = model.layer(node.layer, node.in_shape, cand, split_channels)
-            if self.budget is not None and \
-                    lc.memory + lc.transient + self.base_memory > self.budget:
-                del rec.queries[n:]
+            outs = dict.fromkeys((c, int(self._peer[c]))) if c is not None and \
+                self.modal(node) else {c: None}
+            for o in outs:
+                layer = self._moded(node, c, o) if c is not None else node.layer
+                if layer is None:
+                    continue
+                n = len(rec.queries)
+                lc = model.layer(layer, node.in_shape, cand, split_channels,
+                                 self.states[o][1] if o is not None else None)
+                if self.budget is not None and \
+                        lc.memory + lc.transient + self.base_memory > self.budget:
+                    del rec.queries[n:]
         return rec.queries
 
     def calibrate(self, comm: Any = None, reps: int = 3, progress: bool = False,
