@@ -176,6 +176,11 @@ def main() -> None:
         return [(e.grid, e.split_channels, e.mode) for e in plan.entries]
 
     same = [k for k in uniform if layout(plans[k]) == layout(plans["planner"])]
+    for e, f in zip(plans["planner"].entries, plans[top].entries):
+        if (e.grid, e.split_channels, e.mode) != (f.grid, f.split_channels, f.mode):
+            print(f"planner vs {top}: layer {e.name} {e.layer}: {e.grid} "
+                  f"{'split' if e.split_channels else 'whole'} {e.mode} vs {f.grid} "
+                  f"{'split' if f.split_channels else 'whole'} {f.mode}")
     rows = []
     for key, times in best.items():
         plan = plans.get(key)
