@@ -15,6 +15,10 @@ Runs in one process, no MPI job needed::
    (``bn_stats="group"``: the ranks sharing a sample; what data-parallel
    trainers and LBANN do); ``--bn-stats global`` shows what global
    statistics cost.
+3. With ``--channel-splits``: each case planned again with channel and
+   filter splits (grids over (N, C, H, W), every convolution mode), printed
+   beside the sample/spatial plan with the modes it uses
+   (``DIR/scaling-<model>-<N>-cf.json``).
 
 Writes ``DIR/validation.json``, ``DIR/scaling-<model>-<N>.json`` and a PNG per
 case (``disttensor-plot``'s scaling plot), and prints the tables.
@@ -66,6 +70,8 @@ def main() -> int:
                         "mesh:4,mesh:16,mesh:64")
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)))
     parser.add_argument("--skip-validation", action="store_true")
+    parser.add_argument("--channel-splits", action="store_true",
+                        help="also plan with channel and filter splits")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -106,6 +112,22 @@ def main() -> int:
         with open(os.path.join(args.out, f"scaling-{tag}.json"), "w") as f:
             json.dump({"model": name, "batch_shape": shape, "machine": args.machine,
                        "bn_stats": args.bn_stats, "rows": rows}, f, indent=1)
+        if args.channel_splits:
+            t0 = time.perf_counter()
+            cf = predict_scaling(model, shape, ranks, args.machine, measure=False,
+                                 channels=True)
+            print(f"with channel/filter splits, planned in {time.perf_counter() - t0:.0f} s")
+            print(f"{'ranks':>6} {'N/S only':>9} {'(exposed)':>9} {'with C/F':>9} "
+                  f"{'(exposed)':>9}  convolution modes")
+            for r, c in zip(rows, cf):
+                if r["time_ms"] is None or c["time_ms"] is None:
+                    print(f"{r['ranks']:>6} -")
+                    continue
+                print(f"{r['ranks']:>6} {r['time_ms']:9.2f} {r['exposed_ms']:9.2f} "
+                      f"{c['time_ms']:9.2f} {c['exposed_ms']:9.2f}  {c['modes']}")
+            with open(os.path.join(args.out, f"scaling-{tag}-cf.json"), "w") as f:
+                json.dump({"model": name, "batch_shape": shape, "machine": args.machine,
+                           "bn_stats": args.bn_stats, "rows": cf}, f, indent=1)
         if any(r["time_ms"] for r in rows):
             plot_scaling(rows, os.path.join(args.out, f"scaling-{tag}.png"),
                          f"{name} {shape} on {args.machine}")

@@ -17,6 +17,7 @@ names layer classes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from disttensor import Distribution
 
@@ -36,6 +37,10 @@ class Allreduce:
         layer's input (the communicator
         :func:`~disttensor_nn.module.split_axes_comm` gives for them); ranks
         holding replicas take no part.
+    axes : tuple of int
+        Grid axes of the input's grid that take part too though they split
+        none of the input's dimensions (the replicas over which a
+        filter-parallel layer sums its partial input gradients).
     gradient : bool
         It sums parameter gradients, which nothing needs before the
         optimizer step: the runtime reduces them in buckets while backward
@@ -46,6 +51,7 @@ class Allreduce:
     nbytes: float
     dims: tuple[int, ...]
     gradient: bool = False
+    axes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,11 @@ class CostSpec:
         (a convolution whose filters are split computes ``F_slice / F`` of
         the twin's outputs): measured kernel times are scaled by it, and
         ``flops`` and ``nbytes`` describe the twin's whole work.
+    twin : Layer, optional
+        The layer whose one-process kernels do this rank's work on
+        ``local_shape``, where it is not the layer itself (a convolution on a
+        slice of its channels or filters runs a narrower convolution); the
+        kernel timer measures its twin.
 
     The planner's memory model (:mod:`disttensor_nn.plan`) adds, per rank,
     what every layer keeps (:meth:`kept`, an activation kept by both of the
@@ -119,6 +130,7 @@ class CostSpec:
     keeps_input: bool = False
     keeps_output: bool = False
     share: float = 1.0
+    twin: Any = None
 
     def kept(self, in_bytes: int, out_bytes: int, training: bool = True) -> int:
         """Bytes held from forward to backward, for input and output blocks of these sizes.

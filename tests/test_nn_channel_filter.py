@@ -14,6 +14,9 @@ filter splits reproduces the one-process loss curve.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -29,6 +32,7 @@ from nn_reference import (
 
 import disttensor as dt
 import disttensor_nn as nn
+from disttensor_nn.models import DepthToSpace
 from disttensor_nn.module import GradientBuckets
 from disttensor_nn.plan import CostModel, Planner, apply_plan, load_profile
 from disttensor_nn.training.checkpoint import load_checkpoint, save_checkpoint
@@ -146,8 +150,83 @@ def test_conv_channel_filter_bad_arguments():
         (2, 4, 5, 5), grid(g2(p)), (None, (0, 1), None, None)))
     with pytest.raises(ValueError, match="overlap in part"):
         nn.Conv2d(4, 4, 3, dtype=np.float64, filter_axes=(1,))(xc)
-    with pytest.raises(ValueError, match="groups=2 with a split channel"):
-        nn.Conv2d(4, 4, 3, groups=2, dtype=np.float64)(xc)
+    if p > 1:  # channel-parallel grouped (one rank: nothing is split, nothing refused)
+        with pytest.raises(ValueError, match="groups=2 with a split channel"):
+            nn.Conv2d(4, 4, 3, groups=2, dtype=np.float64)(xc)
+
+
+@pytest.mark.parallel(SIZES)
+def test_grouped_and_depthwise_conv_on_whole_groups():
+    """Channels and filters split alike, each rank holding whole groups: no message, the
+    reference's values and gradients; any other split of a grouped layer is refused."""
+    p = comm.Get_size()
+    shape = (2, 24, 5, 4)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape)
+    check = Checks()
+    layouts = [("C = F", grid((p,)), (None, 0, None, None), (0,)),
+               ("N x C = F", grid(g2(p)), (0, 1, None, None), (1,))]
+    for groups, f in [(12, 24), (24, 24)]:  # grouped, depthwise
+        for name, g, axes, fa in layouts:
+            conv = nn.Conv2d(24, f, 3, padding=1, groups=groups, dtype=np.float64,
+                             filter_axes=fa)
+            w, b = conv.weight.data.copy(), conv.bias.data.copy()
+            want = conv_ref(x, w, b, 1, [(1, 1)] * 2, 1, groups)
+            dy = rng.standard_normal(want.shape)
+            dx_want, dw_want, db_want = conv_ref_backward(x, w, dy, 1, [(1, 1)] * 2, 1, groups)
+            dist = dt.Distribution(shape, g, axes)
+            msg = f"groups={groups} {name} {dist}"
+            y = conv(dt.DistArray.from_global(x, dist))
+            check.close(y, want, msg)
+            dx = conv.backward(dt.DistArray.from_global(dy, y.dist))
+            check.true(dx.dist == dist, f"{msg}: dx in {dx.dist}")
+            check.close(dx, dx_want, f"{msg}: dx")
+            check.close(conv.weight.grad, block(conv.weight, dw_want), f"{msg}: dW")
+            check.close(conv.bias.grad, block(conv.bias, db_want), f"{msg}: db")
+            spec = conv.cost_spec(dist)  # priced as it runs: no gather, no sum but dW's
+            check.true(spec.redistributions == () and len(spec.allreduces) == 1, msg)
+    check.finish()
+    if p == 1:
+        return
+    bad = [(dt.Distribution(shape, grid((p,)), (None, 0, None, None)), ()),  # channel-parallel
+           (dt.Distribution(shape, grid((p,)), (None, 0, None, None),
+                            (None, [1] * (p - 1), None, None)), (0,))]  # groups cut in two
+    for dist, fa in bad:
+        conv = nn.Conv2d(24, 24, 3, padding=1, groups=12, dtype=np.float64, filter_axes=fa)
+        with pytest.raises(ValueError, match="groups=12 with a split channel or filter"):
+            conv(dt.DistArray.from_global(x, dist))
+
+
+@pytest.mark.parallel(SIZES)
+def test_depth_to_space_on_channel_split_input():
+    """Channel blocks on multiples of b^2: a local rearrangement, as the NumPy formula; other
+    channel splits refused before any message."""
+    p = comm.Get_size()
+    n, c, h, w, b = 2, 3, 3, 4, 2
+    x = np.random.default_rng(9).standard_normal((n, c * b * b, h, w))
+    want = x.reshape(n, c, b, b, h, w).transpose(0, 1, 4, 2, 5, 3).reshape(n, c, h * b, w * b)
+    cuts = [0, 4, 8][:p - 1]  # channel blocks of 0, 4, 4, 4 (.. 12) channels: whole outputs
+    check = Checks()
+    for name, g, axes in [("C", grid((p,)), (None, 0, None, None)),
+                          ("C x H", grid(g2(p)), (None, 1, 0, None))]:
+        pc = g.shape[axes[1]]  # C x H: 8 + 4 channels where two ranks split them
+        splits = [None, cuts if name == "C" else [8][:pc - 1] or None, None, None]
+        dist = dt.Distribution(x.shape, g, axes, splits)
+        layer = DepthToSpace(b)
+        y = layer(dt.DistArray.from_global(x, dist))
+        check.close(y, want, f"{name}: forward", 0, 0)
+        check.true(y.dist.boundaries[1] == tuple(v // 4 for v in dist.boundaries[1]),
+                   f"{name}: output channels {y.dist}")
+        dy = np.random.default_rng(10).standard_normal(want.shape)
+        dx = layer.backward(dt.DistArray.from_global(dy, y.dist))
+        # the adjoint of a permutation: <y, dy> = <x, dx>
+        check.close(float(np.vdot(dx.to_global(), x)), float(np.vdot(dy, want)), f"{name}: dx")
+    check.finish()
+    if p > 1:
+        dist = dt.Distribution(x.shape, grid((p,)), (None, 0, None, None),
+                               (None, [2] * (p - 1), None, None))
+        with pytest.raises(ValueError, match="every block boundary must be a multiple of 4"):
+            DepthToSpace(b)(dt.DistArray.from_global(x, dist))
 
 
 # --------------------------------------------------------------------------- other layers
@@ -330,12 +409,41 @@ def make_net(g=None, a_f=()):
     return net
 
 
+#: Per layer of make_net: the input's channels split (S) or whole (R) over the channel axis,
+#: and for a convolution the output's after it: filter-parallel (RS), channel-parallel (SR),
+#: replicated (RR) and, in the second, filter-parallel on the gathered input (SS).
+MODE_PLANS = {"modes": ["RS", "S", "S", "S", "SR", "R", "R", "RS", "S", "S"],
+              "modes 2": ["RR", "R", "R", "R", "RS", "S", "S", "SS", "S", "S"]}
+
+
+def mode_plan(net, p, modes):
+    """A plan of ``net`` on grid (1, p, 1, 1) with the convolutions in the given modes."""
+    planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
+    if p == 1:
+        return planner.uniform_plan((1, 1, 1, 1))
+    state = {"S": planner.states.index(((1, p, 1, 1), True)),
+             "R": planner.states.index(((1, p, 1, 1), False))}
+    assign = {}
+    for node, m in zip(planner.nodes, modes):
+        io = [state[ch] for ch in m]
+        assign[id(node)] = io[0] if len(io) == 1 else tuple(io)
+    return planner.assignment_plan(assign)
+
+
 def train(dist, a_f=(), buckets=False, planned=False):
     net = make_net(a_f=a_f)
-    if planned:  # every layer split over the channels, as the planner applies it
+    if planned:  # as the planner applies it
         p = comm.Get_size()
-        planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
-        apply_plan(net, planner.uniform_plan((1, p, 1, 1)), TSHAPE)
+        if planned is True:  # every layer split over the channels
+            planner = Planner(net, TSHAPE, CostModel(load_profile(PROFILE), p), channels=True)
+            apply_plan(net, planner.uniform_plan((1, p, 1, 1)), TSHAPE)
+        else:
+            plan = mode_plan(net, p, MODE_PLANS[planned.removesuffix(", N last")])
+            want = ["gathered", "channel", "filter", "replicated"] if p > 1 else [""]
+            assert {e.mode for e in plan.entries if e.layer == "Conv2d"} <= set(want)
+            if planned.endswith("N last"):  # grids laid out (C, S.., N): C is grid axis 0
+                plan.inner = "sample"
+            apply_plan(net, plan, TSHAPE)
     opt = nn.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     loss_fn = nn.SoftmaxCrossEntropy()
     rng = np.random.default_rng(31)
@@ -352,11 +460,17 @@ def train(dist, a_f=(), buckets=False, planned=False):
         else:
             net.backward(loss_fn.backward())
         opt.step()
+    if isinstance(planned, str) and comm.Get_size() > 1:  # the split modes held shards
+        convs = [m for m in net if isinstance(m, nn.Conv2d)]
+        modes = [m for m in MODE_PLANS[planned.removesuffix(", N last")] if len(m) == 2]
+        for conv, m in zip(convs, modes):
+            assert (conv.weight.dist is None) == (m == "RR"), (planned, m)
     return np.array(losses), net.state_dict()
 
 
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("variant", ["N x F", "F, C = F, buckets", "planned C"])
+@pytest.mark.parametrize("variant", ["N x F", "F, C = F, buckets", "planned C", "modes",
+                                     "modes 2", "modes, N last"])
 def test_training_with_channel_filter_splits_matches_one_process(variant):
     p = comm.Get_size()
     serial = dt.Distribution(TSHAPE, dt.ProcessGrid((1,), MPI.COMM_SELF), (None,) * 4)
@@ -367,6 +481,9 @@ def test_training_with_channel_filter_splits_matches_one_process(variant):
     elif variant == "planned C":
         dist = dt.Distribution(TSHAPE, grid((p,)), (0, None, None, None))
         losses, state = train(dist, planned=True)
+    elif variant.startswith("modes"):  # planned filter-, channel-parallel, replicated convs
+        dist = dt.Distribution(TSHAPE, grid((p,)), (None,) * 4)
+        losses, state = train(dist, planned=variant)
     else:
         dist = dt.Distribution(TSHAPE, grid((p,)), (None,) * 4)
         losses, state = train(dist, a_f=(0,), buckets=True)
@@ -385,20 +502,25 @@ def wide_net():
                          nn.GlobalAvgPool(), nn.Linear(512, 10))
 
 
+def twin_of(spec):
+    """(in, out) channels of the convolution a cost spec's kernels are timed as."""
+    return (spec.twin.in_channels, spec.twin.out_channels) if spec.twin else None
+
+
 def test_conv_cost_spec_under_a_channel_split():
     """Hand-computed: the gather, a quarter of the work and of the weight-gradient bytes."""
-    conv = nn.Conv2d(64, 512, 3, padding=1)
+    conv = nn.Conv2d(64, 512, 3, padding=1, filter_axes=(1,))
     dist = dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1), (0, 1, 2, 3))
     spec = conv.cost_spec(dist)
     params = 512 * 64 * 9 + 512
-    assert spec.share == 128 / 512
+    assert spec.share == 1 and twin_of(spec) == (64, 128)  # 64 channels into 128 filters
     assert spec.redistributions == (dt.Distribution((4, 64, 14, 14), (1, 4, 2, 1),
                                                     (0, None, 2, 3)),)
     assert len(spec.allreduces) == 1 and spec.allreduces[0].gradient
     assert spec.allreduces[0].nbytes == params * 4 / 4 and spec.allreduces[0].dims == (0, 2, 3)
     # the gathered block, one halo (or padding) cell on each side of H and W
     assert spec.local_shape == (4, 64, 9, 16)
-    assert spec.flops == 2.0 * 4 * 512 * 7 * 14 * 64 * 9  # the twin's (whole F) work
+    assert spec.flops == 2.0 * 4 * 128 * 7 * 14 * 64 * 9  # a quarter of the filters
     assert spec.saved == (4 * 64 * 9 * 16 - 4 * 64 * 7 * 14) * 4 + 4 * 64 * 7 * 14 * 4
 
 
@@ -412,6 +534,146 @@ def test_planner_splits_channels_where_its_model_says_they_pay():
     assert all(len(e.grid) == 4 for e in cf.entries)
     assert any(e.grid[1] > 1 for e in cf.entries if e.layer == "Conv2d")
     assert "grid (N,C,S..)" in cf.table() and "grid (N,S..)" in plain.table()
+    # more candidates never give a slower plan, though the overlapped DP is approximate
+    for p in (2, 8):
+        plain = Planner(net, shape, CostModel(prof, p)).plan()
+        assert Planner(net, shape, CostModel(prof, p), channels=True).plan().time <= \
+            plain.time * (1 + 1e-12)
     # one rank: nothing to split, the same plan either way
     one = Planner(net, shape, CostModel(prof, 1), channels=True).plan()
     assert one.time == pytest.approx(Planner(net, shape, CostModel(prof, 1)).plan().time)
+
+
+def test_conv_cost_spec_of_each_mode():
+    """Hand-computed shares, sums and kept bytes of channel-, filter-parallel and replicated."""
+    params = 512 * 64 * 9 + 512
+    grid_shape = (1, 4, 2, 1)
+    split = dt.Distribution((4, 64, 14, 14), grid_shape, (0, 1, 2, 3))
+    whole = dt.Distribution((4, 64, 14, 14), grid_shape, (0, None, 2, 3))
+    # channel-parallel: a quarter of the input channels, every filter; the output summed
+    spec = nn.Conv2d(64, 512, 3, padding=1).cost_spec(split)
+    assert twin_of(spec) == (16, 512) and spec.redistributions == ()
+    assert spec.local_shape == (4, 16, 9, 16)  # timed as a 16-channel convolution
+    assert spec.flops == 2.0 * 4 * 512 * 7 * 14 * 16 * 9
+    grad, out = spec.allreduces
+    assert grad.gradient and grad.nbytes == params * 4 / 4 and grad.dims == (0, 2, 3)
+    assert not out.gradient and out.dims == (1,) and out.nbytes == 4 * 512 * 7 * 14 * 4
+    assert spec.saved == (4 * 16 * 9 * 16 - 4 * 16 * 7 * 14) * 4  # halo growth of 16 channels
+    # filter-parallel on whole channels: a quarter of the filters; the input gradient summed
+    spec = nn.Conv2d(64, 512, 3, padding=1, filter_axes=(1,)).cost_spec(whole)
+    assert twin_of(spec) == (64, 128) and spec.redistributions == ()
+    assert spec.local_shape == (4, 64, 9, 16) and spec.flops == 2.0 * 4 * 128 * 7 * 14 * 64 * 9
+    grad, dx = spec.allreduces  # dims: the channels are whole, dimension 1 splits nothing
+    assert grad.nbytes == params * 4 / 4 and grad.dims == (0, 1, 2, 3)
+    assert not dx.gradient and dx.dims == () and dx.axes == (1,)
+    assert dx.nbytes == 4 * 64 * 7 * 14 * 4
+    assert spec.saved == (4 * 64 * 9 * 16 - 4 * 64 * 7 * 14) * 4
+    # replicated: the whole layer on each of the 4 replicas
+    spec = nn.Conv2d(64, 512, 3, padding=1).cost_spec(whole)
+    assert spec.twin is None and len(spec.allreduces) == 1
+    assert spec.allreduces[0].nbytes == params * 4
+    # uneven: 6 input channels over 4 ranks, the largest slice holds 2
+    spec = nn.Conv2d(6, 8, 1).cost_spec(dt.Distribution((2, 6, 4, 4), (1, 4, 1, 1),
+                                                        (0, 1, 2, 3)))
+    assert twin_of(spec) == (2, 8)
+    assert spec.allreduces[0].nbytes == pytest.approx((8 * 6 + 8) * 4 * 2 / 6)
+
+
+def test_cost_model_prices_each_mode_by_hand():
+    """The LayerCost of a 1x1 convolution (no halo) in every mode, from the profile's formulas."""
+    prof = load_profile(PROFILE)
+    cm = CostModel(prof, 8, overlap=False)  # two nodes of 4: C inside one, N across both
+    assert prof.node_size == 4
+    conv = nn.Conv2d(64, 32, 1)
+    shape, cand = (4, 64, 14, 14), (2, 4, 1, 1)
+    params = (32 * 64 + 32) * 4
+    block_in, block_out = 2 * 64 * 14 * 14 * 4, 2 * 32 * 14 * 14 * 4
+
+    def price(filter_axes, split, split_out):
+        conv.filter_axes = filter_axes
+        return cm.layer(conv, shape, cand, split, split_out)
+
+    def kernels(c, cin, f):  # the rate model on the rank's (2, cin, 14, 14) -> (2, f, 14, 14)
+        t = prof.kernel_time(2.0 * 2 * f * 14 * 14 * cin, (2 * cin + 2 * f) * 14 * 14 * 4)
+        assert c.fwd == pytest.approx(t) and c.bwd == pytest.approx(2 * t)
+
+    # gathered: the allgather along C forward (3 peers send 3/4 of the block), its adjoint back
+    c = price((1,), True, True)
+    gather = prof.alltoall(block_in * 3 / 4, 3, inter=True)
+    assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) + 2 * gather)
+    kernels(c, 64, 8)
+    # channel-parallel: the whole output block summed over the 4 channel ranks
+    c = price((), True, False)
+    assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) +
+                                   prof.allreduce(block_out, 4, 4))
+    kernels(c, 16, 32)
+    # filter-parallel: the whole input gradient summed over the 4 filter ranks
+    c = price((1,), False, True)
+    assert c.comm == pytest.approx(prof.allreduce(params / 4, 2, 1) +
+                                   prof.allreduce(block_in, 4, 4))
+    kernels(c, 64, 8)
+    # replicated: the whole weight gradient over the 2 sample ranks only
+    c = price((), False, False)
+    assert c.comm == pytest.approx(prof.allreduce(params, 2, 1))
+    kernels(c, 64, 32)
+
+
+def test_planner_dp_equals_brute_force_over_modes():
+    """Every layer's state and every convolution's mode enumerated: the DP finds the minimum."""
+    net = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64),
+                        nn.Conv2d(64, 8, 1))
+    shape = (2, 16, 8, 8)
+    prof = load_profile(PROFILE)
+    for p, allowed, slower in [(2, None, 1.0), (2, None, 100.0),
+                               (4, [(4, 1, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2)], 1.0)]:
+        # slower kernels make splitting the work pay
+        slow = dataclasses.replace(prof, peak_flops=prof.peak_flops / slower)
+        planner = Planner(net, shape, CostModel(slow, p, overlap=False), allowed=allowed,
+                          channels=True)
+        n = len(planner.states)
+        options = []
+        for node in planner.nodes:
+            if planner.modal(node):
+                options.append([(c, o) for c in range(n) for o in range(n)
+                                if planner.states[c][0] == planner.states[o][0]])
+            else:
+                options.append(list(range(n)))
+        best, best_assign = np.inf, None
+        for a in itertools.product(*options):
+            t = planner.assignment_cost({id(node): v for node, v in zip(planner.nodes, a)})[0]
+            if t < best:
+                best, best_assign = t, a
+        plan = planner.plan()
+        assert plan.time == pytest.approx(best, rel=1e-9), (p, slower, best_assign)
+        if slower > 1:  # here the model says: gathered filter-parallel, then channel-parallel
+            assert [e.mode for e in plan.entries if e.layer == "Conv2d"][:2] == \
+                ["gathered", "channel"], plan.table()
+
+
+def test_planner_prices_grouped_convolutions_only_where_they_run():
+    """A depthwise convolution: whole groups per rank (split in, split out) or replicated."""
+    net = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU())
+    planner = Planner(net, (2, 8, 6, 6), CostModel(load_profile(PROFILE), 4), channels=True)
+    node = planner.nodes[0]
+    split, whole = (planner.states.index(((1, 4, 1, 1), s)) for s in (True, False))
+    assert planner.mode(node, split, split) == "grouped"
+    assert np.isfinite(planner.layer_cost(node, split, split).fwd)
+    assert np.isfinite(planner.layer_cost(node, whole, whole).fwd)
+    assert not np.isfinite(planner.layer_cost(node, split, whole).fwd)  # channel-parallel
+    assert not np.isfinite(planner.layer_cost(node, whole, split).fwd)  # filter-parallel
+    spec = planner.layer_cost(node, split, split)
+    assert spec.comm == 0  # no gather, no partial sums, no weight gradient to share
+
+
+def test_planner_keeps_depth_to_space_off_channel_splits_it_refuses():
+    """64 channels into 8x8 blocks: no channel split of 2 ranks gives whole output channels."""
+    net = nn.Sequential(nn.Conv2d(4, 64, 1), DepthToSpace(8))
+    planner = Planner(net, (1, 4, 4, 4), CostModel(load_profile(PROFILE), 2), channels=True)
+    node = planner.nodes[1]
+    split = planner.states.index(((1, 2, 1, 1), True))
+    whole = planner.states.index(((1, 2, 1, 1), False))
+    assert not np.isfinite(planner.layer_cost(node, split).fwd)  # 32 | 32: cut mid-block
+    assert np.isfinite(planner.layer_cost(node, whole).fwd)
+    plan = planner.plan()
+    assert not (plan.entries[1].grid[1] > 1 and plan.entries[1].split_channels)

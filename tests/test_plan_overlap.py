@@ -154,7 +154,7 @@ def test_sample_inner_placement_moves_the_sample_split_into_the_nodes():
     last, the 4 ranks splitting N share a node and the H neighbours are on other nodes;
     the blocks are the same as in the spatial placement."""
     shape = (8, 4, 16, 8)
-    space, sample = dist_for(shape, (4, 2, 1)), dist_for(shape, (4, 2, 1), "sample")
+    space, sample = dist_for(shape, (4, 2, 1)), dist_for(shape, (4, 2, 1), inner="sample")
     assert space.grid_shape == (4, 2, 1) and sample.grid_shape == (2, 1, 4)
     assert sample.nblocks == space.nblocks
     n_axes, h_axes = sample.dim_axes[0], sample.dim_axes[2]
@@ -163,7 +163,7 @@ def test_sample_inner_placement_moves_the_sample_split_into_the_nodes():
     assert ranks_per_node_of(space, space.dim_axes[0], 4) == (4, 2)
     assert ranks_per_node_of(space, space.dim_axes[2], 4) == (2, 2)
     with pytest.raises(ValueError, match="inner"):
-        dist_for(shape, (4, 2, 1), "channels")
+        dist_for(shape, (4, 2, 1), inner="channels")
     p = two_level()
     cm = CostModel(p, 8, overlap=False)
     cm.inner = "sample"

@@ -4,6 +4,7 @@ filter splits."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -107,6 +108,7 @@ class ConvNd(WindowLayer):
         self.overlap = overlap
         self.filter_axes = filter_axes
         self._splits: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self._local = False  # grouped, each rank holding whole groups
         self.dtype = np.dtype(dtype)
         fan_in = in_channels // groups * int(np.prod(self.spec.kernel))
         bound = 1.0 / np.sqrt(fan_in)
@@ -132,16 +134,49 @@ class ConvNd(WindowLayer):
         are split over :attr:`filter_axes`; channels over the axes that split
         the input's channels, unless those are the filter axes (the input is
         then gathered along C and the layer is filter-parallel); see
-        :func:`disttensor_nn.layers.sharding.weight_splits`.
+        :func:`disttensor_nn.layers.sharding.weight_splits`. With ``groups >
+        1`` the channels and filters may be split only over the same grid
+        axes, each rank holding whole groups of both (its groups' channels
+        in, their filters out: purely local); the weight is then split by
+        filters alone.
 
         Raises
         ------
         ValueError
             For filter axes outside the grid or splitting N or space, filter
-            and channel axes that overlap in part, or a split channel or
-            filter dimension with ``groups > 1``.
+            and channel axes that overlap in part, or, with ``groups > 1``, a
+            channel or filter split that does not give each rank whole groups.
         """
-        return weight_splits(type(self).__name__, dist, self.filter_axes, self.groups)
+        name = type(self).__name__
+        a_f, a_c = weight_splits(name, dist, self.filter_axes)
+        if self.groups > 1 and self._grouped_local(dist, a_f):
+            return a_f, ()
+        return a_f, a_c
+
+    def _grouped_local(self, dist: Distribution, a_f: tuple[int, ...]) -> bool:
+        """Whether a grouped layer's split gives each rank whole groups (ValueError if it
+        splits the channels or filters otherwise); False when nothing is split."""
+        def real(axes: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(a for a in axes if dist.grid_shape[a] > 1)
+
+        rc, rf = real(dist.dim_axes[1]), real(a_f)
+        if not rc and not rf:
+            return False
+        cg, fg = self.in_channels // self.groups, self.out_channels // self.groups
+        cb = dist.boundaries[1]
+        fb = Distribution((self.out_channels,), dist.grid_shape, (rc,)).boundaries[0]
+        if rc != rf or any(c % cg or f % fg or c // cg != f // fg for c, f in zip(cb, fb)):
+            raise ValueError(
+                f"{type(self).__name__}: groups={self.groups} with a split channel or filter "
+                "dimension needs the channels and the filters split over the same grid axes, "
+                f"each rank holding whole groups ({cg} channels, {fg} filters each); got "
+                f"channels split over {rc} at {list(cb)} and filters over {rf}")
+        return True
+
+    def _local_groups(self, channels: int) -> int:
+        """Groups in a block of ``channels`` input channels (whole groups of this layer)."""
+        return self.groups if self.groups == 1 or channels == self.in_channels else \
+            channels // (self.in_channels // self.groups)
 
     def _check(self, x: DistArray) -> None:
         check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype,
@@ -161,7 +196,9 @@ class ConvNd(WindowLayer):
         """Shard the parameters for ``x``'s split; gather ``x`` along C if filter-parallel."""
         self._splits = a_f, a_c = self.weight_splits(x.dist)
         shard_parameters(self.weight, self.bias, x, a_f, a_c)
-        return gather_channels(x, a_c)
+        # grouped, each rank's whole groups: its channels are all its kernels need
+        self._local = self.groups > 1 and bool(x.dist.dim_axes[1])
+        return x if self._local else gather_channels(x, a_c)
 
     def _finish_output(self, y: DistArray) -> DistArray:
         """Channel-parallel: sum the partial outputs over the channel group, then add the bias."""
@@ -169,8 +206,9 @@ class ConvNd(WindowLayer):
         return y
 
     def _input_grad(self, dx: DistArray, x: DistArray) -> DistArray:
-        """Sum the partial input gradients over the filter group (reduce-scatter if gathered)."""
-        return sum_input_grad(dx, x, self._splits[0])
+        """Sum the partial input gradients over the filter group (reduce-scatter if gathered);
+        nothing to sum when each rank holds whole groups."""
+        return dx if self._local else sum_input_grad(dx, x, self._splits[0])
 
     # ------------------------------------------------------------ kernels
     def _kernel_forward(self, xwin: Any) -> Any:
@@ -184,13 +222,15 @@ class ConvNd(WindowLayer):
             if b is not None:
                 y += b.reshape((-1,) + (1,) * self.nd)
             return y
-        return kernels.conv_forward(xwin, w, b, s.stride, s.dilation, self.groups)
+        return kernels.conv_forward(xwin, w, b, s.stride, s.dilation,
+                                    self._local_groups(xwin.shape[1]))
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
         if self.weight.data.size == 0:
             return array_namespace(xwin).zeros(xwin.shape, dtype=dy.dtype)
         dx, _, _ = kernels_for(xwin).conv_backward(
-            dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation, self.groups,
+            dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
+            self._local_groups(xwin.shape[1]),
             need_dx=True, need_dw=False)
         return dx
 
@@ -204,7 +244,7 @@ class ConvNd(WindowLayer):
         else:
             _, dw, db = kernels_for(xwin).conv_backward(
                 dy.local, xwin, w, self.spec.stride, self.spec.dilation,
-                self.groups, need_dx=False, need_dw=True)
+                self._local_groups(xwin.shape[1]), need_dx=False, need_dw=True)
         # The ranks that split N or space hold parts of the sums of the same shard.
         reduce_gradients_([(self.weight, dw), (self.bias, db)],
                           split_axes_comm(dy.dist, sum_axes))
@@ -221,45 +261,67 @@ class ConvNd(WindowLayer):
         The workspace is the larger of forward's (an output block and a tile
         of im2col columns) and backward's (the extended block's gradient and
         two tiles of columns); a tile holds the columns of at least 512 output
-        positions, about 4 MiB, at most 64 MiB. The weight and bias gradients
-        are summed over every rank that splits the input's samples or space.
+        positions, about 4 MiB, at most 64 MiB.
 
-        An input split along C is described as the planner applies it: the
-        filters split over the same grid axes, the input gathered along C
-        (a redistribution forward, its adjoint backward, and the gathered
-        block kept for backward), each rank doing ``F_slice / F`` of the
-        whole layer's kernel work (``share``) and reducing that share of the
-        weight gradients. ``filter_axes`` alone (whole input channels) split
-        the filters the same way without the gather.
+        Channel and filter splits are described as the layer runs them for
+        this input and its :attr:`filter_axes` (:meth:`weight_splits`): each
+        rank runs a convolution of its slice of the channels into its slice
+        of the filters (``twin``: the kernels are timed as that narrower
+        convolution on the rank's block) and reduces ``F_slice / F * C_slice
+        / C`` of the weight gradients over the ranks that split samples or
+        space. Filter-parallel on a channel-split
+        input gathers it along C (a redistribution forward, its adjoint, a
+        reduce-scatter, backward; the gathered block kept for backward);
+        channel-parallel sums the partial outputs (an allreduce forward over
+        the channel axes); filter-parallel on whole channels, or channel x
+        filter, sums the partial input gradients over the filter axes (an
+        allreduce backward); a grouped convolution whose ranks hold whole
+        groups sends nothing. A ``filter_axes`` that does not fit ``dist``
+        (meant for another grid) counts as none.
         """
         a_c = tuple(a for a in dist.dim_axes[1] if dist.grid_shape[a] > 1)  # real splits
-        gathered = dist
-        if a_c:
-            gathered = channel_split_axes(dist, None)
-            a_f = a_c
-        else:
-            try:
-                a_f = self.weight_splits(dist)[0]
-            except ValueError:  # filter axes meant for another grid: whole filters
-                a_f = ()
+        try:
+            a_f, a_w = self.weight_splits(dist)
+        except ValueError:  # filter axes meant for another grid: whole filters
+            a_f, a_w = (), dist.dim_axes[1]
+        a_f = tuple(a for a in a_f if dist.grid_shape[a] > 1)
+        a_w = tuple(a for a in a_w if dist.grid_shape[a] > 1)
+        local = self.groups > 1 and bool(a_c)  # each rank's whole groups
+        gathered_mode = bool(a_c) and not a_w and not local  # the input gathered along C
+        whole = channel_split_axes(dist, None)  # the input with every channel
+        kin = dist if a_w or local else whole  # the block the kernels run on
         pf = math.prod(dist.grid_shape[a] for a in a_f)
-        share = -(-self.out_channels // pf) / self.out_channels
-        ext, out_block, _ = self._window_blocks(gathered)
-        ck = self.in_channels // self.groups * math.prod(self.spec.kernel)
+        f_loc = -(-self.out_channels // pf)  # the largest filter slice
+        ext, out_block, _ = self._window_blocks(kin)
+        c_loc = ext[1]  # the largest channel slice (every channel unless channel-parallel)
+        out_block = (out_block[0], f_loc, *out_block[2:])
+        g_loc = max(self._local_groups(c_loc), 1)
+        ck = c_loc // g_loc * math.prod(self.spec.kernel)
         params = sum(math.prod(q.shape) for q in self.own_parameters())
+        share = f_loc / self.out_channels * c_loc / self.in_channels  # of the weights
         positions = math.prod(out_block) // max(out_block[1], 1)
         tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
-        out_bytes = math.prod(out_block) * itemsize * share
-        base = super().cost_spec(gathered, itemsize)
-        kept = math.prod(largest_block(gathered)) * itemsize if a_c else 0
+        out_bytes = math.prod(out_block) * itemsize
+        base = super().cost_spec(kin, itemsize)
+        kept = math.prod(largest_block(whole)) * itemsize if gathered_mode else 0
+        sums = [Allreduce(params * itemsize * share, tuple(
+            d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True)]
+        if a_w:  # channel-parallel: the partial outputs summed forward
+            sums.append(Allreduce(out_bytes, (1,)))
+        if a_f and not gathered_mode and not local and self.input_grad:  # dx's partial sums
+            sums.append(Allreduce(math.prod(largest_block(dist)) * itemsize, (), axes=a_f))
+        twin = None
+        if (c_loc, f_loc) != (self.in_channels, self.out_channels):
+            s = self.spec
+            twin = _sliced_twin(type(self), c_loc, f_loc, s.kernel, s.stride, s.dilation,
+                                g_loc, self.bias is not None, self.dtype.str, self.input_grad)
         return dataclasses.replace(
             base,
-            flops=2.0 * math.prod(out_block) * self.in_channels // self.groups *
-            math.prod(self.spec.kernel),
-            allreduces=(Allreduce(params * itemsize * share, tuple(
-                d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True),),
-            redistributions=(gathered,) if a_c else (),
-            saved=base.saved + kept, share=share,
+            flops=2.0 * math.prod(out_block) * ck,
+            nbytes=(math.prod(ext) + math.prod(out_block)) * itemsize,
+            allreduces=tuple(sums),
+            redistributions=(whole,) if gathered_mode else (),
+            saved=base.saved + kept, twin=twin,
             workspace=max(out_bytes + tile, math.prod(ext) * itemsize + 2 * tile),
             forward_workspace=out_bytes + tile)
 
@@ -272,6 +334,15 @@ class ConvNd(WindowLayer):
         s = self.spec
         return type(self)(self.in_channels, self.out_channels, s.kernel, s.stride, 0,
                           s.dilation, self.groups, self.bias is not None, dtype=self.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _sliced_twin(cls: type, c: int, f: int, kernel: tuple, stride: tuple, dilation: tuple,
+                 groups: int, bias: bool, dtype: str, input_grad: bool) -> ConvNd:
+    """The convolution one rank runs on a slice of ``c`` channels into ``f`` filters."""
+    twin = cls(c, f, kernel, stride, 0, dilation, groups, bias, dtype=np.dtype(dtype))
+    twin.input_grad = input_grad
+    return twin
 
 
 class Conv1d(ConvNd):

@@ -276,7 +276,9 @@ class BatchNormNd(Layer):
         Two allreduces of ``2 C`` float64 sums (statistics forward, the
         input gradient's sums backward) over the ranks that share the
         statistics: those splitting N and space (``stats="global"``) or space
-        only (``"group"``), and those splitting C.
+        only (``"group"``), and those splitting C. On a channel slice the
+        kernels are timed on the block of every channel (the twin's) and
+        scaled by the slice's share.
         """
         block = largest_block(dist)
         n = math.prod(block)
@@ -284,8 +286,13 @@ class BatchNormNd(Layer):
         chans = (1,) if dist.nblocks[1] > 1 else ()
         sums = Allreduce(2 * self.num_features * 8,
                          (0, *chans, *spatial) if self.stats == "global" else (*chans, *spatial))
-        return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, allreduces=(sums, sums),
-                        keeps_input=True, workspace=n // max(block[0], 1) * itemsize)
+        # a channel slice: timed on the twin's block of every channel, scaled by the slice
+        twin = (block[0], self.num_features, *block[2:])
+        share = block[1] / self.num_features if chans else 1.0
+        whole = math.prod(twin) if chans else n
+        return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
+                        allreduces=(sums, sums), keeps_input=True,
+                        workspace=n // max(block[0], 1) * itemsize, share=share)
 
     def kernel_signature(self) -> str:
         return f"bn:{self.num_features}:{self.stats}"

@@ -41,7 +41,10 @@ class DepthToSpace(Layer):
     reshape and transpose of each rank's block with no communication: the
     output is split like the input, with the spatial block boundaries
     multiplied by ``b`` (sample boundaries unchanged). Backward is the
-    inverse reshape. The channel dimension must not be split.
+    inverse reshape. The channels may be split where every block boundary
+    falls on a multiple of ``prod(b)`` (each rank's channels then make whole
+    output channels, and the output's channel boundaries are the input's
+    divided by ``prod(b)``); any other channel split is refused.
 
     Parameters
     ----------
@@ -75,17 +78,30 @@ class DepthToSpace(Layer):
         return (n, cb // prod, *(s * k for s, k in zip(space, b)))
 
     def output_distribution(self, in_dist: Distribution) -> Distribution:
-        """Distribution of the output for an input distributed as ``in_dist``."""
+        """Distribution of the output for an input distributed as ``in_dist``.
+
+        Raises
+        ------
+        ValueError
+            For a channel split with a block boundary that is not a multiple
+            of ``prod(b)`` (an output channel would straddle two ranks).
+        """
         b = self._blocks(in_dist.ndim - 2)
-        scale = (1, 1, *b)
         shape = self.output_shape(in_dist.global_shape)
-        splits = [[c * f for c in bounds[1:-1]] for bounds, f in zip(in_dist.boundaries, scale)]
+        prod = math.prod(b)
+        chans = in_dist.boundaries[1]
+        if any(c % prod for c in chans):
+            raise ValueError(f"DepthToSpace({self.block}) on channels split at {list(chans)}: "
+                             f"every block boundary must be a multiple of {prod}")
+        splits = [[c * f for c in bounds[1:-1]] for bounds, f in zip(in_dist.boundaries,
+                                                                      (1, 1, *b))]
+        splits[1] = [c // prod for c in chans[1:-1]]
         return in_dist.replace(global_shape=shape, splits=splits)
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 3:
             raise ValueError("DepthToSpace expects an (N, C, *S) DistArray")
-        check_input(x, x.ndim, "DepthToSpace")
+        check_input(x, x.ndim, "DepthToSpace", split_channels=True)
         out_dist = self.output_distribution(x.dist)
         nd = x.ndim - 2
         b = self._blocks(nd)
@@ -114,7 +130,11 @@ class DepthToSpace(Layer):
         return DistArray(xp.reshape(contiguous(dx, copy=True), (n, cb, *s)), in_dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """A copy of the block each way; nothing is kept for backward."""
+        """A copy of the block each way; nothing is kept for backward.
+
+        Raises ValueError for a channel split it refuses (as :meth:`output_distribution`).
+        """
+        self.output_distribution(dist)
         block = largest_block(dist)
         n = math.prod(block)
         return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize)

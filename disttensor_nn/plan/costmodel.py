@@ -57,8 +57,12 @@ NODE_INNER = ("space", "sample")
 """Which grid axes a plan keeps inside a node (see :func:`dist_for`)."""
 
 
-def dist_for(shape: tuple[int, ...], cand: Candidate, inner: str = "space") -> Distribution:
+def dist_for(shape: tuple[int, ...], cand: Candidate, split_channels: bool = True,
+             inner: str = "space") -> Distribution:
     """Pure Distribution of an activation of ``shape`` under ``cand`` (grid shape only).
+
+    Under a grid over (N, C, S..), ``split_channels=False`` keeps the
+    channels whole: the ranks along the channel axis hold replicas.
 
     Ranks fill nodes in order and the grid is row-major over them, so its
     last axes stay inside a node. ``inner="space"`` lays the grid out in the
@@ -77,7 +81,7 @@ def dist_for(shape: tuple[int, ...], cand: Candidate, inner: str = "space") -> D
     elif len(shape) == nsp + 2:
         axes = (0, None, *range(1, nsp + 1))
     elif len(shape) == len(cand) and len(shape) > 2:  # (pN, pC, pS..): channels split too
-        axes = tuple(range(len(shape)))
+        axes = (0, 1 if split_channels else None, *range(2, len(shape)))
     else:
         raise ValueError(f"activation {shape} does not fit candidate {cand}")
     grid = tuple(cand)
@@ -246,22 +250,27 @@ class CostModel:
         t = p.kernel_time(flops * share, nbytes * share)  # backward: data and weights
         return t, 2 * t, True, False
 
-    def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate) -> LayerCost:
+    def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate,
+              split_channels: bool = True, split_out: bool | None = None) -> LayerCost:
         """Cost of ``layer`` on an input of global ``in_shape`` split by ``cand``.
 
         The layer states its work (:meth:`~disttensor_nn.Layer.cost_spec`);
         this prices it on the machine profile, with kernel times from the
-        timer where there is one.
+        timer where there is one. Under a grid over (N, C, S..),
+        ``split_channels`` says whether the input's channels are split (or
+        whole, replicated along the channel axis) and ``split_out`` the same
+        of the output (default: as the input).
         """
-        dist = dist_for(in_shape, cand, self.inner)
+        dist = dist_for(in_shape, cand, split_channels, inner=self.inner)
         spec = layer.cost_spec(dist, self.itemsize)
         _check_spec(layer, spec, dist)
         out_shape = tuple(layer.output_shape(tuple(in_shape)))
         in_bytes = math.prod(largest_block(dist)) * self.itemsize
+        split_out = split_channels if split_out is None else split_out
         out_bytes = in_bytes
         if len(out_shape) in (2, len(cand), len(cand) + 1):
-            out_bytes = math.prod(largest_block(dist_for(out_shape, cand, self.inner))) * \
-                self.itemsize
+            out_bytes = math.prod(largest_block(
+                dist_for(out_shape, cand, split_out, inner=self.inner))) * self.itemsize
         training = self.training
         cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),
                          transient=spec.transient(in_bytes, out_bytes, training),
@@ -269,7 +278,8 @@ class CostModel:
                          keeps_output=out_bytes * spec.keeps_output * training)
         if spec.timed:
             cost.fwd, cost.bwd, cost.estimated, cost.tiled = self._compute(
-                layer, spec.local_shape, spec.flops, spec.nbytes, spec.share)
+                layer if spec.twin is None else spec.twin, spec.local_shape, spec.flops,
+                spec.nbytes, spec.share)
         else:
             cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
         passes = 2 if training else 1  # forward and backward, or forward alone
@@ -278,7 +288,8 @@ class CostModel:
         for a in spec.allreduces:
             if a.gradient and not training:
                 continue
-            lat, bw = self.profile.allreduce_terms(a.nbytes, *self._spread(dist, a.dims))
+            lat, bw = self.profile.allreduce_terms(a.nbytes,
+                                                   *self._spread(dist, a.dims, a.axes))
             if self.overlap and a.gradient:  # in a bucket with others
                 cost.grad += lat * min(1.0, a.nbytes / self.bucket_bytes) + bw
             else:
@@ -294,8 +305,9 @@ class CostModel:
             cost.comm += passes * self.redistribution(dist, target)
         return cost
 
-    def _spread(self, dist: Distribution, dims: Sequence[int]) -> tuple[int, int]:
-        axes = [a for d in dims for a in dist.dim_axes[d]]
+    def _spread(self, dist: Distribution, dims: Sequence[int],
+                extra: Sequence[int] = ()) -> tuple[int, int]:
+        axes = [a for d in dims for a in dist.dim_axes[d]] + list(extra)
         return ranks_per_node_of(dist, axes, self.profile.node_size)
 
     def _halo(self, dist: Distribution, widths: Sequence[tuple[int, int]]) -> float:
@@ -314,7 +326,7 @@ class CostModel:
     # ------------------------------------------------------------ shuffles
     def shuffle(self, shape: tuple[int, ...], src: Distribution, dst: Candidate) -> float:
         """Time to redistribute an activation laid out as ``src`` to candidate ``dst``."""
-        return self.redistribution(src, dist_for(shape, dst, self.inner))
+        return self.redistribution(src, dist_for(shape, dst, inner=self.inner))
 
     def redistribution(self, src: Distribution, dst: Distribution) -> float:
         """Time to redistribute an activation from ``src`` to ``dst`` (pure distributions).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -152,7 +153,10 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         communication on its critical path, and the communication overlapped
         with kernels), ``peak_MiB``, ``grids`` (the candidates the plan uses),
         ``inner`` (the grid axes it keeps inside a node: ``"space"`` or
-        ``"sample"``, see ``Plan.inner``) and ``sample_parallel_ms`` (the plan that splits only the samples,
+        ``"sample"``, see ``Plan.inner``), ``modes`` (how many convolutions
+        the plan runs in each channel/filter mode,
+        :data:`~disttensor_nn.plan.planner.MODES`) and
+        ``sample_parallel_ms`` (the plan that splits only the samples,
         None when the batch cannot be split so) with ``sample_parallel_split``
         (its compute, exposed and hidden ms).
     """
@@ -171,6 +175,8 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
                      "exposed_ms": 1e3 * plan.exposed_comm, "hidden_ms": 1e3 * plan.hidden_comm,
                      "peak_MiB": plan.peak_memory / 2**20,
                      "grids": [list(g) for g in grids], "inner": plan.inner,
+                     "modes": dict(sorted(Counter(e.mode for e in plan.entries
+                                                  if e.mode).items())),
                      "sample_parallel_ms": 1e3 * uniform.time if uniform else None,
                      "sample_parallel_split": [1e3 * uniform.compute, 1e3 * uniform.exposed_comm,
                                                1e3 * uniform.hidden_comm] if uniform else None})

@@ -24,6 +24,7 @@ gap to brute force on small networks).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -52,10 +53,28 @@ from .costmodel import (
 from .timer import KernelTimer, QueryRecorder
 
 __all__ = ["Node", "Block", "trace", "leaf_nodes", "Planner", "Plan", "PlanEntry",
-           "apply_plan", "GRADIENT_WEIGHTS"]
+           "apply_plan", "GRADIENT_WEIGHTS", "MODES"]
 
 #: Shares of a layer's gradient reduction the DP charges when reductions overlap backward.
 GRADIENT_WEIGHTS = (1.0, 0.5, 0.25, 0.125, 0.0)
+
+#: A convolution's modes under a grid over (N, C, S..) (``PlanEntry.mode``).
+MODES = {
+    "gathered": "filter-parallel on the input gathered along C",
+    "channel": "channel-parallel, partial outputs allreduced",
+    "filter": "filter-parallel, partial input gradients allreduced",
+    "replicated": "the whole layer on each replica",
+    "grouped": "grouped, each rank's whole groups, no message",
+}
+_MODE_LABEL = {"gathered": "C>F", "channel": "C>-", "filter": "->F", "replicated": "->-",
+               "grouped": "C>F g"}
+
+
+def _split_label(e: PlanEntry) -> str:
+    """The C/F column of a plan's table."""
+    if len(e.in_shape) != len(e.grid) or e.grid[1] == 1:
+        return ""
+    return _MODE_LABEL.get(e.mode, "C" if e.split_channels else "-")
 
 
 @dataclass
@@ -113,6 +132,12 @@ def leaf_nodes(items: list) -> list[Node]:
     return out
 
 
+def _io(value: int | tuple[int, int]) -> tuple[int, int]:
+    """(input state, output state) of an assignment's value for one layer."""
+    return (value, value) if isinstance(value, (int, np.integer)) else \
+        (int(value[0]), int(value[1]))
+
+
 def _minplus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     s = a[:, :, None] + b[None, :, :]
     k = s.argmin(axis=1)
@@ -136,6 +161,10 @@ class PlanEntry:
     tiled: bool = False
     transient: float = 0.0
     recompute: int = -1  # recompute segment (activation checkpointing); -1: kept
+    # under a grid over (N, C, S..): the input's channels split along the channel axis (or
+    # whole, replicated along it), and a convolution's mode (MODES; "" for other layers)
+    split_channels: bool = True
+    mode: str = ""
 
 
 @dataclass
@@ -161,14 +190,16 @@ class Plan:
         """The plan as a readable text table."""
         dims = "(N,C,S..)" if any(len(e.grid) == len(self.batch_shape) for e in self.entries) \
             else "(N,S..)"
-        head = f"{'layer':<28} {'grid ' + dims:<16} {'fwd ms':>8} {'bwd ms':>8} " \
-               f"{'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
+        cf = dims == "(N,C,S..)"
+        head = f"{'layer':<28} {'grid ' + dims:<16} " + (f"{'C/F':<8} " if cf else "") + \
+            f"{'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
         lines = [head, "-" * len(head)]
         for e in self.entries:
             mark = ("*" if e.estimated else "~" if e.tiled else " ") + \
                 ("R" if e.recompute >= 0 else "")
             lines.append(
-                f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<16} {1e3 * e.fwd:8.2f} "
+                f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<16} "
+                + (f"{_split_label(e):<8} " if cf else "") + f"{1e3 * e.fwd:8.2f} "
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
                 f"{e.memory / 2**20:7.1f}{mark}")
         lines.append("-" * len(head))
@@ -189,6 +220,10 @@ class Plan:
             lines.append("* compute estimated from a rate model, not measured")
         if any(e.tiled for e in self.entries):
             lines.append("~ compute measured on a tile of the local block, scaled by FLOPs")
+        if cf:
+            lines.append("C/F: the input's channels split over the grid's C axis (C) or whole "
+                         "(-), and a convolution's output after '>': " + "; ".join(
+                             f"{_MODE_LABEL[k]} {v}" for k, v in MODES.items()))
         if any(e.recompute >= 0 for e in self.entries):
             lines.append(f"R recomputed in backward from its segment's input "
                          f"({len({e.recompute for e in self.entries} - {-1})} segments): "
@@ -230,19 +265,46 @@ class Planner:
         Restrict the candidate distributions (e.g. to compare uniform plans).
     channels : bool
         Also split the channels (candidates over (N, C, *S), see
-        :func:`~disttensor_nn.plan.candidates`): convolutions then split
-        their filters as their input's channels.
+        :func:`~disttensor_nn.plan.candidates`). Under such a grid an
+        activation has its channels split along the channel axis or whole
+        (replicated along it), and each convolution is planned in the
+        cheapest of its modes (:data:`MODES`): filter-parallel on a gathered
+        input (split channels in, split filters out), channel-parallel
+        (split in, whole out), filter-parallel (whole in, split out) or
+        replicated (whole in and out).
+    modes : sequence of str, optional
+        Restrict the convolutions' modes under such grids to these (keys of
+        :data:`MODES`; e.g. ``("channel",)`` with ``allowed=[(1, p, 1, 1)]``
+        for a channel-parallel plan). Default: all.
+
+    Attributes
+    ----------
+    cands : list of tuple
+        The candidate grids.
+    states : list of (tuple, bool)
+        The activation layouts the DP chooses among: each candidate grid
+        with its channels split (index ``i`` is ``cands[i]``), then each grid
+        with a channel axis longer than one with its channels whole.
     """
 
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
                  memory_budget: float | None = None, allowed: list[Candidate] | None = None,
-                 baseline: float = 0.0, recompute: bool | str = False, channels: bool = False):
+                 baseline: float = 0.0, recompute: bool | str = False, channels: bool = False,
+                 modes: Any = None):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
+        if modes is not None and (isinstance(modes, str) or not set(modes) <= set(MODES)):
+            raise ValueError(f"modes must be a sequence of {list(MODES)}, got {modes!r}")
+        self.modes = None if modes is None else frozenset(modes)
         self.items = trace(model, self.batch_shape)
         self.nodes = leaf_nodes(self.items)
         nsp = len(self.batch_shape) - 2
-        self.cands = list(allowed) if allowed is not None else \
+        self.cands = [tuple(c) for c in allowed] if allowed is not None else \
             candidates(cost.nprocs, nsp, channels)
+        self.states: list[tuple[Candidate, bool]] = [(c, True) for c in self.cands] + [
+            (c, False) for c in self.cands if len(c) == nsp + 2 and c[1] > 1]
+        index = {st: i for i, st in enumerate(self.states)}  # the other state of each grid
+        self._peer = np.array([index.get((g, not split), i)
+                               for i, (g, split) in enumerate(self.states)])
         self.budget = memory_budget
         self.baseline = float(baseline)
         if recompute not in (False, True, "auto"):
@@ -259,60 +321,133 @@ class Planner:
             (2 if cost.training else 1) * math.prod(out) * cost.itemsize / cost.nprocs
         # costs under each placement of the grid on the nodes (CostModel.inner)
         self._caches: dict[str, tuple[dict, dict]] = {}
-        self._layer_cost: dict[tuple[int, int], LayerCost] = {}
+        self._layer_cost: dict[tuple[int, int, int], LayerCost] = {}
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
         self._place(cost.inner)
         self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._weight = 1.0  # share of gradient reductions the DP charges
+        self._mask: np.ndarray | None = None  # the states the DP may use (None: all)
 
     # ------------------------------------------------------------ tables
-    def layer_cost(self, node: Node, c: int) -> LayerCost:
-        """Cost of ``node`` under candidate index ``c`` (cached).
+    def layer_cost(self, node: Node, c: int, o: int | None = None) -> LayerCost:
+        """Cost of ``node`` with its input in state ``c`` and its output in ``o`` (cached).
 
-        A layer whose memory alone exceeds the budget costs infinite time: it
+        States index :attr:`states`; ``o`` defaults to ``c``. Only a
+        convolution under a grid over (N, C, S..) may change the state (to the
+        same grid, its channels split or whole: its mode, :meth:`mode`); any
+        other change, or a channel split or mode the layer refuses (its
+        ``cost_spec`` or ``weight_splits`` raising ValueError), costs infinite time. A
+        layer whose memory alone exceeds the budget costs infinite time: it
         is not measured (which would need that memory) and cannot be chosen.
         """
-        key = (id(node), c)
+        o = c if o is None else o
+        key = (id(node), c, o)
         if key not in self._layer_cost:
-            cand = self.cands[c]
+            layer = self._moded(node, c, o)
+            if layer is None:
+                self._layer_cost[key] = LayerCost(fwd=np.inf)
+                return self._layer_cost[key]
+            cand, split = self.states[c]
+            out_split = self.states[o][1]
             if self.budget is not None:
                 alone = CostModel(self.cost.profile, self.cost.nprocs, QueryRecorder(),
                                   self.cost.itemsize, training=self.cost.training).layer(
-                                      node.layer, node.in_shape, cand)
+                                      layer, node.in_shape, cand, split, out_split)
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
                     self._layer_cost[key] = alone
                     return alone
-            self._layer_cost[key] = self.cost.layer(node.layer, node.in_shape, cand)
+            self._layer_cost[key] = self.cost.layer(layer, node.in_shape, cand, split,
+                                                    out_split)
         return self._layer_cost[key]
+
+    def modal(self, node: Node) -> bool:
+        """Whether ``node`` may change the state: a convolution under channel grids."""
+        return hasattr(node.layer, "filter_axes") and len(node.in_shape) > 2 and \
+            len(self.states) > len(self.cands)
+
+    def mode(self, node: Node, c: int, o: int) -> str:
+        """The mode (:data:`MODES`) of a convolution from state ``c`` to ``o``; "" otherwise."""
+        cand, split = self.states[c]
+        if not self.modal(node) or len(cand) != len(node.in_shape) or cand[1] == 1:
+            return ""
+        out = self.states[o][1]
+        if split and out and getattr(node.layer, "groups", 1) > 1:
+            return "grouped"
+        return {(True, True): "gathered", (True, False): "channel",
+                (False, True): "filter", (False, False): "replicated"}[(split, out)]
+
+    def _moded(self, node: Node, c: int, o: int) -> Layer | None:
+        """The layer as it runs from state ``c`` to ``o`` (a copy with its filter axes set),
+        or None where it cannot."""
+        if c == o and not self.modal(node):
+            g, split = self.states[c]
+            if split and len(g) == len(node.in_shape) and g[1] > 1:
+                try:  # a layer refuses a channel split it cannot take (its cost spec says)
+                    node.layer.cost_spec(dist_for(node.in_shape, g), self.cost.itemsize)
+                except ValueError:
+                    return None
+            return node.layer
+        if not self.modal(node) or self.states[c][0] != self.states[o][0]:
+            return None
+        cand, split = self.states[c]
+        if len(cand) != len(node.in_shape) or cand[1] == 1:
+            return node.layer if c == o else None
+        if self.modes is not None and self.mode(node, c, o) not in self.modes:
+            return None
+        layer = copy.copy(node.layer)
+        layer.filter_axes = (1,) if self.states[o][1] else ()
+        try:
+            layer.weight_splits(dist_for(node.in_shape, cand, split))
+        except ValueError:  # e.g. groups with a split channel or filter dimension
+            return None
+        return layer
 
     def shuffle_matrix(self, shape: tuple[int, ...]) -> np.ndarray:
         """Seconds to move an activation of ``shape`` from candidate ``i`` to ``j``."""
         if shape not in self._shuffle:
-            n = len(self.cands)
+            n = len(self.states)
             m = np.zeros((n, n))
             for i, j in itertools.product(range(n), range(n)):
                 if i != j:
-                    m[i, j] = self.cost.shuffle(
-                        shape, dist_for(shape, self.cands[i], self.cost.inner), self.cands[j])
+                    m[i, j] = self.cost.redistribution(
+                        dist_for(shape, *self.states[i], inner=self.cost.inner),
+                        dist_for(shape, *self.states[j], inner=self.cost.inner))
             self._shuffle[shape] = m
         return self._shuffle[shape]
 
+    def _price(self, lc: LayerCost, lam: float) -> float:
+        """The DP's price of one layer's cost: time plus ``lam`` times memory."""
+        fits = self.budget is None or lc.memory + lc.transient + self.base_memory <= self.budget
+        if not fits or not np.isfinite(lc.fwd):
+            return np.inf
+        if self._recomputing:  # each layer in a segment: kept only where one starts
+            kept = lc.memory if lc.keeps_input else 0.0
+            return kept if lam == np.inf else self._time(lc) + lc.fwd + lam * kept
+        # what the layer adds to the peak: kept (training) or its pass (inference)
+        mem = lc.memory if self.cost.training else lc.transient
+        return mem if lam == np.inf else self._time(lc) + lam * mem
+
     def _vector(self, node: Node, lam: float) -> np.ndarray:
-        v = np.empty(len(self.cands))
-        for c in range(len(self.cands)):
-            lc = self.layer_cost(node, c)
-            fits = self.budget is None or \
-                lc.memory + lc.transient + self.base_memory <= self.budget
-            if not fits:
-                v[c] = np.inf
-            elif self._recomputing:  # each layer in a segment: kept only where one starts
-                kept = lc.memory if lc.keeps_input else 0.0
-                v[c] = kept if lam == np.inf else self._time(lc) + lc.fwd + lam * kept
-            else:  # what the layer adds to the peak: kept (training) or its pass (inference)
-                mem = lc.memory if self.cost.training else lc.transient
-                v[c] = mem if lam == np.inf else self._time(lc) + lam * mem
-        return v
+        v = np.array([self._price(self.layer_cost(node, c), lam)
+                      for c in range(len(self.states))])
+        return v if self._mask is None else np.where(self._mask, v, np.inf)
+
+    def _modal_step(self, sh: np.ndarray, node: Node, lam: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """A convolution's step matrix: the shuffle to its input state ``c`` (``sh``), then
+        the layer from ``c`` to its output state ``o`` (one of the two states of ``o``'s
+        grid); and the chosen ``c`` for each (arriving state, ``o``)."""
+        peer, own = self._peer, np.arange(len(self.states))
+        stay = np.array([self._price(self.layer_cost(node, o, o), lam) for o in own])
+        swap = np.array([self._price(self.layer_cost(node, int(peer[o]), o), lam)
+                         if peer[o] != o else np.inf for o in own])
+        if self._mask is not None:  # both ends in allowed states
+            stay = np.where(self._mask, stay, np.inf)
+            swap = np.where(self._mask & self._mask[peer], swap, np.inf)
+        t1 = sh + stay[None, :]
+        t2 = sh[:, peer] + swap[None, :]
+        return np.minimum(t1, t2), np.where(t2 < t1, peer[None, :], own[None, :])
 
     def _time(self, lc: LayerCost) -> float:
         """The DP's additive price of a layer: its gradient reduction at the current weight."""
@@ -321,23 +456,34 @@ class Planner:
         return lc.total - (1.0 - self._weight) * lc.grad
 
     # ------------------------------------------------------------ calibration
-    def kernel_queries(self, cand: Candidate) -> list:
-        """The kernel measurements the cost model needs for the layers under ``cand``.
+    def kernel_queries(self, cand: Candidate, split_channels: bool = True) -> list:
+        """The kernel measurements the cost model needs for the layers under ``cand``
+        (with the activations' channels split or whole, under a grid over (N, C, S..)).
 
         Returns the ``(layer, local shape, dtype, flops)`` list in network
-        order (as :meth:`KernelTimer.measure_chain` takes it), without the
-        layers whose memory alone (kept, transient and the base) exceeds the
-        budget: they cannot be chosen.
+        order (as :meth:`KernelTimer.measure_chain` takes it), a convolution's
+        for each of its modes from this state, without the layers whose
+        memory alone (kept, transient and the base) exceeds the budget or
+        that cannot run so: they cannot be chosen.
         """
         rec = QueryRecorder()
         model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize,
                           training=self.cost.training)
+        c = self.states.index((tuple(cand), split_channels)) \
+            if (tuple(cand), split_channels) in self.states else None
         for node in self.nodes:
-            n = len(rec.queries)
-            lc = model.layer(node.layer, node.in_shape, cand)
-            if self.budget is not None and \
-                    lc.memory + lc.transient + self.base_memory > self.budget:
-                del rec.queries[n:]
+            outs = dict.fromkeys((c, int(self._peer[c]))) if c is not None and \
+                self.modal(node) else {c: None}
+            for o in outs:
+                layer = self._moded(node, c, o) if c is not None else node.layer
+                if layer is None:
+                    continue
+                n = len(rec.queries)
+                lc = model.layer(layer, node.in_shape, cand, split_channels,
+                                 self.states[o][1] if o is not None else None)
+                if self.budget is not None and \
+                        lc.memory + lc.transient + self.base_memory > self.budget:
+                    del rec.queries[n:]
         return rec.queries
 
     def calibrate(self, comm: Any = None, reps: int = 3, progress: bool = False,
@@ -364,8 +510,8 @@ class Planner:
         corun = comm.Get_size()
         dtype = np.dtype(f"f{self.cost.itemsize}")
         queries, news = [], 0
-        for cand in self.cands:
-            cand_queries = self.kernel_queries(cand)
+        for cand, split in self.states:
+            cand_queries = self.kernel_queries(cand, split)
             news += any(not any(timer.key(q[0], q[1], dtype, co) in timer.table
                                 for co in dict.fromkeys((corun, self.cost.corun)))
                         for q in cand_queries)
@@ -390,7 +536,7 @@ class Planner:
         With ``pin`` the input arrives in the layout of the chain's first layer
         (as the data loader provides it): ``a`` is that layout, at no cost.
         """
-        n = len(self.cands)
+        n = len(self.states)
         steps = []
         acc = None
         for k, it in enumerate(items):
@@ -399,8 +545,10 @@ class Planner:
                     sh = np.where(np.eye(n, dtype=bool), 0.0, np.inf)
                 else:
                     sh = self.shuffle_matrix(it.in_shape)
-                t = sh + self._vector(it, lam)[None, :]
-                sub = None
+                if self.modal(it):  # input moved to c, the layer from c to its output's state
+                    t, sub = self._modal_step(sh, it, lam)
+                else:
+                    t, sub = sh + self._vector(it, lam)[None, :], None
             else:
                 t, sub = self._block(it, lam, pin and k == 0)
             if acc is None:
@@ -428,12 +576,14 @@ class Planner:
             t, parg, psteps = pre, None, []
         return t, (bsteps, ssteps, sarg, psteps, parg)
 
-    def _backtrack(self, steps: list, a: int, c: int, out: dict[int, int]) -> None:
-        """Fill ``out[id(node)] = candidate`` for a chain whose input is in a, output in c."""
+    def _backtrack(self, steps: list, a: int, c: int, out: dict) -> None:
+        """Fill ``out[id(node)]`` (a state, or (input state, output state) where they differ)
+        for a chain whose input is in state a, output in c."""
         for it, arg, sub in reversed(steps):
             prev = arg[a, c] if arg is not None else a
             if isinstance(it, Node):
-                out[id(it)] = c
+                i = int(sub[prev, c]) if sub is not None else c
+                out[id(it)] = i if i == c else (i, c)
             else:
                 bsteps, ssteps, sarg, psteps, parg = sub
                 mid = parg[prev, c] if parg is not None else c
@@ -485,11 +635,11 @@ class Planner:
             nonlocal memory, transient
             for it in items:
                 if isinstance(it, Node):
-                    c = assign[id(it)]
+                    c, o = _io(assign[id(it)])
                     moved = current is not None and current != c
                     if moved:
                         costs.append(LayerCost(comm=self.shuffle_matrix(it.in_shape)[current, c]))
-                    lc = self.layer_cost(it, c)
+                    lc = self.layer_cost(it, c, o)
                     g = groups.get(id(it), -1)
                     if g >= 0:  # recomputed: forward again in backward; kept at the start only
                         costs.append(replace(lc, bwd=lc.bwd + lc.fwd))
@@ -499,7 +649,7 @@ class Planner:
                         h[1] = max(h[1], lc.transient)
                         memory += lc.memory if first else 0.0  # the input, grown halo
                         prev[0] = None
-                        current = c
+                        current = o
                         continue
                     costs.append(lc)
                     memory += lc.memory
@@ -507,13 +657,14 @@ class Planner:
                         memory -= min(prev[0].keeps_output, lc.keeps_input)
                     transient = max(transient, lc.transient + pending[0])
                     prev[0] = lc
-                    current = c
+                    current = o
                 else:
                     prev[0] = None
-                    start = current if current is not None else assign[id(leaf_nodes([it])[0])]
+                    start = current if current is not None else \
+                        _io(assign[id(leaf_nodes([it])[0])])[0]
                     held_in = 0.0 if self.cost.training else self.cost.itemsize * math.prod(
-                        largest_block(dist_for(it.in_shape, self.cands[start],
-                                               self.cost.inner)))
+                        largest_block(dist_for(it.in_shape, *self.states[start],
+                                               inner=self.cost.inner)))
                     pending[0] += held_in
                     out = walk(it.branch, start)
                     prev[0] = None
@@ -569,7 +720,7 @@ class Planner:
             for it in items:
                 if isinstance(it, Node):
                     c = assign[id(it)]
-                    starts = self.layer_cost(it, c).keeps_input > 0
+                    starts = self.layer_cost(it, *_io(c)).keeps_input > 0
                     last = runs[-1] if runs else []
                     if starts:
                         runs.append([it])
@@ -649,17 +800,32 @@ class Planner:
     def _plan(self) -> Plan:
         """The cheapest plan that fits the budget, recomputing or not as set now."""
         weights = GRADIENT_WEIGHTS if self.cost.overlap else (1.0,)
+        # With overlap the DP is approximate, so more states could price worse on the
+        # critical path: the channel splits' plans are also solved without them (a subset
+        # of the states), so that adding channel splits never gives a slower plan.
+        masks = [None]
+        if self.cost.overlap and any(len(g) == len(self.batch_shape) and g[1] > 1
+                                     for g, _ in self.states):
+            masks.append(np.array([len(g) != len(self.batch_shape) or g[1] == 1
+                                   for g, _ in self.states]))
         best = None
         try:
-            for w in weights:
-                self._weight = w
-                found = self._plan_at_weight()
-                if best is None or found[1] < best[1]:
-                    best = found
-                if not any(lc.grad > 0 for lc in self._layer_cost.values()):
-                    break  # no gradient reduction anywhere: every weight gives this plan
+            for mask in masks:
+                self._mask = mask
+                for w in weights:
+                    self._weight = w
+                    try:
+                        found = self._plan_at_weight()
+                    except ValueError:
+                        if mask is None:
+                            raise
+                        break  # nothing fits without channel splits
+                    if best is None or found[1] < best[1]:
+                        best = found
+                    if not any(lc.grad > 0 for lc in self._layer_cost.values()):
+                        break  # no gradient reduction anywhere: every weight gives this plan
         finally:
-            self._weight = 1.0
+            self._weight, self._mask = 1.0, None
         assert best is not None
         return self._make_plan(*best)
 
@@ -712,8 +878,8 @@ class Planner:
         groups = self.segments(assign) if self._recomputing else {}
         seen: set[int] = set()
         for node in self.nodes:
-            c = assign[id(node)]
-            lc = self.layer_cost(node, c)
+            c, o = _io(assign[id(node)])
+            lc = self.layer_cost(node, c, o)
             sh = self.shuffle_matrix(node.in_shape)[prev, c] if prev is not None else 0.0
             g = groups.get(id(node), -1)
             kept, bwd = lc.memory, lc.bwd
@@ -721,21 +887,34 @@ class Planner:
                 kept = lc.memory if g not in seen else 0.0
                 bwd += lc.fwd
                 seen.add(g)
-            entries.append(PlanEntry(node.name, type(node.layer).__name__, self.cands[c],
+            cand, split = self.states[c]
+            entries.append(PlanEntry(node.name, type(node.layer).__name__, cand,
                                      node.in_shape, lc.fwd, bwd, lc.comm, float(sh),
-                                     kept, lc.estimated, lc.tiled, lc.transient, g))
-            prev = c
+                                     kept, lc.estimated, lc.tiled, lc.transient, g,
+                                     split, self.mode(node, c, o)))
+            prev = o
         step = self.assignment_step(assign)
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
                     self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden,
                     self.cost.training, self.cost.inner)
 
     def uniform_plan(self, cand: Candidate) -> Plan:
-        """Every layer in the same distribution (for comparisons)."""
+        """Every layer in the same distribution (for comparisons); under a grid over
+        (N, C, S..), every activation's channels split and every convolution
+        in the gathered mode."""
         c = self.cands.index(tuple(cand))
-        assign = {id(n): c for n in self.nodes}
+        return self.assignment_plan({id(n): c for n in self.nodes},
+                                    [f"uniform plan {tuple(cand)}"])
+
+    def assignment_plan(self, assign: dict, notes: list[str] | None = None) -> Plan:
+        """The plan of a complete assignment ``{id(node): state}`` (for comparisons).
+
+        A state indexes :attr:`states`; a layer that changes the state (a
+        convolution's mode, :meth:`mode`) is given as ``(input state, output
+        state)``.
+        """
         t, mem = self.assignment_cost(assign)
-        return self._make_plan(assign, t, mem, [f"uniform plan {tuple(cand)}"])
+        return self._make_plan(assign, t, mem, list(notes or []))
 
 
 def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any = None) -> None:
@@ -743,8 +922,12 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
 
     Layers are matched in traversal order; their input shapes must match the
     plan's, so a plan is only applied to the model and batch shape it was made for.
-    Layers with ``filter_axes`` (convolutions) get the channel axis of their
-    grid where the plan splits channels (none otherwise).
+    Under a grid over (N, C, S..) a layer's input has its channels split
+    along the channel axis or whole (``PlanEntry.split_channels``), and a
+    layer with ``filter_axes`` (a convolution) splits its filters over that
+    axis in the modes that do ("gathered", "filter", "grouped"; :data:`MODES`); a plan
+    without modes (an older plan file) splits them wherever it splits the
+    channels.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_size() != plan.nprocs:
@@ -758,10 +941,16 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
     grids: dict[tuple[int, ...], ProcessGrid] = {}
     for node, entry in zip(nodes, plan.entries):
         g = tuple(entry.grid)
-        dist = dist_for(tuple(node.in_shape), g, plan.inner)
+        dist = dist_for(tuple(node.in_shape), g, entry.split_channels, inner=plan.inner)
         if dist.grid_shape not in grids:
             grids[dist.grid_shape] = ProcessGrid(dist.grid_shape, comm)
         ndim = len(node.in_shape)
         node.layer.layout = Layout(grids[dist.grid_shape], dist.axes)
         if hasattr(node.layer, "filter_axes") and ndim > 2:
-            node.layer.filter_axes = dist.dim_axes[1] if len(g) == ndim else ()
+            split = entry.mode in ("gathered", "filter", "grouped") if entry.mode else \
+                len(g) == ndim
+            # the grid axis of the channel factor (second in the candidate, first with
+            # the sample split laid out last)
+            channel_axis = dist_for(tuple(node.in_shape), g, inner=plan.inner).dim_axes[1] \
+                if len(g) == ndim else ()
+            node.layer.filter_axes = channel_axis if split else ()
