@@ -24,8 +24,9 @@ points (indices, position, values) to their owners in one exchange, and
 the owners write them. When an index repeats, the value at the **last
 position** of the broadcast index arrays (row-major order) is written,
 which is what NumPy does on one process; the result is deterministic on
-any distribution. Writes support keys whose other entries are full
-slices (``:``) and ``...``.
+any distribution. With slices or new axes elsewhere in the key, the
+region they select is read, written into and written back (basic
+indexing both ways).
 
 Indices outside ``[-n, n)`` raise NumPy's IndexError on every rank before
 any data moves (an allreduce of the range for DistArray indices); index
@@ -39,7 +40,7 @@ indices with this mechanism.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -309,10 +310,11 @@ def advanced_getitem(x: DistArray, k: AdvancedKey) -> DistArray:
 @collective
 def advanced_setitem(x: DistArray, k: AdvancedKey, value: Any) -> None:
     """``x[key] = value`` for a key with integer arrays (see the module docstring)."""
-    if not k.only_full_slices:
-        raise IndexError("writing through integer arrays supports keys whose other entries "
-                         "are full slices (:) and '...'; slice the array first or index "
-                         "every dimension with integer arrays")
+    if not k.only_full_slices:  # write into the basic region's copy, then write it back
+        region = getitem(x, k.basic)
+        advanced_setitem(region, replace(k, basic=(slice(None),) * region.ndim), value)
+        setitem(x, k.basic, region)
+        return None
     dist, xp = x.dist, x.xp
     res, q = _result_distribution(dist, k)
     value = as_operand(value)
