@@ -24,10 +24,13 @@ axis' grid axes), in block order:
    few surplus elements to the input's block boundaries.
 
 Each element moves about once; no rank ever holds more than its bucket.
-Splitting an N-D array along the sorted axis moves that axis' split onto the
-longest other dimension (one redistribution), sorts whole lines locally and
-moves back: each rank then holds whole lines of a slab of the other
-dimensions, never the whole array.
+An N-D array split along the sorted axis takes one of two ways. Moving that
+axis' split onto the longest other dimension (one redistribution), sorting
+whole lines locally and moving back leaves each rank whole lines of a slab
+of the other dimensions; it is used unless some rank would then hold more
+than :data:`LINES_IMBALANCE` times the input's largest block (the other
+dimensions are too short to spread the lines: an ``(n, 1)`` array). Then
+the sample sort runs on every line at once (``_batched_sample_sort``).
 
 Order is NumPy's: NaNs last (first with ``descending=True``), ``-0.0`` and
 ``0.0`` equal (with ``stable=True`` they keep their input order), complex
