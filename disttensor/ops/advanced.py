@@ -340,11 +340,12 @@ def advanced_setitem(x: DistArray, k: AdvancedKey, value: Any) -> None:
     got = _alltoallv(r.comm, np.ascontiguousarray(rows[r.order]), r.sc, r.rc)
     if not len(req):
         return None
-    order = np.argsort(where, kind="stable")  # the points in their order in B
+    # the points in their order in B (they arrive in it: blocks of B in rank order)
+    order = (np.arange(len(where)) if np.all(where[1:] >= where[:-1])
+             else np.argsort(where, kind="stable"))
     local = _local_indices(dist, k.dims, req[order])
-    flat = np.ravel_multi_index(local, tuple(x.local_shape[d] for d in k.dims))
-    _, first = np.unique(flat[::-1], return_index=True)
-    keep = len(flat) - 1 - first  # the last position of each repeated point
+    dshape = tuple(x.local_shape[d] for d in k.dims)
+    keep = _last_of_each(np.ravel_multi_index(local, dshape), math.prod(dshape))
     sel = tuple(c[keep] for c in local)
     target = xp.moveaxis(x.local, k.dims, tuple(range(len(k.dims))))
     vals = got[order][keep]
@@ -353,6 +354,17 @@ def advanced_setitem(x: DistArray, k: AdvancedKey, value: Any) -> None:
     else:
         target[tuple(xp.asarray(c) for c in sel)] = xp.asarray(vals)
     return None
+
+
+def _last_of_each(flat: np.ndarray, domain: int) -> np.ndarray:
+    """Positions in ``flat`` of the last occurrence of each value (values in ``[0, domain)``)."""
+    pos = np.arange(len(flat))
+    if domain <= 4 * len(flat):  # linear: the largest position per value
+        last = np.full(domain, -1, np.int64)
+        np.maximum.at(last, flat, pos)
+        return pos[last[flat] == pos]
+    _, first = np.unique(flat[::-1], return_index=True)
+    return len(flat) - 1 - first
 
 
 @collective
