@@ -1,4 +1,4 @@
-"""Indexing DistArrays: Hypothesis-drawn basic keys compared with NumPy, writes, masks."""
+"""Indexing DistArrays against NumPy: basic keys (Hypothesis), integer arrays, writes, masks."""
 
 import numpy as np
 import pytest
@@ -90,22 +90,146 @@ def test_index_errors_match_numpy():
                      max_layouts=3, name="bad broadcast")
     check_like_numpy(lambda x: x.__setitem__(0, 300), shapes=[(5, 4)], dtypes=[np.int8],
                      max_layouts=3, name="int8 overflow")
-    # integer arrays on several axes, and writes through an integer array, are not
-    # supported: a clear IndexError everywhere
+    # integer-array keys: out-of-range indices (also negative), arrays that do not broadcast,
+    # a mask mixed with an integer array, too many indices
+    for key in [(np.array([0, 5]),), (slice(None), np.array([-5, 0])),
+                (np.array([0, 1]), np.array([0, 1, 2])), (np.array([0, 1]), 4),
+                (sample((5, 4)) > 0, np.array([0])), (np.array([0]), 0, 0)]:
+        check_like_numpy(lambda x, key=key: x[key], shapes=[(5, 4)], max_layouts=3,
+                         name=f"x[{key}]")
+
+        def fancy_setter(x, key=key):
+            x[key] = 1.0
+            return x
+
+        check_like_numpy(fancy_setter, shapes=[(5, 4)], max_layouts=3, name=f"x[{key}] = 1")
+    # a DistArray index out of range: IndexError on every rank, also those without it
     x = dt.zeros((5, 4))
-    for bad in ((np.array([0, 1]), np.array([0, 1])), (np.array([[0, 1]]),)):
+    bad = DistArray.from_global(np.array([0, 1, 2, 7]), layouts((4,))[0])
+    for op in (lambda: x[bad, 0], lambda: x.__setitem__((bad, 0), 1.0)):
         try:
-            x[bad]
+            op()
             raised = False
         except IndexError:
             raised = True
-        collective_assert(raised, f"x[{bad}] did not raise IndexError", x.comm)
+        collective_assert(raised, "an out-of-range DistArray index did not raise", x.comm)
+
+
+def _index_form(draw, arr, grid_comm):
+    form = draw(st.sampled_from(["numpy", "list", "dist"]))
+    if form == "list":
+        return arr.tolist()
+    if form == "dist" and arr.ndim:
+        lay = layouts(arr.shape, grid_comm)
+        return DistArray.from_global(arr, lay[draw(st.integers(0, len(lay) - 1))])
+    return arr
+
+
+@st.composite
+def _advanced_case(draw):
+    """A distribution and a key with one or two integer arrays (repeats and negative
+    indices included), integers, slices and new axes elsewhere."""
+    d = draw(dists)
+    nd = d.ndim
+    narr = draw(st.integers(1, min(2, nd)))
+    adims = sorted(draw(st.lists(st.integers(0, nd - 1), min_size=narr, max_size=narr,
+                                 unique=True)))
+    bshape = draw(st.sampled_from([(2,), (3,), (2, 2), (0,), (1, 3)]))
+    key = []
+    for dim in range(nd):
+        n = d.global_shape[dim]
+        if dim in adims:
+            shape = bshape if draw(st.booleans()) else bshape[-1:]
+            if n == 0:
+                shape = (0,)
+            arr = np.asarray(draw(hnp.arrays(np.int64, shape, elements=st.integers(
+                -n, max(n - 1, -n)))) if n else np.zeros(shape, np.int64))
+            key.append(_index_form(draw, arr, d.grid.comm))
+        elif n and draw(st.integers(0, 3)) == 0:
+            key.append(draw(st.integers(-n, n - 1)))
+        elif draw(st.booleans()):
+            key.append(slice(*draw(st.tuples(st.integers(-n - 1, n + 1),
+                                              st.integers(-n - 1, n + 1)))))
+        else:
+            key.append(slice(None))
+    if draw(st.booleans()):
+        key.insert(draw(st.integers(0, len(key))), None)
+    return d, tuple(key)
+
+
+def _numpy_key(key):
+    return tuple(k.to_global() if isinstance(k, DistArray) else
+                 (np.asarray(k, dtype=np.int64) if isinstance(k, list) else k) for k in key)
+
+
+@parallel
+@settings(max_examples=20)
+@given(case=_advanced_case())
+def test_integer_arrays_getitem_matches_numpy(case):
+    """x[i, j], x[i, :, j], x[0, i], with slices and new axes: NumPy's advanced indexing."""
+    d, key = case
+    g = _values(d.global_shape)
+    x = DistArray.from_global(g, d)
+    nkey = _numpy_key(key)
     try:
-        x[[0, 1]] = 1.0
-        raised = False
+        want = g[nkey]
+    except IndexError:  # shapes that do not broadcast: the same error
+        try:
+            x[key]
+            raised = False
+        except IndexError:
+            raised = True
+        collective_assert(raised, f"x[{nkey}] did not raise IndexError", x.comm)
+        return
+    assert_equal(x[key], want)
+
+
+@parallel
+@settings(max_examples=20)
+@given(case=_advanced_case(),
+       kind=st.sampled_from(["scalar", "numpy", "dist", "broadcast"]), layout=st.integers(0, 4))
+def test_integer_arrays_setitem_matches_numpy(case, kind, layout):
+    """x[idx] = v, x[..., idx] = v, x[i, j] = v, x[1:3, idx] = v on any distribution;
+    repeated indices write the value at the last position, as NumPy does."""
+    d, key = case
+    g = _values(d.global_shape)
+    x = DistArray.from_global(g, d)
+    nkey = _numpy_key(key)
+    try:
+        tshape = g[nkey].shape
     except IndexError:
-        raised = True
-    collective_assert(raised, "writing through an integer array did not raise", x.comm)
+        return
+    if kind == "scalar":
+        value = -1.25
+    else:
+        vshape = tshape[1:] if kind == "broadcast" and tshape else tshape
+        value = -_values(vshape)
+        if kind == "dist":
+            lay = layouts(vshape, d.grid.comm)
+            value = DistArray.from_global(value, lay[layout % len(lay)])
+    ref = g.copy()
+    ref[nkey] = value.to_global() if isinstance(value, DistArray) else value
+    x[key] = value
+    assert_equal(x, ref)
+
+
+@parallel
+def test_mask_setitem_with_array_values():
+    """x[mask] = v with one value per selected element (NumPy's row-major order)."""
+    def np_assign(x):
+        m = x > 0
+        x[m] = -np.arange(np.count_nonzero(m), dtype=x.dtype)
+        return x
+
+    def dt_assign(x):
+        m = x > 0
+        n = int(np.count_nonzero(m.to_global()))
+        v = DistArray.from_global(-np.arange(n, dtype=x.dtype), layouts((n,), x.comm)[-1])
+        x[m] = v
+        return x
+
+    check_like_numpy(np_assign, shapes=[(7,), (5, 4), (0, 3)], name="x[x > 0] = numpy")
+    check_like_numpy(np_assign, dt_assign, shapes=[(5, 4)], name="x[x > 0] = DistArray")
 
 
 @st.composite

@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 import disttensor as dt
 from disttensor import DistArray
+from disttensor.ops import sorting
 from disttensor.testing import assert_equal, collective_assert, collective_outcome
 from disttensor.testing.numpy_compare import check_like_numpy, layouts
 from disttensor.testing.strategies import distributions, process_grids
@@ -87,6 +88,50 @@ def test_descending_nd_and_numpy_protocol():
                          _strict_desc(g, axis, True).astype(np.intp))
         assert_equal(np.sort(x, axis=None), np.sort(g, axis=None))
         assert_equal(np.argsort(x, axis=0, kind="stable"), np.argsort(g, axis=0, kind="stable"))
+
+
+@parallel
+@pytest.mark.parametrize("descending", [False, True])
+def test_batched_sample_sort_nd(descending, monkeypatch):
+    """N-D sorts along a split axis through the batched sample sort (forced on every layout):
+    NaNs and signed zeros bitwise, stable argsort, the input's distribution kept."""
+    monkeypatch.setattr(sorting, "LINES_IMBALANCE", 0.0)
+    for shape in [(31, 2), (3, 2, 13), (9, 1)]:
+        g = _special(int(np.prod(shape)), 7).reshape(shape)
+        for d in layouts(shape):
+            x = DistArray.from_global(g, d)
+            for axis in range(len(shape)):
+                s = _xp(x).sort(x, axis=axis, descending=descending)
+                a = _xp(x).argsort(x, axis=axis, descending=descending)
+                want_s = (_strict_desc(g, axis, False) if descending
+                          else np.sort(g, axis=axis, kind="stable"))
+                want_a = (_strict_desc(g, axis, True) if descending
+                          else np.argsort(g, axis=axis, kind="stable"))
+                collective_assert(s.dist == d and a.dist == d, "not in the input's distribution")
+                assert_equal(_bits(s.to_global()), _bits(want_s))
+                assert_equal(a, want_a.astype(np.intp))
+
+
+@parallel
+def test_nd_split_axis_strategy_rule(monkeypatch):
+    """Whole lines where the other dims spread them evenly, the batched sample sort where
+    moving the split would pile the array up on a few ranks (an (n, 1) array)."""
+    calls = []
+    batched = sorting._batched_sample_sort
+
+    def spy(*args):
+        calls.append(args[1])
+        return batched(*args)
+
+    monkeypatch.setattr(sorting, "_batched_sample_sort", spy)
+    p = MPI.COMM_WORLD.size
+    grid = dt.ProcessGrid((p,))
+    for shape, want in (((50, 1), p > 1), ((20, 4 * p), False)):
+        g = np.random.default_rng(0).standard_normal(shape)
+        x = DistArray.from_global(g, dt.Distribution(shape, grid, (0, None)))
+        calls.clear()
+        assert_equal(_xp(x).sort(x, axis=0), np.sort(g, axis=0))
+        collective_assert(bool(calls) == want, f"{shape}: batched={bool(calls)}, want {want}")
 
 
 @parallel

@@ -12,7 +12,8 @@ Importing this package gives ``DistArray`` the members of
   ``TypeError`` on every rank;
 * ``__array_namespace__``: the Python array API namespace
   (:mod:`~disttensor.ops.namespace`);
-* ``x[key]`` and ``x[key] = value`` (:mod:`~disttensor.ops.indexing`);
+* ``x[key]`` and ``x[key] = value`` (:mod:`~disttensor.ops.indexing`, integer arrays:
+  :mod:`~disttensor.ops.advanced`);
 * sorting, searching and set functions (:mod:`~disttensor.ops.sorting`,
   :mod:`~disttensor.ops.searching`, :mod:`~disttensor.ops.sets`) and
   ``__dlpack__`` for arrays that are whole on the rank;
@@ -25,8 +26,9 @@ implicit moves into errors. Rules and costs: docs/array_programming.md.
 The modules import :mod:`disttensor.array`, never the reverse, in one
 direction among themselves too: ``align``, ``indexing``, ``shape``,
 ``reductions``, ``linalg``, ``ufuncs``, ``elementwise``, ``gathering``,
-``fft``, ``linalg_ext``, ``sorting``, ``searching``, ``sets``, ``replication``,
-``namespace``, ``functions``, ``methods`` (each uses only those before it).
+``fft``, ``linalg_ext``, ``sorting``, ``searching``, ``advanced``, ``sets``,
+``replication``, ``namespace``, ``functions``, ``methods`` (each uses only those
+before it).
 ``fft`` and ``linalg_ext`` are the array API's extensions, ``xp.fft`` and
 ``xp.linalg`` (docs/fft_linalg.md).
 """

@@ -25,6 +25,9 @@ is the 1-D array of the selected elements in row-major order (``x`` and the
 mask move to row slabs first, then one ``allgather`` of the counts), and
 ``x[mask] = scalar`` writes in place. A 0-d boolean mask (``True``, a 0-d
 array) adds a dimension of length 1 (true) or 0 (false), as in NumPy.
+
+Keys with integer arrays, and ``x[mask] = array``, are
+:mod:`disttensor.ops.advanced`'s.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ from .align import (
     operand_distribution,
 )
 
-__all__ = ["getitem", "setitem", "parse_key", "integer_array_key"]
+__all__ = ["getitem", "setitem", "parse_key", "integer_array_key", "check_value", "mask_key",
+           "nonzero"]
 
 _INDEX_ERROR = (
     "only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and a boolean "
@@ -318,7 +322,7 @@ def getitem(x: DistArray, key: Any) -> DistArray:
     if flag is not None:  # a 0-d mask: a new axis of length 1 (True) or 0 (False)
         y = getitem(x, None)
         return y if flag else getitem(y, slice(0, 0))
-    mask = _mask_key(x, key)
+    mask = mask_key(x, key)
     if mask is not None:
         return _mask_getitem(x, mask)
     p = _plan(x, key)
@@ -358,19 +362,12 @@ def _strip_leading_ones(shape: tuple[int, ...], ndim: int) -> int:
     return k
 
 
-@collective
-def setitem(x: DistArray, key: Any, value: Any) -> None:
-    """``x[key] = value`` (see the module docstring)."""
-    flag = _scalar_mask(key)
-    if flag is not None:  # a 0-d mask: the whole array, or nothing
-        return setitem(x, Ellipsis, value) if flag else None
-    mask = _mask_key(x, key)
-    if mask is not None:
-        return _mask_setitem(x, mask, value)
-    p = _plan(x, key)
-    xp = x.xp
-    value = as_operand(value)
-    target = p.result.global_shape
+def check_value(x: DistArray, value: Any, target: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """``value``'s shape and how many leading 1s NumPy drops to assign it to ``target``.
+
+    Raises NumPy's ValueError when it does not broadcast and NumPy's cast
+    errors (an out-of-range Python integer, say), on every rank alike.
+    """
     vshape = tuple(value.shape) if hasattr(value, "shape") else ()
     k = _strip_leading_ones(vshape, len(target))
     try:
@@ -381,12 +378,28 @@ def setitem(x: DistArray, key: Any, value: Any) -> None:
         raise ValueError(
             f"could not broadcast input array from shape {vshape} into shape {target}"
         )
-    # the cast NumPy would do, tried on every rank (only the owners write)
     dry = np.empty((), dtype=x.dtype)
     if is_dist(value) or hasattr(value, "dtype"):
         np.asarray(dry)[()] = np.zeros((), dtype=value.dtype)
     else:
         dry[()] = value
+    return vshape, k
+
+
+@collective
+def setitem(x: DistArray, key: Any, value: Any) -> None:
+    """``x[key] = value`` (see the module docstring)."""
+    flag = _scalar_mask(key)
+    if flag is not None:  # a 0-d mask: the whole array, or nothing
+        return setitem(x, Ellipsis, value) if flag else None
+    mask = mask_key(x, key)
+    if mask is not None:
+        return _mask_setitem(x, mask, value)
+    p = _plan(x, key)
+    xp = x.xp
+    value = as_operand(value)
+    target = p.result.global_shape
+    vshape, k = check_value(x, value, target)
     # the value's dims that meet negatively stepped dims are reversed first
     vdims = len(vshape) - k
     off = len(target) - vdims
@@ -426,10 +439,15 @@ def setitem(x: DistArray, key: Any, value: Any) -> None:
 # ------------------------------------------------------------------ boolean masks
 
 
-def _mask_key(x: DistArray, key: Any) -> Any:
+def mask_key(x: DistArray, key: Any) -> Any:
+    """The boolean mask of ``x``'s shape that ``key`` is, else None (0-d masks: None).
+
+    Raises IndexError for an array key that is not such a mask (a list, a
+    non-boolean array, a mask of another shape), on every rank alike.
+    """
     k = key[0] if isinstance(key, tuple) and len(key) == 1 else key
-    if is_dist(k) and k.ndim == 0 and k.dtype.kind in "iu":
-        return None  # a 0-d integer DistArray is an integer index
+    if is_dist(k) and k.ndim == 0 and k.dtype.kind in "iub":
+        return None  # a 0-d integer DistArray is an integer index, a 0-d boolean one a flag
     if is_dist(k) or (isinstance(k, np.ndarray) and k.ndim > 0):
         if k.dtype != np.bool_ or tuple(k.shape) != x.shape:
             raise IndexError(_INDEX_ERROR)

@@ -23,9 +23,8 @@ import disttensor.ops.shape as shape
 
 from ..array import DistArray
 from ..backend import is_cupy, is_numpy
+from .advanced import assign, index
 from .functions import array_function
-from .indexing import getitem, integer_array_key, setitem
-from .searching import take
 from .ufuncs import array_ufunc
 
 __all__ = ["ArrayOperators"]
@@ -125,14 +124,11 @@ class ArrayOperators(NDArrayOperatorsMixin, metaclass=ABCMeta):
     # ------------------------------------------------------------ indexing
     def __getitem__(self, key: Any) -> Any:
         _check_modules(self)
-        fancy = integer_array_key(key, self.ndim)
-        if fancy is not None:  # one integer array along one axis: take
-            return take(self, fancy[1], axis=fancy[0])
-        return getitem(self, key)
+        return index(self, key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         _check_modules(self, value)
-        setitem(self, key, value)
+        assign(self, key, value)
 
     # ------------------------------------------------------------ scalars
     def _scalar(self) -> Any:

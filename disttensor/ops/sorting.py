@@ -24,10 +24,13 @@ axis' grid axes), in block order:
    few surplus elements to the input's block boundaries.
 
 Each element moves about once; no rank ever holds more than its bucket.
-Splitting an N-D array along the sorted axis moves that axis' split onto the
-longest other dimension (one redistribution), sorts whole lines locally and
-moves back: each rank then holds whole lines of a slab of the other
-dimensions, never the whole array.
+An N-D array split along the sorted axis takes one of two ways. Moving that
+axis' split onto the longest other dimension (one redistribution), sorting
+whole lines locally and moving back leaves each rank whole lines of a slab
+of the other dimensions; it is used unless some rank would then hold more
+than :data:`LINES_IMBALANCE` times the input's largest block (the other
+dimensions are too short to spread the lines: an ``(n, 1)`` array). Then
+the sample sort runs on every line at once (``_batched_sample_sort``).
 
 Order is NumPy's: NaNs last (first with ``descending=True``), ``-0.0`` and
 ``0.0`` equal (with ``stable=True`` they keep their input order), complex
@@ -38,6 +41,7 @@ the reversed input and reverses the result, as ``array_api_strict`` does).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -49,11 +53,18 @@ from ..backend import mpi_dtype, to_numpy
 from ..distribution import Distribution
 from ..settings import collective
 from ._util import axis_index, block_coords, is_dist, subcomm_index, wrap
+from .gathering import max_block_elements
 
-__all__ = ["sort", "argsort", "OVERSAMPLE", "block_ranks", "inverse_ranks"]
+__all__ = ["sort", "argsort", "OVERSAMPLE", "LINES_IMBALANCE", "block_ranks",
+           "inverse_ranks"]
 
 #: Samples per block and per target block that choose the splitters.
 OVERSAMPLE = 64
+
+#: An N-D sort along a split axis moves that split onto another dimension and sorts
+#: whole lines locally, unless some rank would then hold more than this many times the
+#: largest block of the input; then it runs the sample sort batched over the lines.
+LINES_IMBALANCE = 1.5
 
 
 def _check(x: Any, axis: Any, name: str) -> int:
@@ -142,8 +153,10 @@ def _sort(x: DistArray, axis: int, index: bool, stable: bool) -> DistArray:
     if x.ndim == 1:
         return _sample_sort(x, index, stable)
     lines = _lines_distribution(dist, axis)
-    y = _local(x.redistribute(lines), lines, axis, index, stable)
-    return y.redistribute(dist)
+    if max_block_elements(lines) <= LINES_IMBALANCE * max_block_elements(dist):
+        y = _local(x.redistribute(lines), lines, axis, index, stable)
+        return y.redistribute(dist)
+    return _batched_sample_sort(x, axis, index, stable)
 
 
 def _local(x: DistArray, dist: Distribution, axis: int, index: bool,
@@ -191,7 +204,7 @@ def _local_sort(h: np.ndarray, index: bool, stable: bool) -> tuple[np.ndarray, A
     return out, None
 
 
-def _splitters(samples: list, dist: Distribution, ranks: list[int]
+def _splitters(samples: list, b: list[int], ranks: list[int]
                ) -> tuple[np.ndarray, np.ndarray, int]:
     """The finite splitters (values, keys) and the number of empty leading buckets.
 
@@ -202,7 +215,6 @@ def _splitters(samples: list, dist: Distribution, ranks: list[int]
     weighted sample quantiles of the result's block boundaries. A boundary
     at 0 is a splitter below every element.
     """
-    b = dist.boundaries[0]
     n, p = b[-1], len(b) - 1
     vals, keys, wts = [], [], []
     for r in range(p):
@@ -265,7 +277,7 @@ def _sample_sort(x: DistArray, index: bool, stable: bool) -> DistArray:
     m = min(nloc, OVERSAMPLE * p)
     pos = (np.arange(m, dtype=np.int64) * nloc + nloc // 2) // max(m, 1)
     samples = comm.allgather((s[pos], start + pos))
-    sv, sg, below = _splitters(samples, dist, ranks)
+    sv, sg, below = _splitters(samples, b, ranks)
 
     # 3. cut the sorted block into buckets (binary searches) and move each to its rank
     cuts = _cuts(s, start, sv, sg, below, p)
@@ -287,6 +299,111 @@ def _sample_sort(x: DistArray, index: bool, stable: bool) -> DistArray:
     bounds = np.cumsum([sizes[ranks[blk]] for blk in range(p)])[:-1].tolist()
     buckets = dist.replace(splits=[bounds])
     return wrap(x.xp.asarray(out), buckets, x.xp).redistribute(dist)
+
+
+def _segments(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The pieces ``flat[starts[i]:starts[i] + lengths[i]]``, concatenated."""
+    starts, lengths = starts.ravel(), lengths.ravel()
+    total = int(lengths.sum())
+    if total == 0:
+        return flat[:0].copy()
+    before = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return flat[np.repeat(starts - before, lengths) + np.arange(total)]
+
+
+def _alltoallv(comm: Any, send: np.ndarray, sc: np.ndarray, rc: np.ndarray) -> np.ndarray:
+    """One ``Alltoallv`` of elements, ``sc[r]`` to and ``rc[r]`` from rank ``r``."""
+    recv = np.empty(int(rc.sum()), dtype=send.dtype)
+    sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+    rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+    t = mpi_dtype(send.dtype)
+    comm.Alltoallv([send, (sc.tolist(), sd.tolist()), t], [recv, (rc.tolist(), rd.tolist()), t])
+    return recv
+
+
+def _batched_sample_sort(x: DistArray, axis: int, index: bool, stable: bool) -> DistArray:
+    """The sample sort of every line along the split ``axis`` of an N-D array at once.
+
+    The ``L`` lines of a rank's block (the product of its other dimensions)
+    are those of every rank of the axis' sub-communicator. Each line is
+    sorted, sampled and cut like a 1-D array (module docstring); one
+    ``Alltoallv`` moves every line's buckets, each rank merges its runs per
+    line, and a second ``Alltoallv`` moves each line's bucket to the input's
+    block boundaries (the counts follow from one ``allgather`` of the
+    bucket sizes).
+    """
+    dist = x.dist
+    b = dist.boundaries[axis]
+    p = len(b) - 1
+    comm = dist.grid.subcomm(dist.dim_axes[axis])
+    ranks = np.asarray(block_ranks(dist, axis))
+    inv = np.asarray(inverse_ranks(list(ranks)))
+    me = dist.block_index()[axis]
+    start, nloc = b[me], b[me + 1] - b[me]
+    h = np.moveaxis(to_numpy(x.local), axis, -1)
+    other = h.shape[:-1]
+    nl = math.prod(other)
+    h = np.ascontiguousarray(h).reshape(nl, nloc)
+
+    # 1. sort every line; 2. the same splitters per line on every rank
+    s = np.empty_like(h)
+    perm = np.empty((nl, nloc), np.int64) if index else None
+    for ln in range(nl):
+        s[ln], pl = _local_sort(h[ln], index, stable)
+        if perm is not None:
+            perm[ln] = pl
+    m = min(nloc, OVERSAMPLE * p)
+    pos = (np.arange(m, dtype=np.int64) * nloc + nloc // 2) // max(m, 1)
+    samples = comm.allgather((s[:, pos], start + pos))
+    cuts = np.empty((nl, p + 1), np.int64)
+    for ln in range(nl):
+        sv, sg, below = _splitters([(v[ln], g) for v, g in samples], b, list(ranks))
+        cuts[ln] = _cuts(s[ln], start, sv, sg, below, p)
+
+    # 3. every line's bucket k to the rank of block k, segments in (rank, line) order
+    cnt = np.diff(cuts, axis=1)[:, inv]                   # (line, rank)
+    rcnt = np.empty((p, nl), np.int64)                    # (source rank, line)
+    comm.Alltoall([np.ascontiguousarray(cnt.T), mpi_dtype(np.dtype(np.int64))],
+                  [rcnt, mpi_dtype(np.dtype(np.int64))])
+    starts = (np.arange(nl, dtype=np.int64) * nloc)[None, :] + cuts[:, inv].T
+    sc, rc = cnt.sum(axis=0), rcnt.sum(axis=1)
+    # the received runs in (line, block) order
+    rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+    within = np.cumsum(rcnt, axis=1) - rcnt
+    rstarts = (rd[:, None] + within)[ranks].T            # (line, block)
+    rlens = rcnt[ranks].T
+    vals = _segments(_alltoallv(comm, _segments(s.ravel(), starts, cnt.T), sc, rc),
+                     rstarts, rlens)
+    sizes = rlens.sum(axis=1)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    if index:
+        gidx = _segments(_alltoallv(comm, _segments((start + perm).ravel(), starts, cnt.T),
+                                    sc, rc), rstarts, rlens)
+        for ln in range(nl):
+            sl = slice(offs[ln], offs[ln + 1])
+            gidx[sl] = gidx[sl][np.argsort(vals[sl], kind="stable")]
+        vals = gidx
+    else:
+        for ln in range(nl):
+            vals[offs[ln]:offs[ln + 1]].sort(kind="stable")
+
+    # 4. each line's bucket to the input's block boundaries
+    bsizes = np.asarray(comm.allgather(sizes), np.int64).reshape(p, nl)[ranks]  # (block, line)
+    boff = np.concatenate([np.zeros((1, nl), np.int64), np.cumsum(bsizes, axis=0)])
+    bb = np.asarray(b, np.int64)[:, None]
+    lo = np.maximum(boff[me][None, :], bb[:-1])           # (target block, line)
+    hi = np.minimum(boff[me + 1][None, :], bb[1:])
+    send_len = np.maximum(hi - lo, 0)[inv]                # (rank, line)
+    send_at = (np.minimum(lo, boff[me + 1][None, :]) - boff[me][None, :])[inv] + offs[:-1]
+    lo2 = np.maximum(boff[:-1], b[me])                    # (source block, line)
+    recv_len = np.maximum(np.minimum(boff[1:], b[me + 1]) - lo2, 0)
+    got = _alltoallv(comm, _segments(vals, send_at, send_len), send_len.sum(axis=1),
+                     recv_len[inv].sum(axis=1))
+    rd2 = np.concatenate([[0], np.cumsum(recv_len[inv].sum(axis=1))[:-1]])
+    within2 = (np.cumsum(recv_len[inv], axis=1) - recv_len[inv])
+    at = (rd2[:, None] + within2)[ranks].T                # (line, source block)
+    out = _segments(got, at, recv_len.T).reshape(other + (nloc,))
+    return wrap(x.xp.asarray(np.moveaxis(out, -1, axis)), dist, x.xp)
 
 
 def inverse_ranks(ranks: list[int]) -> list[int]:
