@@ -218,9 +218,11 @@ class ConvNd(WindowLayer):
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """As :meth:`WindowLayer.cost_spec`, with the convolution's FLOPs and workspace.
 
-        The workspace is the larger of forward's (an output block and a tile
-        of im2col columns) and backward's (the extended block's gradient and
-        two tiles of columns); a tile holds the columns of at least 512 output
+        The workspace is the larger of forward's (a tile of im2col columns,
+        and an output block when the halo exchange overlaps, whose boxes are
+        computed apart and copied in) and backward's (the extended block's gradient when
+        there is a halo, and a tile of columns; two with a stride, whose input gradient
+        is a col2im of its own columns); a tile holds the columns of at least 512 output
         positions, about 4 MiB, at most 64 MiB. The weight and bias gradients
         are summed over every rank that splits the input's samples or space.
 
@@ -249,6 +251,12 @@ class ConvNd(WindowLayer):
         params = sum(math.prod(q.shape) for q in self.own_parameters())
         positions = math.prod(out_block) // max(out_block[1], 1)
         tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
+        if all(k == 1 for k in self.spec.kernel) and all(t == 1 for t in self.spec.stride) \
+                and math.prod(out_block[2:]) >= 512:
+            tile = 0  # a pointwise convolution is one GEMM per sample: no columns
+        _, _, widths = self._window_blocks(gathered)
+        # backward: the extended block's gradient (when there is a halo to sum back) and a tile
+        grad_ext = math.prod(ext) * itemsize if any(lo or hi for lo, hi in widths) else 0
         out_bytes = math.prod(out_block) * itemsize * share
         base = super().cost_spec(gathered, itemsize)
         kept = math.prod(largest_block(gathered)) * itemsize if a_c else 0
@@ -260,8 +268,11 @@ class ConvNd(WindowLayer):
                 d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True),),
             redistributions=(gathered,) if a_c else (),
             saved=base.saved + kept, share=share,
-            workspace=max(out_bytes + tile, math.prod(ext) * itemsize + 2 * tile),
-            forward_workspace=out_bytes + tile)
+            workspace=max(tile + (out_bytes if self.overlap else 0), grad_ext + tile * (
+                2 if any(t != 1 for t in self.spec.stride) else 1)),
+            # forward: a tile of columns (and with overlap, the boxes' outputs before they
+            # are copied into the block)
+            forward_workspace=tile + (out_bytes if self.overlap else 0))
 
     def kernel_signature(self) -> str:
         s = self.spec
