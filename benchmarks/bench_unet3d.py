@@ -27,10 +27,10 @@ untimed step); peak resident memory per rank over the training steps
 process baseline before the model and data existed; and the inference peak:
 an eval-mode forward pass whose layers drop what they keep for backward and
 the kernels' scratch as soon as they have run (forward hooks, as
-``disttensor-predict``), i.e. the activations an inference pass needs. Large
-arrays are mapped on their own (:func:`disttensor_nn.memory.map_large_allocations`,
-as the training driver and ``disttensor-predict`` do), so freed ones leave the
-resident set. Rows go to a table and to
+``disttensor-predict``), i.e. the activations an inference pass needs. With
+``--map-large`` every large array is mapped on its own
+(:func:`disttensor_nn.memory.map_large_allocations`, as the tools do under
+``--memory-per-rank``), so freed ones leave the resident set. Rows go to a table and to
 ``benchmarks/results/bench_unet3d_pP_DxH.json``.
 """
 
@@ -251,6 +251,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--grid", default=None,
                     help="ranks along D and H, e.g. 2x1 (default: all ranks along D)")
+    ap.add_argument("--map-large", action="store_true",
+                    help="map every large array on its own (map_large_allocations, as the "
+                         "tools do under --memory-per-rank): freed arrays leave the process, "
+                         "new ones cost page faults")
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -268,7 +272,8 @@ def main(argv=None) -> int:
                   "sizes, widths and reps positive", file=sys.stderr)
         return 2
     dt.limit_blas_threads(1)
-    map_large_allocations()  # as the training driver: freed arrays leave the process
+    if args.map_large:
+        map_large_allocations()
     data = SegmentationSynthetic(1, (args.size,) * 3, channels=1, classes=2, seed=0)
     rows = []
     split = ours(comm, args, data)
@@ -303,7 +308,7 @@ def main(argv=None) -> int:
                            "infer_vs_1rank", "infer_above_base_MiB", "first_loss"])
         path = write_json(f"bench_unet3d_p{p}_{args.grid[0]}x{args.grid[1]}", rows,
                           size=args.size, width=args.width, depth=args.depth, norm=args.norm,
-                          reps=args.reps, grid=args.grid)
+                          reps=args.reps, grid=args.grid, map_large=args.map_large)
         print(f"wrote {path}")
     return 0
 

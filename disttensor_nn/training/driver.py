@@ -329,7 +329,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, *,
         CuPy or a GPU is missing.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    map_large_allocations()  # freed activations leave the process: its peak is the live arrays'
+    if cfg.memory_per_rank is not None:  # a budget to honour: freed arrays leave the process
+        map_large_allocations()  # (at the price of page faults on every new large array)
     memory = MemoryProfile(top=8 if cfg.profile_memory else 0)
     previous = _on_sigterm()
     try:

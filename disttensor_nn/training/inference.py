@@ -138,7 +138,8 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
             xp = use_device(cfg.device, comm)
         except RuntimeError as exc:  # the same on every rank of the job
             raise ValueError(f"--device {cfg.device}: {exc}") from exc
-    map_large_allocations()  # freed activations leave the process: its peak is the live arrays'
+    if cfg.memory_per_rank is not None:  # a budget to honour: freed arrays leave the process
+        map_large_allocations()  # (at the price of page faults on every new large array)
     memory = MemoryProfile()
     spec = model_spec(cfg.model)
     data = open_dataset(cfg.data, cfg.data_input, None)
