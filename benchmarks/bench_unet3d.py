@@ -25,9 +25,12 @@ Per configuration: median and range of ``--reps`` timed steps (after one
 untimed step); peak resident memory per rank over the training steps
 (``VmHWM`` restarted after the set-up, freed heap returned first) and the
 process baseline before the model and data existed; and the inference peak:
-an eval-mode forward pass whose layers drop what they keep for backward as
-soon as they have run (forward hooks calling ``release_saved``), i.e. the
-activations an inference pass needs. Rows go to a table and to
+an eval-mode forward pass whose layers drop what they keep for backward and
+the kernels' scratch as soon as they have run (forward hooks, as
+``disttensor-predict``), i.e. the activations an inference pass needs. With
+``--map-large`` every large array is mapped on its own
+(:func:`disttensor_nn.memory.map_large_allocations`, as the tools do under
+``--memory-per-rank``), so freed ones leave the resident set. Rows go to a table and to
 ``benchmarks/results/bench_unet3d_pP_DxH.json``.
 """
 
@@ -46,6 +49,7 @@ from mpi4py import MPI
 import disttensor as dt
 from disttensor_nn import SGD, CrossEntropyLoss
 from disttensor_nn.container import Sequential, Skip
+from disttensor_nn.kernels import numpy_kernels
 from disttensor_nn.layers.conv import Conv3d
 from disttensor_nn.layers.elementwise import ReLU
 from disttensor_nn.layers.groupnorm import GroupNorm
@@ -53,6 +57,7 @@ from disttensor_nn.layers.norm import BatchNorm3d
 from disttensor_nn.layers.pool import MaxPool3d
 from disttensor_nn.layers.transpose import ConvTranspose3d
 from disttensor_nn.memory import (
+    map_large_allocations,
     peak_resident_bytes,
     release_free_memory,
     reset_peak,
@@ -166,8 +171,11 @@ def ours(comm: MPI.Comm, args, data) -> dict[str, Any]:
     train_peak = peak_resident_bytes()
     # inference: eval mode, every layer drops what it kept as soon as it has run
     model.eval()
-    handles = [m.register_forward_hook(lambda layer, _x, _y: layer.release_saved())
-               for m in leaves(model)]
+    def drop(layer, _x, _y):  # as disttensor-predict: nothing saved, no scratch kept
+        layer.release_saved()
+        numpy_kernels.release_workspace()
+
+    handles = [m.register_forward_hook(drop) for m in leaves(model)]
     for m in model.modules():
         m.release_saved()
     opt.zero_grad()
@@ -243,6 +251,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--grid", default=None,
                     help="ranks along D and H, e.g. 2x1 (default: all ranks along D)")
+    ap.add_argument("--map-large", action="store_true",
+                    help="map every large array on its own (map_large_allocations, as the "
+                         "tools do under --memory-per-rank): freed arrays leave the process, "
+                         "new ones cost page faults")
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -260,6 +272,8 @@ def main(argv=None) -> int:
                   "sizes, widths and reps positive", file=sys.stderr)
         return 2
     dt.limit_blas_threads(1)
+    if args.map_large:
+        map_large_allocations()
     data = SegmentationSynthetic(1, (args.size,) * 3, channels=1, classes=2, seed=0)
     rows = []
     split = ours(comm, args, data)
@@ -286,14 +300,15 @@ def main(argv=None) -> int:
                 one["train_above_base_MiB"]
             r["infer_above_base_vs_1rank"] = r["infer_above_base_MiB"] / \
                 one["infer_above_base_MiB"]
+            r["infer_vs_1rank"] = r["infer_peak_MiB"] / one["infer_peak_MiB"]
         print(f"3-D U-Net depth {args.depth} width {args.width} norm {args.norm} on "
               f"1 x 1 x {args.size}^3, float32, batch 1; {p} rank(s)")
         print_table(rows, ["config", "step_s", "step_range_s", "infer_s", "train_peak_MiB",
-                           "train_above_base_MiB", "train_above_base_vs_1rank",
-                           "infer_above_base_MiB", "first_loss"])
+                           "train_vs_1rank", "train_above_base_MiB", "infer_peak_MiB",
+                           "infer_vs_1rank", "infer_above_base_MiB", "first_loss"])
         path = write_json(f"bench_unet3d_p{p}_{args.grid[0]}x{args.grid[1]}", rows,
                           size=args.size, width=args.width, depth=args.depth, norm=args.norm,
-                          reps=args.reps, grid=args.grid)
+                          reps=args.reps, grid=args.grid, map_large=args.map_large)
         print(f"wrote {path}")
     return 0
 

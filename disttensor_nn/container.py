@@ -116,9 +116,8 @@ class Residual(Layer):
 
     def forward(self, x: DistArray) -> DistArray:
         x, self._moved = _to_layout(x, self.layout)
-        a = self.branch(x)
-        b = self.shortcut(x) if self.shortcut is not None else x
-        y = self._merge(a, b)
+        # the branch's and shortcut's outputs are temporaries: nothing holds them once merged
+        y = self._merge(self.branch(x), self.shortcut(x) if self.shortcut is not None else x)
         return self.post(y) if self.post is not None else y
 
     def backward(self, dy: DistArray) -> DistArray:

@@ -113,8 +113,10 @@ class CostSpec:
     layers it joins counted once) to the largest transient need of one
     layer's pass (:meth:`transient`); the tests check these declarations
     against allocations measured with ``tracemalloc``. For inference
-    (``training=False``) nothing is kept and the peak is the largest forward
-    pass of one layer.
+    (``training=False``) nothing is kept: the peak is the largest forward
+    pass of one layer plus what the callers hold meanwhile (the network's
+    input, the input of every residual block being run and, during a
+    block's post-chain, the merged array it reads).
     """
 
     local_shape: tuple[int, ...]

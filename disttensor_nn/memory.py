@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["resident_bytes", "peak_resident_bytes", "reset_peak", "available_bytes",
-           "release_free_memory", "MemoryProfile", "PhaseMemory"]
+           "release_free_memory", "map_large_allocations", "MemoryProfile", "PhaseMemory"]
 
 _PAGE = resource.getpagesize()
 
@@ -109,6 +109,36 @@ def release_free_memory() -> bool:
     return True
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_allocations(threshold: int = 2**20) -> bool:
+    """Have the C allocator map every allocation of ``threshold`` bytes or more on its own.
+
+    glibc raises its mapping threshold each time a mapped block is freed (up
+    to 32 MiB), after which arrays of a few MiB come from the heap, and the
+    heap keeps the pages of freed arrays resident wherever a live one sits
+    above them: a process whose activations come and go layer after layer
+    (a network's forward pass) then holds far more than its live arrays. A
+    fixed threshold makes every large array its own mapping, returned to the
+    operating system when the array is freed, so the resident peak follows
+    the live arrays (what the planner's memory model counts); the cost is a
+    page fault per 4 KiB page of each new large array. Returns whether the
+    allocator supports it (glibc's ``mallopt``).
+
+    Parameters
+    ----------
+    threshold : int
+        Bytes from which an allocation is mapped on its own.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+        raise ValueError(f"threshold must be a positive number of bytes, got {threshold!r}")
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, min(threshold, 2**30)))
+
+
 @dataclass
 class PhaseMemory:
     """Resident bytes of one phase or one layer's pass: peak, at the start and at the end."""
@@ -162,8 +192,15 @@ class MemoryProfile:
         self.lifetime = peak_resident_bytes()
         """Peak resident bytes of the process so far, peaks between phases included."""
         self.exact = os.access("/proc/self/clear_refs", os.W_OK)
-        if top and not tracemalloc.is_tracing():
+        self._tracing = bool(top) and not tracemalloc.is_tracing()
+        if self._tracing:
             tracemalloc.start(1)
+
+    def close(self) -> None:
+        """Stop ``tracemalloc`` if this profile started it (it slows every allocation)."""
+        if self._tracing:
+            tracemalloc.stop()
+            self._tracing = False
 
     def _fold(self) -> int:
         """Fold the peak since the last reset into every active phase and into

@@ -63,9 +63,11 @@ def test_conv_spec_by_hand():
     assert s.keeps_input and not s.keeps_output
     assert s.saved == ext - block  # the halo margins grown into the kept input
     # im2col: C*k*k rows, one per output pixel (here all of them: below the 4 MiB tile);
-    # forward an output block and the columns, backward the extended gradient and two tiles
+    # forward the columns (the kernel's output is the block), backward the extended
+    # gradient and one tile (unit stride: the input gradient is a correlation of dy)
     cols = (4 * 9) * (2 * 5 * 8) * 4
-    assert s.workspace == max(out * 4 + cols, ext + 2 * cols)
+    assert s.forward_workspace == cols
+    assert s.workspace == ext + cols
     assert s.kept(block, out * 4) == ext
     params = 6 * 4 * 9 + 6
     assert s.allreduces == (Allreduce(params * 4, (0, 1, 2, 3), gradient=True),)

@@ -414,3 +414,51 @@ def test_memory_profile_keeps_a_peak_between_phases():
     assert prof.peak() >= before - slack
     if prof.exact:  # the phases themselves did not see the allocation
         assert prof.phases["b"].peak < base + 48 * 2**20
+
+
+@pytest.mark.parallel(1)
+def test_inference_model_counts_what_a_skip_block_holds():
+    """An inference pass through a U-Net level (``Skip``: pool, conv, up-convolution, channel
+    concatenation, decoder): the planner's predicted peak (``training=False``) is what the pass
+    allocates at its peak, measured with tracemalloc, to within Python's own objects. The
+    peak is in the decoder, while the block's input (held by its caller until the block
+    returns), the concatenation (held by the decoder's call) and the network's input are
+    alive besides the layer's own input, output and scratch."""
+    shape = (1, 1, 256, 256)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.Skip(nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1),
+                              nn.ConvTranspose2d(4, 4, 2, stride=2)),
+                post=nn.Sequential(nn.Conv2d(8, 4, 3, padding=1), nn.ReLU())),
+        nn.Conv2d(4, 2, 1))
+    model.eval()
+    planner = Planner(model, shape, CostModel(builtin_profiles()[V100], 1, training=False))
+    plan = planner.uniform_plan((1, 1, 1))
+    apply_plan(model, plan, shape, MPI.COMM_SELF)
+    params = sum(p.data.nbytes for p in model.parameters())
+    out_bytes = 2 * 256 * 256 * 4
+    predicted = plan.peak_memory - params - out_bytes  # the pass alone (baseline 0)
+
+    def drop(layer, x, y):  # what disttensor-predict does after every layer
+        layer.release_saved()
+        numpy_kernels.release_workspace()
+
+    for _, layer in model.named_modules():
+        layer.register_forward_hook(drop)
+    dist = Distribution(shape, ProcessGrid((1,) * 4, MPI.COMM_SELF), (0, None, 1, 2))
+    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    model(DistArray.from_local(data.copy(), dist))  # plans and geometry built once
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        x = DistArray.from_local(data.copy(), dist)
+        y = model(x)
+        measured = tracemalloc.get_traced_memory()[1] - base
+        del x, y
+    finally:
+        tracemalloc.stop()
+    # the network's input and the block's input (1 + 4 channels) are what a model counting
+    # only each layer's own pass would leave out: far more than the tolerance
+    assert (1 + 4) * 256 * 256 * 4 >= 8 * SLACK
+    assert abs(measured - predicted) <= SLACK, (measured, predicted)

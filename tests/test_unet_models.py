@@ -23,7 +23,8 @@ import disttensor_nn as nn
 from disttensor_nn.models import cosmoflow, unet
 from disttensor_nn.plan import CostModel, MachineProfile, Planner
 from disttensor_nn.plan.planner import leaf_nodes, trace
-from disttensor_nn.training.registry import build_model, model_spec
+from disttensor_nn.training.cli import train_main
+from disttensor_nn.training.registry import build_model, check_size, model_spec
 from disttensor_nn.training.volumes import CosmoSynthetic, SegmentationSynthetic
 
 SIZES = [1, 2, 3, 4]
@@ -171,6 +172,27 @@ def test_registry_entries_build_and_fit_their_data():
     assert shape == (1, 4, 128, 128, 128) and model.output_shape(shape) == (1, 4)
     with pytest.raises(ValueError, match="norm"):
         unet(2, norm="layer")
+
+
+@pytest.mark.parallel([1])
+def test_cosmoflow_takes_any_size_its_poolings_divide(capsys):
+    """``--size`` builds CosmoFlow for that size (its dense layer's width follows it); a size
+    the five poolings do not divide is refused with the nearest sizes that work."""
+    model, shape = build_model("cosmoflow", (64, 32, 96), 2)
+    assert shape == (2, 4, 64, 32, 96) and model.output_shape(shape) == (2, 4)
+    dense = [m for m in model if isinstance(m, nn.Linear)][0]
+    # 8 * 2**4 = 128 channels after five poolings of (64, 32, 96) / 32 = (2, 1, 3)
+    assert dense.weight.data.shape[1] == 128 * 2 * 1 * 3
+    x = dt.DistArray.from_global(np.ones(shape, np.float32), dt.Distribution(
+        shape, dt.ProcessGrid((1,) * 5, MPI.COMM_SELF), (0, None, 1, 2, 3)))
+    assert model(x).shape == (2, 4)
+    check_size("cosmoflow", (64, 32, 96))
+    with pytest.raises(ValueError, match=r"dimension 0: 32 or 64; dimension 1: 64; "
+                                         r"dimension 2: 64"):
+        check_size("cosmoflow", (48, 64, 64))
+    with pytest.raises(SystemExit):
+        train_main(["cosmoflow", "--size", "48x64x64", "--steps", "1"])
+    assert "dimension 0: 32 or 64" in capsys.readouterr().err
 
 
 @pytest.mark.parallel([1])

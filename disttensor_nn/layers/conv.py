@@ -258,10 +258,13 @@ class ConvNd(WindowLayer):
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """As :meth:`WindowLayer.cost_spec`, with the convolution's FLOPs and workspace.
 
-        The workspace is the larger of forward's (an output block and a tile
-        of im2col columns) and backward's (the extended block's gradient and
-        two tiles of columns); a tile holds the columns of at least 512 output
-        positions, about 4 MiB, at most 64 MiB.
+        The workspace is the larger of forward's (a tile of im2col columns,
+        and an output block when the halo exchange overlaps, whose boxes are
+        computed apart and copied in) and backward's (the extended block's
+        gradient when there is a halo, and a tile of columns; two with a
+        stride, whose input gradient is a col2im of its own columns); a tile
+        holds the columns of at least 512 output positions, about 4 MiB, at
+        most 64 MiB; a pointwise convolution needs none.
 
         Channel and filter splits are described as the layer runs them for
         this input and its :attr:`filter_axes` (:meth:`weight_splits`): each
@@ -301,6 +304,12 @@ class ConvNd(WindowLayer):
         share = f_loc / self.out_channels * c_loc / self.in_channels  # of the weights
         positions = math.prod(out_block) // max(out_block[1], 1)
         tile = min(ck * positions * itemsize, 64 * 2**20, max(4 * 2**20, ck * 512 * itemsize))
+        if all(k == 1 for k in self.spec.kernel) and all(t == 1 for t in self.spec.stride) \
+                and math.prod(out_block[2:]) >= 512:
+            tile = 0  # a pointwise convolution is one GEMM per sample: no columns
+        _, _, widths = self._window_blocks(kin)
+        # backward: the extended block's gradient (when there is a halo to sum back) and a tile
+        grad_ext = math.prod(ext) * itemsize if any(lo or hi for lo, hi in widths) else 0
         out_bytes = math.prod(out_block) * itemsize
         base = super().cost_spec(kin, itemsize)
         kept = math.prod(largest_block(whole)) * itemsize if gathered_mode else 0
@@ -315,6 +324,9 @@ class ConvNd(WindowLayer):
             s = self.spec
             twin = _sliced_twin(type(self), c_loc, f_loc, s.kernel, s.stride, s.dilation,
                                 g_loc, self.bias is not None, self.dtype.str, self.input_grad)
+        # forward: a tile of columns (and with overlap, the boxes' outputs before they are
+        # copied into the block)
+        forward = tile + (out_bytes if self.overlap else 0)
         return dataclasses.replace(
             base,
             flops=2.0 * math.prod(out_block) * ck,
@@ -322,8 +334,9 @@ class ConvNd(WindowLayer):
             allreduces=tuple(sums),
             redistributions=(whole,) if gathered_mode else (),
             saved=base.saved + kept, twin=twin,
-            workspace=max(out_bytes + tile, math.prod(ext) * itemsize + 2 * tile),
-            forward_workspace=out_bytes + tile)
+            workspace=max(forward, grad_ext + tile * (
+                2 if any(t != 1 for t in self.spec.stride) else 1)),
+            forward_workspace=forward)
 
     def kernel_signature(self) -> str:
         s = self.spec

@@ -86,25 +86,30 @@ class WindowLayer(Layer):
         x = self._kernel_input(xin)
         geo = geometry(self.spec, x.dist)
         plan = halo_plan(x.dist, geo.widths, self.mode)
-        out = DistArray.empty(self.output_distribution(x.dist), self._out_dtype(x), xp=x.xp)
-        y = out.local
+        out_dist = self.output_distribution(x.dist)
+        out = None
         boxes = [geo.out_box]
         if self.overlap:
+            out = DistArray.empty(out_dist, self._out_dtype(x), xp=x.xp)
             request = plan.start(x, self._pad_value())
             inner = geo.interior_box()
             if all(b > a for a, b in inner):
-                self._run_box(request.ext, geo, inner, y)
+                self._run_box(request.ext, geo, inner, out.local)
             ext = request.finish()
             boxes = geo.boundary_boxes()
         else:
             ext = plan.exchange(x, self._pad_value())
             local = self._kernel_forward(ext[geo.input_slices(geo.out_box)]) \
                 if all(b > a for a, b in geo.out_box) else None
-            if local is not None and local.shape == y.shape and is_c_contiguous(local):
-                out = DistArray(local, out.dist)  # the kernel's output is the block: no copy
+            if local is not None and tuple(local.shape) == out_dist.local_shape() and \
+                    is_c_contiguous(local):
+                out = DistArray(local, out_dist)  # the kernel's output is the block: no copy
                 boxes = []
+            del local
+        if out is None:  # the output block is written box by box
+            out = DistArray.empty(out_dist, self._out_dtype(x), xp=x.xp)
         for box in boxes:
-            self._run_box(ext, geo, box, y)
+            self._run_box(ext, geo, box, out.local)
         self._saved = (xin, x, geo, plan, x.halo_token)
         return self._finish_output(out)
 

@@ -628,10 +628,18 @@ class Planner:
         prev: list[Any] = [None]  # the layer that produced the current activation, unmoved
         groups = self.segments(assign) if self._recomputing else {}
         held: dict[int, list[float]] = {}  # segment -> [memory when kept, largest transient]
-        # inference: the inputs of the residual blocks being run, held for their sums
+        # inference: arrays that callers hold while later layers run (the network's input,
+        # the input of each residual block being run, the merged array its post-chain reads)
         pending = [0.0]
+        inference = not self.cost.training
 
-        def walk(items: list, current: int | None) -> int | None:
+        def nbytes(shape: tuple[int, ...], c: int) -> float:
+            return self.cost.itemsize * math.prod(largest_block(
+                dist_for(shape, *self.states[c], inner=self.cost.inner)))
+
+        def walk(items: list, current: int | None, own: float = 0.0) -> int | None:
+            # own: bytes of the chain's input counted in pending (the first layer's input,
+            # unless it is redistributed first)
             nonlocal memory, transient
             for it in items:
                 if isinstance(it, Node):
@@ -650,38 +658,48 @@ class Planner:
                         memory += lc.memory if first else 0.0  # the input, grown halo
                         prev[0] = None
                         current = o
+                        own = 0.0
                         continue
                     costs.append(lc)
                     memory += lc.memory
                     if prev[0] is not None and not moved:  # one array, kept by both
                         memory -= min(prev[0].keeps_output, lc.keeps_input)
-                    transient = max(transient, lc.transient + pending[0])
+                    transient = max(transient, lc.transient + pending[0] -
+                                    (0.0 if moved else own))
                     prev[0] = lc
                     current = o
                 else:
                     prev[0] = None
                     start = current if current is not None else \
                         _io(assign[id(leaf_nodes([it])[0])])[0]
-                    held_in = 0.0 if self.cost.training else self.cost.itemsize * math.prod(
-                        largest_block(dist_for(it.in_shape, *self.states[start],
-                                               inner=self.cost.inner)))
+                    # the block's input stays alive until the block returns (its caller holds
+                    # it), unless it is the chain's input, counted already
+                    held_in = nbytes(it.in_shape, start) if inference and not own else 0.0
                     pending[0] += held_in
-                    out = walk(it.branch, start)
+                    out = walk(it.branch, start, held_in or own)
                     prev[0] = None
                     if it.shortcut is None:
                         s = start
                         shape = it.in_shape
                     else:
-                        s = walk(it.shortcut, start)
+                        s = walk(it.shortcut, start, held_in or own)
                         shape = it.shortcut[-1].out_shape
-                    pending[0] -= held_in
                     if s != out:
                         costs.append(LayerCost(comm=self.shuffle_matrix(shape)[s, out]))
                     prev[0] = None
-                    current = walk(it.post, out)
+                    # the merged array is held by the post-chain's call until it returns
+                    merged = nbytes(it.post[0].in_shape, out) if inference and it.post else 0.0
+                    pending[0] += merged
+                    current = walk(it.post, out, merged)
+                    pending[0] -= merged + held_in
+                own = 0.0
             return current
 
-        walk(self.items, None)
+        # inference: the network's input is held by the caller until the pass returns
+        first_in = nbytes(self.items[0].in_shape, _io(assign[id(self.nodes[0])])[0]) \
+            if inference and self.items else 0.0
+        pending[0] += first_in
+        walk(self.items, None, first_in)
         for kept, most in held.values():  # a segment's backward holds it all again
             transient = max(transient, kept + most)
         return step_time(costs, self.cost.overlap), memory + transient

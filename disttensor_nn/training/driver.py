@@ -23,6 +23,7 @@ from ..kernels import synchronize
 from ..memory import (
     MemoryProfile,
     available_bytes,
+    map_large_allocations,
     release_free_memory,
     resident_bytes,
 )
@@ -295,6 +296,8 @@ def _model_and_data(cfg: TrainConfig) -> tuple:
                              f"{cfg.model!r} takes {spec.in_channels} channels"
                              + (f" and --size {'x'.join(map(str, size))}" if size else ""))
         size = tuple(data.sample_shape[1:])
+    if spec.sized:  # its builder refuses a size it cannot take: say which sizes work first
+        check_size(cfg.model, size)
     model, shape = build_model(cfg.model, size, cfg.batch, seed=cfg.seed)
     check_size(cfg.model, size, model)
     if isinstance(model, Sequential) and len(model):
@@ -331,6 +334,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, *,
         CuPy or a GPU is missing.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    if cfg.memory_per_rank is not None:  # a budget to honour: freed arrays leave the process
+        map_large_allocations()  # (at the price of page faults on every new large array)
     memory = MemoryProfile(top=8 if cfg.profile_memory else 0)
     previous = _on_sigterm()
     try:
@@ -351,6 +356,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, *,
               f"MiB ({_phase_line(memory)})", flush=True)
         raise
     finally:
+        memory.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

@@ -31,8 +31,8 @@ from disttensor.backend import as_module, is_numpy, to_numpy
 from disttensor.io import optional_module
 
 from ..container import Sequential
-from ..kernels import synchronize
-from ..memory import MemoryProfile, release_free_memory, resident_bytes
+from ..kernels import kernels_for, synchronize
+from ..memory import MemoryProfile, map_large_allocations, release_free_memory, resident_bytes
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate
 from ..plan.machine import this_machine_path
@@ -138,6 +138,8 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
             xp = use_device(cfg.device, comm)
         except RuntimeError as exc:  # the same on every rank of the job
             raise ValueError(f"--device {cfg.device}: {exc}") from exc
+    if cfg.memory_per_rank is not None:  # a budget to honour: freed arrays leave the process
+        map_large_allocations()  # (at the price of page faults on every new large array)
     memory = MemoryProfile()
     spec = model_spec(cfg.model)
     data = open_dataset(cfg.data, cfg.data_input, None)
@@ -150,6 +152,10 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
         model[0].input_grad = False
     model.eval()
     load_checkpoint(cfg.checkpoint, model, None, comm=comm)
+    n = len(data)
+    stack = (n, *out_shape[1:])
+    # the output store is created (and its library loaded) before the process baseline
+    _create_output(cfg, stack, np.dtype(np.float32), comm)
     params = sum(p.data.nbytes for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - params, op=MPI.MAX)
     plan: Plan
@@ -159,11 +165,17 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
     if not is_numpy(xp):
         model.to(xp)
     nodes = leaf_nodes(trace(model, shape))
-    for _, layer in model.named_modules():  # nothing kept for a backward pass
-        layer.register_forward_hook(lambda layer, x, y: layer.release_saved())
-    n = len(data)
-    stack = (n, *out_shape[1:])
-    _create_output(cfg, stack, np.dtype(np.float32), comm)
+    release_workspace = getattr(kernels_for(xp.zeros(1)), "release_workspace", None)
+
+    def drop(layer: Any, x: Any, y: Any) -> None:
+        # nothing kept for a backward pass, and no kernel scratch kept from layer to layer
+        # (the memory model counts a layer's scratch in its own pass alone)
+        layer.release_saved()
+        if release_workspace is not None:
+            release_workspace()
+
+    for _, layer in model.named_modules():
+        layer.register_forward_hook(drop)
     first = nodes[0].layer.layout
     write = to_npy if cfg.out.lower().endswith(".npy") else to_zarr
     release_free_memory()

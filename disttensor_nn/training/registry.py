@@ -68,6 +68,11 @@ class ModelSpec:
         Default learning rate of the training driver.
     batch : int
         Default global batch size of ``disttensor-plan``.
+    sized : bool
+        The network depends on the sample's spatial size (dense layers after
+        the convolutions): the builder is called as ``builder(size=S,
+        dtype=..., seed=...)`` and raises ValueError for a size it cannot
+        take. Otherwise one network takes every size its layers accept.
     """
 
     builder: Callable[..., Layer]
@@ -77,6 +82,7 @@ class ModelSpec:
     loss: Callable[[], Layer]
     lr: float
     batch: int = 4
+    sized: bool = False
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -182,6 +188,8 @@ def build_model(name: str, size: tuple[int, ...] | None = None, batch: int = 1,
     """
     spec = model_spec(name)
     size = tuple(size) if size else spec.size
+    if spec.sized:
+        return spec.builder(size=size, dtype=dtype, seed=seed), (batch, spec.in_channels, *size)
     return spec.builder(dtype=dtype, seed=seed), (batch, spec.in_channels, *size)
 
 
@@ -190,6 +198,8 @@ def _size_problem(name: str, model: Layer, size: tuple[int, ...]) -> str | None:
     spec = model_spec(name)
     shape = (1, spec.in_channels, *size)
     try:
+        if spec.sized:  # a network built for this size (its builder checks the size first)
+            model = spec.builder(size=size)
         out = tuple(model.output_shape(shape))
     except ValueError as exc:
         return str(exc)
@@ -231,7 +241,8 @@ def check_size(name: str, size: tuple[int, ...] | None, model: Layer | None = No
     if len(size) != nd:
         raise ValueError(f"model {name!r} takes {nd}-D sizes like "
                          f"{'x'.join(map(str, spec.size))}, got {'x'.join(map(str, size))}")
-    model = build_model(name)[0] if model is None else model
+    if model is None and not spec.sized:  # (a sized network is built for each size tried)
+        model = build_model(name)[0]
     problem = _size_problem(name, model, size)
     if problem is None:
         return
@@ -290,10 +301,12 @@ register_model("unet2d", ModelSpec(
 register_model("unet3d", ModelSpec(
     partial(unet, 3, 1, 2, depth=3, width=4, norm="group"), 1, (32, 32, 32), _segmentation,
     CrossEntropyLoss, 0.1, 2))
-# the network's dense layers fix the input size: "cosmoflow" is a reduced demo (32^3, narrow),
-# "cosmoflow-mlperf" the benchmark's network on its 4 x 128^3 samples
+# the network's dense layers depend on the input size (built for each size, sides divisible
+# by 32): "cosmoflow" is a reduced demo (32^3, narrow), "cosmoflow-mlperf" the benchmark's
+# network on its 4 x 128^3 samples
 register_model("cosmoflow", ModelSpec(
-    partial(cosmoflow, 4, 32, conv_layers=5, width=8), 4, (32, 32, 32), _cosmo, MSELoss, 0.01))
+    partial(cosmoflow, 4, conv_layers=5, width=8), 4, (32, 32, 32), _cosmo, MSELoss, 0.01,
+    sized=True))
 register_model("cosmoflow-mlperf", ModelSpec(
-    partial(cosmoflow, 4, 128, conv_layers=5, width=32), 4, (128, 128, 128), _cosmo, MSELoss,
-    0.01, 2))
+    partial(cosmoflow, 4, conv_layers=5, width=32), 4, (128, 128, 128), _cosmo, MSELoss,
+    0.01, 2, sized=True))
