@@ -20,6 +20,7 @@ import math
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -254,6 +255,15 @@ class KernelTimer:
         so that this wait is measured too. Returns the number of distinct
         shapes timed.
         """
+        _twins[0] = weakref.WeakKeyDictionary()  # released when the chain is timed
+        try:
+            return self._measure_chain(queries, comm, reps, max_seconds, memory, progress)
+        finally:
+            _twins[0] = None
+
+    def _measure_chain(self, queries: Sequence[tuple[Layer, tuple[int, ...], Any, float]],
+                       comm: Any, reps: int, max_seconds: float, memory: float | None,
+                       progress: bool) -> int:
         comm = MPI.COMM_SELF if comm is None else comm
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         oversubscribed = comm.allreduce(node.Get_size() > (os.cpu_count() or 1), op=MPI.LOR)
@@ -406,7 +416,7 @@ class _Job:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.layer.local_twin().output_shape(self.shape))
+        return tuple(_metadata_twin(self.layer).output_shape(self.shape))
 
     def memory(self) -> float:
         """Bytes the twin needs between its forward and backward, and while running them."""
@@ -415,10 +425,28 @@ class _Job:
         return io + spec.saved + spec.workspace
 
 
+# twins for shapes and cost specs while measure_chain runs (None: not kept)
+_twins: list[weakref.WeakKeyDictionary | None] = [None]
+
+
+def _metadata_twin(layer: Layer) -> Layer:
+    """``layer.local_twin()`` for shapes and cost specs, never run. While
+    :meth:`KernelTimer.measure_chain` runs, one per layer is kept (again when its kernel
+    signature changes): building one draws its weights, and the chain asks many times."""
+    cache = _twins[0]
+    if cache is None:
+        return layer.local_twin()
+    signature = layer.kernel_signature()
+    entry = cache.get(layer)
+    if entry is None or entry[0] != signature:
+        entry = cache[layer] = (signature, layer.local_twin())
+    return entry[1]
+
+
 def _spec(layer: Layer, shape: tuple[int, ...]) -> CostSpec:
     """The cost spec of ``layer``'s twin on a whole local block of ``shape`` (one process)."""
     nd = len(shape)
-    return layer.local_twin().cost_spec(Distribution(shape, (1,) * nd, tuple(range(nd))))
+    return _metadata_twin(layer).cost_spec(Distribution(shape, (1,) * nd, tuple(range(nd))))
 
 
 def _flops(layer: Layer, shape: tuple[int, ...]) -> float:
