@@ -10,7 +10,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor_nn.plan import Plan, apply_plan
 
 # The convolution layers the conv benchmarks time (CPU: bench_conv.py, GPU: bench_gpu.py):
 # name, N, C, H (= W), F, kernel, stride, padding
@@ -100,3 +105,31 @@ def write_json(name: str, rows: list[dict[str, Any]], **meta: Any) -> str:
     with open(path, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=2)
     return path
+
+
+def plan_step_times(model: Any, shape: tuple[int, ...], plan: Plan, comm: MPI.Comm,
+                    iters: int) -> list[float]:
+    """Seconds per training step (forward, MSE loss, backward, SGD step; the slowest rank)
+    of ``model`` laid out by ``plan`` on ``comm``, ``iters`` steps after an untimed one
+    (which shards the weights and builds the halo and redistribution plans)."""
+    apply_plan(model, plan, shape, comm)
+    first = model[0].layout if isinstance(model, nn.Sequential) else model.layout
+    x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)
+    loss_fn = nn.MSELoss()
+    opt = nn.SGD(model.parameters(), lr=1e-4)
+    target = None
+    times = []
+    for it in range(iters + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        y = model.forward(x)
+        if target is None:
+            target = dt.random.default_rng(2).random(y.dist, np.float32)
+        loss_fn(y, target)
+        model.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        if it:
+            times.append(t)
+    return times

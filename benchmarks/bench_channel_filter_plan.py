@@ -37,13 +37,12 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
-from _common import print_table, write_json
+from _common import plan_step_times, print_table, write_json
 from mpi4py import MPI
 
 import disttensor as dt
 import disttensor_nn as nn
-from disttensor_nn.plan import CostModel, KernelTimer, Planner, apply_plan, load_profile
+from disttensor_nn.plan import CostModel, KernelTimer, Planner, load_profile
 from disttensor_nn.plan.calibrate import calibrate
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.plan.machine import this_machine_path
@@ -55,31 +54,6 @@ def wide_net(c: int) -> nn.Sequential:
     for i, (a, b) in enumerate([(c // 2, c), (c, c), (c, c)]):
         layers += [nn.Conv2d(a, b, 3, padding=1, seed=i), nn.BatchNorm2d(b), nn.ReLU()]
     return nn.Sequential(*layers, nn.GlobalAvgPool(), nn.Linear(c, 10))
-
-
-def step_times(model, shape, plan, comm, iters: int) -> list[float]:
-    """Seconds per training step of ``plan`` on ``comm`` (slowest rank), ``iters`` steps."""
-    apply_plan(model, plan, shape, comm)
-    x = dt.random.default_rng(1).standard_normal(model[0].layout.distribution(shape),
-                                                 np.float32)
-    loss_fn = nn.MSELoss()
-    opt = nn.SGD(model.parameters(), lr=1e-4)
-    target = None
-    times = []
-    for it in range(iters + 1):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        y = model.forward(x)
-        if target is None:
-            target = dt.random.default_rng(2).random(y.dist, np.float32)
-        loss_fn(y, target)
-        model.backward(loss_fn.backward())
-        opt.step()
-        opt.zero_grad()
-        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        if it:  # the first step shards the weights and builds plans
-            times.append(t)
-    return times
 
 
 def torch_times(c: int, shape, iters: int) -> list[float] | None:
@@ -159,7 +133,7 @@ def main() -> None:
     order = list(plans)
     for r in range(args.rounds):  # each round starts at another plan
         for key in order[r % len(order):] + order[:r % len(order)]:
-            samples[key].append(step_times(model, shape, plans[key], comm, args.iters))
+            samples[key].append(plan_step_times(model, shape, plans[key], comm, args.iters))
         if comm.rank == 0:
             got = torch_times(c, shape, args.iters)
             if got is not None:

@@ -30,13 +30,12 @@ import tempfile
 import time
 
 import numpy as np
-from _common import print_table, write_json
+from _common import plan_step_times, print_table, write_json
 from mpi4py import MPI
 
 import disttensor as dt
-import disttensor_nn as nn
 from disttensor_nn.models import mesh_fcn
-from disttensor_nn.plan import CostModel, KernelTimer, Planner, apply_plan, load_profile
+from disttensor_nn.plan import CostModel, KernelTimer, Planner, load_profile
 from disttensor_nn.plan.calibrate import calibrate
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.plan.machine import this_machine_path
@@ -47,31 +46,6 @@ MODELS = {
     "mesh-narrow": lambda size, batch: (mesh_fcn(widths=(16, 32, 32, 48, 48, 16)),
                                         (batch, 18, *size)),
 }
-
-
-def step_times(model, shape, plan, comm, iters: int) -> list[float]:
-    """Seconds per training step of ``plan`` on ``comm`` (slowest rank), ``iters`` steps."""
-    apply_plan(model, plan, shape, comm)
-    first = model[0].layout if isinstance(model, nn.Sequential) else model.layout
-    x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)
-    loss_fn = nn.MSELoss()
-    opt = nn.SGD(model.parameters(), lr=1e-4)
-    target = None
-    times = []
-    for it in range(iters + 1):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        y = model.forward(x)
-        if target is None:
-            target = dt.random.default_rng(2).random(y.dist, np.float32)
-        loss_fn(y, target)
-        model.backward(loss_fn.backward())
-        opt.step()
-        opt.zero_grad()
-        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        if it:  # the first step builds plans and caches
-            times.append(t)
-    return times
 
 
 def sleep_until(req: MPI.Request) -> None:
@@ -124,15 +98,16 @@ def main() -> None:
             samples["ceiling"] = []
             for _ in range(args.rounds):
                 comm.Barrier()
-                mine = step_times(half_model, half_shape, half_plan, MPI.COMM_SELF, args.iters)
+                mine = plan_step_times(half_model, half_shape, half_plan, MPI.COMM_SELF, args.iters)
                 samples["ceiling"].append(list(np.max(comm.allgather(mine), axis=0)))
                 for key, plan in plans.items():
                     if key == "1 rank":  # rank 0 alone; rank 1 sleeps meanwhile
                         if comm.rank == 0:
-                            samples[key].append(step_times(model, shape, plan, solo, args.iters))
+                            samples[key].append(
+                                plan_step_times(model, shape, plan, solo, args.iters))
                         sleep_until(comm.Ibarrier())
                     else:
-                        samples[key].append(step_times(model, shape, plan, comm, args.iters))
+                        samples[key].append(plan_step_times(model, shape, plan, comm, args.iters))
             if comm.rank:
                 continue
             # each plan's faster round (the first measured pays for cold caches)

@@ -10,7 +10,6 @@ the chunk keys it hands out (against the chunk indices that meet the block).
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
 import os
@@ -19,6 +18,7 @@ import pathlib
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_io import CountingFile  # h5py reads through it; its reads are counted
 
 import disttensor as dt
 from disttensor.testing import assert_equal, collective_assert, collective_outcome
@@ -106,19 +106,6 @@ def test_labels_from_files(shared_dir, suffix):
     rx, ry = data.batch([4, 0, 2], layout.distribution((3, 3, 6, 7)))
     assert_equal(x, rx.to_global())
     collective_assert(np.array_equal(y, ry), f"labels {y} != {ry}")
-
-
-class CountingFile(io.FileIO):
-    """A file whose reads are counted (h5py reads through it with driver 'fileobj')."""
-
-    def __init__(self, path):
-        super().__init__(path, "r")
-        self.read_bytes = 0
-
-    def readinto(self, b):
-        n = super().readinto(b)
-        self.read_bytes += n or 0
-        return n
 
 
 def chunks_meeting(slices, chunks):

@@ -108,7 +108,7 @@ class ConvNd(WindowLayer):
         self.overlap = overlap
         self.filter_axes = filter_axes
         self._splits: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-        self._local = False  # grouped, each rank holding whole groups
+        self._whole_groups = False  # grouped, each rank holding whole groups
         self.dtype = np.dtype(dtype)
         fan_in = in_channels // groups * int(np.prod(self.spec.kernel))
         bound = 1.0 / np.sqrt(fan_in)
@@ -197,8 +197,8 @@ class ConvNd(WindowLayer):
         self._splits = a_f, a_c = self.weight_splits(x.dist)
         shard_parameters(self.weight, self.bias, x, a_f, a_c)
         # grouped, each rank's whole groups: its channels are all its kernels need
-        self._local = self.groups > 1 and bool(x.dist.dim_axes[1])
-        return x if self._local else gather_channels(x, a_c)
+        self._whole_groups = self.groups > 1 and bool(x.dist.dim_axes[1])
+        return x if self._whole_groups else gather_channels(x, a_c)
 
     def _finish_output(self, y: DistArray) -> DistArray:
         """Channel-parallel: sum the partial outputs over the channel group, then add the bias."""
@@ -208,7 +208,7 @@ class ConvNd(WindowLayer):
     def _input_grad(self, dx: DistArray, x: DistArray) -> DistArray:
         """Sum the partial input gradients over the filter group (reduce-scatter if gathered);
         nothing to sum when each rank holds whole groups."""
-        return dx if self._local else sum_input_grad(dx, x, self._splits[0])
+        return dx if self._whole_groups else sum_input_grad(dx, x, self._splits[0])
 
     # ------------------------------------------------------------ kernels
     def _kernel_forward(self, xwin: Any) -> Any:
