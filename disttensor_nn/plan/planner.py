@@ -313,11 +313,14 @@ class Planner:
         self._recomputing = recompute is True
         if recompute is True and not cost.training:
             raise ValueError("recompute is for training: inference keeps no activations")
-        # the process itself, parameters with their gradients and momenta, and what the
-        # loss holds (the network's output, the targets and the output's gradient); in
-        # inference the parameters and the network's output alone
+        # the process itself, parameters with their gradients, momenta and the local
+        # gradients waiting for their reduction, and what the loss holds (the network's
+        # output, the targets and the output's gradient); in inference the parameters and
+        # the network's output alone
         out = self.nodes[-1].out_shape if self.nodes else self.batch_shape
-        self.base_memory = self.baseline + cost.params_memory(model) + \
+        grads = [n for node in self.nodes for n in cost.local_gradient_bytes(node.layer,
+                                                                             node.in_shape)]
+        self.base_memory = self.baseline + cost.params_memory(model, grads) + \
             (2 if cost.training else 1) * math.prod(out) * cost.itemsize / cost.nprocs
         # costs under each placement of the grid on the nodes (CostModel.inner)
         self._caches: dict[str, tuple[dict, dict]] = {}
