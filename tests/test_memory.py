@@ -37,7 +37,7 @@ from disttensor_nn.plan import (
 )
 from disttensor_nn.plan.planner import leaf_nodes, trace
 from disttensor_nn.recompute import recompute_segments
-from disttensor_nn.training import TrainConfig, build_model, train
+from disttensor_nn.training import TrainConfig, build_model, driver, train
 from disttensor_nn.training.driver import MemoryBudgetError, SetupError
 
 S = (2, 16, 96, 96)  # 1.1 MiB per float32 block: far above Python's own allocations
@@ -517,3 +517,18 @@ def test_parameter_state_of_a_step_is_what_the_model_counts(monkeypatch):
     added = planner.base_memory - 3 * sum(sizes) - 2 * 4 * 2048 * 4
     collective_assert(abs(added - peaks[0]) <= activations + SLACK,
                       f"model {added}, measured {peaks[0]}")
+
+
+@pytest.mark.parallel([1, 2])
+def test_memory_released_before_each_step_leaves_the_training_unchanged(monkeypatch):
+    """What the allocator keeps after the loader and the last step is given back before
+    every step; the losses (so the gradients) are those of a run that keeps it."""
+    calls = []
+    release = driver.release_free_memory
+    monkeypatch.setattr(driver, "release_free_memory", lambda: calls.append(1) or release())
+    kept = train(_config(steps=3))
+    collective_assert(len(calls) >= 3, f"released {len(calls)} times in 3 steps")
+    monkeypatch.setattr(driver, "release_free_memory", lambda: True)
+    not_kept = train(_config(steps=3))
+    collective_assert(kept["history"] == not_kept["history"],
+                      f"{kept['history']} {not_kept['history']}")

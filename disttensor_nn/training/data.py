@@ -54,7 +54,7 @@ __all__ = [
 
 Slices = tuple[slice, ...]
 
-FIELD_CHUNK = 2**23
+FIELD_CHUNK = 2**21
 """Bytes of float64 scratch per chunk of channels when a synthetic mesh block is generated."""
 
 
