@@ -10,6 +10,7 @@ implementation it has.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -532,3 +533,15 @@ def test_memory_released_before_each_step_leaves_the_training_unchanged(monkeypa
     not_kept = train(_config(steps=3))
     collective_assert(kept["history"] == not_kept["history"],
                       f"{kept['history']} {not_kept['history']}")
+
+
+def test_reductions_in_flight_add_the_machines_scratch_on_several_ranks():
+    """The MPI library's temporaries, ``reduce_scratch`` bytes per gradient byte in flight,
+    count only where gradients are summed over ranks; by hand for two layers."""
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 8, 1))
+    grads = [(8 * 4 * 9 + 8) * 4, (8 * 8 + 8) * 4]  # float32 weights and biases, each fused
+    profile = dataclasses.replace(builtin_profiles()[V100], reduce_scratch=0.5)
+    one, two = CostModel(profile, 1), CostModel(profile, 2)
+    params = sum(grads)
+    assert one.params_memory(model, grads) == 3 * params + 2 * sum(grads)
+    assert two.params_memory(model, grads) == 3 * params + 2 * sum(grads) + 0.5 * sum(grads)

@@ -400,6 +400,8 @@ def test_machine_calibration(tmp_path_factory):
     constants = (prof.p2p_alpha, prof.p2p_beta, prof.allreduce_alpha, prof.allreduce_beta,
                  prof.alltoall_alpha, prof.alltoall_beta, prof.peak_flops, prof.mem_bandwidth)
     collective_assert(all(c > 0 and math.isfinite(c) for c in constants), str(constants))
+    # the MPI library's temporaries per byte in flight: none, or about one buffer's worth
+    collective_assert(0 <= prof.reduce_scratch <= 2, str(prof.reduce_scratch))
     collective_assert(MachineProfile.load(this_machine_path(cache)) == prof, "saved profile")
     with pytest.raises(ValueError, match="at least 2 ranks"):
         calibrate(MPI.COMM_SELF)

@@ -346,9 +346,11 @@ class CostModel:
 
         The runtime's gradient buckets hold every layer's local gradients from its
         backward to the end of backward (:class:`~disttensor_nn.module.GradientBuckets`),
-        those under ``bucket_bytes`` also as a copy in a fused bucket;
-        ``local_grads`` gives their sizes (the layers' gradient allreduces, some
-        summed in float64; default: the parameters' own sizes). The optimizer's
+        those under ``bucket_bytes`` also as a copy in a fused bucket, and on
+        several ranks the MPI library's temporaries for the reductions in flight
+        (:attr:`MachineProfile.reduce_scratch` per byte); ``local_grads`` gives
+        their sizes (the layers' gradient allreduces, some summed in float64;
+        default: the parameters' own sizes). The optimizer's
         update of one parameter makes a temporary of its size. Whole parameters:
         an upper bound where a plan shards some of them.
         """
@@ -357,6 +359,8 @@ class CostModel:
             return float(sum(sizes))
         grads = sizes if local_grads is None else list(local_grads)
         pending = sum(grads) + sum(n for n in grads if n < self.bucket_bytes)
+        if self.nprocs > 1:  # the reductions in flight: the MPI library's temporaries
+            pending += self.profile.reduce_scratch * sum(grads)
         return float(3 * sum(sizes) + max(pending, max(sizes, default=0)))
 
     def local_gradient_bytes(self, layer: Layer, in_shape: tuple[int, ...]) -> list[float]:
