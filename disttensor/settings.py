@@ -66,6 +66,7 @@ def _env_flag(name: str) -> bool:
 
 
 _check = _env_flag(ENV_CHECK)
+_pool_bytes = 2**24  # buffer_pool_bytes
 _nesting = threading.local()
 _SMALL = 32  # local arrays up to this many elements are compared by value
 _SHOWN = 160  # characters of a value shown in a mismatch message
@@ -81,11 +82,12 @@ class CollectiveMismatchError(ValueError):
 
 
 def get_options() -> dict[str, Any]:
-    """The current options, as a dict (``{"check_collective": bool}``)."""
-    return {"check_collective": _check}
+    """The current options, as a dict (``{"check_collective": bool, "buffer_pool_bytes": int}``)."""
+    return {"check_collective": _check, "buffer_pool_bytes": _pool_bytes}
 
 
-def set_options(*, check_collective: bool | None = None) -> dict[str, Any]:
+def set_options(*, check_collective: bool | None = None,
+                buffer_pool_bytes: int | None = None) -> dict[str, Any]:
     """Change options; returns the previous ones (the form :func:`get_options` gives).
 
     Parameters
@@ -94,6 +96,12 @@ def set_options(*, check_collective: bool | None = None) -> dict[str, Any]:
         Check mode (see the module docstring): every collective entry point
         compares its arguments across the communicator first. ``None``
         leaves it as it is. Set it alike on every rank.
+    buffer_pool_bytes : int, optional
+        The most bytes of message and scratch buffers that halo exchanges,
+        redistributions and reductions keep for reuse, per array module
+        (default 16 MiB). Buffers are kept least recently used first out; a
+        buffer larger than the cap is freed after use. 0 keeps none.
+        ``None`` leaves it as it is.
 
     Returns
     -------
@@ -105,17 +113,24 @@ def set_options(*, check_collective: bool | None = None) -> dict[str, Any]:
     TypeError
         If ``check_collective`` is not a bool.
     """
-    global _check
+    global _check, _pool_bytes
+    if check_collective is not None and not isinstance(check_collective, (bool, np.bool_)):
+        raise TypeError(f"check_collective must be a bool, got {check_collective!r}")
+    if buffer_pool_bytes is not None and (
+            isinstance(buffer_pool_bytes, (bool, np.bool_)) or
+            not isinstance(buffer_pool_bytes, (int, np.integer)) or buffer_pool_bytes < 0):
+        raise ValueError(f"buffer_pool_bytes must be an integer >= 0, got {buffer_pool_bytes!r}")
     previous = get_options()
     if check_collective is not None:
-        if not isinstance(check_collective, (bool, np.bool_)):
-            raise TypeError(f"check_collective must be a bool, got {check_collective!r}")
         _check = bool(check_collective)
+    if buffer_pool_bytes is not None:
+        _pool_bytes = int(buffer_pool_bytes)
     return previous
 
 
 @contextmanager
-def options(*, check_collective: bool | None = None) -> Iterator[dict[str, Any]]:
+def options(*, check_collective: bool | None = None,
+            buffer_pool_bytes: int | None = None) -> Iterator[dict[str, Any]]:
     """Context manager form of :func:`set_options`, like :func:`numpy.errstate`.
 
     Examples
@@ -124,7 +139,8 @@ def options(*, check_collective: bool | None = None) -> Iterator[dict[str, Any]]
     >>> with dt.options(check_collective=True):   # doctest: +SKIP
     ...     y = x.redistribute(target)   # CollectiveMismatchError if target differs by rank
     """
-    previous = set_options(check_collective=check_collective)
+    previous = set_options(check_collective=check_collective,
+                           buffer_pool_bytes=buffer_pool_bytes)
     try:
         yield get_options()
     finally:

@@ -39,16 +39,19 @@ from .backend import (
     is_cupy,
     is_numpy,
     mpi_buffer,
+    nbytes,
     numpy_dtype,
     synchronize,
 )
 from .device import gpu_aware_mpi, nccl_enabled
 from .nccl import allreduce_sum, exchange, supports
+from .settings import get_options
 
 __all__ = ["Transport", "AllreduceRequest", "allreduce", "iallreduce", "transport_for"]
 
 _POOL_KEYS = 512  # distinct (shape, dtype, place) scratch shapes kept per transport
 _POOL_DEPTH = 8  # buffers kept per shape
+# and at most get_options()["buffer_pool_bytes"] bytes in all
 
 Message = tuple[Any, int, int]  # (buffer, peer rank, tag)
 
@@ -57,7 +60,10 @@ class Transport:
     """How the arrays of one module travel through MPI (see the module docstring).
 
     Obtain one with :func:`transport_for`; its scratch and staging buffers
-    are pooled, so steady-state exchanges allocate nothing.
+    are pooled up to a cap (the option ``buffer_pool_bytes`` of
+    :func:`~disttensor.set_options`), so steady-state exchanges whose buffers
+    fit it allocate nothing, and larger ones hold their buffers only while
+    they run.
 
     Parameters
     ----------
@@ -75,6 +81,8 @@ class Transport:
         # point-to-point buffers stay in the module's memory for MPI that reads it, and for NCCL
         self._p2p_direct = direct or nccl
         self._pool: OrderedDict[tuple, list[Any]] = OrderedDict()
+        self.pooled = 0
+        """Bytes of the buffers kept for reuse now."""
 
     def __repr__(self) -> str:
         how = "direct" if self.direct else "staged"
@@ -86,13 +94,15 @@ class Transport:
         if not self._device:  # NumPy: every buffer is a host array
             key = (shape, dtype)
             pool = self._pool.get(key)
-            return pool.pop() if pool else np.empty(shape, dtype)
+            if pool:
+                return self._reuse(pool)
+            return np.empty(shape, dtype)
         dt = numpy_dtype(dtype)
         place = None if like is None else device_of(like)
         key = (tuple(shape), dt.str, like is None, repr(place))
         pool = self._pool.get(key)
         if pool:
-            return pool.pop()
+            return self._reuse(pool)
         if like is None:
             return host_empty(tuple(shape), dt, self.xp)
         return empty(self.xp, tuple(shape), dt, place)
@@ -105,12 +115,23 @@ class Transport:
             host = isinstance(buf, np.ndarray)
             place = None if host else device_of(buf)
             key = (tuple(buf.shape), numpy_dtype(buf.dtype).str, host, repr(place))
+        size = nbytes(buf)
+        cap = get_options()["buffer_pool_bytes"]
+        if size > cap:  # freed now: the pool would have to drop everything else for it
+            return
         pool = self._pool.setdefault(key, [])
         self._pool.move_to_end(key)
         if len(pool) < _POOL_DEPTH:
             pool.append(buf)
-        while len(self._pool) > _POOL_KEYS:
-            self._pool.popitem(last=False)
+            self.pooled += size
+        while len(self._pool) > _POOL_KEYS or self.pooled > cap:  # least recently used out
+            _, old = self._pool.popitem(last=False)
+            self.pooled -= sum(nbytes(b) for b in old)
+
+    def _reuse(self, pool: list[Any]) -> Any:
+        buf = pool.pop()
+        self.pooled -= nbytes(buf)
+        return buf
 
     def ready(self) -> None:
         """Synchronise the device before MPI touches device memory (no-op on the host).

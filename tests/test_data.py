@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from mpi4py import MPI
 import disttensor as dt
 from disttensor.testing import assert_equal, collective_assert
 from disttensor_nn import Layout
+from disttensor_nn.training import data as data_module
 from disttensor_nn.training.data import (
     ImageNetSynthetic,
     Loader,
@@ -128,6 +130,27 @@ def test_mesh_generates_only_the_local_block_and_a_one_pixel_halo(monkeypatch):
     ok = all(sh.start - 1 <= y0 and y1 <= sh.stop and sw.start - 1 <= x0 and x1 <= sw.stop
              for _, _, y0, y1, x0, x1 in calls)
     collective_assert(ok and len(calls) == 6, f"block {sh, sw}, generated {calls}")
+
+
+@pytest.mark.parallel([1])
+def test_mesh_fields_are_generated_a_few_channels_at_a_time(monkeypatch):
+    # the same values as all channels at once, with float64 scratch of two channels only
+    ds = MeshSynthetic(2, size=(64, 48), channels=18, seed=3)
+    where = (slice(1, 18), slice(5, 60), slice(0, 48))
+    monkeypatch.setattr(data_module, "FIELD_CHUNK", 2**40)
+    at_once = ds._input_block(1, where)
+    two = 2 * 55 * 48 * 8  # bytes of two channels of the block in float64
+    monkeypatch.setattr(data_module, "FIELD_CHUNK", two)
+    tracemalloc.start()
+    try:
+        chunked = ds._input_block(1, where)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(chunked, at_once)
+    # the block itself and a handful of two-channel temporaries (all 17 channels at once
+    # take several times the block in float64)
+    assert peak <= chunked.nbytes + 6 * two, (peak, chunked.nbytes, two)
 
 
 @pytest.mark.parallel([1])

@@ -10,6 +10,7 @@ implementation it has.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -26,6 +27,7 @@ from disttensor.testing import collective_assert
 from disttensor_nn.kernels import numpy_kernels
 from disttensor_nn.memory import MemoryProfile, peak_resident_bytes, resident_bytes
 from disttensor_nn.models import DepthToSpace
+from disttensor_nn.module import GradientBuckets
 from disttensor_nn.plan import (
     CostModel,
     KernelTimer,
@@ -36,7 +38,7 @@ from disttensor_nn.plan import (
 )
 from disttensor_nn.plan.planner import leaf_nodes, trace
 from disttensor_nn.recompute import recompute_segments
-from disttensor_nn.training import TrainConfig, build_model, train
+from disttensor_nn.training import TrainConfig, build_model, driver, train
 from disttensor_nn.training.driver import MemoryBudgetError, SetupError
 
 S = (2, 16, 96, 96)  # 1.1 MiB per float32 block: far above Python's own allocations
@@ -462,3 +464,84 @@ def test_inference_model_counts_what_a_skip_block_holds():
     # only each layer's own pass would leave out: far more than the tolerance
     assert (1 + 4) * 256 * 256 * 4 >= 8 * SLACK
     assert abs(measured - predicted) <= SLACK, (measured, predicted)
+
+
+@pytest.mark.parallel(1)
+def test_parameter_state_of_a_step_is_what_the_model_counts(monkeypatch):
+    """Parameters, gradients, momenta, and the larger of the local gradients the buckets
+    hold until the end of backward (small ones copied into a fused bucket too) and the
+    optimizer's temporaries, measured over a step whose weights dwarf its activations and
+    whose layers use no scratch."""
+    model = nn.Sequential(nn.Linear(64, 128),  # 32 KiB of weights: fused into a bucket
+                          nn.Linear(128, 2048))  # 1 MiB: reduced alone, in place
+    shape = (4, 64)
+    cost = CostModel(builtin_profiles()[V100], 1)
+    plan = Planner(model, shape, cost).plan()
+    apply_plan(model, plan, shape, MPI.COMM_SELF)
+    opt = nn.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = dt.asarray(np.ones(shape, np.float32), grid=ProcessGrid((1,), MPI.COMM_SELF),
+                   axes=(0, None))
+    sizes = [p.data.nbytes for p in model.parameters()]
+    held = []  # bytes alive when backward ends, before the reductions are added to the grads
+    wait = GradientBuckets.wait
+    monkeypatch.setattr(GradientBuckets, "wait", lambda self: (
+        held.append(tracemalloc.get_traced_memory()[0]), wait(self)))
+    peaks = []
+    for _ in range(2):  # the first step creates the momenta: measure the second
+        opt.zero_grad()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            y = model(x)
+            with GradientBuckets():
+                model.call_backward(DistArray.from_local(np.ones(y.local_shape, np.float32),
+                                                         y.dist))
+            del y
+            backward = held[-1] - base
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            opt.step()
+            peaks = [backward, tracemalloc.get_traced_memory()[1] - base]
+        finally:
+            tracemalloc.stop()
+    activations = 4 * (64 + 128 + 2048) * 4  # every block at once, at most
+    # Linear sums its local gradients in float64: twice the parameters' bytes, and the
+    # small ones also copied into a fused bucket (by hand: only the 2 MiB weight is not)
+    grads = [2 * n for n in sizes]
+    pending = sum(grads) + sum(n for n in grads if n < 2**20)
+    assert pending - SLACK <= peaks[0] <= pending + activations + SLACK, (peaks, pending)
+    assert max(sizes) - SLACK <= peaks[1] <= max(sizes) + SLACK, (peaks, sizes)
+    # the planner: parameters, gradients and momenta, the larger of the two additions on
+    # top (the buckets' share, priced per layer), and the loss's output and its gradient
+    planner = Planner(model, shape, cost)
+    added = planner.base_memory - 3 * sum(sizes) - 2 * 4 * 2048 * 4
+    collective_assert(abs(added - peaks[0]) <= activations + SLACK,
+                      f"model {added}, measured {peaks[0]}")
+
+
+@pytest.mark.parallel([1, 2])
+def test_memory_released_before_each_step_leaves_the_training_unchanged(monkeypatch):
+    """What the allocator keeps after the loader and the last step is given back before
+    every step; the losses (so the gradients) are those of a run that keeps it."""
+    calls = []
+    release = driver.release_free_memory
+    monkeypatch.setattr(driver, "release_free_memory", lambda: calls.append(1) or release())
+    kept = train(_config(steps=2, size=(32, 32)))
+    collective_assert(len(calls) >= 2, f"released {len(calls)} times in 2 steps")
+    monkeypatch.setattr(driver, "release_free_memory", lambda: True)
+    not_kept = train(_config(steps=2, size=(32, 32)))
+    collective_assert(kept["history"] == not_kept["history"],
+                      f"{kept['history']} {not_kept['history']}")
+
+
+def test_reductions_in_flight_add_the_machines_scratch_on_several_ranks():
+    """The MPI library's temporaries, ``reduce_scratch`` bytes per gradient byte in flight,
+    count only where gradients are summed over ranks; by hand for two layers."""
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 8, 1))
+    grads = [(8 * 4 * 9 + 8) * 4, (8 * 8 + 8) * 4]  # float32 weights and biases, each fused
+    profile = dataclasses.replace(builtin_profiles()[V100], reduce_scratch=0.5)
+    one, two = CostModel(profile, 1), CostModel(profile, 2)
+    params = sum(grads)
+    assert one.params_memory(model, grads) == 3 * params + 2 * sum(grads)
+    assert two.params_memory(model, grads) == 3 * params + 2 * sum(grads) + 0.5 * sum(grads)

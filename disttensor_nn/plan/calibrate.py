@@ -15,7 +15,9 @@ ranks sharing cores is included). Messages travel the way the library sends
 them: through the array module's transport (:mod:`disttensor.transport`:
 device buffers straight to a CUDA-aware MPI, staged through pinned host
 memory, or NCCL) and the library's own redistribution, and device work is
-synchronised before every clock reading.
+synchronised before every clock reading. On the host, the memory the MPI
+library adds while non-blocking allreduces are in flight is measured too
+(``reduce_scratch``, per byte reduced), for the planner's memory model.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ import numpy as np
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution, ProcessGrid
-from disttensor.backend import synchronize
+from disttensor.backend import is_numpy, synchronize
 from disttensor.device import use_device
-from disttensor.transport import transport_for
+from disttensor.transport import iallreduce, transport_for
 
+from ..memory import peak_resident_bytes, release_free_memory, reset_peak, resident_bytes
 from .machine import MachineProfile, this_machine_path
 
 __all__ = ["calibrate"]
@@ -102,6 +105,28 @@ def _allreduce(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     return _fit(feats, times)
 
 
+def _reduce_scratch(comm: MPI.Comm, xp: Any, nbytes: int = 32 * 2**20) -> float:
+    """Resident bytes the MPI library adds per byte of non-blocking allreduces in flight.
+
+    Four reductions of ``nbytes / 4`` are started at once and then waited
+    for, as the gradient buckets do at the end of backward; the growth of
+    the peak resident memory over their bytes, the largest over the ranks.
+    0 where the operating system cannot restart the peak, or for device
+    memory (not resident on the host).
+    """
+    if not is_numpy(xp):
+        return 0.0
+    arrays = [np.ones(nbytes // 16, np.float32) for _ in range(4)]
+    release_free_memory()
+    comm.Barrier()
+    exact = reset_peak()
+    before = resident_bytes()
+    for request in [iallreduce(a, comm) for a in arrays]:
+        request.wait()
+    grown = max(peak_resident_bytes() - before, 0) / nbytes if exact else 0.0
+    return float(comm.allreduce(grown, op=MPI.MAX))
+
+
 def _alltoall(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     """Shuffles as the library runs them: a redistribution from a row split to a column split."""
     p = comm.Get_size()
@@ -162,6 +187,7 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     p2p = _p2p(comm, reps, xp)
     ar = _allreduce(comm, reps, xp)
     a2a = _alltoall(comm, reps, xp)
+    scratch = _reduce_scratch(comm, xp)
     flops, bw = _compute(comm, xp)
     mem = _device_memory(xp, max(1, per_node // units) if device == "gpu" else per_node)
     suffix = "" if device == "cpu" else f"-{device}"
@@ -173,7 +199,7 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
         measured=True, device=device,
         notes=f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}"
               f" under a load average of {load:.1f} on {os.cpu_count() or 1} cores",
-        load_per_core=load / (os.cpu_count() or 1),
+        load_per_core=load / (os.cpu_count() or 1), reduce_scratch=scratch,
     )
     if save and comm.Get_rank() == 0:
         profile.save(this_machine_path(cache_dir, device))

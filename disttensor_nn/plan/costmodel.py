@@ -339,14 +339,39 @@ class CostModel:
         return self.profile.alltoall(recv * self.itemsize, peers,
                                      inter=self.nprocs > self.profile.node_size)
 
-    def params_memory(self, model: Layer) -> float:
-        """Bytes per rank of parameters, their gradients and momentum buffers (training),
-        or of the parameters alone (inference).
+    def params_memory(self, model: Layer, local_grads: Sequence[float] | None = None) -> float:
+        """Bytes per rank of the parameters' state: in training the parameters, their
+        gradients and momentum buffers, and the larger of what backward and the
+        optimizer add to them; in inference the parameters alone.
 
-        Whole parameters: an upper bound where a plan shards some of them.
+        The runtime's gradient buckets hold every layer's local gradients from its
+        backward to the end of backward (:class:`~disttensor_nn.module.GradientBuckets`),
+        those under ``bucket_bytes`` also as a copy in a fused bucket, and on
+        several ranks the MPI library's temporaries for the reductions in flight
+        (:attr:`MachineProfile.reduce_scratch` per byte); ``local_grads`` gives
+        their sizes (the layers' gradient allreduces, some summed in float64;
+        default: the parameters' own sizes). The optimizer's
+        update of one parameter makes a temporary of its size. Whole parameters:
+        an upper bound where a plan shards some of them.
         """
-        return (3.0 if self.training else 1.0) * sum(
-            math.prod(p.shape) * p.data.itemsize for p in model.parameters())
+        sizes = [math.prod(p.shape) * p.data.itemsize for p in model.parameters()]
+        if not self.training:
+            return float(sum(sizes))
+        grads = sizes if local_grads is None else list(local_grads)
+        pending = sum(grads) + sum(n for n in grads if n < self.bucket_bytes)
+        if self.nprocs > 1:  # the reductions in flight: the MPI library's temporaries
+            pending += self.profile.reduce_scratch * sum(grads)
+        return float(3 * sum(sizes) + max(pending, max(sizes, default=0)))
+
+    def local_gradient_bytes(self, layer: Layer, in_shape: tuple[int, ...]) -> list[float]:
+        """Bytes of the local gradients ``layer`` hands to the reduction (its gradient
+        allreduces under one rank: whole parameters)."""
+        if not any(True for _ in layer.parameters()):
+            return []
+        nsp = max(len(in_shape) - 2, 0)
+        spec = layer.cost_spec(dist_for(tuple(in_shape), (1,) * (nsp + 1), inner=self.inner),
+                               self.itemsize)
+        return [a.nbytes for a in spec.allreduces if a.gradient]
 
 
 def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:

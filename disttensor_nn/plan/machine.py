@@ -61,6 +61,9 @@ class MachineProfile:
     nic_share: int = 1  # ranks of a node that share one NIC
     efficiency_half_flops: float = 0.0  # FLOPs of a kernel reaching half of `efficiency`
     launch_overhead: float = 0.0  # seconds per kernel (launch, framework)
+    # resident bytes the MPI library adds per byte of non-blocking allreduces in flight at
+    # once (its temporary buffers; measured by calibration, 0 where unknown)
+    reduce_scratch: float = 0.0
 
     @property
     def node_size(self) -> int:

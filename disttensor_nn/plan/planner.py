@@ -263,6 +263,8 @@ class Planner:
         Bytes per rank that the plan must fit.
     allowed : list of candidates, optional
         Restrict the candidate distributions (e.g. to compare uniform plans).
+        Default: every grid whose sample axis has no more ranks than the
+        batch has samples.
     channels : bool
         Also split the channels (candidates over (N, C, *S), see
         :func:`~disttensor_nn.plan.candidates`). Under such a grid an
@@ -298,8 +300,12 @@ class Planner:
         self.items = trace(model, self.batch_shape)
         self.nodes = leaf_nodes(self.items)
         nsp = len(self.batch_shape) - 2
-        self.cands = [tuple(c) for c in allowed] if allowed is not None else \
-            candidates(cost.nprocs, nsp, channels)
+        if allowed is not None:
+            self.cands = [tuple(c) for c in allowed]
+        else:  # a grid splitting fewer samples than its sample axis has ranks leaves some
+            # ranks without a sample and the others holding more than their share
+            self.cands = [c for c in candidates(cost.nprocs, nsp, channels)
+                          if c[0] <= max(self.batch_shape[0], 1)]
         self.states: list[tuple[Candidate, bool]] = [(c, True) for c in self.cands] + [
             (c, False) for c in self.cands if len(c) == nsp + 2 and c[1] > 1]
         index = {st: i for i, st in enumerate(self.states)}  # the other state of each grid
@@ -313,11 +319,14 @@ class Planner:
         self._recomputing = recompute is True
         if recompute is True and not cost.training:
             raise ValueError("recompute is for training: inference keeps no activations")
-        # the process itself, parameters with their gradients and momenta, and what the
-        # loss holds (the network's output, the targets and the output's gradient); in
-        # inference the parameters and the network's output alone
+        # the process itself, parameters with their gradients, momenta and the local
+        # gradients waiting for their reduction, and what the loss holds (the network's
+        # output, the targets and the output's gradient); in inference the parameters and
+        # the network's output alone
         out = self.nodes[-1].out_shape if self.nodes else self.batch_shape
-        self.base_memory = self.baseline + cost.params_memory(model) + \
+        grads = [n for node in self.nodes for n in cost.local_gradient_bytes(node.layer,
+                                                                             node.in_shape)]
+        self.base_memory = self.baseline + cost.params_memory(model, grads) + \
             (2 if cost.training else 1) * math.prod(out) * cost.itemsize / cost.nprocs
         # costs under each placement of the grid on the nodes (CostModel.inner)
         self._caches: dict[str, tuple[dict, dict]] = {}

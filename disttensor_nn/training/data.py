@@ -54,6 +54,9 @@ __all__ = [
 
 Slices = tuple[slice, ...]
 
+FIELD_CHUNK = 2**21
+"""Bytes of float64 scratch per chunk of channels when a synthetic mesh block is generated."""
+
 
 # --------------------------------------------------------------------------- hashing
 def _stream_keys(seed: int, tag: int, n: int) -> list[np.uint64]:
@@ -397,16 +400,23 @@ class MeshSynthetic(Dataset):
         """Input values at the global coordinates ``cs x ys x xs`` (any integer arrays)."""
         _, h, w = self.sample_shape
         fy, fx, amp, phase = self._params(sample)
-        amp, phase = amp[cs], phase[cs]
-        out = np.zeros((len(cs), len(ys), len(xs)))
-        for k in range(self.modes):  # a fixed summation order: values independent of the block
-            ay = 2 * np.pi * fy[k] * ys / h                                   # (h,)
-            bx = 2 * np.pi * fx[k] * xs[None, :] / w + phase[:, k, None]      # (c, w)
-            out += amp[:, k, None, None] * (np.sin(ay)[None, :, None] * np.cos(bx)[:, None, :]
-                                            + np.cos(ay)[None, :, None] * np.sin(bx)[:, None, :])
-        if self.noise:
-            out += self.noise * _noise(self._k_noise, sample, cs, ys, xs, self.sample_shape)
-        return out.astype(self.dtype)
+        out = np.empty((len(cs), len(ys), len(xs)), self.dtype)
+        # a few channels at a time, so that the float64 scratch stays near FIELD_CHUNK bytes
+        # whatever the block (a whole 1024 x 1024 sample would need several GiB of it)
+        step = max(1, FIELD_CHUNK // max(8 * len(ys) * len(xs), 1))
+        for c0 in range(0, len(cs), step):
+            cc = cs[c0:c0 + step]
+            a, ph = amp[cc], phase[cc]
+            acc = np.zeros((len(cc), len(ys), len(xs)))
+            for k in range(self.modes):  # a fixed summation order: values independent of the block
+                ay = 2 * np.pi * fy[k] * ys / h                                   # (h,)
+                bx = 2 * np.pi * fx[k] * xs[None, :] / w + ph[:, k, None]         # (c, w)
+                acc += a[:, k, None, None] * (np.sin(ay)[None, :, None] * np.cos(bx)[:, None, :]
+                                              + np.cos(ay)[None, :, None] * np.sin(bx)[:, None, :])
+            if self.noise:
+                acc += self.noise * _noise(self._k_noise, sample, cc, ys, xs, self.sample_shape)
+            out[c0:c0 + step] = acc
+        return out
 
     def _input_block(self, sample: int, where: Slices) -> np.ndarray:
         sc, sh, sw = where
