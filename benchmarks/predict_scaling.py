@@ -116,15 +116,19 @@ def main() -> int:
             t0 = time.perf_counter()
             cf = predict_scaling(model, shape, ranks, args.machine, measure=False,
                                  channels=True)
-            print(f"with channel/filter splits, planned in {time.perf_counter() - t0:.0f} s")
-            print(f"{'ranks':>6} {'N/S only':>9} {'(exposed)':>9} {'with C/F':>9} "
-                  f"{'(exposed)':>9}  convolution modes")
+            print(f"with channel/filter splits, planned in {time.perf_counter() - t0:.0f} s; "
+                  "ms per step: time = compute + exposed communication (hidden: overlapped)")
+            print(f"{'ranks':>6} | {'N/S only':>8} {'compute':>8} {'exposed':>8} {'hidden':>8} | "
+                  f"{'with C/F':>8} {'compute':>8} {'exposed':>8} {'hidden':>8} | "
+                  f"{'gain':>5} {'plan s':>6}  convolution modes")
             for r, c in zip(rows, cf):
                 if r["time_ms"] is None or c["time_ms"] is None:
                     print(f"{r['ranks']:>6} -")
                     continue
-                print(f"{r['ranks']:>6} {r['time_ms']:9.2f} {r['exposed_ms']:9.2f} "
-                      f"{c['time_ms']:9.2f} {c['exposed_ms']:9.2f}  {c['modes']}")
+                print(f"{r['ranks']:>6} | {r['time_ms']:8.2f} {r['compute_ms']:8.2f} "
+                      f"{r['exposed_ms']:8.2f} {r['hidden_ms']:8.2f} | {c['time_ms']:8.2f} "
+                      f"{c['compute_ms']:8.2f} {c['exposed_ms']:8.2f} {c['hidden_ms']:8.2f} | "
+                      f"{r['time_ms'] / c['time_ms']:5.3f} {c['plan_s']:6.0f}  {c['modes']}")
             with open(os.path.join(args.out, f"scaling-{tag}-cf.json"), "w") as f:
                 json.dump({"model": name, "batch_shape": shape, "machine": args.machine,
                            "bn_stats": args.bn_stats, "rows": cf}, f, indent=1)

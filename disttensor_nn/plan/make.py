@@ -158,10 +158,12 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         :data:`~disttensor_nn.plan.planner.MODES`) and
         ``sample_parallel_ms`` (the plan that splits only the samples,
         None when the batch cannot be split so) with ``sample_parallel_split``
-        (its compute, exposed and hidden ms).
+        (its compute, exposed and hidden ms), and ``plan_s`` (seconds the
+        planning took).
     """
     rows: list[dict[str, Any]] = []
     for p in ranks:
+        start = time.perf_counter()
         try:
             plan, planner = make_plan(model, batch_shape, p, machine, memory, measure,
                                       channels=channels)
@@ -179,7 +181,8 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
                                                   if e.mode).items())),
                      "sample_parallel_ms": 1e3 * uniform.time if uniform else None,
                      "sample_parallel_split": [1e3 * uniform.compute, 1e3 * uniform.exposed_comm,
-                                               1e3 * uniform.hidden_comm] if uniform else None})
+                                               1e3 * uniform.hidden_comm] if uniform else None,
+                     "plan_s": time.perf_counter() - start})
     return rows
 
 

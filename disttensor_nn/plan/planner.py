@@ -403,16 +403,20 @@ class Planner:
                 return self._layer_cost[key]
             cand, split = self.states[c]
             out_split = self.states[o][1]
+            # without a kernel timer nothing is measured: the cost itself tells the memory
+            priced = self.cost.layer(layer, node.in_shape, cand, split, out_split) \
+                if self.cost.timer is None else None
             if self.budget is not None:
-                alone = CostModel(self.cost.profile, self.cost.nprocs, QueryRecorder(),
-                                  self.cost.itemsize, training=self.cost.training).layer(
-                                      layer, node.in_shape, cand, split, out_split)
+                alone = priced if priced is not None else CostModel(
+                    self.cost.profile, self.cost.nprocs, QueryRecorder(), self.cost.itemsize,
+                    training=self.cost.training).layer(layer, node.in_shape, cand, split,
+                                                       out_split)
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
                     self._layer_cost[key] = alone
                     return alone
-            self._layer_cost[key] = self.cost.layer(layer, node.in_shape, cand, split,
-                                                    out_split)
+            self._layer_cost[key] = priced if priced is not None else self.cost.layer(
+                layer, node.in_shape, cand, split, out_split)
         return self._layer_cost[key]
 
     def modal(self, node: Node) -> bool:
