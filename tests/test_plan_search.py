@@ -119,3 +119,22 @@ def test_planner_plans_match_the_search_over_every_state(nprocs):
     assert fast.time == slow.time
     assert [(e.grid, e.split_channels, e.mode) for e in fast.entries] == \
         [(e.grid, e.split_channels, e.mode) for e in slow.entries]
+
+
+def test_a_layer_stays_on_the_grid_that_lays_its_blocks_out_alike():
+    """(N, F) activations lie alike (whole on every rank) on the grids (1, 2, 1, 1) and
+    (1, 1, 1, 2): the DP ties them and would pick the first; the plan keeps the previous
+    layer's grid at the same price, and leaves a grid that splits N as it is."""
+    net = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.GlobalAvgPool(),
+                        nn.Linear(16, 4))
+    planner = Planner(net, (2, 8, 6, 6), CostModel(profile(np.random.default_rng(5)), 2),
+                      channels=True)
+    channel, width, sample = (planner.states.index((g, True))
+                              for g in [(1, 2, 1, 1), (1, 1, 1, 2), (2, 1, 1, 1)])
+    for other, moved in [(width, True), (sample, False)]:
+        assign = {id(n): channel for n in planner.nodes}
+        assign[id(planner.nodes[-1])] = other
+        t, mem = planner.assignment_cost(assign)
+        got, t2, mem2, _ = planner._steady(assign, t, mem, [])
+        assert got[id(planner.nodes[-1])] == (channel if moved else other)
+        assert (t2, mem2) == (t, mem) == planner.assignment_cost(got)

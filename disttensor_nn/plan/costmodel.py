@@ -43,7 +43,7 @@ from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
 
 __all__ = ["candidates", "dist_for", "NODE_INNER", "LayerCost", "CostModel", "StepTime",
-           "step_time", "ranks_per_node_of"]
+           "step_time", "ranks_per_node_of", "same_placement"]
 
 Candidate = tuple[int, ...]
 
@@ -406,6 +406,13 @@ class CostModel:
         """
         return (3.0 if self.training else 1.0) * sum(
             math.prod(p.shape) * p.data.itemsize for p in model.parameters())
+
+
+def same_placement(a: Distribution, b: Distribution) -> bool:
+    """Whether every rank holds the same block under ``a`` and ``b`` (grids may differ)."""
+    if a.global_shape != b.global_shape or a.nprocs != b.nprocs:
+        return False
+    return all(np.array_equal(x, y) for x, y in zip(_all_boxes(a), _all_boxes(b)))
 
 
 def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:

@@ -47,6 +47,7 @@ from .costmodel import (
     StepTime,
     candidates,
     dist_for,
+    same_placement,
     step_time,
 )
 from .timer import KernelTimer, QueryRecorder
@@ -1073,7 +1074,33 @@ class Planner:
         finally:
             self._weight, self._mask = 1.0, None
         assert best is not None
-        return self._make_plan(*best)
+        return self._make_plan(*self._steady(*best))
+
+    def _steady(self, assign: dict, t: float, mem: float, notes: list
+                ) -> tuple[dict, float, float, list]:
+        """``assign`` with each layer kept in the previous layer's state where both lay
+        its input and output out alike (the same block on every rank, on another grid)
+        and the plan is priced no higher in time or memory.
+
+        Such states tie in the DP (no byte moves between them), which would otherwise
+        pick the first; running on the previous layer's grid spares the runtime a
+        change of grid.
+        """
+        inner = self.cost.inner
+        prev = None
+        for node in self.nodes:
+            value = assign[id(node)]
+            if prev is not None and isinstance(value, (int, np.integer)) and value != prev \
+                    and all(same_placement(dist_for(shape, *self.states[value], inner=inner),
+                                           dist_for(shape, *self.states[prev], inner=inner))
+                            for shape in (node.in_shape, node.out_shape)
+                            if len(shape) in (2, len(node.in_shape))):
+                trial = {**assign, id(node): prev}
+                t2, mem2 = self.assignment_cost(trial)
+                if t2 <= t and mem2 <= mem:
+                    assign, t, mem, value = trial, t2, mem2, prev
+            prev = _io(value)[1]
+        return assign, t, mem, notes
 
     def _plan_at_weight(self) -> tuple[dict[int, int], float, float, list[str]]:
         """The DP's plan (assignment, time, memory, notes) at the current gradient weight."""
