@@ -321,6 +321,11 @@ class Planner:
         Restrict the convolutions' modes under such grids to these (keys of
         :data:`MODES`; e.g. ``("channel",)`` with ``allowed=[(1, p, 1, 1)]``
         for a channel-parallel plan). Default: all.
+    max_states : int, optional
+        Search each layer over at most this many states, those of smallest
+        lower bound (:meth:`_solve`): faster on many ranks, no longer exact
+        (the plan is a valid plan, priced exactly, but a cheaper one may
+        exist). Default: every state that can be in a cheapest plan.
 
     Attributes
     ----------
@@ -335,8 +340,11 @@ class Planner:
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
                  memory_budget: float | None = None, allowed: list[Candidate] | None = None,
                  baseline: float = 0.0, recompute: bool | str = False, channels: bool = False,
-                 modes: Any = None):
+                 modes: Any = None, max_states: int | None = None):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
+        if max_states is not None and max_states < 1:
+            raise ValueError(f"max_states must be at least 1, got {max_states}")
+        self.max_states = max_states
         if modes is not None and (isinstance(modes, str) or not set(modes) <= set(MODES)):
             raise ValueError(f"modes must be a sequence of {list(MODES)}, got {modes!r}")
         self.modes = None if modes is None else frozenset(modes)
@@ -744,8 +752,11 @@ class Planner:
                 return None
             keep = {i: np.flatnonzero(b <= value + _SLACK * abs(value))
                     for i, b in bounds.items()}
+            if self.max_states is not None:  # the most promising states only: not exact
+                keep = {i: np.intersect1d(v, np.argsort(bounds[i], kind="stable")[
+                    :max(self.max_states, _FIRST_STATES)]) for i, v in keep.items()}
             if any(not np.array_equal(keep[i], first[i]) for i in keep):
-                assign, _ = self._solve_on(keep)
+                assign = self._solve_on(keep)[0] or assign  # (fewer states: no worse)
             return assign
         finally:
             self._prices, self._sets = {}, {}
