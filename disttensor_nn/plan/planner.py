@@ -335,6 +335,8 @@ class Planner:
         The activation layouts the DP chooses among: each candidate grid
         with its channels split (index ``i`` is ``cands[i]``), then each grid
         with a channel axis longer than one with its channels whole.
+    searched : float
+        States per layer the last DP searched, on average (after pruning).
     """
 
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
@@ -389,7 +391,7 @@ class Planner:
         # each layer may use (indices into states, ascending; see _solve)
         self._prices: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
         self._sets: dict[int, np.ndarray] = {}
-        self.searched = 0.0  # states per layer the last DP chose among (after pruning)
+        self.searched = 0.0
 
     # ------------------------------------------------------------ tables
     def layer_cost(self, node: Node, c: int, o: int | None = None) -> LayerCost:
