@@ -18,7 +18,10 @@ Runs in one process, no MPI job needed::
 3. With ``--channel-splits``: each case planned again with channel and
    filter splits (grids over (N, C, H, W), every convolution mode), printed
    beside the sample/spatial plan with the modes it uses
-   (``DIR/scaling-<model>-<N>-cf.json``).
+   (``DIR/scaling-<model>-<N>-cf.json``). ``--max-states K`` searches each
+   layer over its K most promising states from ``--max-states-from`` ranks
+   on (default 512): a valid plan, priced exactly, but not proven the
+   cheapest.
 
 Writes ``DIR/validation.json``, ``DIR/scaling-<model>-<N>.json`` and a PNG per
 case (``disttensor-plot``'s scaling plot), and prints the tables.
@@ -72,6 +75,11 @@ def main() -> int:
     parser.add_argument("--skip-validation", action="store_true")
     parser.add_argument("--channel-splits", action="store_true",
                         help="also plan with channel and filter splits")
+    parser.add_argument("--max-states", type=int, default=None,
+                        help="with --channel-splits from this many ranks on (see "
+                        "--max-states-from), search each layer over at most this many states "
+                        "(faster, not exact)")
+    parser.add_argument("--max-states-from", type=int, default=512)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -114,17 +122,27 @@ def main() -> int:
                        "bn_stats": args.bn_stats, "rows": rows}, f, indent=1)
         if args.channel_splits:
             t0 = time.perf_counter()
-            cf = predict_scaling(model, shape, ranks, args.machine, measure=False,
-                                 channels=True)
-            print(f"with channel/filter splits, planned in {time.perf_counter() - t0:.0f} s")
-            print(f"{'ranks':>6} {'N/S only':>9} {'(exposed)':>9} {'with C/F':>9} "
-                  f"{'(exposed)':>9}  convolution modes")
+            cf = []
+            for p in ranks:
+                limit = args.max_states if p >= args.max_states_from else None
+                cf += predict_scaling(model, shape, [p], args.machine, measure=False,
+                                      channels=True, max_states=limit)
+                cf[-1]["max_states"] = limit
+            print(f"with channel/filter splits, planned in {time.perf_counter() - t0:.0f} s; "
+                  "ms per step: time = compute + exposed communication (hidden: overlapped)")
+            print(f"{'ranks':>6} | {'N/S only':>8} {'compute':>8} {'exposed':>8} {'hidden':>8} | "
+                  f"{'with C/F':>8} {'compute':>8} {'exposed':>8} {'hidden':>8} | "
+                  f"{'gain':>5} {'plan s':>6}  convolution modes")
             for r, c in zip(rows, cf):
                 if r["time_ms"] is None or c["time_ms"] is None:
                     print(f"{r['ranks']:>6} -")
                     continue
-                print(f"{r['ranks']:>6} {r['time_ms']:9.2f} {r['exposed_ms']:9.2f} "
-                      f"{c['time_ms']:9.2f} {c['exposed_ms']:9.2f}  {c['modes']}")
+                print(f"{r['ranks']:>6} | {r['time_ms']:8.2f} {r['compute_ms']:8.2f} "
+                      f"{r['exposed_ms']:8.2f} {r['hidden_ms']:8.2f} | {c['time_ms']:8.2f} "
+                      f"{c['compute_ms']:8.2f} {c['exposed_ms']:8.2f} {c['hidden_ms']:8.2f} | "
+                      f"{r['time_ms'] / c['time_ms']:5.3f} {c['plan_s']:6.0f}  {c['modes']}"
+                      + (f" (searched {c['max_states']} states per layer)"
+                         if c["max_states"] else ""))
             with open(os.path.join(args.out, f"scaling-{tag}-cf.json"), "w") as f:
                 json.dump({"model": name, "batch_shape": shape, "machine": args.machine,
                            "bn_stats": args.bn_stats, "rows": cf}, f, indent=1)

@@ -17,6 +17,7 @@ names layer classes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from disttensor import Distribution
@@ -161,4 +162,13 @@ class CostSpec:
 
 def largest_block(dist: Distribution) -> tuple[int, ...]:
     """Shape of the largest local block of ``dist`` (per dimension, the longest block)."""
+    if dist.grid is None:  # pure metadata, asked about many times while planning
+        return _pure_largest_block(dist)
+    return _largest_block(dist)
+
+
+def _largest_block(dist: Distribution) -> tuple[int, ...]:
     return tuple(max(b[i + 1] - b[i] for i in range(len(b) - 1)) for b in dist.boundaries)
+
+
+_pure_largest_block = lru_cache(maxsize=65536)(_largest_block)

@@ -186,8 +186,16 @@ def output_layout(spec: WindowSpec, in_dist: Distribution) -> tuple[Distribution
     """Output distribution and halo widths of ``spec`` on ``in_dist`` (pure: any rank's view).
 
     ``in_dist`` may be built on a grid shape alone; the output distribution
-    then is too. Widths are per dimension (0 for N and C).
+    then is too (and is remembered: the cost model asks for the same ones
+    many times). Widths are per dimension (0 for N and C).
     """
+    if in_dist.grid is None:
+        return _pure_output_layout(spec, in_dist)
+    return _output_layout(spec, in_dist)
+
+
+def _output_layout(spec: WindowSpec, in_dist: Distribution) -> tuple[Distribution, tuple]:
+    """:func:`output_layout`, computed."""
     nd = len(spec.kernel)
     shape = in_dist.global_shape
     splits: list = [in_dist.splits[0], in_dist.splits[1]]
@@ -329,3 +337,6 @@ def transposed_geometry(spec: WindowSpec, output_padding: tuple[int, ...],
     out_origin = tuple(out_start[i] - out_w[2 + i][0] for i in range(nd))
     return TransposedGeometry(spec, tuple(output_padding), in_dist, out_dist, in_w, out_w,
                               in_origin, out_origin)
+
+
+_pure_output_layout = lru_cache(maxsize=16384)(_output_layout)

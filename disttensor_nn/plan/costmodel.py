@@ -43,7 +43,7 @@ from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
 
 __all__ = ["candidates", "dist_for", "NODE_INNER", "LayerCost", "CostModel", "StepTime",
-           "step_time", "ranks_per_node_of"]
+           "step_time", "ranks_per_node_of", "same_placement"]
 
 Candidate = tuple[int, ...]
 
@@ -75,6 +75,13 @@ def dist_for(shape: tuple[int, ...], cand: Candidate, split_channels: bool = Tru
     """
     if inner not in NODE_INNER:
         raise ValueError(f"inner must be one of {NODE_INNER}, got {inner!r}")
+    return _dist_for(tuple(shape), tuple(cand), bool(split_channels), inner)
+
+
+@lru_cache(maxsize=65536)
+def _dist_for(shape: tuple[int, ...], cand: Candidate, split_channels: bool,
+              inner: str) -> Distribution:
+    """:func:`dist_for` (a Distribution is immutable: one object serves every caller)."""
     nsp = len(cand) - 1
     if len(shape) == 2:
         axes = (0, None)
@@ -339,6 +346,58 @@ class CostModel:
         return self.profile.alltoall(recv * self.itemsize, peers,
                                      inter=self.nprocs > self.profile.node_size)
 
+    def redistributions(self, srcs: Sequence[Distribution],
+                        dsts: Sequence[Distribution]) -> np.ndarray:
+        """:meth:`redistribution` from each of ``srcs`` to each of ``dsts``: a matrix.
+
+        The same figures, computed for all destinations of a source at once
+        (one all-to-all price per distinct (bytes, peers) pair).
+        """
+        out = np.zeros((len(srcs), len(dsts)))
+        if not srcs or not dsts:
+            return out
+        recv = np.zeros(out.shape, dtype=np.int64)
+        peers = np.zeros(out.shape, dtype=np.int64)
+        dlo = np.stack([_all_boxes(d)[0] for d in dsts])  # (dsts, ndim, ranks)
+        dhi = np.stack([_all_boxes(d)[1] for d in dsts])
+        size = np.prod(dhi - dlo, axis=1)
+        for i, src in enumerate(srcs):
+            recv[i], peers[i] = _received_many(src, dlo, dhi, size)
+        same = np.array([[d.dim_axes == s.dim_axes and d.grid_shape == s.grid_shape
+                          for d in dsts] for s in srcs])
+        inter = self.nprocs > self.profile.node_size
+        pairs, where = np.unique(np.stack([recv.ravel(), peers.ravel()], axis=1), axis=0,
+                                 return_inverse=True)
+        price = np.array([self.profile.alltoall(int(r) * self.itemsize, int(q), inter=inter)
+                          for r, q in pairs])
+        out = price[where.ravel()].reshape(out.shape)
+        out[same] = 0.0
+        return out
+
+    def redistribution_bounds(self, srcs: Sequence[Distribution], dsts: Sequence[Distribution],
+                              ranks: np.ndarray) -> np.ndarray:
+        """Lower bounds of :meth:`redistributions` from what ``ranks`` alone receive.
+
+        The busiest rank receives at least what any of ``ranks`` does, from at
+        least one peer, and an all-to-all costs no less for more bytes or peers.
+        """
+        recv = np.zeros((len(srcs), len(dsts)), dtype=np.int64)
+        if not srcs or not dsts:
+            return recv.astype(float)
+        dlo = np.stack([_all_boxes(d)[0][:, ranks] for d in dsts])  # (dsts, ndim, ranks)
+        dhi = np.stack([_all_boxes(d)[1][:, ranks] for d in dsts])
+        size = np.prod(dhi - dlo, axis=1)
+        for i, src in enumerate(srcs):
+            slo, shi = (b[:, ranks] for b in _all_boxes(src))
+            kept = np.prod(np.clip(np.minimum(dhi, shi[None]) - np.maximum(dlo, slo[None]), 0,
+                                   None), axis=1)
+            recv[i] = (size - kept).max(axis=1)
+        inter = self.nprocs > self.profile.node_size
+        values, where = np.unique(recv, return_inverse=True)
+        price = np.array([self.profile.alltoall(int(r) * self.itemsize, 1, inter=inter)
+                          for r in values])
+        return price[where.ravel()].reshape(recv.shape)
+
     def params_memory(self, model: Layer, local_grads: Sequence[float] | None = None) -> float:
         """Bytes per rank of the parameters' state: in training the parameters, their
         gradients and momentum buffers, and the larger of what backward and the
@@ -374,6 +433,13 @@ class CostModel:
         return [a.nbytes for a in spec.allreduces if a.gradient]
 
 
+def same_placement(a: Distribution, b: Distribution) -> bool:
+    """Whether every rank holds the same block under ``a`` and ``b`` (grids may differ)."""
+    if a.global_shape != b.global_shape or a.nprocs != b.nprocs:
+        return False
+    return all(np.array_equal(x, y) for x, y in zip(_all_boxes(a), _all_boxes(b)))
+
+
 def _check_spec(layer: Layer, spec: CostSpec, dist: Distribution) -> None:
     """A clear error for a cost spec that does not fit the input it was asked about."""
     where = f"{type(layer).__name__}.cost_spec on a {dist.ndim}-D input"
@@ -394,6 +460,36 @@ def _interior(dist: Distribution, widths: Sequence[tuple[int, int]]) -> float:
             e = largest_block(dist)[d]
             frac *= max(0, e - lo - hi) / e
     return frac
+
+
+@lru_cache(maxsize=4096)
+def _all_boxes(dist: Distribution) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_boxes` of every rank (read-only arrays, shared by every caller)."""
+    lo, hi = _boxes(dist, np.arange(dist.nprocs))
+    lo.flags.writeable = hi.flags.writeable = False
+    return lo, hi
+
+
+def _received_many(src: Distribution, dlo: np.ndarray, dhi: np.ndarray, size: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_received` from ``src`` to each destination whose blocks start at ``dlo``
+    and stop at ``dhi`` (``(destinations, ndim, ranks)``, :func:`_all_boxes`), of
+    ``size`` elements (``(destinations, ranks)``), all over the same ranks."""
+    slo, shi = _all_boxes(src)
+    kept = np.prod(np.clip(np.minimum(dhi, shi[None]) - np.maximum(dlo, slo[None]), 0, None),
+                   axis=1)
+    need = size - kept
+    r = np.argmax(need, axis=1)
+    k = np.arange(len(dlo))
+    most = need[k, r]
+    peers = np.ones(len(dlo), dtype=np.int64)
+    for d in range(src.ndim):
+        b = np.asarray(src.boundaries[d])
+        lo, hi = dlo[k, d, r][:, None], dhi[k, d, r][:, None]
+        peers *= np.maximum(1, np.count_nonzero((b[None, :-1] < hi) & (b[None, 1:] > lo),
+                                                axis=1))
+    busy = most > 0
+    return np.where(busy, most, 0), np.where(busy, np.maximum(1, peers - 1), 0)
 
 
 def _boxes(dist: Distribution, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -26,7 +26,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               comm: MPI.Comm | None = None, baseline: float = 0.0,
               profile: MemoryProfile | None = None,
               recompute: bool | str = False, training: bool = True,
-              channels: bool = False) -> tuple[Plan, Planner | None]:
+              channels: bool = False, max_states: int | None = None
+              ) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -79,6 +80,9 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     channels : bool
         Consider channel and filter splits too (grids over (N, C, *S); see
         :class:`Planner`).
+    max_states : int, optional
+        Search each layer over at most this many states (:class:`Planner`:
+        faster, no longer exact). Default: exact.
 
     Returns
     -------
@@ -101,7 +105,7 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     planner = Planner(model, batch_shape,
                       CostModel(machine_profile, nprocs, timer, itemsize, training=training),
                       memory, baseline=baseline, recompute=recompute if training else False,
-                      channels=channels)
+                      channels=channels, max_states=max_states)
     with _phase(profile, "kernel measurement"):
         planner.calibrate(comm, progress=True)
     root = comm is None or comm.Get_rank() == 0
@@ -130,7 +134,8 @@ def _phase(profile: MemoryProfile | None, name: str) -> AbstractContextManager[A
 
 def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[int],
                     machine: str = "this", memory: float | None = None,
-                    measure: bool = True, channels: bool = False) -> list[dict[str, Any]]:
+                    measure: bool = True, channels: bool = False,
+                    max_states: int | None = None) -> list[dict[str, Any]]:
     """Predicted strong scaling: a plan of ``model`` for each rank count, in this process.
 
     Parameters
@@ -141,7 +146,7 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         Global shape of one input batch, (N, C, *S), the same for every rank count.
     ranks : sequence of int
         The rank counts.
-    machine, memory, measure, channels
+    machine, memory, measure, channels, max_states
         As for :func:`make_plan`.
 
     Returns
@@ -158,13 +163,15 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         :data:`~disttensor_nn.plan.planner.MODES`) and
         ``sample_parallel_ms`` (the plan that splits only the samples,
         None when the batch cannot be split so) with ``sample_parallel_split``
-        (its compute, exposed and hidden ms).
+        (its compute, exposed and hidden ms), and ``plan_s`` (seconds the
+        planning took).
     """
     rows: list[dict[str, Any]] = []
     for p in ranks:
+        start = time.perf_counter()
         try:
             plan, planner = make_plan(model, batch_shape, p, machine, memory, measure,
-                                      channels=channels)
+                                      channels=channels, max_states=max_states)
         except ValueError as exc:
             rows.append({"ranks": p, "time_ms": None, "note": str(exc)})
             continue
@@ -179,7 +186,8 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
                                                   if e.mode).items())),
                      "sample_parallel_ms": 1e3 * uniform.time if uniform else None,
                      "sample_parallel_split": [1e3 * uniform.compute, 1e3 * uniform.exposed_comm,
-                                               1e3 * uniform.hidden_comm] if uniform else None})
+                                               1e3 * uniform.hidden_comm] if uniform else None,
+                     "plan_s": time.perf_counter() - start})
     return rows
 
 

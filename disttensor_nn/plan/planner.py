@@ -25,7 +25,6 @@ gap to brute force on small networks).
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 import time
@@ -48,6 +47,7 @@ from .costmodel import (
     StepTime,
     candidates,
     dist_for,
+    same_placement,
     step_time,
 )
 from .timer import KernelTimer, QueryRecorder
@@ -139,9 +139,54 @@ def _io(value: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def _minplus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    s = a[:, :, None] + b[None, :, :]
-    k = s.argmin(axis=1)
-    return np.take_along_axis(s, k[:, None, :], axis=1)[:, 0, :], k
+    """Min-plus product ``a (x) b`` and, per entry, the first middle index attaining it."""
+    if a.shape[0] * a.shape[1] * b.shape[1] <= _MINPLUS_CUBE:
+        s = a[:, :, None] + b[None, :, :]
+        k = s.argmin(axis=1)
+        return np.take_along_axis(s, k[:, None, :], axis=1)[:, 0, :], k
+    best = a[:, :1] + b[:1, :]  # one middle index at a time: faster on large matrices
+    arg = np.zeros(best.shape, dtype=np.intp)
+    for m in range(1, a.shape[1]):
+        s = a[:, m:m + 1] + b[m:m + 1, :]
+        better = s < best  # strictly: the first index wins ties, as argmin's
+        np.copyto(best, s, where=better)
+        arg[better] = m
+    return best, arg
+
+
+#: Largest ``rows x middle x columns`` a min-plus product broadcasts at once.
+_MINPLUS_CUBE = 2**17
+#: States of smallest lower bound whose DP gives the pruning bound (Planner._solve).
+_FIRST_STATES = 16
+#: Ranks whose receipts bound a shuffle's cost from below (Planner._shuffle_bounds).
+_BOUND_RANKS = 32
+#: Relative slack of the pruning test, far above the rounding of summing layer prices.
+_SLACK = 1e-9
+
+
+def _spine(items: list) -> tuple[list[Node], list[Node]]:
+    """The nodes from a chain's input to its output through every block's branch and
+    post-chain (in order), and the others (those of the shortcuts)."""
+    spine: list[Node] = []
+    side: list[Node] = []
+    for it in items:
+        if isinstance(it, Node):
+            spine.append(it)
+            continue
+        for part, on in ((it.branch, True), (it.shortcut or [], False), (it.post, True)):
+            sp, sd = _spine(part)
+            (spine if on else side).extend(sp)
+            side.extend(sd)
+    return spine, side
+
+
+def _fields(costs: list[LayerCost]) -> np.ndarray:
+    """The fields the DP prices, one column per layer cost: forward, total, gradient
+    reduction, memory kept, transient memory and the input bytes kept."""
+    return np.array([[c.fwd for c in costs], [c.total for c in costs],
+                     [c.grad for c in costs], [c.memory for c in costs],
+                     [c.transient for c in costs], [c.keeps_input for c in costs]],
+                    dtype=float).reshape(6, len(costs))
 
 
 @dataclass
@@ -278,6 +323,11 @@ class Planner:
         Restrict the convolutions' modes under such grids to these (keys of
         :data:`MODES`; e.g. ``("channel",)`` with ``allowed=[(1, p, 1, 1)]``
         for a channel-parallel plan). Default: all.
+    max_states : int, optional
+        Search each layer over at most this many states, those of smallest
+        lower bound (:meth:`_solve`): faster on many ranks, no longer exact
+        (the plan is a valid plan, priced exactly, but a cheaper one may
+        exist). Default: every state that can be in a cheapest plan.
 
     Attributes
     ----------
@@ -287,13 +337,18 @@ class Planner:
         The activation layouts the DP chooses among: each candidate grid
         with its channels split (index ``i`` is ``cands[i]``), then each grid
         with a channel axis longer than one with its channels whole.
+    searched : float
+        States per layer the last DP searched, on average (after pruning).
     """
 
     def __init__(self, model: Layer, batch_shape: tuple[int, ...], cost: CostModel,
                  memory_budget: float | None = None, allowed: list[Candidate] | None = None,
                  baseline: float = 0.0, recompute: bool | str = False, channels: bool = False,
-                 modes: Any = None):
+                 modes: Any = None, max_states: int | None = None):
         self.model, self.batch_shape, self.cost = model, tuple(batch_shape), cost
+        if max_states is not None and max_states < 1:
+            raise ValueError(f"max_states must be at least 1, got {max_states}")
+        self.max_states = max_states
         if modes is not None and (isinstance(modes, str) or not set(modes) <= set(MODES)):
             raise ValueError(f"modes must be a sequence of {list(MODES)}, got {modes!r}")
         self.modes = None if modes is None else frozenset(modes)
@@ -329,13 +384,23 @@ class Planner:
         self.base_memory = self.baseline + cost.params_memory(model, grads) + \
             (2 if cost.training else 1) * math.prod(out) * cost.itemsize / cost.nprocs
         # costs under each placement of the grid on the nodes (CostModel.inner)
-        self._caches: dict[str, tuple[dict, dict]] = {}
+        self._caches: dict[str, tuple[dict, dict, dict, dict]] = {}
         self._layer_cost: dict[tuple[int, int, int], LayerCost] = {}
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
+        self._fields: dict[tuple[int, bool], np.ndarray] = {}
+        self._shuffle_low: dict[tuple[int, ...], np.ndarray] = {}
+        # the layers on the path from the input to the output through every residual
+        # block's branch (a lower bound of every assignment follows it), and the others
+        self._spine, self._side = _spine(self.items)
         self._place(cost.inner)
         self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._weight = 1.0  # share of gradient reductions the DP charges
         self._mask: np.ndarray | None = None  # the states the DP may use (None: all)
+        # while the DP runs: the prices of every layer in every state, and the states
+        # each layer may use (indices into states, ascending; see _solve)
+        self._prices: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        self._sets: dict[int, np.ndarray] = {}
+        self.searched = 0.0
 
     # ------------------------------------------------------------ tables
     def layer_cost(self, node: Node, c: int, o: int | None = None) -> LayerCost:
@@ -358,16 +423,20 @@ class Planner:
                 return self._layer_cost[key]
             cand, split = self.states[c]
             out_split = self.states[o][1]
+            # without a kernel timer nothing is measured: the cost itself tells the memory
+            priced = self.cost.layer(layer, node.in_shape, cand, split, out_split) \
+                if self.cost.timer is None else None
             if self.budget is not None:
-                alone = CostModel(self.cost.profile, self.cost.nprocs, QueryRecorder(),
-                                  self.cost.itemsize, training=self.cost.training).layer(
-                                      layer, node.in_shape, cand, split, out_split)
+                alone = priced if priced is not None else CostModel(
+                    self.cost.profile, self.cost.nprocs, QueryRecorder(), self.cost.itemsize,
+                    training=self.cost.training).layer(layer, node.in_shape, cand, split,
+                                                       out_split)
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
                     self._layer_cost[key] = alone
                     return alone
-            self._layer_cost[key] = self.cost.layer(layer, node.in_shape, cand, split,
-                                                    out_split)
+            self._layer_cost[key] = priced if priced is not None else self.cost.layer(
+                layer, node.in_shape, cand, split, out_split)
         return self._layer_cost[key]
 
     def modal(self, node: Node) -> bool:
@@ -413,47 +482,93 @@ class Planner:
         return layer
 
     def shuffle_matrix(self, shape: tuple[int, ...]) -> np.ndarray:
-        """Seconds to move an activation of ``shape`` from candidate ``i`` to ``j``."""
-        if shape not in self._shuffle:
+        """Seconds to move an activation of ``shape`` from state ``i`` to ``j`` (all states)."""
+        every = np.arange(len(self.states))
+        return self._shuffles(shape, every, every)
+
+    def _shuffles(self, shape: tuple[int, ...], rows: np.ndarray,
+                  cols: np.ndarray) -> np.ndarray:
+        """:meth:`shuffle_matrix` restricted to states ``rows`` x ``cols``, priced on demand."""
+        m = self._shuffle.get(shape)
+        if m is None:
             n = len(self.states)
-            m = np.zeros((n, n))
-            for i, j in itertools.product(range(n), range(n)):
-                if i != j:
-                    m[i, j] = self.cost.redistribution(
-                        dist_for(shape, *self.states[i], inner=self.cost.inner),
-                        dist_for(shape, *self.states[j], inner=self.cost.inner))
-            self._shuffle[shape] = m
-        return self._shuffle[shape]
+            m = self._shuffle[shape] = np.full((n, n), np.nan)
+            m[np.diag_indices(n)] = 0.0
+        sub = m[np.ix_(rows, cols)]
+        missing = np.isnan(sub)
+        if missing.any():
+            src, dst = rows[missing.any(axis=1)], cols[missing.any(axis=0)]
+            inner = self.cost.inner
+            m[np.ix_(src, dst)] = self.cost.redistributions(
+                [dist_for(shape, *self.states[i], inner=inner) for i in src],
+                [dist_for(shape, *self.states[j], inner=inner) for j in dst])
+            m[np.diag_indices(len(self.states))] = 0.0
+            sub = m[np.ix_(rows, cols)]
+        return sub
 
-    def _price(self, lc: LayerCost, lam: float) -> float:
-        """The DP's price of one layer's cost: time plus ``lam`` times memory."""
-        fits = self.budget is None or lc.memory + lc.transient + self.base_memory <= self.budget
-        if not fits or not np.isfinite(lc.fwd):
-            return np.inf
+    def _shuffle_cost(self, shape: tuple[int, ...], i: int, j: int) -> float:
+        """Seconds to move an activation of ``shape`` from state ``i`` to ``j``."""
+        return float(self._shuffles(shape, np.array([i]), np.array([j]))[0, 0])
+
+    def _price_fields(self, f: np.ndarray, lam: float) -> np.ndarray:
+        """The DP's price of the layer costs whose fields (:func:`_fields`) are ``f``:
+        time plus ``lam`` times memory (infinite where a layer cannot run or fit)."""
+        fwd, total, grad, memory, transient, keeps = f
+        fits = np.isfinite(fwd)
+        if self.budget is not None:
+            fits &= memory + transient + self.base_memory <= self.budget
+        time = total if not self.cost.overlap else total - (1.0 - self._weight) * grad
         if self._recomputing:  # each layer in a segment: kept only where one starts
-            kept = lc.memory if lc.keeps_input else 0.0
-            return kept if lam == np.inf else self._time(lc) + lc.fwd + lam * kept
-        # what the layer adds to the peak: kept (training) or its pass (inference)
-        mem = lc.memory if self.cost.training else lc.transient
-        return mem if lam == np.inf else self._time(lc) + lam * mem
+            kept = np.where(keeps > 0, memory, 0.0)
+            v = kept if lam == np.inf else time + fwd + lam * kept
+        else:  # what the layer adds to the peak: kept (training) or its pass (inference)
+            mem = memory if self.cost.training else transient
+            v = mem if lam == np.inf else time + lam * mem
+        with np.errstate(invalid="ignore"):
+            return np.where(fits, v, np.inf)
 
-    def _vector(self, node: Node, lam: float) -> np.ndarray:
-        v = np.array([self._price(self.layer_cost(node, c), lam)
-                      for c in range(len(self.states))])
-        return v if self._mask is None else np.where(self._mask, v, np.inf)
+    def _node_fields(self, node: Node, swap: bool) -> np.ndarray:
+        """Fields (:func:`_fields`) of ``node``'s cost in every state ``o``: from ``o``
+        itself, or with ``swap`` from the other state of ``o``'s grid (infinite where
+        there is none)."""
+        key = (id(node), swap)
+        if key not in self._fields:
+            costs = [self.layer_cost(node, int(self._peer[o]), o) if self._peer[o] != o
+                     else LayerCost(fwd=np.inf) for o in range(len(self.states))] if swap \
+                else [self.layer_cost(node, o) for o in range(len(self.states))]
+            self._fields[key] = _fields(costs)
+        return self._fields[key]
 
-    def _modal_step(self, sh: np.ndarray, node: Node, lam: float
+    def _node_prices(self, lam: float) -> dict[int, tuple[np.ndarray, np.ndarray | None]]:
+        """Every node's price in every state (its input and output there), and a
+        convolution's with its output in each state and its input in the other state
+        of that grid (None for other layers); infinite outside the mask."""
+        out = {}
+        mask = self._mask
+        for node in self.nodes:
+            stay = self._price_fields(self._node_fields(node, False), lam)
+            swap = self._price_fields(self._node_fields(node, True), lam) \
+                if self.modal(node) else None
+            if mask is not None:  # both ends in allowed states
+                stay = np.where(mask, stay, np.inf)
+                if swap is not None:
+                    swap = np.where(mask & mask[self._peer], swap, np.inf)
+            out[id(node)] = (stay, swap)
+        return out
+
+    def _modal_step(self, sh: np.ndarray, node: Node, st: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
         """A convolution's step matrix: the shuffle to its input state ``c`` (``sh``), then
         the layer from ``c`` to its output state ``o`` (one of the two states of ``o``'s
-        grid); and the chosen ``c`` for each (arriving state, ``o``)."""
-        peer, own = self._peer, np.arange(len(self.states))
-        stay = np.array([self._price(self.layer_cost(node, o, o), lam) for o in own])
-        swap = np.array([self._price(self.layer_cost(node, int(peer[o]), o), lam)
-                         if peer[o] != o else np.inf for o in own])
-        if self._mask is not None:  # both ends in allowed states
-            stay = np.where(self._mask, stay, np.inf)
-            swap = np.where(self._mask & self._mask[peer], swap, np.inf)
+        grid); and the chosen ``c`` for each (arriving state, ``o``). Over the layer's
+        states ``st`` (local indices into it)."""
+        stay, swap = (v[st] for v in self._prices[id(node)])
+        own = np.arange(len(st))
+        local = np.full(len(self.states), -1, dtype=np.intp)
+        local[st] = own
+        peer = local[self._peer[st]]
+        swap = np.where(peer >= 0, swap, np.inf)  # the other state is not searched
+        peer = np.where(peer >= 0, peer, own)
         t1 = sh + stay[None, :]
         t2 = sh[:, peer] + swap[None, :]
         return np.minimum(t1, t2), np.where(t2 < t1, peer[None, :], own[None, :])
@@ -539,60 +654,73 @@ class Planner:
         return news
 
     # ------------------------------------------------------------ DP
-    def _chain(self, items: list, lam: float, pin: bool = False):
-        """Matrix M[a, c] of a chain (input in a, output in c) and its backtracking record.
+    def _chain(self, items: list, rows: np.ndarray | None, pin: bool = False):
+        """Matrix M[a, c] of a chain (input in state ``rows[a]``, output in ``cols[c]``),
+        its backtracking record, ``rows`` and ``cols``. Each layer's states are its
+        set in :attr:`_sets`.
 
         With ``pin`` the input arrives in the layout of the chain's first layer
-        (as the data loader provides it): ``a`` is that layout, at no cost.
+        (as the data loader provides it): ``a`` is that layout, at no cost, and
+        ``rows`` (None) is the first layer's states.
         """
-        n = len(self.states)
         steps = []
         acc = None
+        cur = rows
         for k, it in enumerate(items):
             if isinstance(it, Node):
+                st = self._sets[id(it)]
                 if pin and k == 0:
-                    sh = np.where(np.eye(n, dtype=bool), 0.0, np.inf)
+                    rows = cur = st
+                    sh = np.where(np.eye(len(st), dtype=bool), 0.0, np.inf)
                 else:
-                    sh = self.shuffle_matrix(it.in_shape)
+                    sh = self._shuffles(it.in_shape, cur, st)
                 if self.modal(it):  # input moved to c, the layer from c to its output's state
-                    t, sub = self._modal_step(sh, it, lam)
+                    t, sub = self._modal_step(sh, it, st)
                 else:
-                    t, sub = sh + self._vector(it, lam)[None, :], None
+                    t, sub = sh + self._prices[id(it)][0][st][None, :], None
+                cur = st
             else:
-                t, sub = self._block(it, lam, pin and k == 0)
+                t, sub, first, cur = self._block(it, cur, pin and k == 0)
+                if pin and k == 0:
+                    rows = first
+                st = cur
             if acc is None:
                 acc, arg = t, None
             else:
                 acc, arg = _minplus(acc, t)
-            steps.append((it, arg, sub))
+            steps.append((it, arg, sub, st))
         if acc is None:  # empty chain: identity, moving costs nothing
-            acc = np.where(np.eye(n, dtype=bool), 0.0, np.inf)
-        return acc, steps
+            acc = np.where(np.eye(len(rows), dtype=bool), 0.0, np.inf)
+            cur = rows
+        return acc, steps, rows, cur
 
-    def _block(self, blk: Block, lam: float, pin: bool = False):
-        b, bsteps = self._chain(blk.branch, lam, pin)
+    def _block(self, blk: Block, rows: np.ndarray | None, pin: bool = False):
+        b, bsteps, rows, bcols = self._chain(blk.branch, rows, pin)
         if blk.shortcut is None:
-            s, ssteps = self.shuffle_matrix(blk.in_shape), None
+            s, ssteps = self._shuffles(blk.in_shape, rows, bcols), None
             sarg = None
         else:
-            sm, ssteps = self._chain(blk.shortcut, lam)
-            s, sarg = _minplus(sm, self.shuffle_matrix(blk.shortcut[-1].out_shape))
+            sm, ssteps, _, scols = self._chain(blk.shortcut, rows)
+            s, sarg = _minplus(sm, self._shuffles(blk.shortcut[-1].out_shape, scols, bcols))
         pre = b + s
+        cols = bcols
         if blk.post:
-            p, psteps = self._chain(blk.post, lam)
+            p, psteps, _, cols = self._chain(blk.post, bcols)
             t, parg = _minplus(pre, p)
         else:
             t, parg, psteps = pre, None, []
-        return t, (bsteps, ssteps, sarg, psteps, parg)
+        return t, (bsteps, ssteps, sarg, psteps, parg), rows, cols
 
     def _backtrack(self, steps: list, a: int, c: int, out: dict) -> None:
         """Fill ``out[id(node)]`` (a state, or (input state, output state) where they differ)
-        for a chain whose input is in state a, output in c."""
-        for it, arg, sub in reversed(steps):
+        for a chain whose input is in its ``a``-th row state, output in its ``c``-th
+        column state."""
+        for it, arg, sub, st in reversed(steps):
             prev = arg[a, c] if arg is not None else a
             if isinstance(it, Node):
                 i = int(sub[prev, c]) if sub is not None else c
-                out[id(it)] = i if i == c else (i, c)
+                o = int(st[c])
+                out[id(it)] = o if i == c else (int(st[i]), o)
             else:
                 bsteps, ssteps, sarg, psteps, parg = sub
                 mid = parg[prev, c] if parg is not None else c
@@ -604,13 +732,126 @@ class Planner:
             c = prev
 
     def _solve(self, lam: float) -> dict[int, int] | None:
-        m, steps = self._chain(self.items, lam, pin=True)
+        """The DP's cheapest assignment at memory weight ``lam`` (None: nothing fits).
+
+        The DP runs, for each layer, over the states in which it can be in a
+        cheapest assignment (exact pruning): an assignment that runs layer
+        ``l`` with its input or output in state ``s`` costs at least
+        ``LB_l(s)`` (:meth:`_lower_bounds`); the DP over each layer's few
+        states of smallest ``LB_l`` gives an assignment of cost ``U``, which
+        the optimum cannot exceed, so a layer is not run in a state with
+        ``LB_l(s) > U`` in any cheapest assignment, and the DP over the other
+        states finds the assignment the DP over all states finds (its ties
+        broken the same way: leaving out options it does not take leaves
+        every choice it takes unchanged).
+        """
+        self._prices = self._node_prices(lam)
+        try:
+            bounds = self._lower_bounds()
+            if bounds is None:
+                return None
+            finite = min(int(np.count_nonzero(np.isfinite(b))) for b in bounds.values())
+            k = min(finite, _FIRST_STATES)
+            while True:
+                first = {i: np.sort(np.argsort(b, kind="stable")[:k])
+                         for i, b in bounds.items()}
+                assign, value = self._solve_on(first)
+                if assign is not None or k >= len(self.states):
+                    break
+                k = min(len(self.states), 2 * k)
+            if assign is None:
+                return None
+            keep = {i: np.flatnonzero(b <= value + _SLACK * abs(value))
+                    for i, b in bounds.items()}
+            if self.max_states is not None:  # the most promising states only: not exact
+                keep = {i: np.intersect1d(v, np.argsort(bounds[i], kind="stable")[
+                    :max(self.max_states, _FIRST_STATES)]) for i, v in keep.items()}
+            if any(not np.array_equal(keep[i], first[i]) for i in keep):
+                assign = self._solve_on(keep)[0] or assign  # (fewer states: no worse)
+            return assign
+        finally:
+            self._prices, self._sets = {}, {}
+
+    def _lower_bounds(self) -> dict[int, np.ndarray] | None:
+        """``LB_l(s)`` of :meth:`_solve` for every layer ``l`` (by ``id``) and state ``s``,
+        infinite where the layer cannot run so; None where some layer runs in no state.
+
+        Every price and shuffle is at least zero and each layer is priced once,
+        so an assignment costs at least its price along the spine (the layers
+        from the input to the output through every residual block's branch
+        and post-chain, :func:`_spine`), with each shuffle between them
+        priced at a lower bound (:meth:`CostModel.redistribution_bounds`),
+        plus the cheapest price of every other layer (the shortcuts'). A
+        forward and a backward pass along the spine give, for each of its
+        layers and each state, the least such bound of the assignments that
+        run the layer with its input or output in that state; a shortcut's
+        layer in a state adds its excess over its cheapest price to the
+        least bound of all.
+        """
+        n = len(self.states)
+        peer = self._peer
+        side = 0.0
+        for node in self._side:
+            least = self._touching(node).min()
+            if not np.isfinite(least):
+                return None
+            side += least
+        # forward: the least bound of the chain up to each spine layer's output state
+        arrive, leave = [], None
+        for node in self._spine:
+            a = np.zeros(n) if leave is None else \
+                (leave[:, None] + self._shuffle_bounds(node.in_shape)).min(axis=0)
+            stay, swap = self._prices[id(node)]
+            leave = a + stay if swap is None else np.minimum(a + stay, a[peer] + swap)
+            arrive.append(a)
+        if leave is None or not np.isfinite(leave.min()):
+            return None
+        best = side + leave.min()
+        bounds = {}
+        for node in self._side:
+            touch = self._touching(node)
+            bounds[id(node)] = best + (touch - touch.min())
+        after = np.zeros(n)  # backward: the least bound from each output state on
+        for node, a in zip(reversed(self._spine), reversed(arrive)):
+            stay, swap = self._prices[id(node)]
+            via = a + stay + after
+            if swap is not None:  # in the other state of the grid, out in s; in s, out there
+                via = np.minimum(via, np.minimum(a[peer] + swap + after,
+                                                 a + swap[peer] + after[peer]))
+            bounds[id(node)] = side + via
+            into = stay + after if swap is None else \
+                np.minimum(stay + after, (swap + after)[peer])
+            after = (self._shuffle_bounds(node.in_shape) + into[None, :]).min(axis=1)
+        return bounds
+
+    def _touching(self, node: Node) -> np.ndarray:
+        """The cheapest price of ``node`` with its input or output in each state."""
+        stay, swap = self._prices[id(node)]
+        return stay if swap is None else np.minimum(stay, np.minimum(swap, swap[self._peer]))
+
+    def _shuffle_bounds(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Lower bounds of :meth:`shuffle_matrix` (what a few spread ranks receive)."""
+        if shape not in self._shuffle_low:
+            p = self.cost.nprocs
+            ranks = np.unique(np.linspace(0, p - 1, min(p, _BOUND_RANKS)).astype(np.intp))
+            dists = [dist_for(shape, *st, inner=self.cost.inner) for st in self.states]
+            m = self.cost.redistribution_bounds(dists, dists, ranks)
+            m[np.diag_indices(len(self.states))] = 0.0
+            self._shuffle_low[shape] = m
+        return self._shuffle_low[shape]
+
+    def _solve_on(self, sets: dict[int, np.ndarray]) -> tuple[dict[int, int] | None, float]:
+        """The DP with each layer's states in ``sets`` (by ``id``, ascending): the
+        assignment and its price."""
+        self._sets = sets
+        self.searched = float(np.mean([len(v) for v in sets.values()]))
+        m, steps, _, _ = self._chain(self.items, None, pin=True)
         a, c = np.unravel_index(np.argmin(m), m.shape)
         if not np.isfinite(m[a, c]):
-            return None
+            return None, np.inf
         out: dict[int, int] = {}
         self._backtrack(steps, int(a), int(c), out)
-        return out
+        return out, float(m[a, c])
 
     # ------------------------------------------------------------ evaluation
     def assignment_cost(self, assign: dict[int, int]) -> tuple[float, float]:
@@ -655,7 +896,7 @@ class Planner:
                     c, o = _io(assign[id(it)])
                     moved = current is not None and current != c
                     if moved:
-                        costs.append(LayerCost(comm=self.shuffle_matrix(it.in_shape)[current, c]))
+                        costs.append(LayerCost(comm=self._shuffle_cost(it.in_shape, current, c)))
                     lc = self.layer_cost(it, c, o)
                     g = groups.get(id(it), -1)
                     if g >= 0:  # recomputed: forward again in backward; kept at the start only
@@ -694,7 +935,7 @@ class Planner:
                         s = walk(it.shortcut, start, held_in or own)
                         shape = it.shortcut[-1].out_shape
                     if s != out:
-                        costs.append(LayerCost(comm=self.shuffle_matrix(shape)[s, out]))
+                        costs.append(LayerCost(comm=self._shuffle_cost(shape, s, out)))
                     prev[0] = None
                     # the merged array is held by the post-chain's call until it returns
                     merged = nbytes(it.post[0].in_shape, out) if inference and it.post else 0.0
@@ -770,7 +1011,8 @@ class Planner:
     def _place(self, inner: str) -> None:
         """Price layers and shuffles with the grids laid on the nodes as ``inner`` says."""
         self.cost.inner = inner
-        self._layer_cost, self._shuffle = self._caches.setdefault(inner, ({}, {}))
+        self._layer_cost, self._shuffle, self._fields, self._shuffle_low = \
+            self._caches.setdefault(inner, ({}, {}, {}, {}))
 
     def placements(self) -> tuple[str, ...]:
         """The placements the planner compares: both when the ranks span several nodes."""
@@ -854,7 +1096,33 @@ class Planner:
         finally:
             self._weight, self._mask = 1.0, None
         assert best is not None
-        return self._make_plan(*best)
+        return self._make_plan(*self._steady(*best))
+
+    def _steady(self, assign: dict, t: float, mem: float, notes: list
+                ) -> tuple[dict, float, float, list]:
+        """``assign`` with each layer kept in the previous layer's state where both lay
+        its input and output out alike (the same block on every rank, on another grid)
+        and the plan is priced no higher in time or memory.
+
+        Such states tie in the DP (no byte moves between them), which would otherwise
+        pick the first; running on the previous layer's grid spares the runtime a
+        change of grid.
+        """
+        inner = self.cost.inner
+        prev = None
+        for node in self.nodes:
+            value = assign[id(node)]
+            if prev is not None and isinstance(value, (int, np.integer)) and value != prev \
+                    and all(same_placement(dist_for(shape, *self.states[value], inner=inner),
+                                           dist_for(shape, *self.states[prev], inner=inner))
+                            for shape in (node.in_shape, node.out_shape)
+                            if len(shape) in (2, len(node.in_shape))):
+                trial = {**assign, id(node): prev}
+                t2, mem2 = self.assignment_cost(trial)
+                if t2 <= t and mem2 <= mem:
+                    assign, t, mem, value = trial, t2, mem2, prev
+            prev = _io(value)[1]
+        return assign, t, mem, notes
 
     def _plan_at_weight(self) -> tuple[dict[int, int], float, float, list[str]]:
         """The DP's plan (assignment, time, memory, notes) at the current gradient weight."""
@@ -907,7 +1175,7 @@ class Planner:
         for node in self.nodes:
             c, o = _io(assign[id(node)])
             lc = self.layer_cost(node, c, o)
-            sh = self.shuffle_matrix(node.in_shape)[prev, c] if prev is not None else 0.0
+            sh = self._shuffle_cost(node.in_shape, prev, c) if prev is not None else 0.0
             g = groups.get(id(node), -1)
             kept, bwd = lc.memory, lc.bwd
             if g >= 0:  # the forward again in backward; kept only at the segment's start
