@@ -308,8 +308,9 @@ class Planner:
         Bytes per rank that the plan must fit.
     allowed : list of candidates, optional
         Restrict the candidate distributions (e.g. to compare uniform plans).
-        Default: every grid whose sample axis has no more ranks than the
-        batch has samples.
+        Default: every grid of the ranks, including those that split the
+        samples over more ranks than the batch has (some ranks then hold no
+        sample for those layers).
     channels : bool
         Also split the channels (candidates over (N, C, *S), see
         :func:`~disttensor_nn.plan.candidates`). Under such a grid an
@@ -355,12 +356,11 @@ class Planner:
         self.items = trace(model, self.batch_shape)
         self.nodes = leaf_nodes(self.items)
         nsp = len(self.batch_shape) - 2
-        if allowed is not None:
-            self.cands = [tuple(c) for c in allowed]
-        else:  # a grid splitting fewer samples than its sample axis has ranks leaves some
-            # ranks without a sample and the others holding more than their share
-            self.cands = [c for c in candidates(cost.nprocs, nsp, channels)
-                          if c[0] <= max(self.batch_shape[0], 1)]
+        # grids whose sample axis has more ranks than the batch has samples are kept: they
+        # leave some ranks idle for a layer, which costs less than splitting it further
+        # where communication dominates (the memory model counts the larger blocks)
+        self.cands = [tuple(c) for c in allowed] if allowed is not None else \
+            candidates(cost.nprocs, nsp, channels)
         self.states: list[tuple[Candidate, bool]] = [(c, True) for c in self.cands] + [
             (c, False) for c in self.cands if len(c) == nsp + 2 and c[1] > 1]
         index = {st: i for i, st in enumerate(self.states)}  # the other state of each grid
