@@ -146,8 +146,8 @@ class MachineProfile:
     def save(self, path: str) -> None:
         """Write the profile as JSON.
 
-        The fields of the second network level and of the rate model's curve
-        are written only when set, so a profile that uses neither (every
+        The fields of the second network level, of the rate model's curve and
+        the reductions' scratch are written only when set, so a profile that uses neither (every
         calibration) stays readable by versions that do not know them.
         """
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -169,7 +169,8 @@ class MachineProfile:
 
 #: Fields added after the first profiles, with the defaults that leave them out of a file.
 _OPTIONAL_FIELDS = {"ranks_per_node": 0, "inter_alpha": None, "inter_beta": None,
-                    "nic_share": 1, "efficiency_half_flops": 0.0, "launch_overhead": 0.0}
+                    "nic_share": 1, "efficiency_half_flops": 0.0, "launch_overhead": 0.0,
+                    "reduce_scratch": 0.0}
 
 
 def default_cache_dir() -> str:
