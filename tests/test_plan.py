@@ -421,5 +421,4 @@ def test_scaling_command_line_splits_the_step(tmp_path, capsys):
         assert r["hidden_ms"] >= 0 and r["exposed_ms"] >= 0
         c, e, _ = r["sample_parallel_split"]
         assert c + e == pytest.approx(r["sample_parallel_ms"])
-    assert [r["sample_parallel_ranks"] for r in rows] == [1, 2, 8]
     assert rows[0]["exposed_ms"] == 0 and rows[0]["hidden_ms"] == 0  # one rank: nothing to send

@@ -163,12 +163,8 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         :data:`~disttensor_nn.plan.planner.MODES`) and
         ``sample_parallel_ms`` (the plan that splits only the samples,
         None when the batch cannot be split so) with ``sample_parallel_split``
-        (its compute, exposed and hidden ms) and ``sample_parallel_ranks``
-        (the ranks it is planned on: with more ranks than samples, where the
-        candidates leave out the pure sample split, sample parallelism
-        leaves the other ranks idle, so its time is that of the largest rank
-        count of ``ranks`` up to the batch size), and ``plan_s``
-        (seconds the planning took).
+        (its compute, exposed and hidden ms; with more ranks than samples
+        some ranks hold none), and ``plan_s`` (seconds the planning took).
     """
     rows: list[dict[str, Any]] = []
     for p in ranks:
@@ -191,15 +187,7 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
                      "sample_parallel_ms": 1e3 * uniform.time if uniform else None,
                      "sample_parallel_split": [1e3 * uniform.compute, 1e3 * uniform.exposed_comm,
                                                1e3 * uniform.hidden_comm] if uniform else None,
-                     "sample_parallel_ranks": p if uniform else None,
                      "plan_s": time.perf_counter() - start})
-    fits = [r for r in rows if r.get("sample_parallel_ranks") and r["ranks"] <= batch_shape[0]]
-    idle_from = max(fits, key=lambda r: r["ranks"], default=None)
-    for row in rows:  # more ranks than samples: the sample-parallel plan leaves ranks idle
-        if row["ranks"] > batch_shape[0] and row.get("time_ms") is not None and idle_from \
-                and row["sample_parallel_ranks"] is None:
-            for key in ("sample_parallel_ms", "sample_parallel_split", "sample_parallel_ranks"):
-                row[key] = idle_from[key]
     return rows
 
 
