@@ -510,17 +510,6 @@ def _boxes(dist: Distribution, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def _received(src: Distribution, dst: Distribution) -> tuple[int, int]:
     """Largest number of elements a rank receives in a redistribution, and from how many ranks."""
-    ranks = np.arange(dst.nprocs)
-    dlo, dhi = _boxes(dst, ranks)
-    slo, shi = _boxes(src, ranks)
-    size = np.prod(dhi - dlo, axis=0)
-    kept = np.prod(np.clip(np.minimum(dhi, shi) - np.maximum(dlo, slo), 0, None), axis=0)
-    need = size - kept
-    r = int(np.argmax(need))
-    if need[r] <= 0:
-        return 0, 0
-    peers = 1
-    for d in range(dst.ndim):
-        b = np.asarray(src.boundaries[d])
-        peers *= max(1, int(np.count_nonzero((b[:-1] < dhi[d, r]) & (b[1:] > dlo[d, r]))))
-    return int(need[r]), max(1, peers - 1)
+    dlo, dhi = _all_boxes(dst)
+    recv, peers = _received_many(src, dlo[None], dhi[None], np.prod(dhi - dlo, axis=0)[None])
+    return int(recv[0]), int(peers[0])
