@@ -32,7 +32,6 @@ the ratio to the best uniform plan, and writes
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -43,9 +42,8 @@ from mpi4py import MPI
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor_nn.plan import CostModel, KernelTimer, Planner, load_profile
-from disttensor_nn.plan.calibrate import calibrate
+from disttensor_nn.plan.calibrate import calibrate, stale_calibration
 from disttensor_nn.plan.costmodel import machine_id
-from disttensor_nn.plan.machine import this_machine_path
 
 
 def wide_net(c: int) -> nn.Sequential:
@@ -105,7 +103,7 @@ def main() -> None:
                   "benchmarks/bench_channel_filter_plan.py")
         raise SystemExit(2)
     dt.limit_blas_threads()
-    if not os.path.exists(this_machine_path()):
+    if stale_calibration(comm):  # none yet, or taken with another number of ranks per node
         calibrate(comm)
     profile = load_profile("this")
     cache_dir = comm.bcast(tempfile.mkdtemp(prefix="disttensor-kernels-") if comm.rank == 0

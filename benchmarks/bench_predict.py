@@ -31,7 +31,6 @@ without the process baseline and the parameters). JSON goes to
 from __future__ import annotations
 
 import argparse
-import os
 import tracemalloc
 
 import numpy as np
@@ -44,7 +43,7 @@ from disttensor_nn.kernels import numpy_kernels
 from disttensor_nn.memory import MemoryProfile, release_free_memory, resident_bytes
 from disttensor_nn.models import mesh_fcn
 from disttensor_nn.plan import apply_plan, make_plan
-from disttensor_nn.plan.machine import this_machine_path
+from disttensor_nn.plan.calibrate import calibrate, stale_calibration
 from disttensor_nn.plan.planner import leaf_nodes, trace
 
 try:
@@ -88,7 +87,9 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()
     dt.limit_blas_threads(comm=comm)
-    machine = "this" if p > 1 and os.path.exists(this_machine_path()) else "v100-nvlink-edr"
+    if p > 1 and stale_calibration(comm):  # none yet, or taken with another ranks per node
+        calibrate(comm)
+    machine = "this" if p > 1 else "v100-nvlink-edr"
     shape = (1, 18, args.size, args.size)
     model = mesh_fcn(widths=(16, 24, 32), convs_per_stage=2)
     model.eval()

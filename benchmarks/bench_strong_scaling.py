@@ -24,7 +24,6 @@ the cores' memory bandwidth and caches). The table and JSON
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -36,9 +35,8 @@ from mpi4py import MPI
 import disttensor as dt
 from disttensor_nn.models import mesh_fcn
 from disttensor_nn.plan import CostModel, KernelTimer, Planner, load_profile
-from disttensor_nn.plan.calibrate import calibrate
+from disttensor_nn.plan.calibrate import calibrate, stale_calibration
 from disttensor_nn.plan.costmodel import machine_id
-from disttensor_nn.plan.machine import this_machine_path
 from disttensor_nn.training import build_model
 
 MODELS = {
@@ -68,7 +66,7 @@ def main() -> None:
         raise SystemExit(2)
     dt.limit_blas_threads()
     size = tuple(int(v) for v in args.size.split("x"))
-    if not os.path.exists(this_machine_path()):
+    if stale_calibration(comm):  # none yet, or taken with another number of ranks per node
         calibrate(comm)
     profile = load_profile("this")
     cache_dir = comm.bcast(tempfile.mkdtemp(prefix="disttensor-kernels-") if comm.rank == 0

@@ -39,6 +39,7 @@ from disttensor_nn.plan import (
     load_profile,
     wait_for_root,
 )
+from disttensor_nn.plan.calibrate import calibrate, stale_calibration
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.plan.machine import this_machine_path
 from disttensor_nn.plan.planner import leaf_nodes, trace
@@ -101,10 +102,9 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
     dt.limit_blas_threads()
-    if not os.path.exists(this_machine_path()):
-        if p < 2:
-            raise SystemExit("calibrate first: mpiexec -n 2 disttensor-plan --calibrate")
-        from disttensor_nn.plan.calibrate import calibrate
+    if p < 2 and not os.path.exists(this_machine_path()):
+        raise SystemExit("calibrate first: mpiexec -n 2 disttensor-plan --calibrate")
+    if p > 1 and stale_calibration(comm):  # none yet, or taken with another ranks per node
         calibrate(comm)
     size = tuple(int(v) for v in args.size.split("x"))
     model, shape = build_model(args.model, size, args.batch)

@@ -407,6 +407,45 @@ def test_machine_calibration(tmp_path_factory):
         calibrate(MPI.COMM_SELF)
 
 
+@pytest.mark.parallel([2, 3])
+def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
+    """A calibration records how many ranks per node took it; a job with another number
+    (or a profile that does not say) is told to calibrate again, the same on every rank."""
+    import dataclasses
+    import json
+
+    from disttensor_nn.plan.calibrate import calibrate, stale_calibration
+    from disttensor_nn.plan.machine import this_machine_path
+
+    comm = MPI.COMM_WORLD
+    cache = comm.bcast(str(tmp_path_factory.mktemp("stale")) if comm.rank == 0 else None)
+    path = this_machine_path(cache)
+    why = stale_calibration(comm, cache_dir=cache)
+    collective_assert(why is not None and "no calibration" in why, str(why))
+    prof = calibrate(comm, reps=1, cache_dir=cache)
+    # every rank of this job shares one node
+    collective_assert(prof.calibrated_ranks_per_node == comm.Get_size(), str(prof))
+    collective_assert(stale_calibration(comm, cache_dir=cache) is None, "fresh one is stale")
+    comm.Barrier()
+    if comm.rank == 0:  # the same machine, calibrated by a job with 2 more ranks per node
+        dataclasses.replace(prof, calibrated_ranks_per_node=comm.Get_size() + 2).save(path)
+    comm.Barrier()
+    why = stale_calibration(comm, cache_dir=cache)
+    collective_assert(why is not None and f"{comm.Get_size() + 2} ranks per node" in why
+                      and f"this job has {comm.Get_size()}" in why, str(why))
+    collective_assert(len(set(comm.allgather(why))) == 1, "ranks disagree")
+    comm.Barrier()
+    if comm.rank == 0:  # written by a version that did not record it
+        with open(path) as f:
+            data = json.load(f)
+        data.pop("calibrated_ranks_per_node")
+        with open(path, "w") as f:
+            json.dump(data, f)
+    comm.Barrier()
+    why = stale_calibration(comm, cache_dir=cache)
+    collective_assert(why is not None and "unrecorded" in why, str(why))
+
+
 # ------------------------------------------------------------ the command line
 def test_scaling_command_line_splits_the_step(tmp_path, capsys):
     path = tmp_path / "scaling.json"

@@ -40,7 +40,7 @@ from disttensor.transport import iallreduce, transport_for
 from ..memory import peak_resident_bytes, release_free_memory, reset_peak, resident_bytes
 from .machine import MachineProfile, this_machine_path
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "stale_calibration", "ranks_per_node"]
 
 SIZES = [2**k for k in range(3, 24, 3)]  # 8 B .. 8 MiB
 
@@ -164,6 +164,42 @@ def _device_memory(xp: Any, ranks_per_device: int) -> float:
     return xp.cuda.Device().mem_info[1] / ranks_per_device  # pragma: no cover - GPU only
 
 
+def ranks_per_node(comm: MPI.Comm) -> int:
+    """The most ranks of ``comm`` that share one node; collective."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    here = node.Get_size()
+    node.Free()
+    return comm.allreduce(here, op=MPI.MAX)
+
+
+def stale_calibration(comm: MPI.Comm, device: str = "cpu",
+                      cache_dir: str | None = None) -> str | None:
+    """Why this machine's cached calibration does not hold for a job on ``comm``; collective.
+
+    A calibration holds for jobs with as many ranks per node as it was taken
+    with: ranks that share a node's cores share its compute rate, its memory
+    and the time the MPI library takes to progress a message (on a node with
+    more ranks than cores, a message waits for its receiver to be scheduled).
+    Returns None when the cached profile holds, otherwise a sentence saying
+    why not (none cached yet, or taken with another number of ranks per node),
+    the same on every rank.
+    """
+    per_node = ranks_per_node(comm)
+    why = None
+    if comm.Get_rank() == 0:
+        path = this_machine_path(cache_dir, device)
+        if not os.path.exists(path):
+            why = f"this machine has no calibration yet ({path})"
+        else:
+            taken = MachineProfile.load(path).calibrated_ranks_per_node
+            if taken != per_node:
+                ranks = (f"{taken} rank{'' if taken == 1 else 's'}" if taken
+                         else "an unrecorded number of ranks")
+                why = (f"the cached calibration {path} was taken with {ranks} per node and "
+                       f"this job has {per_node}")
+    return comm.bcast(why, root=0)
+
+
 def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
               cache_dir: str | None = None, device: str = "cpu") -> MachineProfile:
     """Measure and (on rank 0) save the profile of this machine; collective.
@@ -200,6 +236,7 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
         notes=f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}"
               f" under a load average of {load:.1f} on {os.cpu_count() or 1} cores",
         load_per_core=load / (os.cpu_count() or 1), reduce_scratch=scratch,
+        calibrated_ranks_per_node=comm.allreduce(per_node, op=MPI.MAX),
     )
     if save and comm.Get_rank() == 0:
         profile.save(this_machine_path(cache_dir, device))

@@ -30,7 +30,7 @@ from ..memory import (
 from ..module import GradientBuckets, Layer, Layout, RemovableHandle, no_sync
 from ..optim import SGD
 from ..plan import Plan, apply_plan, make_plan
-from ..plan.calibrate import calibrate
+from ..plan.calibrate import calibrate, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.planner import leaf_nodes, trace
 from ..recompute import recompute_segments
@@ -177,7 +177,9 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
             machine = "v100-nvlink-edr"  # nothing to calibrate communication with
             _say(comm, "1 rank: nothing to calibrate communication with; planning for the "
                        f"built-in profile {machine}")
-        elif cfg.recalibrate or not os.path.exists(path):
+        elif cfg.recalibrate or (why := stale_calibration(comm, device)):
+            if not cfg.recalibrate:
+                _say(comm, f"{why}: calibrating again")
             _say(comm, f"calibrating this machine's communication and compute on "
                        f"{_plural(comm.Get_size(), 'rank')} (kept in {path} for later runs)...")
             with memory.phase("calibration"):

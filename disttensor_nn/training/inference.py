@@ -17,7 +17,6 @@ on one rank.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +33,7 @@ from ..container import Sequential
 from ..kernels import kernels_for, synchronize
 from ..memory import MemoryProfile, map_large_allocations, release_free_memory, resident_bytes
 from ..plan import Plan, apply_plan, make_plan
-from ..plan.calibrate import calibrate
-from ..plan.machine import this_machine_path
+from ..plan.calibrate import calibrate, stale_calibration
 from ..plan.planner import leaf_nodes, trace
 from .checkpoint import load_checkpoint
 from .data import open_dataset
@@ -64,14 +62,15 @@ class PredictConfig:
 
 
 def _machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
-    """The machine profile to plan on; calibrates this machine once when needed (with the
-    ranks on their GPUs for ``device="gpu"``: the profile ``this-gpu``)."""
+    """The machine profile to plan on; calibrates this machine first when it has no
+    calibration taken with this job's ranks per node (with the ranks on their GPUs for
+    ``device="gpu"``: the profile ``this-gpu``)."""
     if cfg.machine != "this":
         return cfg.machine
     if comm.Get_size() == 1:
         return UNCALIBRATED
     device = "gpu" if cfg.device == "gpu" else "cpu"
-    if not os.path.exists(this_machine_path(device=device)):
+    if stale_calibration(comm, device):
         calibrate(comm, device=device)
     return "this" if device == "cpu" else "this-gpu"
 
