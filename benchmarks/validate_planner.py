@@ -49,7 +49,8 @@ from disttensor_nn.training.driver import _timed
 
 
 def measure(model, shape, plan, comm, iters, target):
-    """Median per-layer times (fastest and slowest rank) and per-iteration time of ``plan``.
+    """Per-layer times (slowest and fastest rank) and iteration times of ``plan``'s timed
+    iterations (the first, which builds plans and caches, is left out).
 
     A layer's time on the slowest rank includes waiting, inside the layer's
     collectives, for ranks delayed by earlier layers; the fastest rank's
@@ -84,8 +85,7 @@ def measure(model, shape, plan, comm, iters, target):
             per_layer_min.append(lmin)
     for hook in hooks:
         hook.remove()
-    return (np.median(np.array(per_layer), axis=0), np.median(np.array(per_layer_min), axis=0),
-            statistics.median(per_iter))
+    return per_layer, per_layer_min, per_iter
 
 
 def main() -> None:
@@ -93,8 +93,12 @@ def main() -> None:
     parser.add_argument("--model", default="mesh-small")
     parser.add_argument("--size", default="128x128")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per round")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds over all plans; a plan's time is the median of its "
+                        "iterations in every round")
+    parser.add_argument("--kernel-reps", type=int, default=15,
+                        help="timed rounds of the kernel measurement (median per kernel)")
     parser.add_argument("--budget", type=parse_bytes, help="also plan under this memory budget")
     parser.add_argument("--kernel-cache", help="kernel-time cache directory to use (default: a "
                         "fresh one, so that every kernel is measured in this run)")
@@ -119,7 +123,9 @@ def main() -> None:
     timer = KernelTimer(machine_id(profile), cache_dir=cache_dir)
     planner = Planner(model, shape, CostModel(profile, p, timer))
     t0 = time.perf_counter()
-    measured = planner.calibrate(comm)
+    # more rounds than a training job's planning takes (3, within 1.5 s): on a shared
+    # machine the speed of two ranks computing at once drifts by 20% over a second
+    measured = planner.calibrate(comm, reps=args.kernel_reps, max_seconds=60.0)
     if comm.rank == 0:
         print(f"measured kernels in network order for {measured} candidate distributions "
               f"in {time.perf_counter() - t0:.1f} s")
@@ -134,20 +140,27 @@ def main() -> None:
         plans = None
     wait_for_root(comm)  # the others sleep while rank 0 measures what is still missing
     plans = comm.bcast(plans, root=0)
-    results = {}
-    # Rounds over all plans, keeping each plan's faster round: the first plan measured
-    # would otherwise pay for page faults and cold caches that the others do not.
-    for _ in range(args.rounds):
+    # Rounds over all plans, so that every plan meets the machine's slower and faster
+    # phases alike; a plan's times are medians over the timed iterations of all rounds
+    # (the median, as the kernel times, not the fastest round, which picks a fast phase).
+    # A first, untimed round pays for the page faults and cold caches that would
+    # otherwise fall on the first plan measured.
+    samples: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in plans}
+    rss = dict.fromkeys(plans, 0)
+    for r in range(args.rounds + 1):
         for name, plan in plans.items():
-            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            layers, layers_min, it_time = measure(model, shape, plan, comm, args.iters, target)
-            rss = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX)
-            if name not in results or it_time < results[name][1]:
-                results[name] = (layers, it_time, rss * 1024, rss0 * 1024, layers_min)
+            got = measure(model, shape, plan, comm, args.iters, target)
+            for acc, new in zip(samples[name], got if r else ([], [], [])):
+                acc += new
+            rss[name] = max(rss[name], comm.allreduce(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX))
+    results = {name: (np.median(np.array(lt), axis=0), statistics.median(it),
+                      rss[name] * 1024, np.median(np.array(lmin), axis=0))
+               for name, (lt, lmin, it) in samples.items()}
     if comm.rank != 0:
         return
     plan = plans["planner"]
-    layers, it_time, _, _, layers_min = results["planner"]
+    layers, it_time, _, layers_min = results["planner"]
     rows, errs, errs_min = [], [], []
     for e, m, mmin in zip(plan.entries, layers, layers_min):
         pred = e.fwd + e.bwd + e.comm
