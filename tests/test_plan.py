@@ -292,6 +292,44 @@ def test_first_layer_is_timed_without_its_input_gradient(tmp_path, monkeypatch):
     assert timer.table[timer.key(first, shape, f4, 1)][:2] != [0.0, 0.0]
 
 
+def test_warm_up_runs_every_layer_and_leaves_the_model_alone(monkeypatch):
+    """warm_up runs each layer's twin forward and backward once on a small block, also
+    where the padded input is all a window fits in, and changes nothing of the model."""
+    from disttensor_nn.plan.planner import leaf_nodes, trace
+    from disttensor_nn.plan.timer import warm_up
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 5, padding=2), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Conv2d(8, 4, 3, padding=1))
+    shape = (6, 3, 3, 70)  # H shorter than the first kernel: only its padding makes it fit
+    before = [p.data.copy() for p in model.parameters()]
+    stats = (model[1].running_mean.copy(), model[1].running_var.copy())
+    runs: list[tuple[str, str, tuple[int, ...]]] = []
+    for cls in (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d):
+        for name in ("forward", "backward"):
+            def spy(self, x, _orig=getattr(cls, name), _name=name):
+                if _name == "forward":
+                    runs.append((type(self).__name__, _name, tuple(x.shape)))
+                else:
+                    runs.append((type(self).__name__, _name, ()))
+                return _orig(self, x)
+            monkeypatch.setattr(cls, name, spy)
+    warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))])
+    forwards = [(k, s) for k, p, s in runs if p == "forward"]
+    # every layer, one sample, the first convolution on its padded height (3 + 4) and
+    # at most 32 along W (70 + 4)
+    assert [k for k, _ in forwards[:5]] == ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d",
+                                             "Conv2d"]
+    assert forwards[0][1] == (1, 3, 7, 32)
+    assert all(s[0] == 1 for _, s in forwards)
+    assert sum(p == "backward" for _, p, _ in runs) >= 5
+    for p, b in zip(model.parameters(), before):
+        assert np.array_equal(p.data, b)
+        assert p.grad is None or not np.any(p.grad)  # the twins' gradients are their own
+    assert np.array_equal(model[1].running_mean, stats[0])
+    assert np.array_equal(model[1].running_var, stats[1])
+    assert all(getattr(layer, "_saved", None) is None for layer in model)
+
+
 @pytest.mark.parallel([1, 2, 3, 4])
 def test_calibration_in_network_order(tmp_path_factory):
     """Planner.calibrate measures every layer under every candidate on all ranks at once.

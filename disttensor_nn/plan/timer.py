@@ -14,6 +14,7 @@ ask.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -41,7 +42,7 @@ from ..module import Layer
 from ..window import WindowSpec
 from .machine import MachineProfile, default_cache_dir
 
-__all__ = ["KernelTimer", "QueryRecorder", "machine_id"]
+__all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
 CACHE_VERSION = 2
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
@@ -384,6 +385,34 @@ class KernelTimer:
             json.dump(self.table, f)
         os.replace(tmp, self.path)
         self._dirty = False
+
+
+def warm_up(layers: Sequence[tuple[Layer, tuple[int, ...]]], dtype: Any = np.float32) -> None:
+    """Run every layer's local kernels once, forward and backward, on one small sample.
+
+    ``layers`` pairs each layer with its global input shape ``(N, C, S..)``.
+    Each runs as a 1-process twin (:meth:`~disttensor_nn.Layer.local_twin`)
+    on one sample of its channels and a small spatial extent (at least its
+    window), in network order, on this process alone. What stays resident
+    afterwards is what every training step holds besides its arrays: the
+    code of the kernels and of the libraries under them (BLAS, the array
+    module) and the buffers those keep, so that a process baseline measured
+    after it includes them. The kernels' scratch and the arrays are freed.
+    """
+    queries = []
+    for layer, shape in layers:
+        spec = getattr(layer, "spec", None)
+        pads = [lo + hi for lo, hi in spec.padding] if isinstance(spec, WindowSpec) \
+            else [0] * (len(shape) - 2)
+        # the twin runs on the padded block (window layers drop their padding)
+        queries.append((layer, tuple(shape[:2]) + tuple(n + p for n, p in zip(shape[2:], pads)),
+                        np.dtype(dtype), 0.0))
+    timer = KernelTimer("warm-up", cache_dir=os.devnull, measure=False)  # never read or saved
+    timer.tile_bytes = 0.0  # every block is cut to its smallest tile: one sample, short sides
+    timer.measure_chain(queries, MPI.COMM_SELF, reps=1)
+    del timer
+    gc.collect()  # the twins' parameters sit in reference cycles
+    release_free_memory()
 
 
 class QueryRecorder:

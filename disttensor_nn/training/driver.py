@@ -33,6 +33,7 @@ from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.planner import leaf_nodes, trace
+from ..plan.timer import warm_up
 from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import Loader, open_dataset
@@ -212,7 +213,9 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     with memory.phase("data"):
         model, shape, spec, data = _model_and_data(cfg)
     # what a rank holds besides the parameters and their gradients (the interpreter,
-    # NumPy, MPI, the data set): the process baseline of the predicted peak
+    # NumPy, MPI, the data set, the code a step runs and the buffers of the libraries
+    # under it): the process baseline of the predicted peak
+    warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))])
     params = sum(nbytes(p.data) for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
     plan = _plan(cfg, model, shape, comm, memory, baseline)
