@@ -13,7 +13,8 @@ import pytest
 from mpi4py import MPI
 
 from disttensor.testing import collective_assert
-from disttensor_nn.plan import CostModel, Planner, builtin_profiles, machine
+from disttensor_nn.plan import CostModel, MachineProfile, Planner, builtin_profiles, machine
+from disttensor_nn.plan import calibrate as calibration
 from disttensor_nn.training import TrainConfig, build_model, driver, train
 
 V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
@@ -322,12 +323,13 @@ def test_a_cached_calibration_says_when_and_under_what_load_it_was_taken(monkeyp
     path = os.path.join(shared_tmpdir(comm), "machine.json")
     busy = dataclasses.replace(builtin_profiles()[V100], name="this:test", load_per_core=9.0,
                                notes="calibrated with 2 ranks on 2026-01-01 10:00 under a load "
-                                     "average of 18.0 on 2 cores")
+                                     "average of 18.0 on 2 cores",
+                               calibrated_ranks_per_node=comm.Get_size())
     if comm.Get_rank() == 0:
         busy.save(path)
     comm.Barrier()
-    monkeypatch.setattr(machine, "this_machine_path", lambda *a, **k: path)
-    monkeypatch.setattr(driver, "this_machine_path", lambda *a, **k: path)
+    for module in (machine, driver, calibration):
+        monkeypatch.setattr(module, "this_machine_path", lambda *a, **k: path)
     train(config(machine="this", steps=1, samples=4, batch=2))
     out = capsys.readouterr().out
     if comm.Get_rank() == 0:
@@ -337,3 +339,27 @@ def test_a_cached_calibration_says_when_and_under_what_load_it_was_taken(monkeyp
         assert "--recalibrate" in out
     else:
         assert out == "", out
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_calibration_by_another_number_of_ranks_per_node_is_taken_again(monkeypatch, capsys):
+    """Ranks sharing a node share its cores: a job does not plan on a calibration taken
+    with another number of ranks per node, it calibrates again and says why."""
+    comm = MPI.COMM_WORLD
+    path = os.path.join(shared_tmpdir(comm), "machine.json")
+    other = comm.Get_size() + 2
+    if comm.Get_rank() == 0:
+        dataclasses.replace(builtin_profiles()[V100], name="this:test", measured=True,
+                            calibrated_ranks_per_node=other).save(path)
+    comm.Barrier()
+    for module in (machine, driver, calibration):
+        monkeypatch.setattr(module, "this_machine_path", lambda *a, **k: path)
+    train(config(machine="this", steps=1, samples=4, batch=2))
+    out = capsys.readouterr().out
+    if comm.Get_rank() == 0:
+        assert (f"was taken with {other} ranks per node and this job has {comm.Get_size()}: "
+                "calibrating again") in out, out
+        assert "using the cached calibration" not in out, out
+    comm.Barrier()
+    collective_assert(MachineProfile.load(path).calibrated_ranks_per_node == comm.Get_size(),
+                      "the new calibration is not the one saved")
