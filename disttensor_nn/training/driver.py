@@ -159,16 +159,12 @@ def _say(comm: MPI.Comm, text: str) -> None:
         print(text, flush=True)
 
 
-def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
-          memory: MemoryProfile, baseline: float) -> Plan:
-    if cfg.layout != "auto":
-        with open(cfg.layout) as f:
-            plan = Plan.from_json(f.read())
-        problem = plan_mismatch(plan, model, shape, comm.Get_size())
-        if problem:
-            raise ValueError(f"{cfg.layout}: {problem}")
-        return plan
+def _machine(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> str:
+    """The machine profile to plan on; this machine is calibrated first when it has no
+    calibration taken with this job's ranks per node (or when asked to)."""
     machine = cfg.machine
+    if cfg.layout != "auto":
+        return machine  # the plan is read, not made
     device = "gpu" if cfg.device == "gpu" else "cpu"
     if machine == "this" and device == "gpu":
         machine = "this-gpu"  # the profile calibrated with the ranks on their GPUs
@@ -193,6 +189,18 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
                 _say(comm, f"warning: that calibration was taken under a load of "
                            f"{profile.load_per_core:.1f} per core; its predictions will be "
                            "too slow if the machine is quieter now (use --recalibrate)")
+    return machine
+
+
+def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
+          memory: MemoryProfile, baseline: float, machine: str) -> Plan:
+    if cfg.layout != "auto":
+        with open(cfg.layout) as f:
+            plan = Plan.from_json(f.read())
+        problem = plan_mismatch(plan, model, shape, comm.Get_size())
+        if problem:
+            raise ValueError(f"{cfg.layout}: {problem}")
+        return plan
     _say(comm, f"planning {cfg.model} for {_plural(comm.Get_size(), 'rank')} (kernels not "
                "timed before are measured first)...")
     if cfg.recompute not in RECOMPUTE:
@@ -214,11 +222,13 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         model, shape, spec, data = _model_and_data(cfg)
     # what a rank holds besides the parameters and their gradients (the interpreter,
     # NumPy, MPI, the data set, the code a step runs and the buffers of the libraries
-    # under it): the process baseline of the predicted peak
+    # under it, a calibration's included): the process baseline of the predicted peak
     warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))])
+    machine = _machine(cfg, comm, memory)
+    release_free_memory()
     params = sum(nbytes(p.data) for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
-    plan = _plan(cfg, model, shape, comm, memory, baseline)
+    plan = _plan(cfg, model, shape, comm, memory, baseline, machine)
     apply_plan(model, plan, shape, comm)
     if not is_numpy(xp):
         model.to(xp)
