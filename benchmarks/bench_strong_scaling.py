@@ -85,6 +85,7 @@ def main() -> None:
                 for cand in [(2, 1, 1), (1, 2, 1), (1, 1, 2)]:
                     plans[f"uniform {cand}"] = planner.uniform_plan(cand)
                 one = Planner(model, shape, CostModel(profile, 1, timer))
+                one.calibrate(solo)  # in network order on one rank, as a 1-rank job measures
                 plans["1 rank"] = one.uniform_plan((1, 1, 1))
                 timer.save()
             plans = comm.bcast(plans, root=0)
