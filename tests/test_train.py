@@ -317,21 +317,27 @@ def test_plot_help_shows_no_markup(capsys):
     assert "``" not in text and ":func:" not in text and "PREFIX-loss.png" in text, text
 
 
-@pytest.mark.parallel(2)
-def test_a_cached_calibration_says_when_and_under_what_load_it_was_taken(monkeypatch, capsys):
+def _train_on_cached(monkeypatch, capsys, **profile) -> tuple[str, str]:
+    """Train a step on ``machine="this"`` whose cached calibration is the V100 profile with
+    ``profile``'s fields replaced; (the calibration's path, what the run printed)."""
     comm = MPI.COMM_WORLD
     path = os.path.join(shared_tmpdir(comm), "machine.json")
-    busy = dataclasses.replace(builtin_profiles()[V100], name="this:test", load_per_core=9.0,
-                               notes="calibrated with 2 ranks on 2026-01-01 10:00 under a load "
-                                     "average of 18.0 on 2 cores",
-                               calibrated_ranks_per_node=comm.Get_size())
     if comm.Get_rank() == 0:
-        busy.save(path)
+        dataclasses.replace(builtin_profiles()[V100], name="this:test", **profile).save(path)
     comm.Barrier()
     for module in (machine, driver, calibration):
         monkeypatch.setattr(module, "this_machine_path", lambda *a, **k: path)
     train(config(machine="this", steps=1, samples=4, batch=2))
-    out = capsys.readouterr().out
+    return path, capsys.readouterr().out
+
+
+@pytest.mark.parallel(2)
+def test_a_cached_calibration_says_when_and_under_what_load_it_was_taken(monkeypatch, capsys):
+    comm = MPI.COMM_WORLD
+    path, out = _train_on_cached(
+        monkeypatch, capsys, load_per_core=9.0, calibrated_ranks_per_node=comm.Get_size(),
+        notes="calibrated with 2 ranks on 2026-01-01 10:00 under a load average of 18.0 on "
+              "2 cores")
     if comm.Get_rank() == 0:
         assert f"using the cached calibration {path}" in out, out
         assert "2026-01-01 10:00 under a load average of 18.0" in out, out
@@ -346,16 +352,9 @@ def test_a_calibration_by_another_number_of_ranks_per_node_is_taken_again(monkey
     """Ranks sharing a node share its cores: a job does not plan on a calibration taken
     with another number of ranks per node, it calibrates again and says why."""
     comm = MPI.COMM_WORLD
-    path = os.path.join(shared_tmpdir(comm), "machine.json")
     other = comm.Get_size() + 2
-    if comm.Get_rank() == 0:
-        dataclasses.replace(builtin_profiles()[V100], name="this:test", measured=True,
-                            calibrated_ranks_per_node=other).save(path)
-    comm.Barrier()
-    for module in (machine, driver, calibration):
-        monkeypatch.setattr(module, "this_machine_path", lambda *a, **k: path)
-    train(config(machine="this", steps=1, samples=4, batch=2))
-    out = capsys.readouterr().out
+    path, out = _train_on_cached(monkeypatch, capsys, measured=True,
+                                 calibrated_ranks_per_node=other)
     if comm.Get_rank() == 0:
         assert (f"was taken with {other} ranks per node and this job has {comm.Get_size()}: "
                 "calibrating again") in out, out
