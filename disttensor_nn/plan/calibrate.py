@@ -236,7 +236,7 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
         notes=f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}"
               f" under a load average of {load:.1f} on {os.cpu_count() or 1} cores",
         load_per_core=load / (os.cpu_count() or 1), reduce_scratch=scratch,
-        calibrated_ranks_per_node=comm.allreduce(per_node, op=MPI.MAX),
+        calibrated_ranks_per_node=ranks_per_node(comm),
     )
     if save and comm.Get_rank() == 0:
         profile.save(this_machine_path(cache_dir, device))

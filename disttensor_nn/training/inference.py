@@ -155,10 +155,11 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
     stack = (n, *out_shape[1:])
     # the output store is created (and its library loaded) before the process baseline
     _create_output(cfg, stack, np.dtype(np.float32), comm)
+    machine = _machine(cfg, comm)  # a calibration first, if one is due: in the baseline
     params = sum(p.data.nbytes for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - params, op=MPI.MAX)
     plan: Plan
-    plan, _ = make_plan(model, shape, comm.Get_size(), _machine(cfg, comm), cfg.memory_per_rank,
+    plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
                         comm=comm, baseline=baseline, profile=memory, training=False)
     apply_plan(model, plan, shape, comm)
     if not is_numpy(xp):
