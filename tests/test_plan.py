@@ -304,15 +304,16 @@ def test_warm_up_runs_every_layer_and_leaves_the_model_alone(monkeypatch):
     before = [p.data.copy() for p in model.parameters()]
     stats = (model[1].running_mean.copy(), model[1].running_var.copy())
     runs: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def spy(original, name):
+        def run(self, x):
+            runs.append((type(self).__name__, name, tuple(x.shape) if name == "forward" else ()))
+            return original(self, x)
+        return run
+
     for cls in (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.MaxPool2d):
         for name in ("forward", "backward"):
-            def spy(self, x, _orig=getattr(cls, name), _name=name):
-                if _name == "forward":
-                    runs.append((type(self).__name__, _name, tuple(x.shape)))
-                else:
-                    runs.append((type(self).__name__, _name, ()))
-                return _orig(self, x)
-            monkeypatch.setattr(cls, name, spy)
+            monkeypatch.setattr(cls, name, spy(getattr(cls, name), name))
     warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))])
     forwards = [(k, s) for k, p, s in runs if p == "forward"]
     # every layer, one sample, the first convolution on its padded height (3 + 4) and
