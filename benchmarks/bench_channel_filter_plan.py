@@ -42,7 +42,7 @@ from mpi4py import MPI
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor_nn.plan import CostModel, KernelTimer, Planner, load_profile
-from disttensor_nn.plan.calibrate import calibrate, stale_calibration
+from disttensor_nn.plan.calibrate import calibrate_if_stale
 from disttensor_nn.plan.costmodel import machine_id
 
 
@@ -103,8 +103,7 @@ def main() -> None:
                   "benchmarks/bench_channel_filter_plan.py")
         raise SystemExit(2)
     dt.limit_blas_threads()
-    if stale_calibration(comm):  # none yet, or taken with another number of ranks per node
-        calibrate(comm)
+    calibrate_if_stale(comm)  # none yet, or taken with another number of ranks per node
     profile = load_profile("this")
     cache_dir = comm.bcast(tempfile.mkdtemp(prefix="disttensor-kernels-") if comm.rank == 0
                            else None)

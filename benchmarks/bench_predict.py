@@ -43,7 +43,7 @@ from disttensor_nn.kernels import numpy_kernels
 from disttensor_nn.memory import MemoryProfile, release_free_memory, resident_bytes
 from disttensor_nn.models import mesh_fcn
 from disttensor_nn.plan import apply_plan, make_plan
-from disttensor_nn.plan.calibrate import calibrate, stale_calibration
+from disttensor_nn.plan.calibrate import calibrate_if_stale
 from disttensor_nn.plan.planner import leaf_nodes, trace
 
 try:
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()
     dt.limit_blas_threads(comm=comm)
-    if p > 1 and stale_calibration(comm):  # none yet, or taken with another ranks per node
-        calibrate(comm)
+    if p > 1:
+        calibrate_if_stale(comm)  # none yet, or taken with another number of ranks per node
     machine = "this" if p > 1 else "v100-nvlink-edr"
     shape = (1, 18, args.size, args.size)
     model = mesh_fcn(widths=(16, 24, 32), convs_per_stage=2)

@@ -35,7 +35,7 @@ from mpi4py import MPI
 import disttensor as dt
 from disttensor_nn.models import mesh_fcn
 from disttensor_nn.plan import CostModel, KernelTimer, Planner, load_profile
-from disttensor_nn.plan.calibrate import calibrate, stale_calibration
+from disttensor_nn.plan.calibrate import calibrate_if_stale
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.training import build_model
 
@@ -66,8 +66,7 @@ def main() -> None:
         raise SystemExit(2)
     dt.limit_blas_threads()
     size = tuple(int(v) for v in args.size.split("x"))
-    if stale_calibration(comm):  # none yet, or taken with another number of ranks per node
-        calibrate(comm)
+    calibrate_if_stale(comm)  # none yet, or taken with another number of ranks per node
     profile = load_profile("this")
     cache_dir = comm.bcast(tempfile.mkdtemp(prefix="disttensor-kernels-") if comm.rank == 0
                            else None)

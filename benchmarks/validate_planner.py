@@ -39,7 +39,7 @@ from disttensor_nn.plan import (
     load_profile,
     wait_for_root,
 )
-from disttensor_nn.plan.calibrate import calibrate, stale_calibration
+from disttensor_nn.plan.calibrate import calibrate_if_stale
 from disttensor_nn.plan.costmodel import machine_id
 from disttensor_nn.plan.machine import this_machine_path
 from disttensor_nn.plan.planner import leaf_nodes, trace
@@ -108,8 +108,8 @@ def main() -> None:
     dt.limit_blas_threads()
     if p < 2 and not os.path.exists(this_machine_path()):
         raise SystemExit("calibrate first: mpiexec -n 2 disttensor-plan --calibrate")
-    if p > 1 and stale_calibration(comm):  # none yet, or taken with another ranks per node
-        calibrate(comm)
+    if p > 1:
+        calibrate_if_stale(comm)  # none yet, or taken with another number of ranks per node
     size = tuple(int(v) for v in args.size.split("x"))
     model, shape = build_model(args.model, size, args.batch)
     target = _target_fn()
@@ -150,8 +150,9 @@ def main() -> None:
     for r in range(args.rounds + 1):
         for name, plan in plans.items():
             got = measure(model, shape, plan, comm, args.iters, target)
-            for acc, new in zip(samples[name], got if r else ([], [], [])):
-                acc += new
+            if r:  # round 0 is the untimed one
+                for acc, new in zip(samples[name], got):
+                    acc += new
             rss[name] = max(rss[name], comm.allreduce(
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, op=MPI.MAX))
     results = {name: (np.median(np.array(lt), axis=0), statistics.median(it),

@@ -453,7 +453,7 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     import dataclasses
     import json
 
-    from disttensor_nn.plan.calibrate import calibrate, stale_calibration
+    from disttensor_nn.plan.calibrate import calibrate, calibrate_if_stale, stale_calibration
     from disttensor_nn.plan.machine import this_machine_path
 
     comm = MPI.COMM_WORLD
@@ -483,6 +483,10 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     comm.Barrier()
     why = stale_calibration(comm, cache_dir=cache)
     collective_assert(why is not None and "unrecorded" in why, str(why))
+    # calibrate_if_stale calibrates then (saying why), and keeps the fresh one after
+    why = calibrate_if_stale(comm, cache_dir=cache)
+    collective_assert(why is not None and "unrecorded" in why, str(why))
+    collective_assert(calibrate_if_stale(comm, cache_dir=cache) is None, "calibrated twice")
 
 
 # ------------------------------------------------------------ the command line

@@ -40,7 +40,7 @@ from disttensor.transport import iallreduce, transport_for
 from ..memory import peak_resident_bytes, release_free_memory, reset_peak, resident_bytes
 from .machine import MachineProfile, this_machine_path
 
-__all__ = ["calibrate", "stale_calibration", "ranks_per_node"]
+__all__ = ["calibrate", "calibrate_if_stale", "stale_calibration", "ranks_per_node"]
 
 SIZES = [2**k for k in range(3, 24, 3)]  # 8 B .. 8 MiB
 
@@ -241,3 +241,16 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     if save and comm.Get_rank() == 0:
         profile.save(this_machine_path(cache_dir, device))
     return comm.bcast(profile, root=0)
+
+
+def calibrate_if_stale(comm: MPI.Comm, device: str = "cpu",
+                       cache_dir: str | None = None) -> str | None:
+    """Calibrate this machine unless its cached calibration holds for ``comm``; collective.
+
+    Returns why it calibrated (:func:`stale_calibration`), or None when the
+    cached profile was kept.
+    """
+    why = stale_calibration(comm, device, cache_dir)
+    if why is not None:
+        calibrate(comm, cache_dir=cache_dir, device=device)
+    return why

@@ -33,7 +33,7 @@ from ..container import Sequential
 from ..kernels import kernels_for, synchronize
 from ..memory import MemoryProfile, map_large_allocations, release_free_memory, resident_bytes
 from ..plan import Plan, apply_plan, make_plan
-from ..plan.calibrate import calibrate, stale_calibration
+from ..plan.calibrate import calibrate_if_stale
 from ..plan.planner import leaf_nodes, trace
 from .checkpoint import load_checkpoint
 from .data import open_dataset
@@ -70,8 +70,7 @@ def _machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
     if comm.Get_size() == 1:
         return UNCALIBRATED
     device = "gpu" if cfg.device == "gpu" else "cpu"
-    if stale_calibration(comm, device):
-        calibrate(comm, device=device)
+    calibrate_if_stale(comm, device)
     return "this" if device == "cpu" else "this-gpu"
 
 
