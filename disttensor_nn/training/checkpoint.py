@@ -3,7 +3,8 @@
 A checkpoint is a directory::
 
     manifest.json      format, version, step, names/shapes/dtypes, sha256 and size of every file
-    state.npz          parameters, BN running statistics, optimizer, RNG and extra arrays
+    state.npz          parameters, BN running statistics, optimizer, scheduler, RNG and
+                       extra arrays
     array_000.npy ...  one standard .npy file per distributed array
 
 Saving is collective. Rank 0 writes the replicated state (every rank holds the
@@ -22,15 +23,17 @@ on any rank is agreed on: every rank raises the same
 :class:`CheckpointError` and the temporary directory is removed.
 
 Loading is collective too. Every rank first checks its own arguments and
-that they agree with every other rank's (model, optimizer and requested
-arrays: names, shapes, dtypes, distributions). Rank 0 checks the manifest,
-the size and sha256 of every file, and that the model, optimizer and arrays
-match what was saved; it broadcasts its verdict, so a corrupt, truncated,
-incomplete or mismatched checkpoint raises the same :class:`CheckpointError`
-on every rank before anything is changed. Rank 0 then broadcasts the
-replicated state, every rank reads its block of each distributed array
-(memory-mapped), and only when all of that succeeded on every rank are the
-model, the optimizer and the arrays changed.
+that they agree with every other rank's (model, optimizer, scheduler and
+requested arrays: names, shapes, dtypes, distributions). Rank 0 checks the
+manifest, the size and sha256 of every file, and that the model, optimizer,
+scheduler and arrays match what was saved (an optimizer or a learning-rate
+scheduler of another class is refused, naming both); it broadcasts its
+verdict, so a corrupt, truncated, incomplete or mismatched checkpoint raises
+the same :class:`CheckpointError` on every rank before anything is changed.
+Rank 0 then broadcasts the replicated state, every rank reads its block of
+each distributed array (memory-mapped), and only when all of that succeeded
+on every rank are the model, the optimizer, the scheduler and the arrays
+changed.
 
 Distributed writes into one file need a file system on which writes of
 different processes to disjoint regions of a file are coherent (local file
@@ -57,7 +60,8 @@ from disttensor.backend import numpy_dtype, to_numpy
 
 from ..module import Layer, Parameter
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "FORMAT", "VERSION"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "checkpoint_manifest",
+           "FORMAT", "VERSION"]
 
 FORMAT = "disttensor_nn.checkpoint"
 VERSION = 1
@@ -282,7 +286,7 @@ def _recover(final: str) -> str:
 def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer: Any, step: int,
                     rng_state: Any = None, extra: Any = None,
                     arrays: Mapping[str, DistArray] | None = None, *,
-                    comm: MPI.Comm | None = None) -> str:
+                    comm: MPI.Comm | None = None, scheduler: Any = None) -> str:
     """Write a checkpoint to ``directory`` (collective over ``comm``).
 
     Parameters
@@ -299,7 +303,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
         arrays of any array module; they are stored as NumPy arrays.
     optimizer : object or None
         Anything with ``state_dict()`` returning a tree of None, bool, int,
-        float, str, NumPy arrays, lists, tuples and dicts, such as :class:`SGD`.
+        float, str, NumPy arrays, lists, tuples and dicts, such as
+        :class:`~disttensor_nn.optim.SGD` or :class:`~disttensor_nn.optim.Adam`
+        (its class name is recorded too).
     step : int
         Training step.
     rng_state : tree or numpy.random.Generator, optional
@@ -313,6 +319,10 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
         block. Their grids must span ``comm``'s processes.
     comm : mpi4py.MPI.Comm, optional
         ``MPI.COMM_WORLD`` by default.
+    scheduler : object, optional
+        A learning-rate scheduler (:mod:`disttensor_nn.optim.lr_scheduler`):
+        its class name and ``state_dict()`` are recorded, so that a resumed
+        run continues the schedule exactly.
 
     Returns
     -------
@@ -323,7 +333,7 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     ------
     CheckpointError
         On every rank, when anything fails on any rank, or when the ranks
-        pass different steps, models, optimizers or arrays; the target is
+        pass different steps, models, optimizers, schedulers or arrays; the target is
         then left as it was and the temporary directory removed.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -356,19 +366,22 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     except Exception as exc:
         error = exc
     _agree(comm, error, "save_checkpoint (arguments)")
-    everyone = comm.allgather((step, _describe_arguments(model, optimizer, arrays, comm)))
+    everyone = comm.allgather((step, _describe_arguments(model, optimizer, arrays, comm,
+                                                         scheduler)))
     differ = [r for r, v in enumerate(everyone) if v != everyone[0]]
     if differ:
         raise CheckpointError(f"save_checkpoint refused (nothing written): the step, model, "
-                              f"optimizer or arrays of rank(s) {differ} differ from rank 0's; "
+                              f"optimizer, scheduler or arrays of rank(s) {differ} differ from "
+                              "rank 0's; "
                               "every rank must pass the same")
 
     # -- whole values of sharded parameters and optimizer buffers (collective gathers)
     values: list[Any] = []
-    opt_state = None
+    opt_state = sched_state = None
     try:
         values = [p.full() for _, p in params]
         opt_state = None if optimizer is None else optimizer.state_dict()
+        sched_state = None if scheduler is None else scheduler.state_dict()
     except Exception as exc:
         error = exc
     _agree(comm, error, "save_checkpoint (gathering sharded state)")
@@ -396,6 +409,9 @@ def save_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
             manifest["optimizer"] = None if optimizer is None else {
                 "class": type(optimizer).__name__,
                 "state": _encode(opt_state, state, "optimizer_")}
+            manifest["scheduler"] = None if scheduler is None else {
+                "class": type(scheduler).__name__,
+                "state": _encode(sched_state, state, "scheduler_")}
             manifest["rng_state"] = _encode(rng_state, state, "rng_")
             manifest["extra"] = _encode(extra, state, "extra_")
             manifest["arrays"] = [{"name": name, "file": fname, "shape": list(a.shape),
@@ -498,7 +514,8 @@ def _compare(kind: str, saved: list[Mapping[str, Any]],
 
 
 def _verify(directory: str, model: Layer | None, optimizer: Any,
-            arrays: Mapping[str, DistArray | Distribution]) -> tuple[dict, dict]:
+            arrays: Mapping[str, DistArray | Distribution],
+            scheduler: Any = None) -> tuple[dict, dict]:
     """Rank 0's checks; returns (manifest, replicated arrays) or raises CheckpointError."""
     manifest = _read_manifest(directory)
     for key in ("step", "files", "parameters", "buffers", "arrays", "optimizer", "rng_state",
@@ -530,11 +547,21 @@ def _verify(directory: str, model: Layer | None, optimizer: Any,
         if opt is None:
             _refuse("the checkpoint holds no optimizer state")
         if opt["class"] != type(optimizer).__name__:
-            _refuse(f"the checkpoint holds {opt['class']} state, not {type(optimizer).__name__}")
+            _refuse(f"the checkpoint holds {opt['class']} state, not {type(optimizer).__name__}: "
+                    "it was saved with another optimizer")
+    sched = manifest.get("scheduler")
+    if scheduler is not None:
+        if sched is None:
+            _refuse(f"the checkpoint holds no learning-rate scheduler state, and "
+                    f"{type(scheduler).__name__} was asked for: it was saved without a schedule")
+        if sched["class"] != type(scheduler).__name__:
+            _refuse(f"the checkpoint holds {sched['class']} scheduler state, not "
+                    f"{type(scheduler).__name__}: it was saved with another schedule")
     with np.load(os.path.join(directory, STATE), allow_pickle=False) as npz:
         state = {k: npz[k] for k in npz.files}
     needed = [e["key"] for e in manifest["parameters"] + manifest["buffers"]]
-    for spec in (opt["state"] if opt else None, manifest.get("rng_state"), manifest.get("extra")):
+    for spec in (opt["state"] if opt else None, sched["state"] if sched else None,
+                 manifest.get("rng_state"), manifest.get("extra")):
         needed += _tree_keys(spec)
     missing = [k for k in needed if k not in state]
     if missing:
@@ -547,11 +574,28 @@ def _verify(directory: str, model: Layer | None, optimizer: Any,
     _decode(manifest["rng_state"], state), _decode(manifest["extra"], state)  # they decode
     if optimizer is not None:
         _check_optimizer_state(_decode(opt["state"], state), model, optimizer)
+    if scheduler is not None:
+        _check_by(scheduler, _decode(sched["state"], state), "learning-rate scheduler")
     return manifest, state
 
 
+def _check_by(obj: Any, state: Any, what: str) -> None:
+    """``obj.check_state_dict(state)``, where ``obj`` has one, as a refusal."""
+    check = getattr(obj, "check_state_dict", None)
+    if check is None:
+        return
+    try:
+        check(state)
+    except (ValueError, TypeError, KeyError) as exc:
+        _refuse(f"the {what} state does not fit: {exc}")
+
+
 def _check_optimizer_state(state: Any, model: Layer | None, optimizer: Any) -> None:
-    """For optimizers with per-parameter buffers (``state`` list, ``params``): shapes match."""
+    """The optimizer's own check (``check_state_dict``), or for optimizers with
+    per-parameter buffers (``state`` list, ``params``): shapes match."""
+    if hasattr(optimizer, "check_state_dict"):
+        _check_by(optimizer, state, "optimizer")
+        return
     params = getattr(optimizer, "params", None)
     bufs = state.get("state") if isinstance(state, dict) else None
     if not isinstance(params, list) or not isinstance(bufs, list):
@@ -584,7 +628,7 @@ def _bcast_arrays(comm: MPI.Comm, state: dict[str, np.ndarray] | None) -> dict[s
 
 
 def _describe_arguments(model: Layer | None, optimizer: Any,
-                        arrays: Mapping[Any, Any], comm: MPI.Comm) -> Any:
+                        arrays: Mapping[Any, Any], comm: MPI.Comm, scheduler: Any = None) -> Any:
     """This rank's arguments as comparable data; raises for malformed ones (local, no messages)."""
     described = []
     for name in arrays:
@@ -612,14 +656,15 @@ def _describe_arguments(model: Layer | None, optimizer: Any,
     buffers = [(n, tuple(getattr(lay, a).shape), numpy_dtype(getattr(lay, a).dtype).str)
                for n, lay, a in named_buffers(model)]
     return {"arrays": described, "model parameters": params, "model buffers": buffers,
-            "optimizer": None if optimizer is None else type(optimizer).__name__}
+            "optimizer": None if optimizer is None else type(optimizer).__name__,
+            "scheduler": None if scheduler is None else type(scheduler).__name__}
 
 
 def _agree_on_arguments(model: Layer | None, optimizer: Any, arrays: Mapping[Any, Any],
-                        comm: MPI.Comm) -> None:
+                        comm: MPI.Comm, scheduler: Any = None) -> None:
     """The same CheckpointError on every rank for a malformed or rank-dependent argument."""
     try:
-        mine: Any = ("ok", _describe_arguments(model, optimizer, arrays, comm))
+        mine: Any = ("ok", _describe_arguments(model, optimizer, arrays, comm, scheduler))
     except Exception as exc:
         mine = ("error", f"{type(exc).__name__}: {exc}")
     everyone = comm.allgather(mine)
@@ -636,19 +681,54 @@ def _agree_on_arguments(model: Layer | None, optimizer: Any, arrays: Mapping[Any
                     "must pass the same")
 
 
+def checkpoint_manifest(directory: str | os.PathLike, *,
+                        comm: MPI.Comm | None = None) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``directory``, on every rank (collective).
+
+    Rank 0 reads it (completing an interrupted commit, as
+    :func:`load_checkpoint` does) and checks its format, version and
+    self-checksum; the files it lists are not read. A program can thus learn
+    before any work what a checkpoint holds: its ``step``, and the classes of
+    its ``optimizer`` and ``scheduler`` (``manifest["optimizer"]["class"]``,
+    None when saved without one).
+
+    Raises
+    ------
+    CheckpointError
+        On every rank, with rank 0's message, when there is no checkpoint
+        there or its manifest is corrupt.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    reply: tuple[bool, Any] = (True, None)
+    if comm.Get_rank() == 0:
+        path = os.path.abspath(os.fspath(directory))
+        try:
+            reply = (True, _read_manifest(_recover(path)))
+        except CheckpointError as exc:
+            reply = (False, str(exc))
+        except Exception as exc:
+            reply = (False, f"{path} cannot be read: {type(exc).__name__}: {exc}")
+    ok, value = comm.bcast(reply, root=0)
+    if not ok:
+        raise CheckpointError(value)
+    return value
+
+
 def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer: Any = None,
                     arrays: Mapping[str, DistArray | Distribution] | None = None, *,
-                    comm: MPI.Comm | None = None) -> dict[str, Any]:
+                    comm: MPI.Comm | None = None, scheduler: Any = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (collective over ``comm``).
 
     Nothing is changed unless the arguments are well-formed and the same on
     every rank (the model's parameter and buffer names, shapes and dtypes,
-    the optimizer's class, the requested arrays' names, distributions and
-    dtypes), the whole checkpoint passes rank 0's checks (manifest format,
-    version and self-checksum; presence, size and sha256 of every file;
-    parameter and buffer names, shapes and dtypes equal to the model's; the
-    optimizer's class and buffer shapes; requested arrays present with the
-    expected shape and dtype) and every rank has read its blocks. A target
+    the optimizer's and scheduler's classes, the requested arrays' names,
+    distributions and dtypes), the whole checkpoint passes rank 0's checks
+    (manifest format, version and self-checksum; presence, size and sha256 of
+    every file; parameter and buffer names, shapes and dtypes equal to the
+    model's; the optimizer's class and state (its ``check_state_dict``, or
+    its buffer shapes); the scheduler's class and state; requested arrays
+    present with the expected shape and dtype) and every rank has read its
+    blocks. A target
     missing because a save was interrupted in its commit is recovered (see
     the module's description).
 
@@ -668,6 +748,10 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
         only its own block. Saved arrays not named here are not read.
     comm : mpi4py.MPI.Comm, optional
         ``MPI.COMM_WORLD`` by default.
+    scheduler : object, optional
+        A learning-rate scheduler of the class saved: it gets
+        ``load_state_dict`` with the saved state (after the optimizer), so
+        the schedule goes on from the saved step. Create it before loading.
 
     Returns
     -------
@@ -688,7 +772,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     path = os.path.abspath(os.fspath(directory))
     path = comm.bcast(path if rank == 0 else None, root=0)
     arrays = dict(arrays or {})
-    _agree_on_arguments(model, optimizer, arrays, comm)
+    _agree_on_arguments(model, optimizer, arrays, comm, scheduler)
 
     verdict: tuple[bool, str] = (True, "")
     manifest: dict | None = None
@@ -696,7 +780,7 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     if rank == 0:
         try:
             path = _recover(path)
-            manifest, state = _verify(path, model, optimizer, arrays)
+            manifest, state = _verify(path, model, optimizer, arrays, scheduler)
         except CheckpointError as exc:
             verdict = (False, str(exc))
         except Exception as exc:  # anything unexpected is a refusal too, never a partial load
@@ -726,6 +810,8 @@ def load_checkpoint(directory: str | os.PathLike, model: Layer | None, optimizer
     opt = manifest["optimizer"]
     if optimizer is not None:
         optimizer.load_state_dict(_decode(opt["state"], state))
+    if scheduler is not None:
+        scheduler.load_state_dict(_decode(manifest["scheduler"]["state"], state))
     if model is not None:  # names, shapes and dtypes were checked: every entry is accepted
         model.load_state_dict({e["name"]: state[e["key"]]
                                for e in manifest["parameters"] + manifest["buffers"]},

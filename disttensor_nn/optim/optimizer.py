@@ -1,0 +1,236 @@
+"""The base of the optimizers: parameters, hyper-parameters, per-parameter state that follows
+the parameters' splits and array modules, and whole (unsharded) state dictionaries."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from disttensor.backend import array_namespace, as_module, contiguous, device_of, to_numpy
+
+from ..module import Parameter, full_array, local_block
+
+__all__ = ["Optimizer"]
+
+
+def _like(ref: Any, buf: Any) -> Any:
+    """A copy of ``buf`` in the array module and on the device of ``ref``."""
+    moved = as_module(buf, array_namespace(ref), device_of(ref))
+    return contiguous(moved, copy=True) if moved is buf else moved
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _map_arrays(entry: Any, fn: Callable[[Any], Any]) -> Any:
+    """``entry`` (None, an array or a dict of arrays and numbers) with ``fn`` applied to its
+    arrays."""
+    if entry is None:
+        return None
+    if isinstance(entry, Mapping):
+        return {k: fn(v) if _is_array(v) else v for k, v in entry.items()}
+    return fn(entry)
+
+
+def _arrays(entry: Any) -> list[Any]:
+    if entry is None:
+        return []
+    if isinstance(entry, Mapping):
+        return [v for v in entry.values() if _is_array(v)]
+    return [entry]
+
+
+def check_number(name: str, value: Any, low: float = 0.0, *, strict: bool = False,
+                 high: float | None = None, high_strict: bool = True) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` when it is not a real number in
+    range (``>= low``, or ``> low`` when ``strict``; ``< high`` or ``<= high``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    bad = value != value or value < low or (strict and value == low)
+    if high is not None:
+        bad = bad or value > high or (high_strict and value == high)
+    if bad:
+        rng = f"{'>' if strict else '>='} {low:g}"
+        if high is not None:
+            rng += f" and {'<' if high_strict else '<='} {high:g}"
+        raise ValueError(f"{name} must be {rng}, got {value!r}")
+    return value
+
+
+class Optimizer:
+    """The base of :class:`SGD`, :class:`Adam` and :class:`AdamW`, as ``torch.optim.Optimizer``
+    for one parameter group.
+
+    ``params`` is the list of parameters and ``param_groups`` holds one
+    dictionary (``"params"`` and the hyper-parameters, such as ``"lr"``) that
+    learning-rate schedulers (:mod:`disttensor_nn.optim.lr_scheduler`) read
+    and change; the hyper-parameters are also attributes (``opt.lr``).
+    ``state[i]`` is the state of ``params[i]`` (None before its first step):
+    arrays in the parameter's array module, on its device, and of its local
+    shape. A sharded parameter's (``Parameter.dist``) state is sharded the
+    same way and follows the parameter when a layer re-splits it, or moves it
+    to another array module.
+
+    Gradients of replicated parameters are already summed over ranks by the
+    layers' backward passes, so every rank applies the same update and the
+    parameters stay identical without further communication.
+
+    Subclasses give ``_saved`` (the hyper-parameters that :meth:`state_dict`
+    stores) and ``_update(i, p)``; the constructor validates every
+    hyper-parameter before anything is kept.
+    """
+
+    _saved: tuple[str, ...] = ("lr",)
+
+    def __init__(self, params: Iterable[Parameter], defaults: dict[str, Any]):
+        if isinstance(params, Parameter):
+            raise TypeError(f"{type(self).__name__}: params must be an iterable of "
+                            "Parameters, got one Parameter (wrap it in a list)")
+        params = list(params)
+        for p in params:
+            if not isinstance(p, Parameter):
+                raise TypeError(f"{type(self).__name__}: params must be Parameters, got a "
+                                f"{type(p).__name__}")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(f"{type(self).__name__}: a parameter appears twice in params")
+        self.params: list[Parameter] = params
+        self.defaults = dict(defaults)
+        self.param_groups: list[dict[str, Any]] = [{"params": self.params, **defaults}]
+        self.state: list[Any] = [None] * len(self.params)
+        self._dists: list[Any] = [p.dist for p in self.params]  # the state's splits
+
+    def __getattr__(self, name: str) -> Any:
+        # the hyper-parameters of the (one) group: opt.lr is param_groups[0]["lr"]
+        groups = self.__dict__.get("param_groups")
+        if groups and name in groups[0] and name != "params":
+            return groups[0][name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        groups = self.__dict__.get("param_groups")
+        if groups and name in groups[0] and name != "params":
+            groups[0][name] = value
+        else:
+            super().__setattr__(name, value)
+
+    # ---------------------------------------------------------------- stepping
+    def step(self) -> None:
+        """Update every parameter from its gradient.
+
+        Raises
+        ------
+        RuntimeError
+            When gradient parts kept back by :func:`~disttensor_nn.no_sync`
+            have not been reduced by a backward pass outside it (the update
+            would use gradients that differ from rank to rank). Nothing is
+            updated then.
+        """
+        name = type(self).__name__
+        if any(p.unreduced is not None for p in self.params):
+            raise RuntimeError(f"{name}.step: gradients accumulated under no_sync are not "
+                               "reduced yet; run the last micro-batch's backward outside no_sync")
+        if self.lr < 0:
+            raise ValueError(f"{name}.step: lr must be >= 0, got {self.lr!r}")
+        for i, p in enumerate(self.params):
+            self._follow(i, p)
+            self._update(i, p)
+
+    def _follow(self, i: int, p: Parameter) -> None:
+        """Re-split and move ``state[i]`` as ``p`` was (collective when ``p`` is sharded)."""
+        entry = self.state[i]
+        if entry is not None and self._dists[i] != p.dist:  # the layer re-split p
+            old, new = self._dists[i], p.dist
+            entry = _map_arrays(entry, lambda a: local_block(full_array(a, old), new))
+        self._dists[i] = p.dist
+        if entry is not None and any(array_namespace(a) is not array_namespace(p.data)
+                                     for a in _arrays(entry)):  # the model moved
+            entry = _map_arrays(entry, lambda a: _like(p.data, a))
+        self.state[i] = entry
+
+    def _update(self, i: int, p: Parameter) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Zero every parameter's gradient."""
+        for p in self.params:
+            p.zero_grad()
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The per-parameter state (NumPy copies, by parameter order) and hyper-parameters.
+
+        ``state[i]`` is the state of ``params[i]`` (None before its first
+        step), copied to host memory whatever module the parameters use, so
+        that checkpoints can store it. The state of sharded parameters is
+        given whole (gathered: the call is then collective), so that it loads
+        under any other split.
+        """
+        def whole(d: Any) -> Callable[[Any], np.ndarray]:
+            return lambda a: np.array(to_numpy(full_array(a, d)), copy=True)
+        out: dict[str, Any] = {"state": [_map_arrays(s, whole(d))
+                                         for s, d in zip(self.state, self._dists)]}
+        for k in self._saved:
+            v = self.param_groups[0][k]
+            out[k] = tuple(v) if isinstance(v, tuple) else v
+        return out
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ValueError (nothing changed) when ``state`` cannot be loaded.
+
+        It must be a :meth:`state_dict` of this class: the hyper-parameters
+        it stores, and one entry per parameter of the parameter's full shape.
+        """
+        name = type(self).__name__
+        if not isinstance(state, Mapping) or "state" not in state:
+            raise ValueError(f"{name}.load_state_dict: not a state dictionary of an optimizer")
+        missing = [k for k in self._saved if k not in state]
+        if missing:
+            raise ValueError(f"{name}.load_state_dict: the state lacks {missing} (it was saved "
+                             "by another optimizer)")
+        self._check_hyper({k: state[k] for k in self._saved})
+        entries = state["state"]
+        if not isinstance(entries, (list, tuple)) or len(entries) != len(self.params):
+            n = len(entries) if isinstance(entries, (list, tuple)) else type(entries).__name__
+            raise ValueError(f"{name}.load_state_dict: the state is for {n} parameters, the "
+                             f"optimizer has {len(self.params)}")
+        for i, (e, p) in enumerate(zip(entries, self.params)):
+            self._check_entry(i, e, p, state)
+
+    def _check_entry(self, i: int, entry: Any, p: Parameter, state: Mapping[str, Any]) -> None:
+        """Raise ValueError when ``entry`` (of ``state``) is not a state of ``p``."""
+        for a in _arrays(entry):
+            if tuple(np.shape(a)) != tuple(p.shape):
+                raise ValueError(f"{type(self).__name__}.load_state_dict: state {i} has shape "
+                                 f"{tuple(np.shape(a))}, its parameter {tuple(p.shape)}")
+
+    def _check_hyper(self, hyper: dict[str, Any]) -> None:
+        """Raise for hyper-parameters out of range (the constructor's checks)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (arrays go to their parameters' array module).
+
+        Whole arrays; a sharded parameter keeps its block of its state.
+        Checked first (:meth:`check_state_dict`): a state that does not fit
+        raises ValueError and changes nothing.
+        """
+        self.check_state_dict(state)
+
+        def block(p: Parameter) -> Callable[[Any], Any]:
+            return lambda b: _like(p.data, np.asarray(b) if p.dist is None
+                                   else np.asarray(b)[p.dist.local_slices()])
+        self.state = [_map_arrays(dict(e) if isinstance(e, Mapping) else e, block(p))
+                      for p, e in zip(self.params, state["state"])]
+        self._dists = [p.dist for p in self.params]
+        for k in self._saved:
+            v = state[k]
+            self.param_groups[0][k] = tuple(v) if isinstance(v, list) else v
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(f"{k}={v!r}" for k, v in self.param_groups[0].items()
+                          if k not in ("params", "initial_lr"))
+        return f"{type(self).__name__}({len(self.params)} parameters, {hyper})"
