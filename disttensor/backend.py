@@ -1,15 +1,22 @@
 """Array modules and MPI buffers: the one place that knows NumPy from other array libraries.
 
-Everything that differs between NumPy, CuPy and other array API namespaces
-(``array_api_strict`` in the tests) is answered here: an array's module,
-dtype and device, allocation on that device, copies between it and host
-memory, stream synchronisation, and MPI datatypes that select a strided view.
-The rest of the library calls these helpers and never tests for a library.
+Everything that differs between NumPy, CuPy, PyTorch and other array API
+namespaces (``array_api_strict`` in the tests) is answered here: an array's
+module, dtype and device, allocation on that device, copies between it and
+host memory, views of host memory as NumPy arrays (:func:`host_view`), stream
+synchronisation, and MPI datatypes that select a strided view. The rest of
+the library calls these helpers and never tests for a library.
+
+PyTorch tensors are blocks like any other: their module is ``torch``
+itself (found in ``sys.modules``, never imported here), and a tensor in host
+memory is worked on, and sent, as the NumPy view of its memory, without a
+copy.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from functools import cache, lru_cache
 from types import ModuleType
@@ -34,9 +41,11 @@ __all__ = [
     "fill",
     "from_numpy",
     "host_empty",
+    "host_view",
     "is_c_contiguous",
     "is_cupy",
     "is_numpy",
+    "is_torch",
     "mpi_buffer",
     "mpi_dtype",
     "namespace_dtype",
@@ -63,6 +72,8 @@ def array_namespace(x: Any) -> ModuleType:
         import cupy
 
         return cupy
+    if mod == "torch" and "torch" in sys.modules:  # a tensor exists, so torch is imported
+        return sys.modules["torch"]
     return np
 
 
@@ -74,6 +85,11 @@ def is_numpy(xp: ModuleType) -> bool:
 def is_cupy(xp: ModuleType) -> bool:
     """Whether ``xp`` is CuPy."""
     return getattr(xp, "__name__", "") == "cupy"
+
+
+def is_torch(xp: ModuleType) -> bool:
+    """Whether ``xp`` is PyTorch (``torch``, the module of its tensors)."""
+    return getattr(xp, "__name__", "") == "torch"
 
 
 def _takes_numpy_dtypes(xp: ModuleType) -> bool:
@@ -135,6 +151,9 @@ def astype(x: Any, dtype: Any) -> Any:
     xp = array_namespace(x)
     if _takes_numpy_dtypes(xp):
         return x.astype(numpy_dtype(dtype), order="C")
+    if is_torch(xp):  # no astype function: the method, into C order
+        return x.detach().to(namespace_dtype(xp, dtype), copy=True,
+                             memory_format=xp.contiguous_format)
     return xp.astype(x, namespace_dtype(xp, dtype), copy=True)
 
 
@@ -184,6 +203,8 @@ def permute_dims(x: Any, axes: Sequence[int]) -> Any:
     xp = array_namespace(x)
     if _takes_numpy_dtypes(xp):
         return x.transpose(tuple(axes))
+    if is_torch(xp):
+        return xp.permute(x, tuple(axes))
     return xp.permute_dims(x, tuple(axes))
 
 
@@ -195,6 +216,8 @@ def reshape(x: Any, shape: tuple[int, ...]) -> Any:
 def is_c_contiguous(a: Any) -> bool:
     """Whether MPI can read ``a`` as one contiguous run (False when the library cannot say)."""
     flags = getattr(a, "flags", None)
+    if flags is None and is_torch(array_namespace(a)):
+        return bool(a.is_contiguous())
     return bool(flags is not None and flags.c_contiguous)
 
 
@@ -218,8 +241,9 @@ def contiguous(x: Any, copy: bool = False, *, writeable: bool = False) -> Any:
     Returns
     -------
     array
-        ``x`` itself when it already qualifies; array API namespaces without
-        a notion of memory layout return ``x`` itself, or a copy.
+        ``x`` itself when it already qualifies (PyTorch: detached from any
+        autograd graph); array API namespaces without a notion of memory
+        layout return ``x`` itself, or a copy.
     """
     xp = array_namespace(x)
     if is_numpy(xp):
@@ -229,6 +253,9 @@ def contiguous(x: Any, copy: bool = False, *, writeable: bool = False) -> Any:
         if copy or not x.flags.c_contiguous:
             return xp.array(x, order="C", copy=True)
         return x
+    if is_torch(xp):  # a block's values, not a node of an autograd graph
+        x = x.detach()
+        return x.clone(memory_format=xp.contiguous_format) if copy else x.contiguous()
     return xp.asarray(x, copy=True) if copy else x
 
 
@@ -307,8 +334,11 @@ def to_numpy(x: Any) -> np.ndarray:
     """Copy or view ``x`` as a NumPy array in host memory."""
     if isinstance(x, np.ndarray):
         return x
-    if is_cupy(array_namespace(x)):  # pragma: no cover - GPU only
+    xp = array_namespace(x)
+    if is_cupy(xp):  # pragma: no cover - GPU only
         return x.get()
+    if is_torch(xp):  # a view on the CPU, a copy from a GPU
+        return x.detach().resolve_conj().resolve_neg().cpu().numpy()
     try:
         return np.asarray(x)
     except (TypeError, RuntimeError, ValueError, BufferError):
@@ -357,8 +387,42 @@ def copy_from_host(dst: Any, host: np.ndarray) -> None:
     elif is_cupy(xp) and is_c_contiguous(dst):  # pragma: no cover - GPU only
         dst.set(host)  # asynchronous on the current stream: wait before ``host`` is reused
         synchronize(xp)
+    elif (view := host_view(dst)) is not None:
+        view[...] = host
     else:
         dst[...] = from_numpy(host, dst)
+
+
+def host_view(a: Any) -> np.ndarray | None:
+    """A NumPy array sharing the memory of ``a``, where ``a`` lives in host memory (else None).
+
+    NumPy arrays are returned as they are, PyTorch tensors on the CPU as the
+    NumPy view of their memory (same strides, no copy; writes go through).
+    Halo exchange, redistribution and the allreduce work on such views, so
+    those tensors travel exactly as NumPy arrays do. None for device memory
+    and for other modules, whose arrays are copied through
+    :func:`copy_to_host` instead (``array_api_strict``'s devices stand in for
+    accelerators that way, though their memory is the host's).
+
+    Parameters
+    ----------
+    a : array
+        An array of any module.
+
+    Returns
+    -------
+    numpy.ndarray or None
+        The view; None also for tensors NumPy cannot view (a dtype it lacks,
+        a conjugate or negative bit set).
+    """
+    if isinstance(a, np.ndarray):
+        return a
+    if is_torch(array_namespace(a)) and a.device.type == "cpu":
+        try:
+            return a.detach().numpy()
+        except (RuntimeError, TypeError):  # a lazy conjugate or negation; bfloat16
+            return None
+    return None
 
 
 def host_empty(shape: tuple[int, ...], dtype: Any, xp: ModuleType) -> np.ndarray:

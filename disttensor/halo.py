@@ -34,7 +34,7 @@ from .array import DistArray, normalize_widths
 from .backend import array_namespace, contiguous, copy_view, fill_view
 from .distribution import Distribution
 from .settings import collective
-from .transport import transport_for
+from .transport import transport_for_arrays
 
 __all__ = ["MODES", "AccumulateRequest", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate",
            "normalize_widths"]
@@ -392,9 +392,10 @@ class HaloRequest(_DimRequest):
     def __init__(self, plan: HaloPlan, x: DistArray, constants: list[list[Any]]):
         self.x = x
         self.constants = constants  # Python scalars, per dimension and side
-        self.buffer = x.buffer
+        self._native = x.buffer
+        # the buffer worked on: the array's own, or the NumPy view of its host memory
+        self.transport, (self.buffer,) = transport_for_arrays(x.xp, x.buffer)
         self.bound, self._ext_index = plan._bind(tuple(self.buffer.shape), x.margins)
-        self.transport = transport_for(x.xp)
         self._incoming: list[tuple[Any, Any]] = []  # (face, message buffer)
         self._outgoing: list[Any] = []  # packed or staged copies being sent
         super().__init__(plan, list(range(len(plan.dims))))
@@ -437,12 +438,12 @@ class HaloRequest(_DimRequest):
     @property
     def ext(self) -> Any:
         """The extended block being filled (a view into the array's buffer)."""
-        return self.buffer[self._ext_index]
+        return self._native[self._ext_index]
 
     def finish(self) -> Any:
         """Wait for every dimension's messages; return the extended block (a view)."""
         self._wait()
-        return self.buffer[self._ext_index]
+        return self._native[self._ext_index]
 
 
 class AccumulateRequest(_DimRequest):
@@ -453,15 +454,15 @@ class AccumulateRequest(_DimRequest):
     """
 
     def __init__(self, plan: HaloPlan, work: Any):
-        self.work = work
+        self.work = work  # the result's storage; _work is what is worked on (a host view)
+        self.transport, (self._work,) = transport_for_arrays(array_namespace(work), work)
         self.bound, _ = plan._bind(tuple(work.shape), plan.widths)
-        self.transport = transport_for(array_namespace(work))
         self._pending: list[tuple[Any, Any]] = []  # (target cells, message buffer)
         self._outgoing: list[Any] = []
         super().__init__(plan, list(reversed(range(len(plan.dims)))))
 
     def _post_dim(self, bd: _BoundDim) -> list[MPI.Request]:
-        work, t, tag = self.work, self.transport, self._tag
+        work, t, tag = self._work, self.transport, self._tag
         recvs, sends = [], []
         for idx, peer, k in bd.sends:  # the forward's senders get their cells back
             target = work[idx]

@@ -18,7 +18,7 @@ from .array import DistArray, _check_dist
 from .backend import copy_view, device_of, mpi_dtype, reshape, view_datatype
 from .distribution import Distribution
 from .settings import collective
-from .transport import transport_for
+from .transport import transport_for_arrays
 
 __all__ = ["RedistributionPlan", "redistribution_plan", "check_compatible"]
 
@@ -84,7 +84,8 @@ class RedistributionPlan:
     collective is skipped altogether (every rank can tell from the metadata).
     Arrays whose memory MPI cannot read (GPU arrays without a CUDA-aware MPI,
     other array API libraries) are staged through a host copy of the block
-    (:mod:`disttensor.transport`); with a CUDA-aware MPI the datatypes select
+    (:mod:`disttensor.transport`); PyTorch's CPU tensors move as NumPy views
+    of their memory, without a copy; with a CUDA-aware MPI the datatypes select
     the pieces straight out of device memory.
 
     Parameters
@@ -200,13 +201,15 @@ class RedistributionPlan:
             raise ValueError(
                 f"out must have {self.dst} and dtype {x.dtype}, got {out.dist} and {out.dtype}"
             )
+        # the arrays worked on: the blocks themselves, or NumPy views of their host memory
+        t, (xbuf, xloc, obuf, oloc) = transport_for_arrays(
+            x.xp, x.buffer, x.local, out.buffer, out.local)
         if not self.local_only:
-            t = transport_for(x.xp)
-            xb, xl = t.region_to_send(x.buffer, x.local)
-            ob, ol = t.region_to_receive(out.buffer, out.local)
+            xb, xl = t.region_to_send(xbuf, xloc)
+            ob, ol = t.region_to_receive(obuf, oloc)
             # The kept piece is copied while the messages move, unless the block is staged
             # (the staged copy back writes the whole block, so it must come first).
-            keep = self.keep if ob is out.buffer else None
+            keep = self.keep if ob is obuf else None
             if self.method == "pack":
                 self._packed(t, xl, ol, keep)
             else:
@@ -216,13 +219,13 @@ class RedistributionPlan:
                 if keep is not None:
                     copy_view(ol[keep[1] + (...,)], xl[keep[0] + (...,)])
                 req.Wait()
-            t.deliver_region(out.local, ob)
-            if xb is not x.buffer:
+            t.deliver_region(oloc, ob)
+            if xb is not xbuf:
                 t.release(xb)
             if keep is not None:
                 return out
         if self.keep is not None:  # (an index ending in ... gives a view even of a 0-d block)
-            copy_view(out.local[self.keep[1] + (...,)], x.local[self.keep[0] + (...,)])
+            copy_view(oloc[self.keep[1] + (...,)], xloc[self.keep[0] + (...,)])
         return out
 
     @collective
@@ -237,24 +240,23 @@ class RedistributionPlan:
         if y.dist != self.dst:
             raise ValueError(f"plan maps to {self.dst}, got an array with {y.dist}")
         out = DistArray.zeros(self.src, dtype=y.dtype, xp=y.xp, device=device_of(y.buffer))
+        t, (ybuf, yloc, olocal) = transport_for_arrays(y.xp, y.buffer, y.local, out.local)
         if self.keep is not None:
-            out.local[self.keep[0]] += y.local[self.keep[1]]
+            olocal[self.keep[0]] += yloc[self.keep[1]]
         if self.local_only:
             return out
         # Receive each returning piece into its own slot of one temporary buffer.
-        t = transport_for(y.xp)
         shapes = [tuple(s.stop - s.start for s in sl) for _, sl in self.sends]
         sizes = [math.prod(shp) for shp in shapes]
-        tmp = t.region_empty(y.local, (sum(sizes),))
+        tmp = t.region_empty(yloc, (sum(sizes),))
         offsets = list(itertools.accumulate([0] + sizes))
         views = [reshape(tmp[a:b], shp) for a, b, shp in zip(offsets, offsets[1:], shapes)]
-        yb, yl = t.region_to_send(y.buffer, y.local)
+        yb, yl = t.region_to_send(ybuf, yloc)
         t.ready()
         self._alltoallw(yb, [(p, yl[sl]) for p, sl in self.recvs],
                         tmp, [(p, v) for (p, _), v in zip(self.sends, views)]).Wait()
-        if yb is not y.buffer:
+        if yb is not ybuf:
             t.release(yb)
-        olocal = out.local
         pieces = t.region_array(tmp, olocal)
         for (_, sl), a, b, shp in zip(self.sends, offsets, offsets[1:], shapes):
             olocal[sl] += reshape(pieces[a:b], shp)

@@ -7,9 +7,11 @@ itself, after the device stream is synchronised; strided views are first
 packed into a contiguous scratch array of the same module (a copy kernel on
 a GPU). Otherwise messages are *staged* through host buffers (page-locked for
 CuPy) with an explicit device-to-host copy before sending and host-to-device
-after receiving. With NCCL enabled (:func:`disttensor.nccl_enabled`), GPU
-point-to-point messages and sum allreduces go through NCCL on the current
-stream instead of MPI.
+after receiving. Arrays of other modules that live in host memory (PyTorch's
+CPU tensors: :func:`~disttensor.backend.host_view`) travel as NumPy views of
+their memory, through NumPy's transport (:func:`transport_for_arrays`). With
+NCCL enabled (:func:`disttensor.nccl_enabled`), GPU point-to-point messages
+and sum allreduces go through NCCL on the current stream instead of MPI.
 
 Halo exchange, redistribution and the reductions' allreduce all use this one
 mechanism, so they need no knowledge of where an array lives.
@@ -35,6 +37,7 @@ from .backend import (
     empty,
     from_numpy,
     host_empty,
+    host_view,
     is_c_contiguous,
     is_cupy,
     is_numpy,
@@ -47,7 +50,8 @@ from .device import gpu_aware_mpi, nccl_enabled
 from .nccl import allreduce_sum, exchange, supports
 from .settings import get_options
 
-__all__ = ["Transport", "AllreduceRequest", "allreduce", "iallreduce", "transport_for"]
+__all__ = ["Transport", "AllreduceRequest", "allreduce", "iallreduce", "transport_for",
+           "transport_for_arrays"]
 
 _POOL_KEYS = 512  # distinct (shape, dtype, place) scratch shapes kept per transport
 _POOL_DEPTH = 8  # buffers kept per shape
@@ -289,6 +293,36 @@ def transport_for(xp: ModuleType) -> Transport:
     return t
 
 
+def transport_for_arrays(xp: ModuleType, *arrays: Any) -> tuple[Transport, tuple[Any, ...]]:
+    """The transport that moves ``arrays`` (of the module ``xp``), and the arrays it works on.
+
+    Where every array lives in host memory that NumPy can address (NumPy
+    arrays; PyTorch's CPU tensors, see :func:`disttensor.backend.host_view`)
+    the arrays are worked on as NumPy views of that memory, through NumPy's
+    direct transport: nothing is copied or staged, and writes to the views
+    are writes to the arrays. Otherwise the arrays themselves, through
+    :func:`transport_for` of ``xp``.
+
+    Parameters
+    ----------
+    xp : module
+        The module of the arrays.
+    *arrays : array
+        Arrays of ``xp`` (a buffer and views into it, say).
+
+    Returns
+    -------
+    (Transport, tuple of arrays)
+        The transport, and the views (or the arrays), in the order given.
+    """
+    if is_numpy(xp):
+        return _NUMPY, arrays
+    views = tuple(host_view(a) for a in arrays)
+    if all(v is not None for v in views):
+        return _NUMPY, views
+    return transport_for(xp), arrays
+
+
 def allreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM, *,
               in_place: bool = False) -> Any:
     """``a`` combined with ``op`` over ``comm`` through its module's transport.
@@ -316,7 +350,10 @@ def allreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM, *,
         ``in_place``, ``a`` itself may be overwritten with it (and is
         returned) when it is contiguous and writeable.
     """
-    out = transport_for(array_namespace(a)).allreduce(a, comm, op)
+    t, (work,) = transport_for_arrays(array_namespace(a), a)
+    out = t.allreduce(work, comm, op)
+    if work is not a:  # a host view of ``a``: reduced in it, or in a NumPy copy of it
+        out = a if out is work else from_numpy(out, a)
     if in_place and out is not a:
         a[...] = out
         return a
@@ -350,13 +387,14 @@ def iallreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM) -> AllreduceRe
     """Start combining ``a`` with ``op`` over ``comm``; ``a`` must not be touched until
     :meth:`AllreduceRequest.wait` returns the result.
 
-    Contiguous NumPy arrays are reduced in place by a non-blocking
+    Contiguous NumPy arrays (and host arrays of other modules, through their
+    NumPy views) are reduced in place by a non-blocking
     ``MPI_Iallreduce``; arrays of other modules, through :func:`allreduce`
     before this returns (the request is then already complete). Collective
     over ``comm``, started in the same order on every rank.
     """
-    xp = array_namespace(a)
-    if is_numpy(xp) and comm.Get_size() > 1 and a.size and a.flags.c_contiguous \
-            and a.flags.writeable:
-        return AllreduceRequest(a, comm.Iallreduce(MPI.IN_PLACE, a, op=op))
+    _, (work,) = transport_for_arrays(array_namespace(a), a)
+    if isinstance(work, np.ndarray) and comm.Get_size() > 1 and work.size \
+            and work.flags.c_contiguous and work.flags.writeable:
+        return AllreduceRequest(a, comm.Iallreduce(MPI.IN_PLACE, work, op=op))
     return AllreduceRequest(allreduce(a, comm, op))
