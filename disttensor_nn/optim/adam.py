@@ -93,8 +93,9 @@ class Adam(Optimizer):
         want = {"step", *_KEYS} | ({"max_exp_avg_sq"} if amsgrad else set())
         if not isinstance(entry, Mapping) or set(entry) != want:
             have = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
-            raise ValueError(f"{name}.load_state_dict: state {i} holds {have}, not "
-                             f"{sorted(want)} (saved by another optimizer?)")
+            raise ValueError(f"{name}.load_state_dict: state {i} holds {have}; the state "
+                             f"of {name} with amsgrad={amsgrad} holds {sorted(want)} (it was "
+                             "saved by another optimizer, or with other settings)")
         step = entry["step"]
         if isinstance(step, bool) or not float(step).is_integer() or step < 1:
             raise ValueError(f"{name}.load_state_dict: state {i} has step {step!r}")

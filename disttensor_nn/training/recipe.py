@@ -1,0 +1,206 @@
+"""The optimizer, learning-rate schedule and gradient clipping of a training run.
+
+:func:`recipe_problem` checks a :class:`~disttensor_nn.training.TrainConfig`'s
+choices (``optimizer``, ``schedule``, ``warmup_steps`` and the rest) before
+any work; :func:`make_optimizer` and :func:`make_scheduler` build what they
+name; :func:`resume_problem` compares them with what a checkpoint was saved
+with. Every function uses only the configuration (and a manifest every rank
+has), so every rank reaches the same verdict.
+
+The schedules run over the whole run of ``steps`` steps, the resumed ones
+included:
+
+========= =================================================================
+none      the learning rate stays ``lr``
+step      ``lr`` times ``gamma`` every ``step_size`` steps (``StepLR``)
+cosine    cosine from ``lr`` to ``min_lr`` over the steps after the warm-up
+          (``CosineAnnealingLR``)
+linear    linear from ``lr`` to ``min_lr`` over the steps after the warm-up
+          (``LinearLR``)
+========= =================================================================
+
+``warmup_steps`` K > 0 puts a linear warm-up from ``warmup_start_factor *
+lr`` to ``lr`` over the first K steps before any of them (``LinearLR`` then
+the schedule in a ``SequentialLR`` with the milestone K).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from ..module import Parameter
+from ..optim import SGD, Adam, AdamW, Optimizer
+from ..optim.lr_scheduler import (
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    SequentialLR,
+    StepLR,
+)
+
+__all__ = ["OPTIMIZERS", "SCHEDULES", "recipe_problem", "make_optimizer", "make_scheduler",
+           "scheduler_class", "resume_problem"]
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
+"""``TrainConfig.optimizer`` (``--optimizer``) -> the optimizer class."""
+
+SCHEDULES: tuple[str, ...] = ("none", "step", "cosine", "linear")
+"""The names ``TrainConfig.schedule`` (``--schedule``) takes."""
+
+_MAIN: dict[str, type[LRScheduler] | None] = {"none": None, "step": StepLR,
+                                              "cosine": CosineAnnealingLR, "linear": LinearLR}
+
+
+def _choices(names: Iterable[str]) -> str:
+    names = list(names)
+    return ", ".join(names[:-1]) + f" or {names[-1]}"
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def recipe_problem(cfg: Any, lr: float | None = None) -> str | None:
+    """What is wrong with ``cfg``'s optimizer, schedule and clipping, or None.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        Its ``optimizer``, ``lr``, ``momentum``, ``weight_decay``,
+        ``schedule``, ``warmup_steps``, ``warmup_start_factor``,
+        ``step_size``, ``gamma``, ``min_lr``, ``clip_grad_norm`` and
+        ``steps``.
+    lr : float, optional
+        The learning rate the run uses (the model's default when ``cfg.lr``
+        is None); ``cfg.lr`` when not given, and the checks that need a
+        learning rate are skipped when both are None.
+
+    Returns
+    -------
+    str or None
+        One sentence naming the option (as ``disttensor-train`` spells it)
+        and the value: an unknown optimizer or schedule, a negative (or, for
+        SGD, zero) learning rate, a negative momentum, weight decay or
+        ``--min-lr``, a clip norm that is not positive, a warm-up not
+        shorter than ``--steps``, a ``--min-lr`` above the learning rate.
+    """
+    lr = cfg.lr if lr is None else lr
+    if cfg.optimizer not in OPTIMIZERS:
+        return f"unknown --optimizer {cfg.optimizer!r}: choose {_choices(OPTIMIZERS)}"
+    if cfg.schedule not in SCHEDULES:
+        return f"unknown --schedule {cfg.schedule!r}: choose {_choices(SCHEDULES)}"
+    if lr is not None and (not _real(lr) or lr < 0 or (cfg.optimizer == "sgd" and lr == 0)):
+        return f"--lr must be {'> 0' if cfg.optimizer == 'sgd' else '>= 0'}, got {lr!r}"
+    for flag, value in (("--momentum", cfg.momentum), ("--weight-decay", cfg.weight_decay),
+                        ("--min-lr", cfg.min_lr), ("--gamma", cfg.gamma)):
+        if value is not None and (not _real(value) or value < 0):
+            return f"{flag} must be >= 0, got {value!r}"
+    clip = cfg.clip_grad_norm
+    if clip is not None and (not _real(clip) or clip <= 0):
+        return f"--clip-grad-norm must be > 0, got {clip!r}"
+    steps, warmup = cfg.steps, cfg.warmup_steps
+    if not _int(warmup) or warmup < 0:
+        return f"--warmup-steps must be an integer >= 0, got {warmup!r}"
+    if warmup and warmup >= steps:
+        return (f"a warm-up of {warmup} steps (--warmup-steps) does not fit in the run's "
+                f"{steps} steps (--steps): it must be shorter, so that the schedule has steps "
+                "of its own")
+    factor = cfg.warmup_start_factor
+    if not _real(factor) or not 0 < factor <= 1:
+        return f"--warmup-start-factor must be in (0, 1], got {factor!r}"
+    if cfg.schedule == "step" and cfg.step_size is not None and (
+            not _int(cfg.step_size) or cfg.step_size < 1):
+        return f"--step-size must be an integer >= 1, got {cfg.step_size!r}"
+    if cfg.schedule in ("cosine", "linear") and lr is not None and cfg.min_lr > lr:
+        return (f"--min-lr {cfg.min_lr:g} is above the learning rate {lr:g}: the "
+                f"{cfg.schedule} schedule decays from the learning rate to --min-lr")
+    return None
+
+
+def make_optimizer(cfg: Any, params: Iterable[Parameter], lr: float) -> Optimizer:
+    """The optimizer ``cfg.optimizer`` names, with learning rate ``lr``.
+
+    ``cfg.momentum`` applies to SGD; ``cfg.weight_decay`` to all three
+    (None: the optimizer's default, 0 for SGD and Adam, 0.01 for AdamW).
+    """
+    cls = OPTIMIZERS[cfg.optimizer]
+    kw: dict[str, Any] = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
+    if cls is SGD:
+        return SGD(params, lr=lr, momentum=cfg.momentum, **kw)
+    return cls(params, lr=lr, **kw)
+
+
+def _step_size(cfg: Any) -> int:
+    return cfg.step_size or max(1, (cfg.steps - cfg.warmup_steps) // 3)
+
+
+def make_scheduler(cfg: Any, optimizer: Optimizer) -> LRScheduler | None:
+    """The schedule ``cfg`` asks for, over ``cfg.steps`` steps (None for a constant rate).
+
+    It sets the optimizer's learning rate for step 0; call its ``step()``
+    after each ``optimizer.step()``. The ``step`` schedule's ``step_size``
+    defaults to a third of the steps after the warm-up.
+    """
+    main_cls = _MAIN[cfg.schedule]
+    warmup = cfg.warmup_steps
+    lr = optimizer.lr
+    warm = None
+    if warmup:
+        warm = LinearLR(optimizer, start_factor=cfg.warmup_start_factor, end_factor=1.0,
+                        total_iters=warmup)
+    rest = cfg.steps - warmup
+    main: LRScheduler | None = None
+    if main_cls is StepLR:
+        main = StepLR(optimizer, step_size=_step_size(cfg), gamma=cfg.gamma)
+    elif main_cls is CosineAnnealingLR:
+        main = CosineAnnealingLR(optimizer, T_max=rest, eta_min=cfg.min_lr)
+    elif main_cls is LinearLR:
+        main = LinearLR(optimizer, start_factor=1.0,
+                        end_factor=cfg.min_lr / lr if lr else 1.0, total_iters=rest)
+    if warm is not None and main is not None:
+        return SequentialLR(optimizer, [warm, main], milestones=[warmup])
+    return warm if warm is not None else main
+
+
+def scheduler_class(cfg: Any) -> str | None:
+    """The class name of :func:`make_scheduler`'s scheduler for ``cfg`` (None for none)."""
+    main = _MAIN[cfg.schedule]
+    if cfg.warmup_steps:
+        return "LinearLR" if main is None else "SequentialLR"
+    return None if main is None else main.__name__
+
+
+def _schedule_words(cls: str | None) -> str:
+    return "no schedule" if cls is None else f"the schedule {cls}"
+
+
+def resume_problem(cfg: Any, manifest: dict[str, Any]) -> str | None:
+    """Why the checkpoint of ``manifest`` cannot continue ``cfg``'s run, or None.
+
+    The checkpoint must have been saved with the optimizer ``cfg.optimizer``
+    names and with the schedule ``cfg`` builds (the same scheduler class, or
+    none for both). Its saved state then continues: the learning rate, the
+    moments and the schedule's position and length are the saved ones.
+    """
+    saved = (manifest.get("optimizer") or {}).get("class")
+    want = OPTIMIZERS[cfg.optimizer].__name__
+    if saved != want:
+        names = {c.__name__: n for n, c in OPTIMIZERS.items()}
+        was = "no optimizer" if saved is None else (
+            f"--optimizer {names[saved]} ({saved})" if saved in names else f"the optimizer {saved}")
+        return (f"the checkpoint was saved with {was}, this run asks for --optimizer "
+                f"{cfg.optimizer} ({want}): resume with the optimizer it was saved with")
+    saved_sched = (manifest.get("scheduler") or {}).get("class")
+    want_sched = scheduler_class(cfg)
+    if saved_sched != want_sched:
+        return (f"the checkpoint was saved with {_schedule_words(saved_sched)}, this run's "
+                f"--schedule {cfg.schedule} --warmup-steps {cfg.warmup_steps} makes "
+                f"{_schedule_words(want_sched)}: resume with the schedule it was saved with")
+    return None
