@@ -31,10 +31,11 @@ from disttensor.transport import AllreduceRequest, iallreduce
 from disttensor.transport import allreduce as transport_allreduce
 
 from .costspec import CostSpec, largest_block
+from .kernels import backend_supports, check_backend
 
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
            "GradientBuckets", "no_sync", "reduce_gradients_", "split_axes_comm", "check_input",
-           "check_grad", "check_int", "full_array", "local_block"]
+           "check_grad", "check_int", "check_kernels", "full_array", "local_block"]
 
 
 class Parameter:
@@ -502,6 +503,24 @@ _UNCHECKED = ()
 backward gets ``dy`` unchecked."""
 
 
+def check_kernels(layer: Layer, x: DistArray) -> None:
+    """Refuse an input that ``layer``'s kernel backend cannot run (before any message).
+
+    Raises
+    ------
+    TypeError
+        Naming the layer, the backend, the dtype and the device, e.g. a
+        float16 convolution with the torch kernels on a CPU.
+    ImportError
+        For a backend whose library is not installed, naming the extra.
+    """
+    name = check_backend(layer.kernel_backend)
+    device = "cpu" if backend.is_numpy(x.xp) else "gpu"
+    if not backend_supports(name, x.dtype, device):
+        raise TypeError(f"{type(layer).__name__}: the {name} kernels do not run {x.dtype} "
+                        f"arrays on the {device}; use kernel_backend='numpy' for this layer")
+
+
 def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` that remembers its output's distribution and dtype for :func:`check_grad`."""
 
@@ -510,6 +529,8 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         d = self.__dict__
         if d.get("_in_forward"):  # a subclass's forward calling super().forward
             return forward(self, x, *args, **kwargs)
+        if d.get("kernel_backend") not in (None, "numpy") and isinstance(x, DistArray):
+            check_kernels(self, x)
         d["_output"], d["_in_forward"] = None, True
         try:
             y = forward(self, x, *args, **kwargs)
@@ -650,11 +671,19 @@ class Layer:
     input that does not require one); with ``input_grad = False`` a layer
     may skip computing it, and its ``backward`` then returns None
     (convolution and pooling layers do; the others ignore the attribute).
+
+    ``kernel_backend`` names the local kernels a layer runs (``"numpy"``,
+    ``"torch"``; None: those of its arrays' module, see
+    :func:`disttensor_nn.kernels.kernels_for`); ``kernel_backends`` lists
+    the backends a layer has kernels in (empty: its arithmetic is the
+    array module's whatever the backend). A plan sets it per layer.
     """
 
     training: bool = True
     layout: Layout | None = None
     input_grad: bool = True
+    kernel_backend: str | None = None
+    kernel_backends: tuple[str, ...] = ()
     saved_for_backward: tuple[str, ...] = ()
     """Attributes that ``forward`` sets for ``backward`` (see :meth:`release_saved`)."""
 

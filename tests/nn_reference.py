@@ -9,10 +9,12 @@ output positions; batch normalisation is the textbook formula.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from functools import cache
 
 import numpy as np
+import pytest
 import scipy.signal as ss
 from mpi4py import MPI
 
@@ -20,6 +22,12 @@ import disttensor as dt
 from disttensor.testing import collective_assert
 
 comm = MPI.COMM_WORLD
+
+# the kernel backends a layer test runs in: NumPy's always, PyTorch's where it is installed
+# (select them with -k torch)
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+KERNELS = ["numpy", pytest.param("torch", marks=pytest.mark.skipif(
+    not HAS_TORCH, reason='the torch kernels need PyTorch (pip install "disttensor[torch]")'))]
 
 
 # --------------------------------------------------------------------------- checking

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from nn_reference import (
+    KERNELS,
     Checks,
     conv_ref,
     conv_ref_backward,
@@ -129,12 +130,14 @@ def input_shape(nd, conv):
 
 # --------------------------------------------------------------------------- forward + backward
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("nd,name,kw", [(nd, name, kw) for nd, specs in SPECS.items()
                                         for name, kw in specs],
                          ids=[f"{nd}d-{name}" for nd, specs in SPECS.items()
                               for name, _ in specs])
-def test_conv_matches_reference_on_every_layout(nd, name, kw):
+def test_conv_matches_reference_on_every_layout(nd, name, kw, kernels):
     conv = make_conv(nd, kw)
+    conv.kernel_backend = kernels
     shape = input_shape(nd, conv)
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape)
@@ -186,9 +189,11 @@ FD_SHAPE = {1: (2, 2, 7), 2: (2, 2, 7, 6), 3: (1, 2, 4, 5, 3)}
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("nd", [1, 2, 3])
-def test_conv_gradients_match_finite_differences(nd):
+def test_conv_gradients_match_finite_differences(nd, kernels):
     conv = make_conv(nd, FD_CASES[nd], seed=3, out_channels=2)
+    conv.kernel_backend = kernels
     shape = FD_SHAPE[nd]
     lname = {1: "sample x L", 2: "HxW", 3: "DxHxW"}[nd]
     dist = dict(layouts(shape))[lname]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from nn_reference import (
+    KERNELS,
     Checks,
     bn_ref,
     conv_ref,
@@ -89,10 +90,11 @@ def pool_ref_for(nd, kw, x):
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("op,nd,kw", POOL_CASES,
                          ids=[f"{op}{nd}d-" + ",".join(f"{k}={v}" for k, v in kw.items())
                               for op, nd, kw in POOL_CASES])
-def test_pool_matches_reference_on_every_layout(op, nd, kw):
+def test_pool_matches_reference_on_every_layout(op, nd, kw, kernels):
     shape = SHAPE[nd]
     x = distinct(shape, seed=nd)
     want, dx_of = pool_ref_for(nd, kw, x)(op)
@@ -103,6 +105,7 @@ def test_pool_matches_reference_on_every_layout(op, nd, kw):
         overlap = k % 2 == 1  # both forward paths, on alternate layouts
         msg = f"{op} {kw} on {lname} {dist} overlap={overlap}"
         pool = POOL[op, nd](overlap=overlap, **kw)
+        pool.kernel_backend = kernels
         y = pool(dt.DistArray.from_global(x, dist))
         check.close(y, want, msg)
         dx = pool.backward(dt.DistArray.from_global(dy, y.dist))
@@ -383,8 +386,9 @@ def test_batchnorm_bad_input():
 
 # --------------------------------------------------------------------------- element-wise
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("kind", ["relu", "leaky", "sigmoid"])
-def test_elementwise(kind):
+def test_elementwise(kind, kernels):
     shape = SHAPE[2]
     rng = np.random.default_rng(13)
     x = rng.standard_normal(shape) * 3
@@ -399,6 +403,7 @@ def test_elementwise(kind):
         layer = nn.Sigmoid()
         want = 1 / (1 + np.exp(-x))
         deriv = want * (1 - want)
+    layer.kernel_backend = kernels
     check = Checks()
     for lname, dist in layouts(shape)[:4]:
         y = layer(dt.DistArray.from_global(x, dist))

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pytest
 from mpi4py import MPI
-from nn_reference import Checks, gdots, grid, layouts
+from nn_reference import KERNELS, Checks, gdots, grid, layouts
 
 import disttensor as dt
 import disttensor_nn as nn
@@ -91,10 +91,12 @@ CONVT_CASES = [
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("nd,shape,kw", CONVT_CASES,
                          ids=[f"{nd}d-{i}" for i, (nd, _, _) in enumerate(CONVT_CASES)])
-def test_conv_transpose_matches_loop_and_finite_differences(nd, shape, kw):
+def test_conv_transpose_matches_loop_and_finite_differences(nd, shape, kw, kernels):
     layer = CONVT[nd](shape[1], 4, dtype=F64, seed=3, **kw)
+    layer.kernel_backend = kernels
     rng = np.random.default_rng(1)
     xg = rng.standard_normal(shape)
     s, d = layer.spec.stride, layer.spec.dilation

@@ -16,25 +16,130 @@ on their local arrays:
   which use only the standard (slower; it is how the suite runs the layers on
   ``array_api_strict``).
 
+A layer may also name its kernels (``layer.kernel_backend``, set by a plan or
+by :func:`use_kernels`): ``"torch"`` runs them through PyTorch
+(:mod:`~disttensor_nn.kernels.torch_kernels`: oneDNN on CPUs, cuDNN on GPUs)
+on the layer's own NumPy or CuPy blocks, without a copy; ``"numpy"`` or None
+picks by the array's module as above. :data:`BACKENDS` lists the names,
+:func:`available_backends` those this process can run.
+
 Timers of GPU work call :func:`synchronize` before reading the clock.
-:func:`set_num_threads` gives the NumPy kernels a pool of threads (parts of
-the batch at once).
+:func:`set_num_threads` sets the threads each rank's kernels use: a pool for
+the NumPy kernels (parts of the batch at once) and PyTorch's intra-op threads.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from types import ModuleType
 from typing import Any
 
+from disttensor import limit_blas_threads
 from disttensor.backend import array_namespace, is_cupy, is_numpy
 from disttensor.backend import synchronize as backend_synchronize
 
-from . import array_api_kernels, cupy_kernels, numpy_kernels, xp_kernels
+from . import array_api_kernels, cupy_kernels, numpy_kernels, torch_kernels, xp_kernels
 
-__all__ = ["kernels_for", "synchronize", "set_num_threads", "get_num_threads"]
+__all__ = ["kernels_for", "synchronize", "set_num_threads", "get_num_threads", "BACKENDS",
+           "available_backends", "check_backend", "with_backend", "use_kernels",
+           "backend_supports", "limit_threads"]
 
-set_num_threads = numpy_kernels.set_num_threads
+BACKENDS = ("numpy", "torch")
+"""Names of the kernel backends a layer may name (``layer.kernel_backend``)."""
+
 get_num_threads = numpy_kernels.get_num_threads
+
+
+def set_num_threads(n: int) -> None:
+    """Run each rank's kernels on ``n`` threads: the NumPy kernels' pool and PyTorch's.
+
+    Raises
+    ------
+    ValueError
+        If ``n`` is not a positive integer.
+    """
+    numpy_kernels.set_num_threads(n)
+    torch_kernels.set_num_threads(n)
+
+
+def limit_threads(threads: int | None = None, comm: Any = None) -> int:
+    """Set this rank's kernel threads: BLAS's and PyTorch's intra-op pool; returns the count.
+
+    Collective over ``comm`` when ``threads`` is None: the default is the
+    cores this process may use divided by the ranks of its node
+    (:func:`disttensor.limit_blas_threads`), so ranks x threads stays within
+    the cores. The NumPy kernels' own pool (:func:`set_num_threads`) is left
+    as it is: with BLAS threads it would oversubscribe the cores.
+    """
+    n = limit_blas_threads(threads, comm)
+    torch_kernels.set_num_threads(n)
+    return n
+
+
+def available_backends() -> tuple[str, ...]:
+    """The backends of :data:`BACKENDS` this process can run (``"torch"`` needs PyTorch)."""
+    return tuple(b for b in BACKENDS if b != "torch" or torch_kernels.available())
+
+
+def check_backend(name: str | None) -> str | None:
+    """Validate a backend name (None: by the array's module); returns it.
+
+    Raises
+    ------
+    ValueError
+        For a name not in :data:`BACKENDS`.
+    ImportError
+        For ``"torch"`` without PyTorch, naming the extra that installs it.
+    """
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {list(BACKENDS)}")
+    if name == "torch":
+        torch_kernels.require()
+    return name
+
+
+def backend_supports(name: str | None, dtype: Any, device: str = "cpu") -> bool:
+    """Whether backend ``name`` runs arrays of ``dtype`` on ``device`` (``"cpu"``/``"gpu"``)."""
+    return name != "torch" or torch_kernels.supports(dtype, device)
+
+
+_variants: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def with_backend(layer: Any, name: str | None) -> Any:
+    """``layer`` itself if it names ``name`` already, else a shallow copy that does.
+
+    The copy shares the layer's parameters and state and is meant for the
+    planner's questions (its cost spec, its kernels' times), not for
+    training; it is kept while ``layer`` lives, so that asking again returns
+    the same copy.
+    """
+    if getattr(layer, "kernel_backend", None) == name:
+        return layer
+    per = _variants.setdefault(layer, {})
+    if name not in per:
+        twin = copy.copy(layer)
+        object.__setattr__(twin, "kernel_backend", name)
+        per[name] = twin
+    return per[name]
+
+
+def use_kernels(model: Any, name: str | None) -> None:
+    """Name backend ``name`` on every layer of ``model`` whose kernels it can run.
+
+    Layers list the backends they have kernels in (``kernel_backends``);
+    the others keep theirs. None goes back to the array module's kernels.
+
+    Raises
+    ------
+    ValueError, ImportError
+        As :func:`check_backend`, before any layer changes.
+    """
+    check_backend(name)
+    for _, layer in model.named_modules():
+        if name is None or name in getattr(layer, "kernel_backends", ()):
+            layer.kernel_backend = name
 
 # what the generic kernels need of an array module (besides array methods)
 _GENERIC_NEEDS = ("empty", "zeros", "matmul", "ascontiguousarray", "take_along_axis", "where")
@@ -43,15 +148,20 @@ _STANDARD_NEEDS = ("zeros", "stack", "concat", "reshape", "permute_dims", "matri
                    "matmul", "sum", "mean", "max", "argmax", "where", "astype", "result_type")
 
 
-def kernels_for(array: Any) -> ModuleType:
-    """The kernel module for ``array``'s array library.
+def kernels_for(array: Any, backend: str | None = None) -> ModuleType:
+    """The kernel module for ``array``'s array library, or of the named ``backend``.
 
     Raises
     ------
     NotImplementedError
         For an array library that is not an array API namespace (it lacks
         ``stack``, ``matmul``, ``permute_dims``, ...).
+    ImportError
+        For ``backend="torch"`` without PyTorch, naming the extra.
     """
+    if backend == "torch":
+        torch_kernels.require()
+        return torch_kernels
     xp = array_namespace(array)
     if is_numpy(xp):
         return numpy_kernels

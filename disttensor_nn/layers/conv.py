@@ -85,6 +85,7 @@ class ConvNd(WindowLayer):
     """
 
     nd = 0
+    kernel_backends = ("numpy", "torch")
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
                  padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
@@ -215,7 +216,7 @@ class ConvNd(WindowLayer):
         b = self.bias.data if self.bias is not None and not self._splits[1] else None
         w = self.weight.data
         s = self.spec
-        kernels = kernels_for(xwin)
+        kernels = kernels_for(xwin, self.kernel_backend)
         if w.size == 0:  # an empty filter or channel slice
             out = kernels.out_shape(xwin.shape[2:], s.kernel, s.stride, s.dilation)
             y = array_namespace(xwin).zeros((xwin.shape[0], w.shape[0], *out), dtype=xwin.dtype)
@@ -228,7 +229,7 @@ class ConvNd(WindowLayer):
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
         if self.weight.data.size == 0:
             return array_namespace(xwin).zeros(xwin.shape, dtype=dy.dtype)
-        dx, _, _ = kernels_for(xwin).conv_backward(
+        dx, _, _ = kernels_for(xwin, self.kernel_backend).conv_backward(
             dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
             self._local_groups(xwin.shape[1]),
             need_dx=True, need_dw=False)
@@ -242,7 +243,7 @@ class ConvNd(WindowLayer):
             dw = xp.zeros_like(w)
             db = xp.sum(dy.local, axis=sum_axes) if self.bias is not None else None
         else:
-            _, dw, db = kernels_for(xwin).conv_backward(
+            _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
                 dy.local, xwin, w, self.spec.stride, self.spec.dilation,
                 self._local_groups(xwin.shape[1]), need_dx=False, need_dw=True)
         # The ranks that split N or space hold parts of the sums of the same shard.

@@ -8,6 +8,7 @@ from disttensor import DistArray, Distribution
 from disttensor.backend import writes_in_place
 
 from ..costspec import CostSpec, largest_block
+from ..kernels import kernels_for
 from ..module import Layer, check_grad
 
 __all__ = ["ReLU", "LeakyReLU", "Sigmoid", "Add"]
@@ -20,6 +21,7 @@ class LeakyReLU(Layer):
     """
 
     saved_for_backward = ("_mask",)
+    kernel_backends = ("numpy", "torch")
 
     def __init__(self, negative_slope: float = 0.01):
         self.negative_slope = negative_slope
@@ -28,6 +30,9 @@ class LeakyReLU(Layer):
         if not isinstance(x, DistArray):
             raise TypeError(f"{type(self).__name__} expects a DistArray")
         xp, xl = x.xp, x.local
+        if self.kernel_backend == "torch":
+            y, self._mask = kernels_for(xl, "torch").relu_forward(xl, self.negative_slope)
+            return DistArray(y, x.dist)
         self._mask = mask = xp.greater(xl, 0)
         if self.negative_slope == 0:
             y = xp.maximum(xl, 0)
@@ -40,6 +45,9 @@ class LeakyReLU(Layer):
 
     def backward(self, dy: DistArray) -> DistArray:
         g, xp = dy.local, dy.xp
+        if self.kernel_backend == "torch":
+            return DistArray(kernels_for(g, "torch").relu_backward(g, self._mask,
+                                                                   self.negative_slope), dy.dist)
         if not writes_in_place(xp):
             return DistArray(xp.where(self._mask, g, g * self.negative_slope), dy.dist)
         if self.negative_slope == 0:

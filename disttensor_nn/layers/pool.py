@@ -28,6 +28,7 @@ class _Pool(WindowLayer):
 
     nd = 0
     op = "max"
+    kernel_backends = ("numpy", "torch")
 
     def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0,
                  dilation: Any = 1, *, overlap: bool = False):
@@ -44,7 +45,7 @@ class _Pool(WindowLayer):
 
     def _pool_forward(self, xwin: Any) -> tuple[Any, Any | None]:
         s = self.spec
-        kernels = kernels_for(xwin)
+        kernels = kernels_for(xwin, self.kernel_backend)
         if xwin.size == 0:  # an empty sample block: nothing to pool (and no argmax to reshape)
             xp = array_namespace(xwin)
             o = tuple(xwin.shape[:2]) + kernels.out_shape(xwin.shape[2:], s.kernel, s.stride,
@@ -63,8 +64,9 @@ class _Pool(WindowLayer):
         if arg is None or tuple(arg.shape) != tuple(dy.shape):
             _, arg = self._pool_forward(xwin)
         self._arg = None
-        return kernels_for(xwin).pool_backward(dy, xwin.shape, self.spec.kernel, self.spec.stride,
-                                               self.spec.dilation, self.op, arg)
+        s = self.spec
+        return kernels_for(xwin, self.kernel_backend).pool_backward(
+            dy, xwin.shape, s.kernel, s.stride, s.dilation, self.op, arg)
 
     def __repr__(self) -> str:
         s = self.spec
@@ -73,13 +75,14 @@ class _Pool(WindowLayer):
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """As :meth:`WindowLayer.cost_spec`; max pooling also keeps its argmax (one byte per
-        output for windows of up to 256 elements) and each pass a one-byte mask per output
-        (the backward pass also one masked gradient per output)."""
+        output for windows of up to 256 elements, eight with the torch kernels, which keep
+        ATen's input indices) and each pass a one-byte mask per output (the backward pass
+        also one masked gradient per output)."""
         spec = super().cost_spec(dist, itemsize)
         if self.op != "max":
             return spec
         _, out_block, _ = self._window_blocks(dist)
-        arg = 1 if math.prod(self.spec.kernel) <= 256 else 8
+        arg = 1 if math.prod(self.spec.kernel) <= 256 and self.kernel_backend != "torch" else 8
         return dataclasses.replace(spec, saved=spec.saved + math.prod(out_block) * arg,
                                    workspace=spec.workspace + math.prod(out_block) * (1 + itemsize))
 

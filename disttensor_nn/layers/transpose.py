@@ -61,6 +61,7 @@ class ConvTransposeNd(Layer):
 
     saved_for_backward = ("_saved",)
     nd = 0
+    kernel_backends = ("numpy", "torch")
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
                  padding: Any = 0, output_padding: Any = 0, groups: int = 1, bias: bool = True,
@@ -120,7 +121,7 @@ class ConvTransposeNd(Layer):
             wshape = ext.shape[:1] + (self.out_channels,) + tuple(
                 geo.spread_length(i, n) for i, n in enumerate(ext.shape[2:]))
             like = x.xp.broadcast_to(x.xp.zeros((), dtype=ext.dtype, **device_kw(ext)), wshape)
-            win, _, _ = kernels_for(ext).conv_backward(
+            win, _, _ = kernels_for(ext, self.kernel_backend).conv_backward(
                 ext, like, self.weight.data, self.spec.stride, self.spec.dilation,
                 self.groups, need_dx=True, need_dw=False)
             dst, src = [slice(None)] * 2, [slice(None)] * 2
@@ -153,7 +154,7 @@ class ConvTransposeNd(Layer):
                 a = geo.spread_start(i, start[2 + i]) - geo.out_origin[i]
                 sl.append(slice(a, a + geo.spread_length(i, xl.shape[2 + i])))
             window = dext[tuple(sl)]
-        k = kernels_for(xl)
+        k = kernels_for(xl, self.kernel_backend)
         if self.input_grad:
             if window is not None:
                 dx = k.conv_forward(window, self.weight.data, None, self.spec.stride,

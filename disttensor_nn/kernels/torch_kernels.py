@@ -1,0 +1,272 @@
+"""Local kernels through PyTorch: oneDNN/ATen on CPUs, cuDNN on GPUs, on the layers' own blocks.
+
+The functions have the signatures of :mod:`disttensor_nn.kernels.numpy_kernels`
+and take and return the layers' local arrays (NumPy, or CuPy on a GPU). The
+arrays are shared with PyTorch without a copy: ``torch.from_numpy`` views a
+NumPy block (strided views of a halo-extended buffer included), DLPack a CuPy
+block, and the results come back the same way, so a layer sees the array
+module it gave. The kernels are ATen's: ``aten.convolution`` and
+``aten.convolution_backward`` (oneDNN's direct convolutions on a CPU with it,
+cuDNN's on a GPU), ``max_pool*_with_indices`` and their backward, the
+average pools, ``relu`` and the per-channel reductions of batch
+normalisation.
+
+PyTorch is optional (the ``torch`` extra: ``pip install "disttensor[torch]"``);
+this module imports it on first use, so importing :mod:`disttensor_nn` never
+needs it. :func:`available` tells whether it can be used, :func:`require`
+raises the ImportError that names the extra.
+
+Threads: PyTorch's intra-op thread pool is set by
+:func:`disttensor_nn.kernels.set_num_threads` (one thread per rank by default
+under the command-line tools, ranks x threads at most the cores).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from disttensor.backend import array_namespace, is_numpy
+
+from .numpy_kernels import out_shape  # the same geometry for every backend
+from .numpy_kernels import pool_backward as _numpy_pool_backward
+from .numpy_kernels import pool_forward as _numpy_pool_forward
+
+__all__ = [
+    "available",
+    "require",
+    "supports",
+    "set_num_threads",
+    "out_shape",
+    "conv_forward",
+    "conv_backward",
+    "pool_forward",
+    "pool_backward",
+    "relu_forward",
+    "relu_backward",
+    "channel_sums",
+    "release_workspace",
+    "INSTALL_HINT",
+]
+
+INSTALL_HINT = 'the torch kernels need PyTorch: pip install "disttensor[torch]"'
+"""What the ImportError raised without PyTorch says."""
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+"""Dtypes the kernels run on a CPU (half precision convolutions are GPU kernels)."""
+
+_state: dict[str, Any] = {"torch": None, "threads": None}
+
+
+def available() -> bool:
+    """Whether PyTorch is installed (without importing it)."""
+    if _state["torch"] is not None:
+        return True
+    if "torch" in sys.modules:  # imported, or blocked (None)
+        return sys.modules["torch"] is not None
+    return importlib.util.find_spec("torch") is not None
+
+
+def require() -> ModuleType:
+    """The ``torch`` module, imported on first use.
+
+    Raises
+    ------
+    ImportError
+        Without PyTorch, naming the extra that installs it.
+    """
+    torch = _state["torch"]
+    if torch is None:
+        if not available():
+            raise ImportError(INSTALL_HINT)
+        torch = _state["torch"] = importlib.import_module("torch")
+        if _state["threads"] is not None:
+            torch.set_num_threads(_state["threads"])
+    return torch
+
+
+def supports(dtype: Any, device: str = "cpu") -> bool:
+    """Whether the kernels run arrays of ``dtype`` on ``device`` (``"cpu"`` or ``"gpu"``)."""
+    dtype = np.dtype(dtype)
+    return dtype in SUPPORTED_DTYPES or (device == "gpu" and dtype == np.float16)
+
+
+def set_num_threads(n: int) -> None:
+    """PyTorch's intra-op threads (applied now if torch is imported, else on first use)."""
+    _state["threads"] = int(n)
+    if _state["torch"] is not None:
+        _state["torch"].set_num_threads(int(n))
+
+
+def release_workspace() -> None:
+    """Give back the memory PyTorch's allocator keeps (a GPU's cache; nothing on a CPU)."""
+    torch = _state["torch"]
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _t(a: Any) -> Any:
+    """``a`` as a tensor sharing its memory (NumPy: ``from_numpy``; others: DLPack)."""
+    torch = require()
+    if isinstance(a, np.ndarray):
+        if not a.flags.writeable:  # read-only views (broadcasts) are only read here
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(a)
+        return torch.from_numpy(a)
+    if isinstance(a, torch.Tensor):
+        return a
+    return torch.from_dlpack(a)
+
+
+def _back(t: Any, like: Any) -> Any:
+    """The tensor ``t`` as an array of ``like``'s module, sharing its memory."""
+    if isinstance(like, np.ndarray):
+        return t.numpy()
+    xp = array_namespace(like)
+    if is_numpy(xp):
+        return t.numpy()
+    if type(like) is type(t):
+        return t
+    return xp.from_dlpack(t)
+
+
+def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
+                 dilation: Sequence[int], groups: int = 1, workspace_bytes: int = 0) -> Any:
+    """Valid N-D cross-correlation of ``x`` (N, C, *S) with ``w`` (F, C/groups, *K), plus ``b``.
+
+    ``aten.convolution`` on the arrays' memory; ``workspace_bytes`` is
+    accepted for the NumPy kernels' signature (the library sizes its own).
+    """
+    torch = require()
+    nd = w.ndim - 2
+    xt, wt = _t(x), _t(w)
+    bt = None if b is None else _t(b)
+    y = torch.ops.aten.convolution(xt, wt, bt, list(stride), [0] * nd, list(dilation), False,
+                                   [0] * nd, int(groups))
+    return _back(y, x)
+
+
+def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequence[int],
+                  groups: int = 1, need_dx: bool = True, need_dw: bool = True,
+                  workspace_bytes: int = 0) -> tuple[Any | None, Any | None, Any | None]:
+    """Gradients ``(dx, dw, db)`` of :func:`conv_forward` (``aten.convolution_backward``).
+
+    ``dx`` is over the whole input ``x``; ``dw`` and ``db`` are computed
+    when ``need_dw`` (None otherwise), ``dx`` when ``need_dx``.
+    """
+    torch = require()
+    nd = w.ndim - 2
+    dyt, xt, wt = _t(dy), _t(x), _t(w)
+    dx, dw, db = torch.ops.aten.convolution_backward(
+        dyt, xt, wt, [w.shape[0]], list(stride), [0] * nd, list(dilation), False, [0] * nd,
+        int(groups), [bool(need_dx), bool(need_dw), bool(need_dw)])
+    return (None if dx is None else _back(dx, x), None if dw is None else _back(dw, x),
+            None if db is None else _back(db, x))
+
+
+def _pool_args(kernel: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """The pooling's dimension for ATen (1-D runs as 2-D) and the leading unit kernel."""
+    nd = len(kernel)
+    return (2, (1,)) if nd == 1 else (nd, ())
+
+
+def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
+                 dilation: Sequence[int], op: str) -> tuple[Any, Any | None]:
+    """Max (with ATen's flat input indices) or average over every window of ``x``.
+
+    1-D pooling runs as 2-D over a unit height. Average pooling with a
+    dilation, which ATen lacks, runs the NumPy kernel (its ``arg`` is None
+    either way).
+    """
+    if op == "avg" and any(d != 1 for d in dilation):
+        return _numpy_pool_forward(x, kernel, stride, dilation, op)
+    torch = require()
+    nd, lead = _pool_args(kernel)
+    xt = _t(x)
+    if lead:
+        xt = xt.unsqueeze(2)
+    k, s, d = lead + tuple(kernel), lead + tuple(stride), lead + tuple(dilation)
+    if op == "max":
+        fn = torch.ops.aten.max_pool2d_with_indices if nd == 2 else \
+            torch.ops.aten.max_pool3d_with_indices
+        y, idx = fn(xt, list(k), list(s), [0] * nd, list(d), False)
+    else:
+        fn = torch.ops.aten.avg_pool2d if nd == 2 else torch.ops.aten.avg_pool3d
+        y, idx = fn(xt, list(k), list(s), [0] * nd, False, True, None), None
+    if lead:
+        y = y.squeeze(2)
+        idx = None if idx is None else idx.squeeze(2)
+    return _back(y, x), idx
+
+
+def pool_backward(dy: Any, x_shape: Sequence[int], kernel: Sequence[int],
+                  stride: Sequence[int], dilation: Sequence[int], op: str,
+                  arg: Any | None = None) -> Any:
+    """Gradient of :func:`pool_forward` over the whole input of ``x_shape``.
+
+    ``arg`` is what :func:`pool_forward` returned for max pooling (ATen's
+    indices).
+    """
+    if op == "avg" and any(d != 1 for d in dilation):
+        return _numpy_pool_backward(dy, x_shape, kernel, stride, dilation, op, arg)
+    torch = require()
+    nd, lead = _pool_args(kernel)
+    gt = _t(dy)
+    shape = tuple(x_shape)
+    if lead:
+        gt = gt.unsqueeze(2)
+        shape = shape[:2] + (1,) + shape[2:]
+    # ATen reads only the input's sizes and dtype: a broadcast scalar stands in for it
+    like = torch.zeros((), dtype=gt.dtype, device=gt.device).expand(shape)
+    k, s, d = lead + tuple(kernel), lead + tuple(stride), lead + tuple(dilation)
+    if op == "max":
+        idx = _t(arg)
+        if lead:
+            idx = idx.unsqueeze(2)
+        fn = torch.ops.aten.max_pool2d_with_indices_backward if nd == 2 else \
+            torch.ops.aten.max_pool3d_with_indices_backward
+        dx = fn(gt, like, list(k), list(s), [0] * nd, list(d), False, idx)
+    else:
+        fn = torch.ops.aten.avg_pool2d_backward if nd == 2 else \
+            torch.ops.aten.avg_pool3d_backward
+        dx = fn(gt, like, list(k), list(s), [0] * nd, False, True, None)
+    if lead:
+        dx = dx.squeeze(2)
+    return _back(dx.contiguous(), dy)
+
+
+def relu_forward(x: Any, negative_slope: float = 0.0) -> tuple[Any, Any]:
+    """``(y, mask)``: the (leaky) rectifier of ``x`` and the one-byte mask ``x > 0``."""
+    torch = require()
+    xt = _t(x)
+    mask = torch.gt(xt, 0)
+    y = torch.relu(xt) if negative_slope == 0 else \
+        torch.nn.functional.leaky_relu(xt, negative_slope)
+    return _back(y, x), _back(mask, x)
+
+
+def relu_backward(dy: Any, mask: Any, negative_slope: float = 0.0) -> Any:
+    """Gradient of :func:`relu_forward` from its mask."""
+    torch = require()
+    gt, mt = _t(dy), _t(mask)
+    if negative_slope == 0:
+        dx = torch.mul(gt, mt)
+    else:
+        dx = torch.where(mt, gt, gt * negative_slope)
+    return _back(dx, dy)
+
+
+def channel_sums(a3: Any) -> Any:
+    """Per-channel sums of an ``(N, C, M)`` array: in its dtype over M, float64 over N."""
+    torch = require()
+    t = _t(a3)
+    return _back(torch.sum(torch.sum(t, dim=2), dim=0, dtype=torch.float64), a3)
+
