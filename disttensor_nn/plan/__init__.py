@@ -2,10 +2,10 @@
 
 from .costmodel import CostModel, LayerCost, candidates
 from .machine import MachineProfile, builtin_profiles, load_profile
-from .make import make_plan, predict_scaling, wait_for_root
+from .make import kernel_choice, make_plan, predict_scaling, wait_for_root
 from .planner import Plan, Planner, apply_plan, trace
 from .timer import KernelTimer
 
 __all__ = ["CostModel", "KernelTimer", "LayerCost", "MachineProfile", "Plan", "Planner",
            "apply_plan", "builtin_profiles", "candidates", "load_profile", "make_plan",
-           "predict_scaling", "trace", "wait_for_root"]
+           "predict_scaling", "trace", "wait_for_root", "kernel_choice"]

@@ -38,6 +38,7 @@ import numpy as np
 from disttensor import Distribution, factorizations
 
 from ..costspec import CostSpec, largest_block
+from ..kernels import BACKENDS, backend_supports, with_backend
 from ..module import Layer
 from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
@@ -114,6 +115,7 @@ class LayerCost:
     tiled: bool = False  # compute measured on a tile of the block and scaled by FLOPs
     grad: float = 0.0  # of comm: the weight-gradient reduction (may overlap backward)
     hidden: float = 0.0  # of comm: halo traffic hidden behind the layer's own kernels
+    kernels: str = ""  # the kernel backend priced ("" for a layer without a choice)
 
     @property
     def total(self) -> float:
@@ -224,12 +226,26 @@ class CostModel:
         activations kept for backward; parameters with gradients and
         momenta) or, with False, an inference pass (forward alone, nothing
         kept, the parameters alone).
+    backends : sequence of str, optional
+        Kernel backends to choose among (:data:`disttensor_nn.kernels.BACKENDS`):
+        a layer with kernels in several of them
+        (:attr:`~disttensor_nn.Layer.kernel_backends`) is priced with each and
+        the fastest is kept (:attr:`LayerCost.kernels`; the first on a tie);
+        a backend that cannot run the arrays' dtype is left out. None: each
+        layer's own ``kernel_backend``.
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
                  itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20,
-                 training: bool = True):
+                 training: bool = True, backends: Sequence[str] | None = None):
         self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
+        if backends is not None:
+            backends = tuple(backends)
+            for b in backends:
+                if b not in BACKENDS:
+                    raise ValueError(f"unknown kernel backend {b!r}; expected some of "
+                                     f"{list(BACKENDS)}")
+        self.backends = backends
         self.training = bool(training)
         if overlap is None:
             overlap = not (profile.measured and profile.device == "cpu")
@@ -257,6 +273,16 @@ class CostModel:
         t = p.kernel_time(flops * share, nbytes * share)  # backward: data and weights
         return t, 2 * t, True, False
 
+    def variants(self, layer: Layer) -> list[Layer]:
+        """``layer`` as it runs with each backend the model chooses among (itself if none)."""
+        if self.backends is None or not layer.kernel_backends:
+            return [layer]
+        device = "gpu" if self.profile.device == "gpu" else "cpu"
+        dtype = np.dtype(f"f{self.itemsize}")
+        names = [b for b in self.backends if b in layer.kernel_backends and
+                 backend_supports(b, dtype, device)]
+        return [with_backend(layer, b) for b in names] or [layer]
+
     def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate,
               split_channels: bool = True, split_out: bool | None = None) -> LayerCost:
         """Cost of ``layer`` on an input of global ``in_shape`` split by ``cand``.
@@ -266,8 +292,16 @@ class CostModel:
         timer where there is one. Under a grid over (N, C, S..),
         ``split_channels`` says whether the input's channels are split (or
         whole, replicated along the channel axis) and ``split_out`` the same
-        of the output (default: as the input).
+        of the output (default: as the input). With several kernel backends
+        (``backends``) the fastest one's cost, forward and backward (forward
+        alone in inference), named in :attr:`LayerCost.kernels`.
         """
+        costs = [self._layer(v, in_shape, cand, split_channels, split_out)
+                 for v in self.variants(layer)]
+        return min(costs, key=lambda c: c.fwd + (c.bwd if self.training else 0.0))
+
+    def _layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate,
+               split_channels: bool, split_out: bool | None) -> LayerCost:
         dist = dist_for(in_shape, cand, split_channels, inner=self.inner)
         spec = layer.cost_spec(dist, self.itemsize)
         _check_spec(layer, spec, dist)
@@ -282,11 +316,13 @@ class CostModel:
         cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),
                          transient=spec.transient(in_bytes, out_bytes, training),
                          keeps_input=in_bytes * spec.keeps_input * training,
-                         keeps_output=out_bytes * spec.keeps_output * training)
+                         keeps_output=out_bytes * spec.keeps_output * training,
+                         kernels=(layer.kernel_backend or "numpy") if layer.kernel_backends
+                         else "")
         if spec.timed:
+            timed = layer if spec.twin is None else with_backend(spec.twin, layer.kernel_backend)
             cost.fwd, cost.bwd, cost.estimated, cost.tiled = self._compute(
-                layer if spec.twin is None else spec.twin, spec.local_shape, spec.flops,
-                spec.nbytes, spec.share)
+                timed, spec.local_shape, spec.flops, spec.nbytes, spec.share)
         else:
             cost.fwd = cost.bwd = spec.nbytes / self.profile.mem_bandwidth
         passes = 2 if training else 1  # forward and backward, or forward alone

@@ -12,13 +12,14 @@ from mpi4py import MPI
 
 from disttensor.device import use_device
 
+from ..kernels import BACKENDS, available_backends, check_backend
 from ..memory import MemoryProfile
 from .costmodel import CostModel
 from .machine import load_profile
 from .planner import Plan, Planner
 from .timer import KernelTimer, machine_id
 
-__all__ = ["make_plan", "predict_scaling", "wait_for_root"]
+__all__ = ["make_plan", "predict_scaling", "wait_for_root", "kernel_choice"]
 
 
 def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
@@ -26,8 +27,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               comm: MPI.Comm | None = None, baseline: float = 0.0,
               profile: MemoryProfile | None = None,
               recompute: bool | str = False, training: bool = True,
-              channels: bool = False, max_states: int | None = None
-              ) -> tuple[Plan, Planner | None]:
+              channels: bool = False, max_states: int | None = None,
+              kernels: str | None = None) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -83,6 +84,14 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     max_states : int, optional
         Search each layer over at most this many states (:class:`Planner`:
         faster, no longer exact). Default: exact.
+    kernels : {"numpy", "torch", "auto"}, optional
+        The layers' kernel backend: every layer that has kernels in it runs
+        them (``"torch"`` needs PyTorch), or ``"auto"``: each layer's kernels
+        are timed in every backend this process has and the faster is
+        chosen (on a measured profile; published profiles have no kernel
+        times to choose by). The plan names each layer's choice
+        (:attr:`PlanEntry.kernels`) and :func:`apply_plan` sets it. None:
+        each layer's own ``kernel_backend``.
 
     Returns
     -------
@@ -94,16 +103,23 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     Raises
     ------
     ValueError
-        When nothing fits the memory budget (on every rank of ``comm``).
+        When nothing fits the memory budget (on every rank of ``comm``), or
+        for an unknown ``kernels``.
+    ImportError
+        For ``kernels="torch"`` without PyTorch (naming the extra).
     """
+    backends = kernel_choice(kernels)
     machine_profile = load_profile(machine)
     memory = machine_profile.memory_per_rank if memory is None else memory
     timer = None
     if machine_profile.measured:  # kernels are timed where the ranks compute (CPU or GPU)
         xp = use_device(machine_profile.device, MPI.COMM_SELF if comm is None else comm)
         timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
+    if kernels == "auto" and timer is None:
+        backends = None
     planner = Planner(model, batch_shape,
-                      CostModel(machine_profile, nprocs, timer, itemsize, training=training),
+                      CostModel(machine_profile, nprocs, timer, itemsize, training=training,
+                                backends=backends),
                       memory, baseline=baseline, recompute=recompute if training else False,
                       channels=channels, max_states=max_states)
     with _phase(profile, "kernel measurement"):
@@ -125,6 +141,26 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     if isinstance(result, Exception):
         raise result
     return result, planner if root else None
+
+
+def kernel_choice(kernels: str | None) -> tuple[str, ...] | None:
+    """The backends a cost model chooses among for ``make_plan(kernels=...)``.
+
+    Raises
+    ------
+    ValueError
+        For a name other than None, ``"auto"`` and :data:`~disttensor_nn.kernels.BACKENDS`.
+    ImportError
+        For ``"torch"`` without PyTorch, naming the extra.
+    """
+    if kernels is None:
+        return None
+    if kernels == "auto":
+        return available_backends()
+    if kernels not in BACKENDS:
+        raise ValueError(f"kernels must be one of {['auto', *BACKENDS]}, got {kernels!r}")
+    check_backend(kernels)
+    return (kernels,)
 
 
 def _phase(profile: MemoryProfile | None, name: str) -> AbstractContextManager[Any]:

@@ -38,6 +38,7 @@ from disttensor import ProcessGrid
 
 from ..container import Residual, Sequential
 from ..costspec import largest_block
+from ..kernels import check_backend
 from ..module import Layer, Layout
 from .costmodel import (
     NODE_INNER,
@@ -210,6 +211,7 @@ class PlanEntry:
     # whole, replicated along it), and a convolution's mode (MODES; "" for other layers)
     split_channels: bool = True
     mode: str = ""
+    kernels: str = ""  # the kernel backend chosen ("" for a layer without a choice)
 
 
 @dataclass
@@ -236,7 +238,10 @@ class Plan:
         dims = "(N,C,S..)" if any(len(e.grid) == len(self.batch_shape) for e in self.entries) \
             else "(N,S..)"
         cf = dims == "(N,C,S..)"
+        kern = len({e.kernels for e in self.entries} - {""}) > 1 or \
+            any(e.kernels not in ("", "numpy") for e in self.entries)
         head = f"{'layer':<28} {'grid ' + dims:<16} " + (f"{'C/F':<8} " if cf else "") + \
+            (f"{'kernels':<8} " if kern else "") + \
             f"{'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
         lines = [head, "-" * len(head)]
         for e in self.entries:
@@ -244,7 +249,8 @@ class Plan:
                 ("R" if e.recompute >= 0 else "")
             lines.append(
                 f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<16} "
-                + (f"{_split_label(e):<8} " if cf else "") + f"{1e3 * e.fwd:8.2f} "
+                + (f"{_split_label(e):<8} " if cf else "")
+                + (f"{e.kernels or '-':<8} " if kern else "") + f"{1e3 * e.fwd:8.2f} "
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
                 f"{e.memory / 2**20:7.1f}{mark}")
         lines.append("-" * len(head))
@@ -429,8 +435,8 @@ class Planner:
             if self.budget is not None:
                 alone = priced if priced is not None else CostModel(
                     self.cost.profile, self.cost.nprocs, QueryRecorder(), self.cost.itemsize,
-                    training=self.cost.training).layer(layer, node.in_shape, cand, split,
-                                                       out_split)
+                    training=self.cost.training, backends=self.cost.backends).layer(
+                        layer, node.in_shape, cand, split, out_split)
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
                     self._layer_cost[key] = alone
@@ -592,7 +598,7 @@ class Planner:
         """
         rec = QueryRecorder()
         model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize,
-                          training=self.cost.training)
+                          training=self.cost.training, backends=self.cost.backends)
         c = self.states.index((tuple(cand), split_channels)) \
             if (tuple(cand), split_channels) in self.states else None
         for node in self.nodes:
@@ -1186,7 +1192,7 @@ class Planner:
             entries.append(PlanEntry(node.name, type(node.layer).__name__, cand,
                                      node.in_shape, lc.fwd, bwd, lc.comm, float(sh),
                                      kept, lc.estimated, lc.tiled, lc.transient, g,
-                                     split, self.mode(node, c, o)))
+                                     split, self.mode(node, c, o), lc.kernels))
             prev = o
         step = self.assignment_step(assign)
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
@@ -1217,6 +1223,9 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
 
     Layers are matched in traversal order; their input shapes must match the
     plan's, so a plan is only applied to the model and batch shape it was made for.
+    Each layer's ``kernel_backend`` is set to the plan's choice
+    (:attr:`PlanEntry.kernels`), which raises ImportError, before any layer
+    changes, for a plan that chose the torch kernels in a process without PyTorch.
     Under a grid over (N, C, S..) a layer's input has its channels split
     along the channel axis or whole (``PlanEntry.split_channels``), and a
     layer with ``filter_axes`` (a convolution) splits its filters over that
@@ -1233,6 +1242,8 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
         tuple(n.in_shape) != tuple(e.in_shape) for n, e in zip(nodes, plan.entries)
     ):
         raise ValueError("the plan does not match this model and batch shape")
+    for entry in plan.entries:
+        check_backend(entry.kernels or None)
     grids: dict[tuple[int, ...], ProcessGrid] = {}
     for node, entry in zip(nodes, plan.entries):
         g = tuple(entry.grid)
@@ -1241,6 +1252,8 @@ def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any
             grids[dist.grid_shape] = ProcessGrid(dist.grid_shape, comm)
         ndim = len(node.in_shape)
         node.layer.layout = Layout(grids[dist.grid_shape], dist.axes)
+        if entry.kernels:  # a plan that chose the layer's kernels (older plans did not)
+            node.layer.kernel_backend = entry.kernels
         if hasattr(node.layer, "filter_axes") and ndim > 2:
             split = entry.mode in ("gathered", "filter", "grouped") if entry.mode else \
                 len(g) == ndim

@@ -36,7 +36,7 @@ from disttensor import DistArray, Distribution, ProcessGrid
 from disttensor.backend import is_numpy
 
 from ..costspec import CostSpec
-from ..kernels import kernels_for, synchronize
+from ..kernels import kernels_for, synchronize, with_backend
 from ..memory import release_free_memory
 from ..module import Layer
 from ..window import WindowSpec
@@ -76,7 +76,9 @@ class KernelTimer:
     measured entries of the same kind (the cost is then marked estimated).
     With ``xp`` (e.g. ``cupy``) the twins and their data live in that array
     module, and the device is synchronised before every clock reading
-    (:func:`disttensor_nn.kernels.synchronize`); its name is part of the keys.
+    (:func:`disttensor_nn.kernels.synchronize`); its name is part of the keys,
+    and so is a layer's ``kernel_backend`` other than NumPy's (each backend's
+    kernels are timed apart, and the planner keeps the faster).
     """
 
     tile_bytes: float = 64 * 2**20
@@ -102,8 +104,9 @@ class KernelTimer:
         """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks."""
         where = f"seq{corun}" if corun else "alone"
         nodx = "" if layer.input_grad else "|nodx"  # backward without the input gradient
+        kernels = layer.kernel_backend if layer.kernel_backend not in (None, "numpy") else ""
         return (f"{layer.kernel_signature()}{nodx}|{tuple(local_in)}|{np.dtype(dtype).str}|"
-                f"{where}{self._where}")
+                f"{where}{self._where}" + (f"|{kernels}" if kernels else ""))
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
               flops: float, corun: int = 1) -> tuple[float, float, bool, int]:
@@ -142,6 +145,7 @@ class KernelTimer:
     def _twin(self, layer: Layer) -> Layer:
         twin = layer.local_twin()
         twin.input_grad = layer.input_grad  # a first layer's backward skips the input gradient
+        twin.kernel_backend = layer.kernel_backend  # the kernels it is timed with
         return twin if is_numpy(self.xp) else twin.to(self.xp)
 
     def _clock(self) -> float:
@@ -387,7 +391,8 @@ class KernelTimer:
         self._dirty = False
 
 
-def warm_up(layers: Sequence[tuple[Layer, tuple[int, ...]]], dtype: Any = np.float32) -> None:
+def warm_up(layers: Sequence[tuple[Layer, tuple[int, ...]]], dtype: Any = np.float32,
+            backends: Sequence[str | None] = (None,)) -> None:
     """Run every layer's local kernels once, forward and backward, on one small sample.
 
     ``layers`` pairs each layer with its global input shape ``(N, C, S..)``.
@@ -398,9 +403,19 @@ def warm_up(layers: Sequence[tuple[Layer, tuple[int, ...]]], dtype: Any = np.flo
     code of the kernels and of the libraries under them (BLAS, the array
     module) and the buffers those keep, so that a process baseline measured
     after it includes them. The kernels' scratch and the arrays are freed.
+    A layer with kernels in several of ``backends`` (names of
+    :data:`disttensor_nn.kernels.BACKENDS`; None: the layer's own) runs in
+    each, so that every library a plan may choose is loaded too.
     """
     queries = []
-    for layer, shape in layers:
+    variants = [with_backend(layer, b) if b in layer.kernel_backends else layer
+                for layer, _ in layers for b in backends]
+    shapes = [shape for _, shape in layers for _ in backends]
+    seen: set[int] = set()
+    for layer, shape in zip(variants, shapes):
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
         spec = getattr(layer, "spec", None)
         pads = [lo + hi for lo, hi in spec.padding] if isinstance(spec, WindowSpec) \
             else [0] * (len(shape) - 2)
