@@ -14,7 +14,9 @@ changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import math
 import pathlib
 
@@ -26,7 +28,9 @@ import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import collective_assert, collective_outcome
 from disttensor_nn.optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm_, lr_scheduler
+from disttensor_nn.training import TrainConfig, train
 from disttensor_nn.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from disttensor_nn.training.cli import train_main
 from disttensor_nn.training.recipe import (
     make_optimizer,
     make_scheduler,
@@ -537,7 +541,7 @@ class Cfg:
         self.optimizer, self.schedule, self.lr, self.momentum = "sgd", "none", None, 0.9
         self.weight_decay, self.warmup_steps, self.warmup_start_factor = None, 0, 0.1
         self.step_size, self.gamma, self.min_lr, self.clip_grad_norm = None, 0.1, 0.0, None
-        self.steps = 10
+        self.steps, self.schedule_steps = 10, None
         self.__dict__.update(kw)
 
 
@@ -550,7 +554,9 @@ class Cfg:
     ({"momentum": -0.9}, "--momentum must be >= 0"),
     ({"clip_grad_norm": -1.0}, "--clip-grad-norm must be > 0"),
     ({"clip_grad_norm": 0.0}, "--clip-grad-norm must be > 0"),
-    ({"warmup_steps": 10, "schedule": "cosine"}, "does not fit in the run's 10 steps"),
+    ({"warmup_steps": 10, "schedule": "cosine"}, "does not fit in the schedule's 10 steps"),
+    ({"warmup_steps": 10, "schedule_steps": 8, "steps": 20}, "8 steps (--schedule-steps)"),
+    ({"schedule_steps": 0}, "--schedule-steps must be"),
     ({"warmup_steps": 12}, "warm-up of 12 steps"),
     ({"warmup_steps": -1}, "--warmup-steps must be"),
     ({"warmup_start_factor": 1.5}, "--warmup-start-factor"),
@@ -591,13 +597,88 @@ def test_recipe_builds_the_schedule_it_names(name, cls, kind, warmup):
 
 
 def test_resume_problem_names_the_saved_optimizer_and_schedule():
-    manifest = {"optimizer": {"class": "Adam"}, "scheduler": {"class": "SequentialLR"}}
-    assert resume_problem(Cfg(optimizer="adam", schedule="cosine", warmup_steps=2),
-                          manifest) is None
-    msg = resume_problem(Cfg(optimizer="sgd", schedule="cosine", warmup_steps=2), manifest)
+    saved = Cfg(optimizer="adam", schedule="cosine", warmup_steps=2)
+    state = make_scheduler(saved, Adam([nn.Parameter(np.zeros(1))], lr=0.1)).state_dict()
+    manifest = {"optimizer": {"class": "Adam"},
+                "scheduler": {"class": "SequentialLR", "state": state}}
+    assert resume_problem(saved, manifest, 0.1) is None
+    msg = resume_problem(Cfg(optimizer="sgd", schedule="cosine", warmup_steps=2), manifest, 0.1)
     assert "saved with --optimizer adam (Adam)" in msg and "--optimizer sgd" in msg, msg
-    msg = resume_problem(Cfg(optimizer="adam"), manifest)
+    msg = resume_problem(Cfg(optimizer="adam"), manifest, 0.1)
     assert "the schedule SequentialLR" in msg and "makes no schedule" in msg, msg
     msg = resume_problem(Cfg(optimizer="adam", schedule="step"),
-                         {"optimizer": {"class": "Adam"}, "scheduler": None})
+                         {"optimizer": {"class": "Adam"}, "scheduler": None}, 0.1)
     assert "saved with no schedule" in msg, msg
+    # the same schedule over another length, or from another rate: its settings differ
+    msg = resume_problem(Cfg(optimizer="adam", schedule="cosine", warmup_steps=2, steps=20),
+                         manifest, 0.1)
+    assert "other settings (part 1: T_max 8, this run's 18" in msg, msg
+    msg = resume_problem(saved, manifest, 0.2)
+    assert "base_lrs [0.1], this run's [0.2]" in msg, msg
+    assert resume_problem(Cfg(optimizer="adam", schedule="cosine", warmup_steps=2, steps=20,
+                              schedule_steps=10), manifest, 0.1) is None
+
+
+# --------------------------------------------------------------------------- the driver
+V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
+TRAIN = ["mesh-demo", "--machine", V100, "--no-progress", "--metrics", "", "--size", "64x64",
+         "--batch", "2", "--samples", "4"]
+
+
+def quiet_train(**kw) -> dict:
+    base = dict(model="mesh-demo", size=(64, 64), batch=2, samples=4, metrics=None,
+                machine=V100, progress=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train(TrainConfig(**{**base, **kw}))
+
+
+def test_training_resumed_in_parts_follows_the_whole_schedule_bitwise(tmp_path):
+    recipe_kw = dict(optimizer="adamw", schedule="cosine", warmup_steps=2, clip_grad_norm=0.5,
+                     lr=0.01, min_lr=1e-4)
+    whole = quiet_train(steps=6, **recipe_kw)
+    ck = str(tmp_path / "ck")
+    quiet_train(steps=3, schedule_steps=6, checkpoint=ck, **recipe_kw)
+    resumed = quiet_train(steps=6, checkpoint=ck, resume=True, **recipe_kw)
+    assert resumed["history"] == whole["history"], (resumed["history"], whole["history"])
+
+
+def usage_error(capsys, argv) -> str:
+    """A command line that must stop with exit status 2 before any work; its stderr."""
+    with pytest.raises(SystemExit) as exc:
+        train_main(argv)
+    assert exc.value.code == 2, exc.value.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["--schedule", "cyclic"], "invalid choice: 'cyclic'"),
+    (["--lr", "-0.1"], "--lr: must be > 0"),
+    (["--weight-decay", "-0.5"], "--weight-decay: must be >= 0"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm: must be > 0"),
+    (["--warmup-steps", "5", "--steps", "3"], "a warm-up of 5 steps (--warmup-steps) does not "
+                                              "fit in the schedule's 3 steps (--steps)"),
+    (["--schedule", "cosine", "--lr", "0.01", "--min-lr", "0.1"], "--min-lr 0.1 is above"),
+    (["--warmup-steps", "2", "--warmup-start-factor", "2"], "--warmup-start-factor"),
+])
+def test_the_command_line_refuses_bad_choices_before_any_work(capsys, argv, words):
+    err = usage_error(capsys, TRAIN + argv)
+    assert words in err and "usage: disttensor-train" in err, err
+
+
+def test_resuming_with_another_optimizer_or_schedule_is_one_clear_error(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    argv = TRAIN + ["--checkpoint", ck, "--optimizer", "adamw", "--schedule", "step",
+                    "--step-size", "1"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert train_main(argv + ["--steps", "1"]) == 0
+    capsys.readouterr()
+    err = usage_error(capsys, argv[:-6] + ["--steps", "2", "--resume"])
+    assert "saved with --optimizer adamw (AdamW), this run asks for --optimizer sgd" in err, err
+    err = usage_error(capsys, argv + ["--steps", "2", "--resume", "--schedule", "cosine"])
+    assert "saved with the schedule StepLR" in err and "CosineAnnealingLR" in err, err
+    err = usage_error(capsys, argv + ["--steps", "2", "--resume", "--gamma", "0.5"])
+    assert "other settings (gamma 0.1, this run's 0.5" in err, err
+    assert err.count("error:") == 1, err

@@ -57,7 +57,7 @@ class SGD(Optimizer):
                                   "weight_decay": weight_decay, "nesterov": bool(nesterov)})
 
     def _check_hyper(self, hyper: dict[str, Any]) -> None:
-        check_number("SGD: lr", hyper["lr"], strict=True)
+        check_number("SGD: lr", hyper["lr"])  # a schedule may have brought it to 0
         check_number("SGD: momentum", hyper["momentum"])
 
     def _update(self, i: int, p: Parameter) -> None:

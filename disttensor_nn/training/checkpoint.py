@@ -690,7 +690,9 @@ def checkpoint_manifest(directory: str | os.PathLike, *,
     self-checksum; the files it lists are not read. A program can thus learn
     before any work what a checkpoint holds: its ``step``, and the classes of
     its ``optimizer`` and ``scheduler`` (``manifest["optimizer"]["class"]``,
-    None when saved without one).
+    None when saved without one). The scheduler's state, which holds no
+    arrays, is given decoded (``manifest["scheduler"]["state"]``, as its
+    ``state_dict()`` returned it).
 
     Raises
     ------
@@ -703,7 +705,11 @@ def checkpoint_manifest(directory: str | os.PathLike, *,
     if comm.Get_rank() == 0:
         path = os.path.abspath(os.fspath(directory))
         try:
-            reply = (True, _read_manifest(_recover(path)))
+            manifest = _read_manifest(_recover(path))
+            sched = manifest.get("scheduler")
+            if isinstance(sched, dict) and not _tree_keys(sched.get("state")):
+                sched["state"] = _decode(sched["state"], {})
+            reply = (True, manifest)
         except CheckpointError as exc:
             reply = (False, str(exc))
         except Exception as exc:

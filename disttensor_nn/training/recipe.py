@@ -7,8 +7,8 @@ name; :func:`resume_problem` compares them with what a checkpoint was saved
 with. Every function uses only the configuration (and a manifest every rank
 has), so every rank reaches the same verdict.
 
-The schedules run over the whole run of ``steps`` steps, the resumed ones
-included:
+The schedules run over ``schedule_steps`` steps (by default ``steps``, the
+whole run, the resumed steps included):
 
 ========= =================================================================
 none      the learning rate stays ``lr``
@@ -22,14 +22,21 @@ linear    linear from ``lr`` to ``min_lr`` over the steps after the warm-up
 ``warmup_steps`` K > 0 puts a linear warm-up from ``warmup_start_factor *
 lr`` to ``lr`` over the first K steps before any of them (``LinearLR`` then
 the schedule in a ``SequentialLR`` with the milestone K).
+
+A run resumed from a checkpoint continues the saved optimizer and schedule
+exactly; :func:`resume_problem` refuses a checkpoint saved with another
+optimizer, another schedule or other schedule settings (to train a schedule
+in parts, give every part the whole schedule's ``schedule_steps``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+import numpy as np
 
 from ..module import Parameter
 from ..optim import SGD, Adam, AdamW, Optimizer
@@ -75,8 +82,8 @@ def recipe_problem(cfg: Any, lr: float | None = None) -> str | None:
     cfg : TrainConfig
         Its ``optimizer``, ``lr``, ``momentum``, ``weight_decay``,
         ``schedule``, ``warmup_steps``, ``warmup_start_factor``,
-        ``step_size``, ``gamma``, ``min_lr``, ``clip_grad_norm`` and
-        ``steps``.
+        ``step_size``, ``gamma``, ``min_lr``, ``clip_grad_norm``,
+        ``schedule_steps`` and ``steps``.
     lr : float, optional
         The learning rate the run uses (the model's default when ``cfg.lr``
         is None); ``cfg.lr`` when not given, and the checks that need a
@@ -89,7 +96,8 @@ def recipe_problem(cfg: Any, lr: float | None = None) -> str | None:
         and the value: an unknown optimizer or schedule, a negative (or, for
         SGD, zero) learning rate, a negative momentum, weight decay or
         ``--min-lr``, a clip norm that is not positive, a warm-up not
-        shorter than ``--steps``, a ``--min-lr`` above the learning rate.
+        shorter than the schedule (``--schedule-steps``, by default
+        ``--steps``), a ``--min-lr`` above the learning rate.
     """
     lr = cfg.lr if lr is None else lr
     if cfg.optimizer not in OPTIMIZERS:
@@ -105,12 +113,16 @@ def recipe_problem(cfg: Any, lr: float | None = None) -> str | None:
     clip = cfg.clip_grad_norm
     if clip is not None and (not _real(clip) or clip <= 0):
         return f"--clip-grad-norm must be > 0, got {clip!r}"
-    steps, warmup = cfg.steps, cfg.warmup_steps
+    if cfg.schedule_steps is not None and (not _int(cfg.schedule_steps) or
+                                           cfg.schedule_steps < 1):
+        return f"--schedule-steps must be an integer >= 1, got {cfg.schedule_steps!r}"
+    steps, warmup = _span(cfg), cfg.warmup_steps
     if not _int(warmup) or warmup < 0:
         return f"--warmup-steps must be an integer >= 0, got {warmup!r}"
     if warmup and warmup >= steps:
-        return (f"a warm-up of {warmup} steps (--warmup-steps) does not fit in the run's "
-                f"{steps} steps (--steps): it must be shorter, so that the schedule has steps "
+        flag = "--steps" if cfg.schedule_steps is None else "--schedule-steps"
+        return (f"a warm-up of {warmup} steps (--warmup-steps) does not fit in the schedule's "
+                f"{steps} steps ({flag}): it must be shorter, so that the schedule has steps "
                 "of its own")
     factor = cfg.warmup_start_factor
     if not _real(factor) or not 0 < factor <= 1:
@@ -137,12 +149,18 @@ def make_optimizer(cfg: Any, params: Iterable[Parameter], lr: float) -> Optimize
     return cls(params, lr=lr, **kw)
 
 
+def _span(cfg: Any) -> int:
+    """The steps the schedule runs over."""
+    return cfg.steps if cfg.schedule_steps is None else cfg.schedule_steps
+
+
 def _step_size(cfg: Any) -> int:
-    return cfg.step_size or max(1, (cfg.steps - cfg.warmup_steps) // 3)
+    return cfg.step_size or max(1, (_span(cfg) - cfg.warmup_steps) // 3)
 
 
 def make_scheduler(cfg: Any, optimizer: Optimizer) -> LRScheduler | None:
-    """The schedule ``cfg`` asks for, over ``cfg.steps`` steps (None for a constant rate).
+    """The schedule ``cfg`` asks for, over ``cfg.schedule_steps`` steps (by default
+    ``cfg.steps``; None for a constant rate).
 
     It sets the optimizer's learning rate for step 0; call its ``step()``
     after each ``optimizer.step()``. The ``step`` schedule's ``step_size``
@@ -155,7 +173,7 @@ def make_scheduler(cfg: Any, optimizer: Optimizer) -> LRScheduler | None:
     if warmup:
         warm = LinearLR(optimizer, start_factor=cfg.warmup_start_factor, end_factor=1.0,
                         total_iters=warmup)
-    rest = cfg.steps - warmup
+    rest = _span(cfg) - warmup
     main: LRScheduler | None = None
     if main_cls is StepLR:
         main = StepLR(optimizer, step_size=_step_size(cfg), gamma=cfg.gamma)
@@ -181,13 +199,45 @@ def _schedule_words(cls: str | None) -> str:
     return "no schedule" if cls is None else f"the schedule {cls}"
 
 
-def resume_problem(cfg: Any, manifest: dict[str, Any]) -> str | None:
+_PROGRESS = frozenset({"last_epoch", "_step_count", "_last_lr", "_schedulers"})
+"""Entries of a scheduler's state that change as it steps (the rest are its settings)."""
+
+
+def _settings_differ(saved: Any, mine: Mapping[str, Any], where: str) -> str | None:
+    """The first setting of the scheduler state ``mine`` that ``saved`` has otherwise."""
+    if not isinstance(saved, Mapping):
+        return f"{where}: no state"
+    for key in sorted(set(mine) - _PROGRESS):
+        if key not in saved or saved[key] != mine[key] and not (
+                isinstance(mine[key], list) and list(saved[key]) == mine[key]):
+            return (f"{where}{key} {saved.get(key)!r}, this run's {mine[key]!r}")
+    subs, saved_subs = mine.get("_schedulers"), saved.get("_schedulers")
+    if subs is not None:
+        if not isinstance(saved_subs, list) or len(saved_subs) != len(subs):
+            return f"{where}schedulers {saved_subs!r}"
+        for k, (a, b) in enumerate(zip(saved_subs, subs)):
+            found = _settings_differ(a, b, f"{where}part {k}: ")
+            if found:
+                return found
+    return None
+
+
+def resume_problem(cfg: Any, manifest: dict[str, Any], lr: float) -> str | None:
     """Why the checkpoint of ``manifest`` cannot continue ``cfg``'s run, or None.
 
     The checkpoint must have been saved with the optimizer ``cfg.optimizer``
-    names and with the schedule ``cfg`` builds (the same scheduler class, or
-    none for both). Its saved state then continues: the learning rate, the
-    moments and the schedule's position and length are the saved ones.
+    names and with the schedule ``cfg`` builds: the same scheduler class (or
+    none for both) with the same settings (its length, warm-up, factors and
+    initial learning rate ``lr``). The saved state then
+    continues: the learning rate, the moments and the schedule's position.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+    manifest : dict
+        :func:`~disttensor_nn.training.checkpoint.checkpoint_manifest`'s.
+    lr : float
+        The run's initial learning rate (``cfg.lr`` or the model's).
     """
     saved = (manifest.get("optimizer") or {}).get("class")
     want = OPTIMIZERS[cfg.optimizer].__name__
@@ -203,4 +253,13 @@ def resume_problem(cfg: Any, manifest: dict[str, Any]) -> str | None:
         return (f"the checkpoint was saved with {_schedule_words(saved_sched)}, this run's "
                 f"--schedule {cfg.schedule} --warmup-steps {cfg.warmup_steps} makes "
                 f"{_schedule_words(want_sched)}: resume with the schedule it was saved with")
+    if want_sched is not None:
+        probe = Adam([Parameter(np.zeros(1))], lr=lr)  # what the schedule does to a rate
+        mine = make_scheduler(cfg, probe).state_dict()  # type: ignore[union-attr]
+        found = _settings_differ((manifest.get("scheduler") or {}).get("state"), mine, "")
+        if found:
+            return (f"the checkpoint's schedule {saved_sched} was saved with other settings "
+                    f"({found}; from --schedule, --warmup-steps, --warmup-start-factor, "
+                    "--step-size, --gamma, --min-lr, --schedule-steps or --steps and --lr): "
+                    "resume with the settings it was saved with")
     return None
