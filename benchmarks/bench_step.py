@@ -3,7 +3,7 @@
 Run (unset the OpenBLAS overrides for timing only):
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/bench_step.py \
-        [--models mesh-demo,resnet18] [--threads 1] [--reps 7] [--rounds 3]
+        [--models mesh-demo,resnet18] [--threads 1] [--reps 7] [--rounds 3] [--kernels torch]
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mpiexec -n 2 python benchmarks/bench_step.py
 
 Models (float32): ``mesh-demo`` (batch 4, 18x256x256), ``resnet18`` (batch 8,
@@ -187,6 +187,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     rng = np.random.default_rng(1234)
     x_all = rng.standard_normal((batch, *sample)).astype(np.float32)
     model = build()
+    nn_kernels.use_kernels(model, args.kernels)
     out_shape = model.output_shape(x_all.shape)
     if loss_kind == "mse":
         t_all = rng.random(out_shape).astype(np.float32)
@@ -244,7 +245,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
                 t0 = time.perf_counter()
                 fn()
                 samples[key].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    row = {"model": name, "ranks": size, "threads": args.threads,
+    row = {"model": name, "ranks": size, "threads": args.threads, "kernels": args.kernels,
            "bucket_bytes": args.bucket_bytes,
            "threads_in": args.threads_in, "batch": batch,
            "sample": "x".join(map(str, sample))}
@@ -294,7 +295,9 @@ def main(argv=None) -> int:
                         "each layer's gradients reduced by a blocking allreduce")
     p.add_argument("--threads-in", choices=("kernels", "blas"), default="kernels",
                    help="where our threads go: the kernels' pool (BLAS single-threaded) "
-                        "or BLAS alone")
+                        "or BLAS alone (with --kernels torch: PyTorch's intra-op threads)")
+    p.add_argument("--kernels", choices=nn_kernels.BACKENDS, default="numpy",
+                   help="our layers' kernel backend (disttensor_nn.kernels.use_kernels)")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
@@ -306,7 +309,11 @@ def main(argv=None) -> int:
         return 2
     threads = 1 if comm.Get_size() > 1 else args.threads
     args.threads = threads
-    if args.threads_in == "blas":
+    if args.kernels == "torch":  # PyTorch's intra-op threads, a one-thread BLAS beside them
+        nn_kernels.check_backend("torch")
+        dt.limit_blas_threads(1)
+        nn_kernels.torch_kernels.set_num_threads(threads)
+    elif args.threads_in == "blas":
         dt.limit_blas_threads(threads)
     else:  # our kernels' pool of threads, each calling a one-thread BLAS
         dt.limit_blas_threads(1)
@@ -325,7 +332,7 @@ def main(argv=None) -> int:
         rows.append(row)
         layers += breakdown
     if comm.Get_rank() == 0:
-        cols = ["model", "ranks", "threads", "disttensor_ms"]
+        cols = ["model", "ranks", "threads", "kernels", "disttensor_ms"]
         if torch is not None:
             cols += ["torch_ms", "ratio"]
         for r in rows:
@@ -343,7 +350,7 @@ def main(argv=None) -> int:
         for r in rows:
             for key in ("disttensor", "torch"):
                 r.pop(f"{key}_range", None)
-        tag = f"_{'-'.join(names)}_p{comm.Get_size()}_t{threads}"
+        tag = f"_{'-'.join(names)}_p{comm.Get_size()}_t{threads}_{args.kernels}"
         path = write_json(f"bench_step{tag}", rows, layers=layers, reps=args.reps,
                           rounds=args.rounds)
         print(f"\nwrote {path}")

@@ -25,6 +25,9 @@ from __future__ import annotations
 import glob
 import math
 import os
+import queue
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
@@ -47,6 +50,7 @@ __all__ = [
     "MeshSynthetic",
     "NpyDataset",
     "Loader",
+    "Prefetcher",
     "open_dataset",
     "save_dataset",
     "save_npy_dataset",
@@ -959,3 +963,102 @@ class Loader:
     def __repr__(self) -> str:
         return (f"Loader({self.dataset!r}, batch_size={self.batch_size}, layout={self.layout}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last})")
+
+
+class Prefetcher:
+    """Batches of a :class:`Loader` prepared ahead, in a thread, while the caller computes.
+
+    A thread of this process reads or synthesises the next ``depth``
+    batches (1 or 2) while the training step runs; :meth:`next` hands them
+    out in the loader's order and counts how long the caller waited for one
+    (:attr:`waited`, seconds, reset by :meth:`take_wait`). Loading a batch is
+    local to each rank (no message), so the thread never meets the step's
+    collectives. The batches waiting in the queue are ``depth`` input and
+    target blocks more than an unprefetched loop holds (the training driver
+    adds them to the plan's baseline).
+
+    :meth:`state_dict` gives the loader's position after the last batch
+    handed out, not after those prepared ahead, so a checkpoint resumes at
+    the next batch the step would have taken. An exception raised while
+    loading is raised again by the :meth:`next` call that would have
+    received that batch. :meth:`close` stops the thread (also on garbage
+    collection of an unused prefetcher, through the daemon flag).
+
+    Parameters
+    ----------
+    loader : Loader
+    depth : int
+        Batches prepared ahead (1 or 2).
+    """
+
+    def __init__(self, loader: Loader, depth: int = 1):
+        if depth not in (1, 2):
+            raise ValueError(f"depth must be 1 or 2, got {depth!r}")
+        self.loader, self.depth = loader, depth
+        self._state = loader.state_dict()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.waited = 0.0
+        self._thread = threading.Thread(target=self._run, name="disttensor-prefetch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for batch in self.loader:
+                    if not self._put((batch, self.loader.state_dict(), None)):
+                        return
+                    if self._stop.is_set():
+                        return
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put((None, None, exc))
+
+    def _put(self, item: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> tuple[DistArray, DistArray | np.ndarray]:
+        """The next batch (waiting for it if it is not ready yet)."""
+        t0 = time.perf_counter()
+        batch, state, exc = self._queue.get()
+        self.waited += time.perf_counter() - t0
+        if exc is not None:
+            raise exc
+        self._state = state
+        return batch
+
+    __next__ = next
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def take_wait(self) -> float:
+        """Seconds waited for batches since the last call (and reset the count)."""
+        w, self.waited = self.waited, 0.0
+        return w
+
+    def state_dict(self) -> dict[str, int]:
+        """The loader's position after the last batch handed out (:meth:`Loader.state_dict`)."""
+        return dict(self._state)
+
+    def close(self) -> None:
+        """Stop the thread and drop the batches prepared ahead."""
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

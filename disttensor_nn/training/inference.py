@@ -59,6 +59,7 @@ class PredictConfig:
     seed: int = 0  # of the initial weights, all overwritten by the checkpoint's
     progress: bool = True
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
+    kernels: str = "auto"  # "numpy", "torch" or "auto" (each layer's faster; make_plan)
 
 
 def _machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
@@ -159,7 +160,8 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
     baseline = comm.allreduce(resident_bytes() - params, op=MPI.MAX)
     plan: Plan
     plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
-                        comm=comm, baseline=baseline, profile=memory, training=False)
+                        comm=comm, baseline=baseline, profile=memory, training=False,
+                        kernels=cfg.kernels)
     apply_plan(model, plan, shape, comm)
     if not is_numpy(xp):
         model.to(xp)
