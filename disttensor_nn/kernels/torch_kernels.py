@@ -86,7 +86,11 @@ def require() -> ModuleType:
     if torch is None:
         if not available():
             raise ImportError(INSTALL_HINT)
-        torch = _state["torch"] = importlib.import_module("torch")
+        try:
+            torch = importlib.import_module("torch")
+        except ImportError as exc:  # installed but broken
+            raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+        _state["torch"] = torch
         if _state["threads"] is not None:
             torch.set_num_threads(_state["threads"])
     return torch
