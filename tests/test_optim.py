@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 import disttensor as dt
 import disttensor_nn as nn
+from disttensor.backend import array_namespace, to_numpy
 from disttensor.testing import collective_assert, collective_outcome
 from disttensor_nn.optim import SGD, Adam, AdamW, Optimizer, clip_grad_norm_, lr_scheduler
 from disttensor_nn.training import TrainConfig, train
@@ -239,6 +240,37 @@ def test_schedulers_match_torch_with_sgd_and_restart_from_their_state():
             sched.step()
             tsched.step()
         assert lrs == tlrs, (kind, lrs, tlrs)
+
+
+@pytest.mark.parametrize("device", [None, "device1"])
+def test_adam_on_another_array_module_matches_numpy_and_follows_a_move(device):
+    xps = pytest.importorskip("array_api_strict")
+    dev = None if device is None else xps.Device(device)
+    w0 = [full_values(s, k) for k, s in enumerate(SHAPES)]
+    host = [nn.Parameter(w.copy()) for w in w0]
+    moved = [nn.Parameter(w.copy()) for w in w0]
+    kw = dict(lr=0.01, weight_decay=0.02, amsgrad=True)
+    ref, opt = AdamW(host, **kw), AdamW(moved, **kw)
+    for step in range(4):
+        if step == 1:  # the model moves to the other module after its first step
+            for p in moved:
+                p.data = xps.asarray(p.data, device=dev)
+        for p, q, g in zip(host, moved, grads_of(step)):
+            p.grad = g.copy()
+            q.grad = g.copy() if step == 0 else xps.asarray(g, device=dev)
+        clip_grad_norm_(host, 2.0)
+        clip_grad_norm_(moved, 2.0)
+        ref.step()
+        opt.step()
+    for p, q, st in zip(host, moved, opt.state):
+        assert array_namespace(q.data) is xps and array_namespace(st["exp_avg"]) is xps
+        assert st["max_exp_avg_sq"].device == q.data.device
+        assert close(to_numpy(q.data), p.data)
+    state = opt.state_dict()
+    assert isinstance(state["state"][0]["exp_avg"], np.ndarray)
+    opt.load_state_dict(state)
+    assert array_namespace(opt.state[0]["exp_avg_sq"]) is xps
+    assert opt.state[0]["exp_avg_sq"].device == moved[0].data.device
 
 
 def test_param_groups_and_attributes_are_one_thing():
