@@ -1,0 +1,526 @@
+"""The library's data movements as autograd functions on this rank's block (a torch tensor).
+
+Each function takes the tensor this rank holds and the
+:class:`~disttensor.Distribution` (or the ranks) it belongs to, moves data
+with the library's plans, and returns a tensor of the same module, dtype and
+device; its backward pass is the movement's adjoint, so a distributed layer
+written with them is differentiated by ``loss.backward()`` like any other
+PyTorch code.
+
+- :func:`halo_exchange`: block -> the block extended by its halo
+  (``numpy.pad`` exact, every mode); backward: the halo accumulation
+  (:func:`disttensor.halo_accumulate`).
+- :func:`redistribute`: block of ``src`` -> block of ``dst``; backward: the
+  redistribution ``dst -> src``.
+- :func:`gather`: block -> the global tensor (on every rank, or on root);
+  backward: this rank's block of the gradient (scattered from root).
+- :func:`scatter`: the global tensor (on every rank, or on root) -> block;
+  backward: the block gradients gathered (onto every rank, or onto root).
+- :func:`all_reduce`: partial sums -> their sum, on every rank; backward:
+  the gradient as it is.
+- :func:`broadcast`: a tensor every rank holds alike (or root's) -> the
+  same, for this rank's part of the computation; backward: the gradients
+  summed over the ranks (onto every rank, or onto root).
+
+**What a gradient is here.** A tensor that several ranks hold alike (a
+replica: a block of a distribution with replica axes, the result of
+:func:`gather` or :func:`all_reduce`) is *one* value, and its gradient is
+one value that each of those ranks holds whole, as the layers of
+:mod:`disttensor_nn` keep it (parameters are replicated, their gradients
+complete). The adjoints are taken for the inner product of the global
+arrays, each element counted once; redistribution's adjoint is therefore the
+redistribution back (:meth:`~disttensor.redistribute.RedistributionPlan.adjoint`
+is the adjoint for the inner product that counts every rank's copy, and sums
+replicas). Two consequences for a layer author:
+
+- A scalar that every rank computes alike from replicated values (a loss
+  after :func:`all_reduce`) may be differentiated on every rank: its
+  gradient is 1 on each, not the number of ranks.
+- Where a replicated tensor enters a computation that each rank does on its
+  own part (a parameter applied to this rank's block, a statistic used on
+  this rank's samples), the contributions of the ranks must be summed: pass
+  it through :func:`broadcast` there, whose backward sums the gradient over
+  the ranks. ``broadcast(all_reduce(t, g), g)`` is an all-reduce whose
+  backward all-reduces the gradient (the "sum over replicas" form), as
+  batch statistics over a split batch need.
+
+**Collective calls.** Every function is collective over the ranks of its
+distribution or group, forward and backward, so every rank must make the
+same calls in the same order, and their backward passes too: the inputs
+must require gradients alike on every rank. Arguments are checked before any
+message, alike on every rank (a wrong distribution, block shape or dtype
+raises there); in check mode (:func:`disttensor.set_options`) the metadata
+of every call, ``requires_grad`` included, is also compared across ranks.
+
+Blocks may live on the CPU, where halo exchange and redistribution work on
+the NumPy view of the tensor's memory without a copy, or on a GPU, where
+they are staged through host memory by the library's transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from disttensor import DistArray, Distribution, ProcessGrid, halo_plan, redistribution_plan
+from disttensor.backend import check_movable, contiguous, numpy_dtype
+from disttensor.halo import HaloPlan, normalize_widths
+from disttensor.redistribute import RedistributionPlan
+from disttensor.settings import check_arguments, get_options
+from disttensor.transport import allreduce as transport_allreduce
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "extended_distribution",
+    "gather",
+    "halo_exchange",
+    "redistribute",
+    "scatter",
+]
+
+Group = MPI.Intracomm | ProcessGrid
+
+
+# ------------------------------------------------------------------ checks
+def _check_dist(name: str, dist: Any, what: str = "dist") -> Distribution:
+    if not isinstance(dist, Distribution):
+        raise TypeError(f"{name}: {what} must be a Distribution, got {type(dist).__name__}")
+    if dist.grid is None:
+        raise ValueError(f"{name}: {what} must be built on a ProcessGrid, not a grid shape")
+    return dist
+
+
+def _check_tensor(name: str, t: Any, what: str = "block") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    try:
+        check_movable(numpy_dtype(t.dtype))
+    except TypeError as err:
+        raise TypeError(f"{name}: {what} of dtype {t.dtype} cannot move between ranks "
+                        f"({err})") from None
+
+
+def _check_block(name: str, block: Any, dist: Distribution, what: str = "block") -> None:
+    _check_tensor(name, block, what)
+    if tuple(block.shape) != dist.local_shape():
+        raise ValueError(
+            f"{name}: the {what} has shape {tuple(block.shape)}, but this rank's block of "
+            f"{dist} has shape {dist.local_shape()}"
+        )
+
+
+def _check_root(name: str, root: Any, size: int) -> int | None:
+    if root is None:
+        return None
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(f"{name}: root must be None or an int, got {root!r}")
+    if not 0 <= root < size:
+        raise ValueError(f"{name}: root must be a rank in [0, {size}), got {root}")
+    return root
+
+
+def _agree(name: str, comm: MPI.Comm, t: Any, **meta: Any) -> None:
+    """In check mode, compare the call's metadata (and the tensor's autograd state) across
+    ``comm``: every rank raises alike where one differs (see :mod:`disttensor.settings`)."""
+    if get_options()["check_collective"]:
+        grad = isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled()
+        check_arguments(name, {**meta, "requires_grad": grad}, comm)
+
+
+def _group_comm(name: str, group: Any, axes: int | Sequence[int] | None) -> MPI.Intracomm:
+    if isinstance(group, ProcessGrid):
+        return group.comm if axes is None else group.subcomm(axes)
+    if isinstance(group, MPI.Intracomm):
+        if axes is not None:
+            raise TypeError(f"{name}: axes= selects axes of a ProcessGrid, but group is a "
+                            "communicator")
+        return group
+    raise TypeError(f"{name}: group must be an MPI.Intracomm or a ProcessGrid, "
+                    f"got {type(group).__name__}")
+
+
+def _wrap(t: torch.Tensor, dist: Distribution) -> DistArray:
+    """``t`` (detached, contiguous: a copy only where it is not) as a DistArray's block."""
+    return DistArray(contiguous(t), dist)
+
+
+def _root_distribution(dist: Distribution, root: int) -> Distribution:
+    """``dist``'s global shape held whole by ``root`` (the others hold empty blocks)."""
+    shape, grid = dist.global_shape, dist.grid
+    if not shape:
+        return Distribution((), grid, ())
+    cuts = [0] * root + [shape[0]] * (grid.size - 1 - root)
+    axes = (tuple(range(grid.ndim)),) + (None,) * (len(shape) - 1)
+    return Distribution(shape, grid, axes, [cuts] + [None] * (len(shape) - 1))
+
+
+# ------------------------------------------------------------------ autograd functions
+class _HaloExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, block: torch.Tensor, plan: HaloPlan,
+                constant_values: Any) -> torch.Tensor:
+        ctx.plan = plan
+        x = DistArray.empty(plan.dist, numpy_dtype(block.dtype), xp=torch,
+                            device=block.device, margins=plan.widths)
+        x.local[...] = block.detach()
+        return plan.exchange(x, constant_values)  # a view into x's buffer, which it keeps
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.plan.accumulate(grad).local, None, None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, block: torch.Tensor, plan: RedistributionPlan,
+                back: RedistributionPlan) -> torch.Tensor:
+        ctx.back = back
+        return plan(_wrap(block, plan.src)).local
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        back = ctx.back
+        return back(_wrap(grad, back.src)).local, None, None
+
+
+class _ScatterFromRoot(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor | None, dist: Distribution,
+                root: int) -> torch.Tensor:
+        ctx.dist, ctx.root = dist, root
+        ctx.like = None if t is None else (t.shape, t.dtype, t.device)
+        mine = dist.grid.rank == root
+        return DistArray.from_global(t.detach() if mine else None, dist, root=root).local
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        dist, root = ctx.dist, ctx.root
+        whole = redistribution_plan(dist, _root_distribution(dist, root))(_wrap(grad, dist))
+        if dist.grid.rank == root:
+            return whole.local, None, None
+        if ctx.like is None:
+            return None, None, None
+        shape, dtype, device = ctx.like
+        return torch.zeros(shape, dtype=dtype, device=device), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
+        return transport_allreduce(contiguous(t, copy=True), comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None  # the result is one replicated value: its gradient is whole here
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, comm: MPI.Intracomm,
+                root: int | None) -> torch.Tensor:
+        ctx.comm, ctx.root = comm, root
+        if root is None:
+            return t.view_as(t)
+        return _from_root(t, comm, root)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        total = transport_allreduce(contiguous(grad, copy=True), ctx.comm)
+        if ctx.root is not None and ctx.comm.Get_rank() != ctx.root:
+            total = torch.zeros_like(total)
+        return total, None, None
+
+
+def _from_root(t: torch.Tensor, comm: MPI.Intracomm, root: int) -> torch.Tensor:
+    """Root's ``t`` on every rank: a sum in which the other ranks add zeros (exact), so that
+    it travels through the library's one allreduce, whatever the device."""
+    work = contiguous(t, copy=True)
+    boolean = work.dtype == torch.bool
+    if boolean:  # MPI has no sum of booleans
+        work = work.to(torch.uint8)
+    if comm.Get_rank() != root:
+        work.zero_()
+    out = transport_allreduce(work, comm)
+    return out.to(torch.bool) if boolean else out
+
+
+# ------------------------------------------------------------------ public functions
+def extended_distribution(dist: Distribution, widths: Any) -> Distribution:
+    """The Distribution of the extended blocks of ``dist``, laid side by side.
+
+    Block ``b`` of each dimension grows by the widths ``(lo, hi)``; the
+    result's blocks are the blocks that :func:`halo_exchange` returns, on the
+    same ranks, so ``gather(halo_exchange(x, dist, w), extended_distribution(dist, w))``
+    is the global array of every rank's extended block. Pure metadata, no
+    communication.
+
+    Parameters
+    ----------
+    dist : Distribution
+        The distribution of the blocks.
+    widths : int, (int, int) or sequence of (int, int)
+        The halo widths, as :func:`disttensor.halo.normalize_widths` reads them.
+
+    Returns
+    -------
+    Distribution
+        On ``dist``'s grid (or grid shape) with ``dist``'s axes; its
+        dimension ``d`` has ``sum(n_b + lo + hi)`` elements over its blocks.
+    """
+    if not isinstance(dist, Distribution):
+        raise TypeError(f"extended_distribution: dist must be a Distribution, "
+                        f"got {type(dist).__name__}")
+    widths = normalize_widths(widths, dist.ndim)
+    shape, splits = [], []
+    for bounds, (lo, hi) in zip(dist.boundaries, widths):
+        sizes = [b - a + lo + hi for a, b in zip(bounds, bounds[1:])]
+        shape.append(sum(sizes))
+        splits.append(None if len(sizes) == 1 else list(itertools.accumulate(sizes))[:-1])
+    return Distribution(shape, dist.grid_arg, dist.axes, splits)
+
+
+def halo_exchange(block: torch.Tensor, dist: Distribution, widths: Any,
+                  mode: str = "constant", constant_values: Any = 0) -> torch.Tensor:
+    """This rank's block extended by ``widths``, filled as :func:`numpy.pad` fills the global array.
+
+    The autograd form of :meth:`disttensor.DistArray.exchange_halo`; its
+    backward pass adds every halo cell's gradient back into the cell it was
+    copied from (:func:`disttensor.halo_accumulate`; constant cells get
+    none). Collective over ``dist``'s grid.
+
+    Parameters
+    ----------
+    block : torch.Tensor
+        This rank's block, of shape ``dist.local_shape()``.
+    dist : Distribution
+        The distribution of the global array (on a ProcessGrid).
+    widths : int, (int, int) or sequence of (int, int)
+        Halo widths before and after the block per dimension, read like
+        ``numpy.pad``'s ``pad_width``; they may exceed a neighbour's block.
+    mode : {'constant', 'wrap', 'reflect', 'symmetric', 'edge'}
+        Values beyond the global edges, with ``numpy.pad``'s meaning.
+    constant_values : scalar or pairs
+        Fill values for ``mode='constant'``, as ``numpy.pad`` takes them.
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor of shape ``local_shape[d] + lo + hi`` per dimension
+        (block ``b`` of :func:`extended_distribution`), of the block's dtype
+        and device.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank alike, before any message: a ``dist`` that is not a
+        Distribution on a ProcessGrid, a dtype that cannot move, bad widths
+        or mode; a block whose shape is not ``dist.local_shape()`` (checked
+        on each rank).
+    """
+    name = "halo_exchange"
+    _check_dist(name, dist)
+    plan = halo_plan(dist, widths, mode)  # widths and mode refused here, alike everywhere
+    _check_block(name, block, dist)
+    _agree(name, dist.grid.comm, block, dist=dist, widths=plan.widths, mode=mode,
+           dtype=str(block.dtype))
+    return _HaloExchange.apply(block, plan, constant_values)
+
+
+def redistribute(block: torch.Tensor, src: Distribution, dst: Distribution) -> torch.Tensor:
+    """This rank's block of ``src`` moved to its block of ``dst`` (same global shape).
+
+    The autograd form of :meth:`disttensor.DistArray.redistribute`: one
+    collective forward, and the redistribution back (``dst -> src``)
+    backward. Where ``dst`` holds replicas, their gradient is taken to be the
+    same on each (see the module's notes on replicas).
+
+    Parameters
+    ----------
+    block : torch.Tensor
+        This rank's block of ``src``, of shape ``src.local_shape()``.
+    src, dst : Distribution
+        Source and target distributions, on grids of one communicator.
+
+    Returns
+    -------
+    torch.Tensor
+        This rank's block of ``dst``, a new tensor.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank alike, before any message, for distributions data
+        cannot move between (:func:`disttensor.redistribute.check_compatible`),
+        a dtype that cannot move, or a block of the wrong shape.
+    """
+    name = "redistribute"
+    _check_dist(name, src, "src")
+    _check_dist(name, dst, "dst")
+    plan = redistribution_plan(src, dst)  # refuses incompatible distributions
+    back = redistribution_plan(dst, src)
+    _check_block(name, block, src)
+    _agree(name, src.grid.comm, block, src=src, dst=dst, dtype=str(block.dtype))
+    return _Redistribute.apply(block, plan, back)
+
+
+def gather(block: torch.Tensor, dist: Distribution, root: int | None = None) -> torch.Tensor:
+    """The global tensor, from every rank's block.
+
+    Backward: this rank's block of the gradient (with ``root``, the root's
+    gradient scattered to the blocks; without, a slice of the gradient,
+    which every rank holds whole: no message).
+
+    Parameters
+    ----------
+    block : torch.Tensor
+        This rank's block of ``dist``.
+    dist : Distribution
+        The distribution of the global array.
+    root : int, optional
+        The rank that gets the global tensor; the others get an empty tensor
+        of shape ``(0, *shape[1:])``. By default every rank gets it.
+
+    Returns
+    -------
+    torch.Tensor
+        Of shape ``dist.global_shape`` (on every rank, or on ``root``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`redistribute`, and for a root that is not a rank of the grid.
+    """
+    name = "gather"
+    _check_dist(name, dist)
+    root = _check_root(name, root, dist.grid.size)
+    target = dist.replicated() if root is None else _root_distribution(dist, root)
+    plan, back = redistribution_plan(dist, target), redistribution_plan(target, dist)
+    _check_block(name, block, dist)
+    _agree(name, dist.grid.comm, block, dist=dist, root=root, dtype=str(block.dtype))
+    return _Redistribute.apply(block, plan, back)
+
+
+def scatter(tensor: torch.Tensor | None, dist: Distribution,
+            root: int | None = None) -> torch.Tensor:
+    """This rank's block of a global tensor that every rank holds, or that ``root`` holds.
+
+    Backward: the block gradients gathered, onto every rank (without
+    ``root``: the global tensor was one replicated value, so each rank gets
+    its whole gradient) or onto ``root`` (the other ranks' inputs get zeros).
+
+    Parameters
+    ----------
+    tensor : torch.Tensor or None
+        The global tensor, of shape ``dist.global_shape``: the same on every
+        rank, or, with ``root``, read on that rank only (the others may pass
+        None, or a tensor that requires gradients exactly when root's does,
+        so that every rank runs the backward pass).
+    dist : Distribution
+        The target distribution.
+    root : int, optional
+        The rank that holds the data. Its tensor's shape, dtype and device
+        decide the blocks, and a wrong shape raises on every rank (after a
+        small broadcast).
+
+    Returns
+    -------
+    torch.Tensor
+        This rank's block of ``dist``, a new tensor.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad ``dist`` or root, a tensor that is not a torch.Tensor, of
+        a dtype that cannot move, or not of the global shape.
+    """
+    name = "scatter"
+    _check_dist(name, dist)
+    root = _check_root(name, root, dist.grid.size)
+    if root is None:
+        _check_block(name, tensor, dist.replicated(), "global tensor")
+        _agree(name, dist.grid.comm, tensor, dist=dist, root=root, dtype=str(tensor.dtype))
+        src = dist.replicated()
+        return _Redistribute.apply(tensor, redistribution_plan(src, dist),
+                                   redistribution_plan(dist, src))
+    if dist.grid.rank == root:  # the others' arguments are not read
+        _check_tensor(name, tensor, "global tensor")
+    elif tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: tensor must be a torch.Tensor or None, "
+                        f"got {type(tensor).__name__}")
+    _agree(name, dist.grid.comm, tensor, dist=dist, root=root)
+    return _ScatterFromRoot.apply(tensor, dist, root)
+
+
+def all_reduce(t: torch.Tensor, group: Group, *,
+               axes: int | Sequence[int] | None = None) -> torch.Tensor:
+    """The sum of every rank's ``t`` over ``group``, on each of its ranks.
+
+    The result is one value that every rank of the group holds (a loss, the
+    sum of partial products over split channels), so its gradient is the
+    same on every rank, and the backward pass passes it on unchanged: each
+    rank's ``t`` contributed to the sum with weight one. Where each rank
+    then uses the result in its own part of a computation, follow it by
+    :func:`broadcast`, whose backward sums those parts.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        This rank's contribution; the same shape and dtype on every rank.
+    group : MPI.Intracomm or ProcessGrid
+        The ranks that sum.
+    axes : int or sequence of int, optional
+        With a ProcessGrid: sum only over the ranks that differ along these
+        grid axes (:meth:`disttensor.ProcessGrid.subcomm`).
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor, of ``t``'s shape, dtype and device.
+    """
+    name = "all_reduce"
+    comm = _group_comm(name, group, axes)
+    _check_tensor(name, t, "t")
+    _agree(name, comm, t, shape=tuple(t.shape), dtype=str(t.dtype))
+    return _AllReduce.apply(t, comm)
+
+
+def broadcast(t: torch.Tensor, group: Group, *, axes: int | Sequence[int] | None = None,
+              root: int | None = None) -> torch.Tensor:
+    """A tensor the ranks of ``group`` hold alike, for use in each rank's own computation.
+
+    Without ``root``, ``t`` is already the same on every rank (a replicated
+    parameter) and is returned as it is; with ``root``, root's ``t`` is sent
+    to every rank (the others pass a tensor of the same shape and dtype,
+    whose values are not read). The backward pass sums the gradients of the
+    ranks (each rank's is its own part's contribution) and gives the sum to
+    every rank (without ``root``: a replicated parameter's gradient is then
+    complete and the same everywhere) or to root (the others get zeros).
+    The adjoint of :func:`all_reduce`.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        The tensor; the same shape and dtype on every rank.
+    group : MPI.Intracomm or ProcessGrid
+        The ranks that share it.
+    axes : int or sequence of int, optional
+        With a ProcessGrid: only the ranks that differ along these grid axes.
+    root : int, optional
+        A rank of the group (its rank in ``group``'s communicator).
+
+    Returns
+    -------
+    torch.Tensor
+        ``t`` (a view of it), or root's values in a new tensor.
+    """
+    name = "broadcast"
+    comm = _group_comm(name, group, axes)
+    root = _check_root(name, root, comm.Get_size())
+    _check_tensor(name, t, "t")
+    _agree(name, comm, t, shape=tuple(t.shape), dtype=str(t.dtype), root=root)
+    return _Broadcast.apply(t, comm, root)
