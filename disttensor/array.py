@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -40,7 +41,7 @@ from .backend import (
 from .device import resolve_array_module
 from .distribution import Distribution
 from .grid import ProcessGrid
-from .settings import collective
+from .settings import collective, validating
 
 __all__ = ["DistArray"]
 
@@ -125,6 +126,15 @@ def _as_array(array: Any, chosen: tuple[ModuleType, Any] | None) -> Any:
     if hasattr(array, "shape") and hasattr(array, "dtype"):
         return array
     return np.asarray(array)
+
+
+def root_only_array(arguments: Mapping[str, Any]) -> tuple[str, ...]:
+    """``from_global``'s arguments that may differ by rank: the array, when a root holds it.
+
+    Without a root every rank passes the same array, so check mode compares it
+    (its shape and dtype, and its values when it is small).
+    """
+    return ("array",) if arguments.get("root") is not None else ()
 
 
 def _native(a: Any) -> Any:
@@ -223,18 +233,22 @@ class DistArray:
         """Wrap this rank's block ``local`` (copied into a contiguous buffer).
 
         ``local.shape`` must equal ``dist.local_shape()``; it is checked on this
-        rank only (the call makes no communication).
+        rank only (the call makes no communication). In check mode the call is
+        collective: every rank compares ``dist`` and agrees on the verdict of
+        its own block, so a block of a wrong shape on one rank raises on every
+        rank (:mod:`disttensor.settings`).
         """
-        _check_dist(dist)
-        if tuple(local.shape) != dist.local_shape():
-            raise ValueError(
-                f"local block has shape {tuple(local.shape)} but {dist} gives rank "
-                f"{dist.grid.rank} the shape {dist.local_shape()}"
-            )
+        with validating("DistArray.from_local", {"dist": dist}):
+            _check_dist(dist)
+            if tuple(local.shape) != dist.local_shape():
+                raise ValueError(
+                    f"local block has shape {tuple(local.shape)} but {dist} gives rank "
+                    f"{dist.grid.rank} the shape {dist.local_shape()}"
+                )
         return cls(_native(contiguous(local, copy=True)), dist)
 
     @classmethod
-    @collective(ignore=("array",))
+    @collective(ignore=root_only_array)
     def from_global(cls, array: Any, dist: Distribution, root: int | None = None, *,
                     xp: ModuleType | None = None, device: Any = None) -> DistArray:
         """Distribute a global array.

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .array import DistArray, check_root
+from .array import DistArray, check_root, root_only_array
 from .backend import astype, device_kw, fill, namespace_dtype, numpy_dtype
 from .distribution import Distribution
 from .grid import ProcessGrid
@@ -131,7 +131,7 @@ def arange(start: float, stop: float | None = None, step: float = 1, dtype: Any 
     return out
 
 
-@collective(ignore=("array",))
+@collective(ignore=root_only_array)
 def asarray(array: Any, dist: Distribution | None = None, *, root: int | None = None,
             xp: ModuleType | None = None, device: Any = None, **dist_kw: Any) -> DistArray:
     """Distribute ``array`` (every rank passes the same one, or only ``root``).

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
 
-from .settings import collective
+from .settings import collective, validating
 
 __all__ = ["ProcessGrid", "coords_of", "factorizations", "rank_of"]
 
@@ -119,7 +119,9 @@ class ProcessGrid:
     ------
     ValueError
         On every rank, before any communication, if the product of ``shape``
-        differs from the communicator size.
+        differs from the communicator size. In check mode (where creating a
+        grid is collective over ``comm``) also when the shape differs between
+        ranks, or is valid on some ranks only: then every rank raises alike.
     TypeError
         If ``comm`` is not an intracommunicator or ``shape`` holds non-integers.
 
@@ -130,13 +132,17 @@ class ProcessGrid:
     """
 
     def __init__(self, shape: int | Iterable[int], comm: MPI.Intracomm | None = None):
-        self.shape = _normalize_shape(shape)
-        self.comm = _check_comm(comm)
-        if math.prod(self.shape) != self.comm.Get_size():
-            raise ValueError(
-                f"process grid {self.shape} has {math.prod(self.shape)} processes but "
-                f"the communicator has {self.comm.Get_size()}"
-            )
+        arguments = {"shape": shape, "comm": MPI.COMM_WORLD if comm is None else comm}
+        # check mode: a shape valid on some ranks only raises on every rank, not on those alone
+        with validating("ProcessGrid", arguments,
+                        comm if isinstance(comm, MPI.Intracomm) else MPI.COMM_WORLD):
+            self.shape = arguments["shape"] = _normalize_shape(shape)
+            self.comm = _check_comm(comm)
+            if math.prod(self.shape) != self.comm.Get_size():
+                raise ValueError(
+                    f"process grid {self.shape} has {math.prod(self.shape)} processes but "
+                    f"the communicator has {self.comm.Get_size()}"
+                )
         self.rank = self.comm.Get_rank()
         self.coords = coords_of(self.rank, self.shape)
         self._subcomms: dict[tuple[int, ...], MPI.Intracomm] = {}

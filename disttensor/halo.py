@@ -313,7 +313,19 @@ class HaloPlan:
         """
         return self.start_accumulate(extended, overwrite_input).finish()
 
-    @collective(ignore=("extended",))
+    def check_extended(self, extended: Any, overwrite_input: bool = False) -> None:
+        """Raise ValueError unless ``extended`` has this rank's extended block shape (local).
+
+        The validation of :meth:`start_accumulate`, which check mode agrees
+        on across the ranks before any of them raises (each rank checks its
+        own block).
+        """
+        lshape = self.dist.local_shape()
+        want = tuple(n + lo + hi for n, (lo, hi) in zip(lshape, self.widths))
+        if tuple(extended.shape) != want:
+            raise ValueError(f"extended block has shape {tuple(extended.shape)}, expected {want}")
+
+    @collective(ignore=("extended",), check=check_extended)
     def start_accumulate(self, extended: Any, overwrite_input: bool = False
                          ) -> AccumulateRequest:
         """Non-blocking :meth:`accumulate`: returns a request whose ``finish()`` gives the result.
@@ -321,10 +333,7 @@ class HaloPlan:
         Messages of the last exchanged dimension are in flight when this
         returns, so the caller can compute (a weight gradient, say) meanwhile.
         """
-        lshape = self.dist.local_shape()
-        want = tuple(n + lo + hi for n, (lo, hi) in zip(lshape, self.widths))
-        if tuple(extended.shape) != want:
-            raise ValueError(f"extended block has shape {tuple(extended.shape)}, expected {want}")
+        self.check_extended(extended)
         # overwrite_input permits, not requires, working in place (a copy when not C-ordered)
         return AccumulateRequest(self, contiguous(extended, copy=not overwrite_input))
 
@@ -574,7 +583,13 @@ def halo_plan(dist: Distribution, widths: Any, mode: str = "constant") -> HaloPl
     return _cached_plan(dist, normalize_widths(widths, dist.ndim), mode)
 
 
-@collective(ignore=("extended",))
+def _check_accumulate(extended: Any, dist: Distribution, widths: Any, mode: str = "constant",
+                      overwrite_input: bool = False) -> None:
+    """:func:`halo_accumulate`'s validation of this rank's block (for check mode's agreement)."""
+    halo_plan(dist, widths, mode).check_extended(extended)
+
+
+@collective(ignore=("extended",), check=_check_accumulate)
 def halo_accumulate(
     extended: Any,
     dist: Distribution,

@@ -88,6 +88,16 @@ class Generator:
         self._seq = np.random.SeedSequence(seed)
         self._calls = 0
 
+    def __collective_repr__(self) -> str:
+        """What check mode compares across ranks: the seed and the arrays drawn so far.
+
+        A generator seeded differently on some rank, or one that has drawn
+        another number of arrays there, would give blocks of different global
+        arrays; in check mode that raises on every rank
+        (:mod:`disttensor.settings`).
+        """
+        return f"Generator(seed={self._seq.entropy!r}, drawn={self._calls})"
+
     def _keys(self, n: int) -> list[int]:
         state = np.random.SeedSequence(self._seq.entropy, spawn_key=(self._calls,))
         self._calls += 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..settings import track_option
+
 __all__ = [
     "implicit_redistribution",
     "implicit_redistribution_enabled",
@@ -26,7 +28,8 @@ def set_implicit_redistribution(enabled: bool) -> bool:
     that *are* the operation (the Allreduce of a reduction, the broadcasts of
     ``matmul``).
 
-    The setting is per process: set it to the same value on every rank.
+    The setting is per process: set it to the same value on every rank (in
+    check mode every collective call compares it, see :mod:`disttensor.settings`).
 
     Parameters
     ----------
@@ -63,3 +66,6 @@ def implicit_redistribution(enabled: bool) -> Iterator[None]:
         yield
     finally:
         set_implicit_redistribution(previous)
+
+
+track_option("implicit_redistribution", implicit_redistribution_enabled)

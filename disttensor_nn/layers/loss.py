@@ -15,26 +15,36 @@ import numpy as np
 
 from disttensor import DistArray, Distribution
 from disttensor.backend import array_namespace, as_module, astype, device_kw, numpy_dtype
+from disttensor.settings import validating
 
 from ..module import allreduce_, split_axes_comm
 
 __all__ = ["SoftmaxCrossEntropy", "MSELoss", "BCEWithLogitsLoss"]
 
 
+def _check_target(target: Any, shape: tuple[int, ...]) -> Any:
+    """``target`` as a DistArray or an array of the prediction's global ``shape`` (local)."""
+    if not isinstance(target, DistArray) and not hasattr(target, "shape"):
+        target = np.asarray(target)
+    if tuple(target.shape) != shape:
+        raise ValueError(f"target shape {tuple(target.shape)} != prediction {shape}")
+    return target
+
+
 def _local_target(target: Any, dist, xp: ModuleType) -> Any:
     """This rank's block of ``target`` (a DistArray, redistributed if needed, or a global array),
     as an array of ``xp`` (the prediction's array module)."""
+    target = _check_target(target, dist.global_shape)
     if isinstance(target, DistArray):
-        if target.shape != dist.global_shape:
-            raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
         local = (target if target.dist == dist else target.redistribute(dist)).local
     else:
-        if not hasattr(target, "shape"):
-            target = np.asarray(target)
-        if tuple(target.shape) != dist.global_shape:
-            raise ValueError(f"target shape {target.shape} != prediction {dist.global_shape}")
         local = target[dist.local_slices()]
     return as_module(local, xp)
+
+
+def _comm(x: Any) -> Any:
+    """The communicator of a loss's first argument, for check mode's agreement (None: world)."""
+    return x.grid.comm if isinstance(x, DistArray) else None
 
 
 def _saved_state(loss: object) -> Any:
@@ -61,16 +71,20 @@ class SoftmaxCrossEntropy:
 
     def forward(self, logits: DistArray, labels: Any) -> float:
         self._saved = None
-        if not isinstance(logits, DistArray):
-            raise TypeError(f"logits must be a DistArray, got {type(logits).__name__}")
-        if not isinstance(labels, DistArray) and not hasattr(labels, "dtype"):
-            labels = np.asarray(labels)
-        if np.dtype(numpy_dtype(labels.dtype)).kind not in "iu":
-            raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
-        if logits.ndim != 2:
-            raise ValueError(f"logits must be (N, K), got {logits.shape}")
-        if logits.dist.nblocks[1] > 1:
-            raise ValueError("the class dimension of the logits must not be split")
+        # check mode: arguments valid on some ranks only raise on every rank alike
+        with validating("SoftmaxCrossEntropy.forward", {"logits": logits, "labels": labels},
+                        _comm(logits)):
+            if not isinstance(logits, DistArray):
+                raise TypeError(f"logits must be a DistArray, got {type(logits).__name__}")
+            if not isinstance(labels, DistArray) and not hasattr(labels, "dtype"):
+                labels = np.asarray(labels)
+            if np.dtype(numpy_dtype(labels.dtype)).kind not in "iu":
+                raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
+            if logits.ndim != 2:
+                raise ValueError(f"logits must be (N, K), got {logits.shape}")
+            if logits.dist.nblocks[1] > 1:
+                raise ValueError("the class dimension of the logits must not be split")
+            _check_target(labels, logits.shape[:1])
         ldist = Distribution((logits.shape[0],), logits.grid, (logits.dist.axes[0],),
                              [logits.dist.splits[0]])
         xp = logits.xp
@@ -103,8 +117,12 @@ class SoftmaxCrossEntropy:
 class _Pointwise:
     def forward(self, pred: DistArray, target: Any) -> float:
         self._saved = None
-        if not isinstance(pred, DistArray):
-            raise TypeError("the prediction must be a DistArray")
+        # check mode: a target valid on some ranks only raises on every rank alike
+        with validating(f"{type(self).__name__}.forward", {"prediction": pred, "target": target},
+                        _comm(pred)):
+            if not isinstance(pred, DistArray):
+                raise TypeError("the prediction must be a DistArray")
+            _check_target(target, pred.shape)
         t = astype(_local_target(target, pred.dist, pred.xp), np.float64)
         p = astype(pred.local, np.float64)
         count = pred.size
