@@ -226,8 +226,9 @@ def bn_expected(x, gamma, beta, eps, dy, groups):
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("stats", ["global", "group"])
-def test_batchnorm_float32_input_far_from_zero(stats):
+def test_batchnorm_float32_input_far_from_zero(stats, kernels):
     """float32 channels whose mean is 300 times their spread: outputs and gradients match
     the float64 formulas to float32 accuracy (no sum of squares that cancels)."""
     shape = (4, 3, 12, 10)
@@ -239,6 +240,7 @@ def test_batchnorm_float32_input_far_from_zero(stats):
     for lname, dist in layouts(shape):
         groups = [(0, shape[0])] if stats == "global" else groups_of(dist)
         bn = nn.BatchNorm2d(3, stats=stats)
+        bn.kernel_backend = kernels
         want = bn_expected(x.astype(np.float64), np.ones(3), np.zeros(3), bn.eps,
                            dy.astype(np.float64), groups)
         y = bn(dt.DistArray.from_global(x, dist))
@@ -253,9 +255,10 @@ def test_batchnorm_float32_input_far_from_zero(stats):
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("stats", ["global", "group"])
 @pytest.mark.parametrize("nd", [2, 3])
-def test_batchnorm_train_running_stats_and_eval(nd, stats):
+def test_batchnorm_train_running_stats_and_eval(nd, stats, kernels):
     shape = SHAPE[nd]
     m, eps = 0.3, 1e-5
     rng = np.random.default_rng(9)
@@ -265,16 +268,17 @@ def test_batchnorm_train_running_stats_and_eval(nd, stats):
     check = Checks()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _batchnorm_cases(check, nd, stats, shape, m, eps, xs, dys, bshape)
+        _batchnorm_cases(check, nd, stats, shape, m, eps, xs, dys, bshape, kernels)
     # e.g. no 0/0 on a rank whose sample block is empty
     check.true(not [w for w in caught if issubclass(w.category, RuntimeWarning)],
                f"warnings: {[str(w.message) for w in caught]}")
     check.finish()
 
 
-def _batchnorm_cases(check, nd, stats, shape, m, eps, xs, dys, bshape):
+def _batchnorm_cases(check, nd, stats, shape, m, eps, xs, dys, bshape, kernels):
     for lname, dist in layouts(shape):
         bn = bn_layer(nd, stats, momentum=m, eps=eps)
+        bn.kernel_backend = kernels
         gamma, beta = bn.weight.data.copy(), bn.bias.data.copy()
         groups = [(0, shape[0])] if stats == "global" else groups_of(dist)
         rm, rv = np.zeros(shape[1]), np.ones(shape[1])
@@ -342,8 +346,9 @@ def test_batchnorm_finite_differences(stats):
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_batchnorm_without_running_stats_or_affine(mode):
+def test_batchnorm_without_running_stats_or_affine(mode, kernels):
     # track_running_stats=False: batch statistics in both modes (as torch.nn.BatchNorm2d)
     shape = SHAPE[2]
     rng = np.random.default_rng(24)
@@ -355,6 +360,7 @@ def test_batchnorm_without_running_stats_or_affine(mode):
     check = Checks()
     for lname, dist in layouts(shape)[:5]:
         bn = nn.BatchNorm2d(c, affine=False, track_running_stats=False, dtype=np.float64)
+        bn.kernel_backend = kernels
         bn.train(mode == "train")
         check.true(list(bn.parameters()) == [], "affine=False has no parameters")
         y = bn(dt.DistArray.from_global(x, dist))

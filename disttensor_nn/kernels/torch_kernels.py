@@ -8,8 +8,8 @@ block, and the results come back the same way, so a layer sees the array
 module it gave. The kernels are ATen's: ``aten.convolution`` and
 ``aten.convolution_backward`` (oneDNN's direct convolutions on a CPU with it,
 cuDNN's on a GPU), ``max_pool*_with_indices`` and their backward, the
-average pools, ``relu`` and the per-channel reductions of batch
-normalisation.
+average pools, ``relu``, and batch normalisation's per-channel moments
+(one Welford pass) and fused per-channel affine passes.
 
 PyTorch is optional (the ``torch`` extra: ``pip install "disttensor[torch]"``);
 this module imports it on first use, so importing :mod:`disttensor_nn` never
@@ -51,7 +51,10 @@ __all__ = [
     "pool_backward",
     "relu_forward",
     "relu_backward",
-    "channel_sums",
+    "channel_moments",
+    "scale_shift",
+    "grad_moments",
+    "affine_grad",
     "release_workspace",
     "INSTALL_HINT",
 ]
@@ -268,9 +271,62 @@ def relu_backward(dy: Any, mask: Any, negative_slope: float = 0.0) -> Any:
     return _back(dx, dy)
 
 
-def channel_sums(a3: Any) -> Any:
-    """Per-channel sums of an ``(N, C, M)`` array: in its dtype over M, float64 over N."""
-    torch = require()
-    t = _t(a3)
-    return _back(torch.sum(torch.sum(t, dim=2), dim=0, dtype=torch.float64), a3)
+def channel_moments(x3: Any) -> tuple[Any, Any, Any]:
+    """``(centre, sum_d, sum_d2)`` per channel of an ``(N, C, M)`` array.
 
+    ``centre`` is the channels' mean in the array's dtype; ``sum_d`` and
+    ``sum_d2`` are the sums of ``d = x - centre`` and of ``d**2`` in float64,
+    so that sums over several ranks combine without cancellation (batch
+    normalisation's statistics): the sum in float64, then the variance about
+    the mean in one Welford pass (``torch.var``), two reads of the array.
+    """
+    torch = require()
+    t = _t(x3)
+    c = t.shape[1]
+    m = t.shape[0] * t.shape[2]
+    if m == 0:
+        zero = torch.zeros(c, dtype=torch.float64, device=t.device)
+        return _back(zero.to(t.dtype), x3), _back(zero, x3), _back(zero.clone(), x3)
+    total = torch.sum(t, dim=(0, 2), dtype=torch.float64)
+    var = torch.var(t, dim=(0, 2), correction=0).to(torch.float64)
+    centre = (total / m).to(t.dtype)
+    sum_d = total - m * centre.to(torch.float64)  # the mean's rounding to the dtype, summed
+    sum_d2 = var * m + sum_d * sum_d / m
+    return _back(centre, x3), _back(sum_d, x3), _back(sum_d2, x3)
+
+def _per_channel(v: Any, like: Any) -> Any:
+    """A per-channel vector as a ``(C, 1)`` tensor of ``like``'s dtype."""
+    return _t(v).to(like.dtype)[:, None]
+
+
+def scale_shift(x3: Any, centre: Any, scale: Any, shift: Any) -> Any:
+    """``(x3 - centre) * scale + shift`` per channel of an ``(N, C, M)`` array.
+
+    The centre is subtracted first, so that channels far from zero keep
+    their accuracy; one new array, updated in place.
+    """
+    torch = require()
+    t = _t(x3)
+    y = torch.sub(t, _per_channel(centre, t))
+    y.mul_(_per_channel(scale, t)).add_(_per_channel(shift, t))
+    return _back(y, x3)
+
+
+def grad_moments(g3: Any, x3: Any, centre: Any) -> tuple[Any, Any]:
+    """``(sum(g), sum(g * (x - centre)))`` per channel of ``(N, C, M)`` arrays, in float64."""
+    torch = require()
+    g, x = _t(g3), _t(x3)
+    sum_g = torch.sum(torch.sum(g, dim=2), dim=0, dtype=torch.float64)
+    d = torch.sub(x, _per_channel(centre, x))
+    sum_gd = torch.einsum("ncm,ncm->c", g, d).to(torch.float64)
+    return _back(sum_g, g3), _back(sum_gd, g3)
+
+
+def affine_grad(g3: Any, x3: Any, centre: Any, a: Any, b: Any, c: Any) -> Any:
+    """``g3 * a + (x3 - centre) * b + c`` per channel of ``(N, C, M)`` arrays (batch
+    normalisation's input gradient); one new array, updated in place."""
+    torch = require()
+    g, x = _t(g3), _t(x3)
+    dx = torch.sub(x, _per_channel(centre, x))
+    dx.mul_(_per_channel(b, g)).add_(_per_channel(c, g)).addcmul_(g, _per_channel(a, g))
+    return _back(dx, g3)

@@ -22,6 +22,7 @@ from disttensor.backend import (
 )
 
 from ..costspec import Allreduce, CostSpec, largest_block
+from ..kernels import kernels_for
 from ..module import Layer, Parameter, allreduce_, check_input, check_int, split_axes_comm
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
@@ -42,6 +43,25 @@ def _into(xp: ModuleType, op: str, a: Any, b: Any, out: Any | None) -> Any:
 def _channel_sums(xp: ModuleType, a3: Any, f64: Any) -> Any:
     """Per-channel sums of ``(N, C, M)``: rows in ``a3``'s dtype, then float64 over N."""
     return xp.sum(xp.sum(a3, axis=2), axis=0, dtype=f64)
+
+
+def _moments(xp: ModuleType, x3: Any, y3: Any | None, f64: Any) -> tuple[Any, Any, Any, Any]:
+    """``(centre, sum(d), sum(d**2), d)`` per channel of ``(N, C, M)``, ``d = x - centre``
+    written into ``y3`` where the module writes in place (``centre``: the mean in the
+    input's dtype; the sums in float64)."""
+    n, c, m = x3.shape
+    centre = astype(_channel_sums(xp, x3, f64) / max(n * m, 1), x3.dtype)
+    y3 = _into(xp, "subtract", x3, centre[:, None], y3)
+    sum_d = _channel_sums(xp, y3, f64)
+    if writes_in_place(xp):
+        sum_d2 = xp.zeros(c, dtype=f64)
+        tmp = xp.empty(x3.shape[1:], dtype=x3.dtype)
+        for i in range(n):  # one sample at a time: the scratch stays in cache
+            xp.multiply(y3[i], y3[i], out=tmp)
+            sum_d2 += tmp.sum(axis=1)
+    else:
+        sum_d2 = _channel_sums(xp, y3 * y3, f64)
+    return centre, sum_d, sum_d2, y3
 
 
 class BatchNormNd(Layer):
@@ -67,7 +87,9 @@ class BatchNormNd(Layer):
     identical on every rank (``2 C`` float64 values, the same message as
     without the channel split).
 
-    All arithmetic uses the input's array module (NumPy or CuPy); the running
+    All arithmetic uses the input's array module (NumPy or CuPy), or with
+    ``kernel_backend="torch"`` PyTorch's: the moments in one Welford pass and
+    each elementwise pass fused into one (``addcmul``); the running
     statistics (float64 buffers ``running_mean`` and ``running_var``, in the
     :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
 
@@ -83,6 +105,7 @@ class BatchNormNd(Layer):
     """
 
     saved_for_backward = ("_saved",)
+    kernel_backends = ("numpy", "torch")
 
     nd = 0
 
@@ -111,7 +134,8 @@ class BatchNormNd(Layer):
         f64 = namespace_dtype(xp, np.float64)
         n, c = xl.shape[:2]
         x3 = xp.reshape(xl, (n, c, math.prod(xl.shape[2:])))
-        y3 = _scratch(xp, x3.shape, xl.dtype)
+        fused = self.kernel_backend == "torch"  # the torch kernels' fused passes
+        y3 = None if fused else _scratch(xp, x3.shape, xl.dtype)
         batch_stats = self.training or not self.track_running_stats
         if batch_stats:
             spatial = tuple(range(2, x.ndim))
@@ -123,17 +147,10 @@ class BatchNormNd(Layer):
             # 2 centre sum(d) + m centre^2 (m values here), rows pairwise in the input's
             # dtype, the rest in float64; y holds d, then becomes the output
             m = n * x3.shape[2]
-            centre = astype(_channel_sums(xp, x3, f64) / max(m, 1), xl.dtype)
-            y3 = _into(xp, "subtract", x3, centre[:, None], y3)
-            sum_d = _channel_sums(xp, y3, f64)
-            if writes_in_place(xp):
-                sum_d2 = xp.zeros(c, dtype=f64)
-                tmp = xp.empty(x3.shape[1:], dtype=xl.dtype)
-                for i in range(n):  # one sample at a time: the scratch stays in cache
-                    xp.multiply(y3[i], y3[i], out=tmp)
-                    sum_d2 += tmp.sum(axis=1)
+            if fused:
+                centre, sum_d, sum_d2 = kernels_for(xl, "torch").channel_moments(x3)
             else:
-                sum_d2 = _channel_sums(xp, y3 * y3, f64)
+                centre, sum_d, sum_d2, y3 = _moments(xp, x3, y3, f64)
             c64 = astype(centre, np.float64)
             sums = allreduce_(self._whole(xp, x.dist, m * c64 + sum_d,
                                           sum_d2 + 2 * c64 * sum_d + m * c64**2), comm)
@@ -146,7 +163,8 @@ class BatchNormNd(Layer):
             self._follow(xl)
             mean, var, count = self.running_mean[chans], self.running_var[chans], None
             centre = astype(mean, xl.dtype)
-            y3 = _into(xp, "subtract", x3, centre[:, None], y3)
+            if not fused:
+                y3 = _into(xp, "subtract", x3, centre[:, None], y3)
         inv = 1.0 / xp.sqrt(var + self.eps)
         # y = (x - centre) * scale + shift, scale = gamma * inv, shift = beta + (centre -
         # mean) * scale: the large parts cancel before rounding, as in (x - mean) * scale
@@ -154,8 +172,11 @@ class BatchNormNd(Layer):
         shift = (astype(centre, np.float64) - mean) * scale
         if self.affine:
             shift = shift + astype(self.bias.data[chans], np.float64)
-        y3 = _into(xp, "multiply", y3, astype(scale, xl.dtype)[:, None], y3)
-        y3 = _into(xp, "add", y3, astype(shift, xl.dtype)[:, None], y3)
+        if fused:
+            y3 = kernels_for(xl, "torch").scale_shift(x3, centre, scale, shift)
+        else:
+            y3 = _into(xp, "multiply", y3, astype(scale, xl.dtype)[:, None], y3)
+            y3 = _into(xp, "add", y3, astype(shift, xl.dtype)[:, None], y3)
         y = xp.reshape(y3, xl.shape)
         self._saved = (x.dist, xl, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
@@ -225,13 +246,18 @@ class BatchNormNd(Layer):
         x3 = xp.reshape(xl, (n, c, math.prod(xl.shape[2:])))
         g3 = xp.reshape(g, x3.shape)
         cc = astype(centre, g.dtype)[:, None]
-        dx3 = _scratch(xp, x3.shape, g.dtype)
-        dx3 = _into(xp, "subtract", x3, cc, dx3)  # dx is the scratch of g * (x - centre)
-        dx3 = _into(xp, "multiply", dx3, g3, dx3)
-        # sum(g * xhat) = inv * (sum(g * (x - centre)) + (centre - mean) * sum(g)); rows
-        # in the input's dtype, the rest in float64
-        sum_g = _channel_sums(xp, g3, f64)
-        sum_gd = _channel_sums(xp, dx3, f64)
+        fused = self.kernel_backend == "torch"  # the torch kernels' fused passes
+        if fused:
+            kernels = kernels_for(g, "torch")
+            sum_g, sum_gd = kernels.grad_moments(g3, x3, centre)
+        else:
+            dx3 = _scratch(xp, x3.shape, g.dtype)
+            dx3 = _into(xp, "subtract", x3, cc, dx3)  # dx is the scratch of g * (x - centre)
+            dx3 = _into(xp, "multiply", dx3, g3, dx3)
+            # sum(g * xhat) = inv * (sum(g * (x - centre)) + (centre - mean) * sum(g)); rows
+            # in the input's dtype, the rest in float64
+            sum_g = _channel_sums(xp, g3, f64)
+            sum_gd = _channel_sums(xp, dx3, f64)
         sums = self._whole(xp, dist, sum_g,
                            inv * (sum_gd + (astype(centre, np.float64) - mean) * sum_g))
         if self.stats == "group":
@@ -256,7 +282,9 @@ class BatchNormNd(Layer):
             b = -scale * inv * dvar
             shift = scale * (inv * dvar * (mean - astype(centre, np.float64)) - dmean)
             bx, bs = astype(b, g.dtype)[:, None], astype(shift, g.dtype)[:, None]
-            if writes_in_place(xp):
+            if fused:
+                dx3 = kernels.affine_grad(g3, x3, centre, scale, b, shift)
+            elif writes_in_place(xp):
                 tmp = xp.empty(x3.shape[1:], dtype=g.dtype)
                 for i in range(n):  # one sample at a time: the scratch stays in cache
                     xp.multiply(g3[i], sc, out=dx3[i])
@@ -266,6 +294,9 @@ class BatchNormNd(Layer):
                     xp.add(dx3[i], bs, out=dx3[i])
             else:
                 dx3 = g3 * sc + (x3 - cc) * bx + bs
+        elif fused:
+            zero = xp.zeros_like(scale)
+            dx3 = kernels.scale_shift(g3, zero, scale, zero)
         else:
             dx3 = _into(xp, "multiply", g3, sc, dx3)
         return DistArray(xp.reshape(dx3, xl.shape), dist)
