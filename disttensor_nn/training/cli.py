@@ -15,9 +15,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from disttensor import limit_blas_threads
-
-from ..plan import Plan, make_plan, predict_scaling, wait_for_root
+from ..kernels import BACKENDS, limit_threads
+from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
 from .checkpoint import CheckpointError
@@ -25,6 +24,7 @@ from .data import data_problem, save_dataset
 from .driver import RECOMPUTE, SetupError, TrainConfig, plan_mismatch, train
 from .inference import PredictConfig, predict
 from .plot import plot_scaling
+from .recipe import OPTIMIZERS, SCHEDULES, recipe_problem
 from .registry import build_model, check_size, model_names, model_spec
 
 __all__ = ["data_main", "parse_bytes", "parse_size", "plan_main", "predict_main", "train_main"]
@@ -118,6 +118,25 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
     """Show every option's default, keep the description's line breaks."""
 
 
+def _kernel_options(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    """The options that choose the local kernels and their threads."""
+    parser.add_argument("--kernels", choices=("auto", *BACKENDS), default=default,
+                        help="local kernels: NumPy's, PyTorch's (the torch extra: oneDNN on "
+                        "CPUs, cuDNN on GPUs), or auto: each layer's faster of those "
+                        "installed, timed by the planner")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="kernel threads per rank (default: the cores of a node divided "
+                        "by its ranks)")
+
+
+def _check_kernels(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, kernels this installation cannot run (one message, exit 2)."""
+    try:
+        kernel_choice(args.kernels)
+    except (ValueError, ImportError) as exc:
+        parser.error(f"--kernels {args.kernels}: {exc}")
+
+
 def _read_plan(parser: argparse.ArgumentParser, path: str) -> Plan:
     """The plan in ``path``; a usage error naming the file and what is wrong with it."""
     try:
@@ -176,6 +195,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--channel-splits", action="store_true",
                         help="also split channels and filters (grids over (N, C, S..))")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
+    _kernel_options(parser)
     args = parser.parse_args(argv)
     if args.plot and not args.scaling:
         parser.error("--plot needs --scaling")
@@ -184,8 +204,9 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             check_size(args.model, args.size)
         except ValueError as exc:
             parser.error(f"--size: {exc}")
+    _check_kernels(parser, args)
     comm = MPI.COMM_WORLD
-    limit_blas_threads(comm=comm)
+    limit_threads(args.threads, comm=comm)
     if args.calibrate:
         profile = calibrate(comm, device=args.device)
         if comm.Get_rank() == 0:
@@ -220,7 +241,7 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     try:
         plan, _ = make_plan(model, shape, nprocs, args.machine, args.memory_per_rank,
                             not args.no_measure, comm=comm, recompute=RECOMPUTE[args.recompute],
-                            channels=args.channel_splits)
+                            channels=args.channel_splits, kernels=args.kernels)
     except (ValueError, FileNotFoundError) as exc:
         if root:
             print(f"disttensor-plan: error: {exc}", file=sys.stderr)
@@ -297,10 +318,39 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", type=_size,
                         help="input spatial size, e.g. 256x256 (default: the model's)")
     parser.add_argument("--lr", type=_positive, help="learning rate (default: the model's)")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=d.optimizer,
+                        help="SGD (with --momentum), Adam or AdamW (decoupled weight decay), "
+                        "as torch.optim's")
     parser.add_argument("--momentum", type=_nonnegative, default=d.momentum,
                         help="SGD momentum")
     parser.add_argument("--weight-decay", type=_nonnegative, default=d.weight_decay,
-                        help="SGD weight decay")
+                        help="weight decay (None: the optimizer's, 0 for sgd and adam, 0.01 "
+                        "for adamw)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
+                        help="the learning rate over --schedule-steps: constant (none), "
+                        "times --gamma every --step-size steps (step), or a cosine or linear "
+                        "decay to --min-lr over the steps after the warm-up")
+    parser.add_argument("--warmup-steps", type=_count, default=d.warmup_steps, metavar="K",
+                        help="a linear warm-up from --warmup-start-factor x --lr to --lr over "
+                        "the first K steps, before the schedule (fewer than --steps)")
+    parser.add_argument("--warmup-start-factor", type=_positive,
+                        default=d.warmup_start_factor, metavar="F",
+                        help="the warm-up's first learning rate as a share of --lr, in (0, 1]")
+    parser.add_argument("--step-size", type=_positive_int, default=d.step_size, metavar="N",
+                        help="--schedule step: steps between decays (None: a third of the "
+                        "steps after the warm-up)")
+    parser.add_argument("--gamma", type=_nonnegative, default=d.gamma,
+                        help="--schedule step: the factor of each decay")
+    parser.add_argument("--min-lr", type=_nonnegative, default=d.min_lr,
+                        help="--schedule cosine or linear: the learning rate at the end")
+    parser.add_argument("--schedule-steps", type=_positive_int, default=d.schedule_steps,
+                        metavar="N", help="the steps the schedule and warm-up span (None: "
+                        "--steps); give the whole schedule's when training it in parts with "
+                        "--resume")
+    parser.add_argument("--clip-grad-norm", type=_positive, default=d.clip_grad_norm,
+                        metavar="X", help="scale the gradients so that the norm of the whole "
+                        "model's gradient (sharded parameters counted once) is at most X "
+                        "(None: no clipping)")
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
     parser.add_argument("--data", metavar="PATH",
@@ -342,7 +392,11 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         help="compute on CPU cores (NumPy) or on one GPU per rank (CuPy; a "
                         "node's ranks take its GPUs in turn; --machine this then plans with "
                         "the GPU calibration this-gpu)")
+    _kernel_options(parser, d.kernels)
+    parser.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=d.prefetch,
+                        help="batches a thread reads or synthesises ahead while a step runs")
     a = parser.parse_args(argv)
+    _check_kernels(parser, a)
     if a.resume and not a.checkpoint:
         parser.error("--resume needs --checkpoint DIR (the checkpoint to continue from)")
     if a.checkpoint_every and not a.checkpoint:
@@ -361,7 +415,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         problem = plan_mismatch(plan, model, shape, MPI.COMM_WORLD.Get_size())
         if problem:
             parser.error(f"--ranks-layout {a.ranks_layout}: {problem}")
-    limit_blas_threads()
+    limit_threads(a.threads)
     cfg = TrainConfig(model=a.model, layout=a.ranks_layout, batch=a.batch, steps=a.steps,
                       size=a.size, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
                       seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
@@ -370,7 +424,15 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       progress=not a.no_progress, data=a.data, data_input=a.data_input,
                       data_target=a.data_target, recalibrate=a.recalibrate,
                       profile_memory=a.profile_memory, recompute=a.recompute,
-                      device=a.device, accumulate=a.accumulate)
+                      device=a.device, accumulate=a.accumulate, kernels=a.kernels,
+                      threads=a.threads, prefetch=a.prefetch, optimizer=a.optimizer,
+                      schedule=a.schedule, warmup_steps=a.warmup_steps,
+                      warmup_start_factor=a.warmup_start_factor, step_size=a.step_size,
+                      gamma=a.gamma, min_lr=a.min_lr, schedule_steps=a.schedule_steps,
+                      clip_grad_norm=a.clip_grad_norm)
+    problem = recipe_problem(cfg, a.lr if a.lr is not None else model_spec(a.model).lr)
+    if problem:
+        parser.error(problem)
     try:
         train(cfg)
     except SetupError as exc:  # raised on every rank, before training
@@ -470,7 +532,9 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default=d.device,
                         help="compute on CPU cores (NumPy) or on one GPU per rank (CuPy; "
                         "--machine this then plans with the GPU calibration this-gpu)")
+    _kernel_options(parser, d.kernels)
     a = parser.parse_args(argv)
+    _check_kernels(parser, a)
     if not os.path.isdir(a.checkpoint):
         parser.error(f"--checkpoint {a.checkpoint}: not a directory")
     problem = data_problem(a.data)
@@ -483,11 +547,11 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
     parent = os.path.dirname(os.path.abspath(a.out.rstrip("/")))
     if not os.path.isdir(parent):
         parser.error(f"--out {a.out}: the directory {parent} does not exist")
-    limit_blas_threads()
+    limit_threads(a.threads)
     cfg = PredictConfig(model=a.model, checkpoint=a.checkpoint, data=a.data, out=a.out,
                         data_input=a.data_input, machine=a.machine,
                         memory_per_rank=a.memory_per_rank, chunks=a.chunks,
-                        progress=not a.no_progress, device=a.device)
+                        progress=not a.no_progress, device=a.device, kernels=a.kernels)
     try:
         result = predict(cfg)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import math
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ from disttensor import use_device
 from disttensor.backend import is_numpy, nbytes
 
 from ..container import Sequential
-from ..kernels import synchronize
+from ..kernels import limit_threads, synchronize
 from ..memory import (
     MemoryProfile,
     available_bytes,
@@ -28,18 +29,21 @@ from ..memory import (
     resident_bytes,
 )
 from ..module import GradientBuckets, Layer, Layout, RemovableHandle, no_sync
-from ..optim import SGD
-from ..plan import Plan, apply_plan, make_plan
+from ..optim import clip_grad_norm_
+from ..optim.lr_scheduler import LRScheduler
+from ..plan import Plan, apply_plan, kernel_choice, make_plan
 from ..plan.calibrate import calibrate, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.planner import leaf_nodes, trace
 from ..plan.timer import warm_up
 from ..recompute import recompute_segments
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .data import Loader, open_dataset
+from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint, save_checkpoint
+from .data import Loader, Prefetcher, open_dataset
+from .recipe import make_optimizer, make_scheduler, recipe_problem, resume_problem
 from .registry import build_model, check_size, model_spec
 
-__all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError", "MemoryBudgetError"]
+__all__ = ["TrainConfig", "train", "plan_mismatch", "prediction_warning", "SetupError",
+           "MemoryBudgetError"]
 
 RECOMPUTE = {"auto": "auto", "always": True, "never": False}
 """``TrainConfig.recompute`` -> the planner's ``recompute`` option."""
@@ -77,8 +81,17 @@ class TrainConfig:
     steps: int = 100
     size: tuple[int, ...] | None = None
     lr: float | None = None
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    optimizer: str = "sgd"  # "sgd", "adam" or "adamw" (recipe.OPTIMIZERS)
+    momentum: float = 0.9  # SGD's
+    weight_decay: float | None = None  # None: the optimizer's default (AdamW's is 0.01)
+    schedule: str = "none"  # "none", "step", "cosine" or "linear" (recipe.SCHEDULES)
+    warmup_steps: int = 0  # a linear warm-up over the first steps, before the schedule
+    warmup_start_factor: float = 0.1  # the warm-up starts at this share of the rate
+    step_size: int | None = None  # "step": steps between decays (None: a third of the rest)
+    gamma: float = 0.1  # "step": the factor of each decay
+    min_lr: float = 0.0  # "cosine", "linear": the rate at the last step
+    schedule_steps: int | None = None  # the steps the schedule spans (None: steps)
+    clip_grad_norm: float | None = None  # the largest norm of the whole model's gradient
     seed: int = 0
     samples: int = 64
     checkpoint: str | None = None
@@ -96,6 +109,9 @@ class TrainConfig:
     recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
     accumulate: int = 1  # micro-batches of `batch` samples per step, one gradient reduction
+    kernels: str = "auto"  # "numpy", "torch" or "auto" (each layer's faster; make_plan)
+    threads: int | None = None  # kernel threads per rank (None: the cores / ranks per node)
+    prefetch: int = 1  # batches prepared ahead by a thread while a step runs (0: none)
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -207,8 +223,46 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {cfg.recompute!r}")
     plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
                         comm=comm, baseline=baseline, profile=memory,
-                        recompute=RECOMPUTE[cfg.recompute])
+                        recompute=RECOMPUTE[cfg.recompute], kernels=cfg.kernels)
     return plan
+
+
+def _check_config(cfg: TrainConfig) -> None:
+    """Refuse, on every rank alike and before any work, options that cannot run.
+
+    Raises
+    ------
+    SetupError
+        For an unknown kernel backend, torch kernels without PyTorch (naming the
+        extra), a thread count below one or a prefetch depth other than 0, 1 or 2.
+    """
+    try:
+        kernel_choice(cfg.kernels)
+    except (ValueError, ImportError) as exc:
+        raise SetupError(f"--kernels {cfg.kernels}: {exc}") from exc
+    if cfg.threads is not None and (isinstance(cfg.threads, bool) or
+                                    not isinstance(cfg.threads, int) or cfg.threads < 1):
+        raise SetupError(f"--threads must be a positive integer, got {cfg.threads!r}")
+    if cfg.prefetch not in (0, 1, 2):
+        raise SetupError(f"prefetch must be 0, 1 or 2 batches, got {cfg.prefetch!r}")
+
+
+def _threads(cfg: TrainConfig, comm: MPI.Comm) -> tuple[int, int, int]:
+    """Set each rank's kernel threads (BLAS and PyTorch's); returns (threads, ranks on this
+    node, cores). Collective. By default the cores divided by the ranks of the node."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_size()
+    node.Free()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    threads = cfg.threads if cfg.threads is not None else max(1, cores // local)
+    if threads * local > cores and cfg.threads is not None and threads > 1:
+        _say(comm, f"warning: --threads {threads} on {_plural(local, 'rank')} of this node "
+                   f"asks for more threads than its {_plural(cores, 'core')}; kernels compete")
+    limit_threads(threads)
+    return threads, local, cores
 
 
 def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> tuple:
@@ -218,22 +272,42 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     its optimizer state, created there); batches follow it one at a time.
     """
     rank = comm.Get_rank()
+    _check_config(cfg)
+    lr = cfg.lr if cfg.lr is not None else model_spec(cfg.model).lr
+    problem = recipe_problem(cfg, lr)
+    if problem:
+        raise SetupError(problem)
+    if cfg.resume and cfg.checkpoint:  # the saved optimizer and schedule, before any work
+        problem = resume_problem(cfg, checkpoint_manifest(cfg.checkpoint, comm=comm), lr)
+        if problem:
+            raise SetupError(f"--resume {cfg.checkpoint}: {problem}")
+    threads, local, cores = _threads(cfg, comm)
     with memory.phase("data"):
         model, shape, spec, data = _model_and_data(cfg)
     # what a rank holds besides the parameters and their gradients (the interpreter,
     # NumPy, MPI, the data set, the code a step runs and the buffers of the libraries
     # under it, a calibration's included): the process baseline of the predicted peak
-    warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))])
+    warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))],
+            backends=kernel_choice(cfg.kernels) or (None,))
     machine = _machine(cfg, comm, memory)
     release_free_memory()
     params = sum(nbytes(p.data) for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
-    plan = _plan(cfg, model, shape, comm, memory, baseline, machine)
+    # the batches a prefetching thread holds ahead: a rank's share of each batch's input and
+    # target (their split is the first layer's, known once planned: a share of the ranks)
+    ahead = cfg.prefetch * (math.prod(shape) + math.prod((cfg.batch, *data.target_shape))) \
+        * np.dtype(np.float32).itemsize / comm.Get_size()
+    plan = _plan(cfg, model, shape, comm, memory, baseline + ahead, machine)
     apply_plan(model, plan, shape, comm)
     if not is_numpy(xp):
         model.to(xp)
     nodes = leaf_nodes(trace(model, shape))
     recompute_segments([n.layer for n in nodes], [e.recompute for e in plan.entries])
+    plan.notes.append(
+        f"kernels on {_plural(threads, 'thread')} per rank ({_plural(local, 'rank')} on "
+        f"{_plural(cores, 'core')} of this node; --threads)" + (
+            f"; batches prepared {cfg.prefetch} ahead by a thread while a step runs"
+            if cfg.prefetch else ""))
     if rank == 0:
         print(f"{cfg.model}, batch {shape}, {_plural(comm.Get_size(), 'rank')}")
         print(plan.table(), flush=True)
@@ -245,13 +319,14 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
                     target_layout=target_layout, xp=None if is_numpy(xp) else xp)
     lr = cfg.lr if cfg.lr is not None else spec.lr
-    opt = SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(cfg, model.parameters(), lr)
+    sched = make_scheduler(cfg, opt)
     step = 0
     history: list[dict[str, float]] = []
     if cfg.resume:
         if not cfg.checkpoint:
             raise ValueError("--resume needs --checkpoint DIR")
-        state = load_checkpoint(cfg.checkpoint, model, opt, comm=comm)
+        state = load_checkpoint(cfg.checkpoint, model, opt, comm=comm, scheduler=sched)
         step = int(state["step"])
         if step >= cfg.steps:
             raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {step}; --steps "
@@ -262,7 +337,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
     release_free_memory()  # what planning freed, before the step's peak is measured
     _check_budget(plan, model, comm)
-    return model, shape, plan, nodes, loss_fn, loader, opt, step, history
+    return model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history
 
 
 def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm) -> None:
@@ -408,7 +483,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         if isinstance(exc, SetupError):
             raise
         raise SetupError(str(exc)) from exc
-    model, shape, plan, nodes, loss_fn, loader, opt, step, history = state
+    model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history = state
     clocks, _ = _timed(nodes)
     if cfg.profile_memory:
         memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
@@ -416,59 +491,17 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     if rank == 0 and cfg.progress:
         bar = tqdm(total=cfg.steps, initial=step,
                    desc=f"{cfg.model} on {_plural(comm.Get_size(), 'rank')}", unit="step")
-    it = iter(loader)
+    # the next batches are read or synthesised by a thread while the step runs
+    it = Prefetcher(loader, cfg.prefetch) if cfg.prefetch else None
+    plain = iter(loader) if it is None else None
     times, data_times = [], []
     warmup = [0.0] * len(clocks)
-    while step < cfg.steps:
-        comm.Barrier()
-        t0 = time.perf_counter()
-        dt_data, losses = 0.0, []
-        opt.zero_grad()
-        for micro in range(cfg.accumulate):
-            t_data = time.perf_counter()
-            try:
-                x, y = next(it)
-            except StopIteration:
-                it = iter(loader)
-                x, y = next(it)
-            # the loader's scratch and the last step's arrays, freed, leave the process
-            # before this step's peak (the C allocator would keep them resident)
-            release_free_memory()
-            dt_data += time.perf_counter() - t_data
-            with memory.phase("forward"):
-                out = model(x)
-                losses.append(loss_fn(out, y))
-            # the gradient of the mean over the micro-batches; its sums over ranks fused and
-            # overlapped, and sent once, with the last micro-batch's backward
-            last = micro == cfg.accumulate - 1
-            with memory.phase("backward"), GradientBuckets(), \
-                    (contextlib.nullcontext() if last else no_sync()):
-                dy = loss_fn.backward()
-                model.call_backward(dy if cfg.accumulate == 1 else dy * (1 / cfg.accumulate))
-        loss = float(np.mean(losses))
-        with memory.phase("optimizer"):
-            opt.step()
-        synchronize(xp)  # the step's device work, inside its clock
-        clocks_now = np.array([time.perf_counter() - t0 - dt_data, dt_data])
-        comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
-        dt_step, dt_data = clocks_now.tolist()
-        step += 1
-        times.append(dt_step)
-        if len(times) == 1:  # the first step warms caches and allocator: not in the layer times
-            warmup = [c[0] for c in clocks]
-        data_times.append(dt_data)
-        total = dt_step + dt_data
-        history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
-                        "data_s": dt_data, "samples_per_s": cfg.batch * cfg.accumulate / total})
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", compute_ms=f"{1e3 * dt_step:.0f}",
-                            data_ms=f"{1e3 * dt_data:.0f}")
-            bar.update(1)
-        if cfg.checkpoint and (step == cfg.steps or (cfg.checkpoint_every and
-                                                     step % cfg.checkpoint_every == 0)):
-            save_checkpoint(cfg.checkpoint, model, opt, step,
-                            extra={"loader": loader.state_dict(), "history": history},
-                            comm=comm)
+    try:
+        step, warmup = _loop(cfg, comm, memory, xp, model, loss_fn, opt, loader, it, plain,
+                             step, history, clocks, times, data_times, bar, sched)
+    finally:
+        if it is not None:
+            it.close()
     if bar is not None:
         bar.close()
     measured = np.array([c[0] for c in clocks])
@@ -511,6 +544,82 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         _print_summary(summary)
         _write_metrics(cfg.metrics, history, summary)
     return summary
+
+
+def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, model: Layer,
+          loss_fn: Any, opt: Any, loader: Loader, it: Prefetcher | None, plain: Any,
+          step: int, history: list[dict], clocks: list[list[float]], times: list[float],
+          data_times: list[float], bar: Any, sched: LRScheduler | None = None
+          ) -> tuple[int, list[float]]:
+    """The training steps from ``step`` on; returns the last step and the layers' clocks
+    after the first step (``times``, ``data_times`` and ``history`` grow in place).
+
+    A step's time is its wall time; of it, ``data_s`` is the time it waited for its
+    batches (with prefetching, only what the thread had not prepared yet).
+    """
+    warmup = [0.0] * len(clocks)
+    while step < cfg.steps:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        dt_data, losses = 0.0, []
+        opt.zero_grad()
+        for micro in range(cfg.accumulate):
+            t_data = time.perf_counter()
+            if it is not None:
+                x, y = it.next()
+            else:
+                try:
+                    x, y = next(plain)
+                except StopIteration:
+                    plain = iter(loader)
+                    x, y = next(plain)
+            # the loader's scratch and the last step's arrays, freed, leave the process
+            # before this step's peak (the C allocator would keep them resident)
+            release_free_memory()
+            dt_data += time.perf_counter() - t_data
+            with memory.phase("forward"):
+                out = model(x)
+                losses.append(loss_fn(out, y))
+            # the gradient of the mean over the micro-batches; its sums over ranks fused and
+            # overlapped, and sent once, with the last micro-batch's backward
+            last = micro == cfg.accumulate - 1
+            with memory.phase("backward"), GradientBuckets(), \
+                    (contextlib.nullcontext() if last else no_sync()):
+                dy = loss_fn.backward()
+                model.call_backward(dy if cfg.accumulate == 1 else dy * (1 / cfg.accumulate))
+        loss = float(np.mean(losses))
+        lr = opt.lr  # this step's learning rate
+        with memory.phase("optimizer"):
+            if cfg.clip_grad_norm is not None:  # by the norm of the whole model's gradient
+                clip_grad_norm_(opt.params, cfg.clip_grad_norm)
+            opt.step()
+            if sched is not None:
+                sched.step()
+        synchronize(xp)  # the step's device work, inside its clock
+        clocks_now = np.array([time.perf_counter() - t0, dt_data])
+        comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
+        wall, dt_data = clocks_now.tolist()
+        dt_step = wall - dt_data
+        step += 1
+        times.append(dt_step)
+        if len(times) == 1:  # the first step warms caches and allocator: not in the layer times
+            warmup = [c[0] for c in clocks]
+        data_times.append(dt_data)
+        total = wall
+        history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
+                        "data_s": dt_data, "samples_per_s": cfg.batch * cfg.accumulate / total,
+                        "lr": lr})
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", compute_ms=f"{1e3 * dt_step:.0f}",
+                            data_ms=f"{1e3 * dt_data:.0f}")
+            bar.update(1)
+        if cfg.checkpoint and (step == cfg.steps or (cfg.checkpoint_every and
+                                                     step % cfg.checkpoint_every == 0)):
+            save_checkpoint(cfg.checkpoint, model, opt, step,
+                            extra={"loader": (it or loader).state_dict(),
+                                   "history": history},
+                            comm=comm, scheduler=sched)
+    return step, warmup
 
 
 def _gather_profile(memory: MemoryProfile, comm: MPI.Comm) -> dict[str, Any]:
@@ -556,6 +665,27 @@ def _write_metrics(prefix: str | None, history: list[dict], summary: dict) -> No
           "plot them with disttensor-plot)")
 
 
+def prediction_warning(summary: dict, tolerance: float = 0.25, top: int = 3) -> str | None:
+    """A warning when a run's measured step differs from the plan's prediction by more than
+    ``tolerance`` (a share of the prediction), naming the layers that account for most of
+    the difference; None otherwise.
+
+    ``summary`` is what :func:`train` returns: its ``compute_time_per_iteration_s`` and
+    ``predicted_time_per_iteration_s``, and per layer ``predicted_s`` and ``measured_s``
+    (the driver's forward and backward clocks, communication included).
+    """
+    measured = summary.get("compute_time_per_iteration_s")
+    predicted = summary.get("predicted_time_per_iteration_s")
+    if not measured or not predicted or abs(measured - predicted) <= tolerance * predicted:
+        return None
+    layers = summary.get("layers") or []
+    worst = sorted(layers, key=lambda e: -abs(e["measured_s"] - e["predicted_s"]))[:top]
+    named = ", ".join(f"{e['name']} {e['layer']} {1e3 * e['measured_s']:.1f} ms measured / "
+                      f"{1e3 * e['predicted_s']:.1f} ms predicted" for e in worst)
+    return (f"warning: the step took {measured / predicted:.2f}x its predicted time"
+            + (f"; most of the difference is in {named}" if named else ""))
+
+
 def _print_summary(s: dict) -> None:
     k = s["config"].get("accumulate", 1)
     micro = f" x {k} micro-batches" if k > 1 else ""
@@ -569,6 +699,9 @@ def _print_summary(s: dict) -> None:
               f"{1e3 * s['predicted_time_per_iteration_s']:.1f} ms), data loading "
               f"{1e3 * s['data_time_per_iteration_s']:.1f} ms; "
               f"{s['samples_per_s']:.1f} samples/s")
+    warning = prediction_warning(s)
+    if warning:
+        print(warning)
     budget = s.get("memory_budget_bytes")
     print(f"peak memory per rank (resident): training step "
           f"{s['training_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (predicted "

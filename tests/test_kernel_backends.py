@@ -1,0 +1,211 @@
+"""Choosing each layer's kernels: the planner's choice between backends, applying it, and
+refusing a backend this installation cannot run (before any work, alike on every rank).
+
+None of these tests needs PyTorch: the choice is made from kernel times a stand-in timer
+gives, and where PyTorch is missing the refusals are checked as they are; where it is
+installed they are checked with it hidden from the process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor.testing import collective_assert
+from disttensor_nn.kernels import (
+    BACKENDS,
+    available_backends,
+    check_backend,
+    kernels_for,
+    torch_kernels,
+    use_kernels,
+    with_backend,
+)
+from disttensor_nn.plan import CostModel, Planner, apply_plan, kernel_choice, load_profile
+from disttensor_nn.plan.timer import QueryRecorder
+
+comm = MPI.COMM_WORLD
+HAS_TORCH = torch_kernels.available()
+
+# forward seconds per element of the local block, by layer kind and backend: the stand-in
+# timer makes the torch kernels faster for convolutions and pooling, slower for ReLU
+RATES = {("Conv2d", "torch"): 1.0, ("Conv2d", "numpy"): 3.0,
+         ("MaxPool2d", "torch"): 1.0, ("MaxPool2d", "numpy"): 2.0,
+         ("ReLU", "torch"): 2.0, ("ReLU", "numpy"): 1.0}
+
+
+class RateTimer:
+    """Kernel times from RATES (no measurement): what a cost model asks a KernelTimer."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+
+    def times(self, layer, local_in, dtype, flops, corun=1):
+        kind = type(layer).__name__
+        backend = layer.kernel_backend or "numpy"
+        self.asked.append((kind, backend))
+        t = RATES.get((kind, backend), 1.0) * 1e-9 * float(np.prod(local_in))
+        return t, 2 * t, False, corun
+
+
+def small_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1))
+
+
+SHAPE = (4, 2, 16, 16)
+
+
+def plan_with(backends, nprocs: int = 1):
+    cost = CostModel(load_profile("v100-nvlink-edr"), nprocs, RateTimer(), backends=backends)
+    return Planner(small_net(), SHAPE, cost).plan(), cost.timer
+
+
+@pytest.mark.parallel([1])
+def test_the_planner_keeps_each_layers_faster_backend():
+    plan, timer = plan_with(("numpy", "torch"))
+    kernels = {e.name: e.kernels for e in plan.entries}
+    # conv and pool faster in torch, ReLU in numpy; batch norm ties: the first backend
+    assert kernels == {"0": "torch", "1": "numpy", "2": "numpy", "3": "torch", "4": "torch"}, \
+        kernels
+    assert {("Conv2d", "numpy"), ("Conv2d", "torch"), ("ReLU", "numpy"),
+            ("ReLU", "torch")} <= set(timer.asked)
+    table = plan.table()
+    assert "kernels" in table.splitlines()[0]
+    assert [line.split()[5] for line in table.splitlines()[2:7]] == \
+        ["torch", "numpy", "numpy", "torch", "torch"], table
+    # the faster kernels make the plan faster than either backend alone
+    t_numpy = plan_with(("numpy",))[0].time
+    t_torch = plan_with(("torch",))[0].time
+    assert plan.time < min(t_numpy, t_torch)
+
+
+@pytest.mark.parallel([1])
+def test_one_backend_is_used_for_every_layer_that_has_it_and_none_chooses_nothing():
+    plan, timer = plan_with(("torch",))
+    assert [e.kernels for e in plan.entries] == ["torch"] * 5
+    assert {b for _, b in timer.asked} == {"torch"}
+    plan, timer = plan_with(None)
+    assert [e.kernels for e in plan.entries] == ["numpy"] * 5
+    assert "kernels" not in plan.table().splitlines()[0]  # no choice made: no column
+
+
+@pytest.mark.parallel([1])
+def test_a_query_recorder_lists_every_backends_kernels_to_measure():
+    cost = CostModel(load_profile("v100-nvlink-edr"), 1, QueryRecorder(),
+                     backends=("numpy", "torch"))
+    net = small_net()
+    planner = Planner(net, SHAPE, cost)
+    queries = planner.kernel_queries((1, 1, 1))
+    seen = {(type(q[0]).__name__, q[0].kernel_backend) for q in queries}
+    assert {("Conv2d", "numpy"), ("Conv2d", "torch"), ("MaxPool2d", "torch"),
+            ("BatchNorm2d", "numpy"), ("BatchNorm2d", "torch")} <= seen, seen
+    # the variants share the layer's parameters and are the same object when asked again
+    conv = net[0]
+    assert with_backend(conv, "torch") is with_backend(conv, "torch")
+    assert with_backend(conv, "torch").weight is conv.weight
+    assert conv.kernel_backend is None
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_apply_plan_sets_each_layers_kernels_or_refuses_without_torch():
+    plan, _ = plan_with(("numpy", "torch"), comm.Get_size())
+    net = small_net()
+    if HAS_TORCH:
+        apply_plan(net, plan, SHAPE, comm)
+        got = [layer.kernel_backend for layer in net]
+        collective_assert(got == ["torch", "numpy", "numpy", "torch", "torch"], str(got))
+        return
+    with pytest.raises(ImportError, match=r'pip install "disttensor\[torch\]"'):
+        apply_plan(net, plan, SHAPE, comm)
+    collective_assert(all(layer.layout is None for layer in net), "half applied")
+
+
+@pytest.mark.parallel([1])
+def test_backend_names_are_checked():
+    with pytest.raises(ValueError, match="unknown kernel backend 'cudnn'"):
+        check_backend("cudnn")
+    with pytest.raises(ValueError, match=r"kernels must be one of \['auto', 'numpy', 'torch'\]"):
+        kernel_choice("fast")
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        CostModel(load_profile("v100-nvlink-edr"), 1, backends=("numpy", "fast"))
+    assert kernel_choice(None) is None and kernel_choice("numpy") == ("numpy",)
+    assert kernel_choice("auto") == available_backends()
+    assert set(available_backends()) <= set(BACKENDS) and "numpy" in available_backends()
+    with pytest.raises(ValueError):
+        use_kernels(small_net(), "fast")
+
+
+def _hide_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(torch_kernels._state, "torch", None)
+
+
+@pytest.mark.parallel([1, 2])
+def test_without_torch_every_way_to_ask_for_it_raises_the_import_error_naming_the_extra(
+        monkeypatch):
+    _hide_torch(monkeypatch)
+    assert not torch_kernels.available() and available_backends() == ("numpy",)
+    hint = r'pip install "disttensor\[torch\]"'
+    net = small_net()
+    for call in (lambda: check_backend("torch"), lambda: kernel_choice("torch"),
+                 lambda: use_kernels(net, "torch"), lambda: kernels_for(np.zeros(1), "torch")):
+        with pytest.raises(ImportError, match=hint):
+            call()
+    collective_assert(all(layer.kernel_backend is None for layer in net), "changed")
+    conv = nn.Conv2d(2, 2, 3)
+    conv.kernel_backend = "torch"
+    x = dt.DistArray.from_global(np.ones((2, 2, 5, 5), np.float32),
+                                 dt.Distribution((2, 2, 5, 5), dt.ProcessGrid(
+                                     (comm.Get_size(), 1, 1, 1)), (0, None, None, None)))
+    with pytest.raises(ImportError, match=hint):
+        conv(x)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
+@pytest.mark.parallel([1, 2])
+def test_a_dtype_the_torch_kernels_cannot_run_is_refused_naming_the_layer():
+    conv = nn.Conv2d(2, 2, 3, dtype=np.float16)
+    conv.kernel_backend = "torch"
+    shape = (2, 2, 6, 6)
+    x = dt.DistArray.from_global(np.ones(shape, np.float16), dt.Distribution(
+        shape, dt.ProcessGrid((1, 1, comm.Get_size(), 1)), (None, None, 0, None)))
+    with pytest.raises(TypeError, match="Conv2d: the torch kernels do not run float16 arrays "
+                                        "on the cpu"):
+        conv(x)  # before the halo exchange: every rank raises, none waits
+    # and the planner never chooses them for float16
+    cost = CostModel(load_profile("v100-nvlink-edr"), 1, RateTimer(), itemsize=2,
+                     backends=("numpy", "torch"))
+    assert [type(v).__name__ + str(v.kernel_backend) for v in cost.variants(conv)] == \
+        ["Conv2dnumpy"]
+
+
+def _python(code: str, nprocs: int) -> subprocess.CompletedProcess:
+    from disttensor.testing.launch import mpiexec_path
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    drop = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "OMPI_", "_PYTEST_MPI")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONPATH"] = root
+    return subprocess.run([mpiexec_path(), "-n", str(nprocs), sys.executable, "-c", code],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parallel([1])
+def test_the_clis_refuse_torch_kernels_without_torch_with_one_message_and_exit_2():
+    for main in ("train_main", "plan_main"):
+        args = ["--kernels", "torch"] + (["mesh-demo"] if main == "plan_main" else [])
+        r = _python("import sys; sys.modules['torch'] = None\n"
+                    f"from disttensor_nn.training.cli import {main}\n"
+                    f"sys.exit({main}({args!r}))", 2)
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert r.stderr.count("error:") == 1, r.stderr
+        assert 'pip install "disttensor[torch]"' in r.stderr, r.stderr
+        assert "planning" not in r.stdout and "calibrat" not in r.stdout, r.stdout

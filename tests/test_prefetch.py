@@ -1,0 +1,138 @@
+"""Batches prepared ahead by a thread (Prefetcher) and what the driver reports of a step."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import disttensor as dt
+from disttensor.testing import collective_assert
+from disttensor_nn.module import Layout
+from disttensor_nn.training import TrainConfig, train
+from disttensor_nn.training.data import Loader, MeshSynthetic, Prefetcher
+from disttensor_nn.training.driver import prediction_warning
+
+V100 = "v100-nvlink-edr"
+
+
+def loader(comm=MPI.COMM_SELF, n=10, batch=3) -> Loader:
+    grid = dt.ProcessGrid((comm.Get_size(), 1, 1, 1), comm)
+    return Loader(MeshSynthetic(n, (8, 8), channels=2, seed=3), batch,
+                  Layout(grid, (0, None, None, None)), shuffle=True, seed=5)
+
+
+def batches(source, k):
+    out = []
+    for _ in range(k):
+        x, y = next(source)
+        out.append((x.local.copy(), None if y is None else np.asarray(
+            y.local if isinstance(y, dt.DistArray) else y).copy()))
+    return out
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(np.array_equal(p[0], q[0]) and (
+        (p[1] is None and q[1] is None) or np.array_equal(p[1], q[1])) for p, q in zip(a, b))
+
+
+def endless(ld: Loader):
+    while True:
+        yield from ld
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetched_batches_are_the_loaders_in_order_across_epochs(depth):
+    want = batches(endless(loader()), 7)  # 3 batches an epoch: over two epochs' boundary
+    with Prefetcher(loader(), depth) as pre:
+        got = batches(pre, 7)
+    assert same(got, want)
+
+
+def test_state_dict_is_the_position_after_the_batches_handed_out():
+    plain = loader()
+    it = endless(plain)
+    pre = Prefetcher(loader(), 2)
+    for k in range(1, 6):
+        next(it)
+        pre.next()
+        assert pre.state_dict() == plain.state_dict(), (k, pre.state_dict())
+    pre.close()
+    # resuming a loader at that position continues with the next batch
+    resumed = loader()
+    resumed.load_state_dict(pre.state_dict())
+    assert same(batches(iter(resumed), 1), batches(it, 1))
+
+
+def test_an_error_while_loading_is_raised_by_next_and_close_ends_the_thread():
+    class Broken(MeshSynthetic):
+        def batch(self, indices, dist_x, dist_y=None):
+            raise OSError("disk gone")
+
+    grid = dt.ProcessGrid((1, 1, 1, 1), MPI.COMM_SELF)
+    ld = Loader(Broken(4, (8, 8), channels=2), 2, Layout(grid, (0, None, None, None)))
+    pre = Prefetcher(ld)
+    with pytest.raises(OSError, match="disk gone"):
+        pre.next()
+    pre.close()
+    pre = Prefetcher(loader(), 2)
+    pre.close()
+    assert not any(t.name == "disttensor-prefetch" and t.is_alive()
+                   for t in threading.enumerate())
+    with pytest.raises(ValueError, match="depth must be 1 or 2"):
+        Prefetcher(loader(), 3)
+
+
+def test_waiting_for_batches_is_counted():
+    pre = Prefetcher(loader(), 1)
+    pre.next()
+    first = pre.take_wait()
+    assert first > 0 and pre.waited == 0.0
+    pre.close()
+
+
+@pytest.mark.parallel([2, 3])
+def test_training_with_prefetching_gives_the_same_losses_as_without():
+    comm = MPI.COMM_WORLD
+    base = dict(model="mesh-demo", size=(64, 64), batch=4, steps=6, samples=12,
+                metrics=None, machine=V100, progress=False)
+    a = train(TrainConfig(prefetch=0, **base))["history"]
+    b = train(TrainConfig(prefetch=2, **base))["history"]
+    collective_assert(a == b, f"{a} vs {b}")
+    tmp = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
+    ckpt = os.path.join(tmp, "ck")
+    train(TrainConfig(prefetch=2, checkpoint=ckpt, **dict(base, steps=3)))
+    c = train(TrainConfig(prefetch=2, checkpoint=ckpt, resume=True, **base))["history"]
+    collective_assert(c == a, f"resumed {c} vs {a}")
+
+
+@pytest.mark.parallel([1])
+def test_bad_kernel_thread_and_prefetch_options_are_refused_before_any_work():
+    from disttensor_nn.training.driver import SetupError
+
+    base = dict(model="mesh-demo", size=(64, 64), steps=1, metrics=None, machine=V100,
+                progress=False)
+    for kw, words in ((dict(kernels="fast"), "--kernels fast"),
+                      (dict(threads=0), "--threads must be a positive integer"),
+                      (dict(prefetch=3), "prefetch must be 0, 1 or 2")):
+        with pytest.raises(SetupError, match=words):
+            train(TrainConfig(**base, **kw))
+
+
+def test_prediction_warning_names_the_layers_that_account_for_the_difference():
+    layers = [{"name": "0", "layer": "Conv2d", "predicted_s": 0.010, "measured_s": 0.011},
+              {"name": "1", "layer": "BatchNorm2d", "predicted_s": 0.002, "measured_s": 0.012},
+              {"name": "2", "layer": "ReLU", "predicted_s": 0.001, "measured_s": 0.003}]
+    s = {"compute_time_per_iteration_s": 0.026, "predicted_time_per_iteration_s": 0.013,
+         "layers": layers}
+    w = prediction_warning(s, top=2)
+    assert w.startswith("warning: the step took 2.00x its predicted time"), w
+    assert "1 BatchNorm2d 12.0 ms measured / 2.0 ms predicted, 2 ReLU" in w, w
+    assert "Conv2d" not in w
+    s["compute_time_per_iteration_s"] = 0.016  # within 25%
+    assert prediction_warning(s) is None
+    assert prediction_warning({"compute_time_per_iteration_s": None}) is None
