@@ -146,20 +146,22 @@ def test_halo_exchange_constant_values_and_widths_beyond_the_array():
     ext = extended_distribution(dist, widths)
     values = ((0, 0), (0, 0), (1.5, -2), (3, 0))
 
-    def f(x):
-        return gather(halo_exchange(scatter(x, dist), dist, widths, "constant",
-                                    constant_values=values), ext)
+    def f(x, mode="constant"):
+        kw = {"constant_values": values} if mode == "constant" else {}
+        return gather(halo_exchange(scatter(x, dist), dist, widths, mode, **kw), ext)
 
     x = global_input()
     a = x.detach().numpy()
     ref = padded_blocks(a, dist, widths, "constant", constant_values=values)
     close(f(x), ref, "forward")
     gradcheck(f, x)
-    for mode in ("wrap", "symmetric"):
-        def g(x, mode=mode):
-            return gather(halo_exchange(scatter(x, dist), dist, widths, mode), ext)
-        close(g(x), padded_blocks(a, dist, widths, mode), mode)
-        gradcheck(g, x)
+    y = np.random.default_rng(5).standard_normal(ref.shape)
+    for mode in ("wrap", "symmetric"):  # forward, and the adjoint identity
+        ref = padded_blocks(a, dist, widths, mode)
+        close(f(x, mode), ref, mode)
+        (adj,) = torch.autograd.grad(f(x, mode), x, torch.from_numpy(y))
+        lhs, rhs = np.vdot(ref, y), np.vdot(a, adj.numpy())
+        collective_assert(np.isclose(lhs, rhs, rtol=1e-12), f"{mode}: {lhs} != {rhs}")
 
 
 @pytest.mark.parallel(SIZES)
@@ -387,6 +389,16 @@ def test_check_mode_finds_blocks_that_require_grad_on_some_ranks_only():
                       in str(exc), repr(exc))
 
 
+@pytest.mark.parallel([2, 3])
+def test_check_mode_agrees_on_a_block_of_the_wrong_shape_on_one_rank():
+    dist = distribution("H")
+    shape = SHAPE if comm.Get_rank() == 1 else dist.local_shape()  # rank 1's is wrong
+    x = torch.zeros(shape, dtype=torch.float64)
+    with dt.options(check_collective=True):
+        _, exc = collective_outcome(lambda: halo_exchange(x, dist, 1))  # same on every rank
+    collective_assert(isinstance(exc, ValueError) and "shape" in str(exc), repr(exc))
+
+
 def test_importing_the_packages_needs_no_torch():
     code = ("import sys; import disttensor, disttensor_nn, disttensor_nn.layers; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
@@ -396,3 +408,4 @@ def test_importing_the_packages_needs_no_torch():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert 'pip install "disttensor[torch]"' in out.stdout, out.stdout
+

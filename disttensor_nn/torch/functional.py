@@ -49,8 +49,10 @@ distribution or group, forward and backward, so every rank must make the
 same calls in the same order, and their backward passes too: the inputs
 must require gradients alike on every rank. Arguments are checked before any
 message, alike on every rank (a wrong distribution, block shape or dtype
-raises there); in check mode (:func:`disttensor.set_options`) the metadata
-of every call, ``requires_grad`` included, is also compared across ranks.
+raises there); in check mode (:func:`disttensor.set_options`) the ranks
+also compare every call's metadata, ``requires_grad`` included, and agree
+on the outcome of the checks that only a rank can make (its block's shape)
+before any of them raises (:class:`disttensor.settings.validating`).
 
 Blocks may live on the CPU, where halo exchange and redistribution work on
 the NumPy view of the tensor's memory without a copy, or on a GPU, where
@@ -70,7 +72,7 @@ from disttensor import DistArray, Distribution, ProcessGrid, halo_plan, redistri
 from disttensor.backend import check_movable, contiguous, numpy_dtype
 from disttensor.halo import HaloPlan, normalize_widths
 from disttensor.redistribute import RedistributionPlan
-from disttensor.settings import check_arguments, get_options
+from disttensor.settings import validating
 from disttensor.transport import allreduce as transport_allreduce
 
 __all__ = [
@@ -124,12 +126,19 @@ def _check_root(name: str, root: Any, size: int) -> int | None:
     return root
 
 
-def _agree(name: str, comm: MPI.Comm, t: Any, **meta: Any) -> None:
-    """In check mode, compare the call's metadata (and the tensor's autograd state) across
-    ``comm``: every rank raises alike where one differs (see :mod:`disttensor.settings`)."""
-    if get_options()["check_collective"]:
-        grad = isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled()
-        check_arguments(name, {**meta, "requires_grad": grad}, comm)
+def _state(t: Any, dtype: bool = True) -> dict[str, Any]:
+    """What every rank's tensor must agree on: its dtype, and whether autograd tracks it
+    (every rank must run the same backward passes)."""
+    if not isinstance(t, torch.Tensor):
+        return {"tensor": type(t).__name__}
+    out = {"dtype": str(t.dtype)} if dtype else {}
+    out["requires_grad"] = bool(t.requires_grad and torch.is_grad_enabled())
+    return out
+
+
+def _comm_of(dist: Any) -> MPI.Comm | None:
+    grid = getattr(dist, "grid", None) if isinstance(dist, Distribution) else None
+    return None if grid is None else grid.comm
 
 
 def _group_comm(name: str, group: Any, axes: int | Sequence[int] | None) -> MPI.Intracomm:
@@ -323,11 +332,11 @@ def halo_exchange(block: torch.Tensor, dist: Distribution, widths: Any,
         on each rank).
     """
     name = "halo_exchange"
-    _check_dist(name, dist)
-    plan = halo_plan(dist, widths, mode)  # widths and mode refused here, alike everywhere
-    _check_block(name, block, dist)
-    _agree(name, dist.grid.comm, block, dist=dist, widths=plan.widths, mode=mode,
-           dtype=str(block.dtype))
+    arguments = {"dist": dist, "widths": widths, "mode": mode, **_state(block)}
+    with validating(name, arguments, _comm_of(dist)):
+        _check_dist(name, dist)
+        plan = halo_plan(dist, widths, mode)  # widths and mode refused here
+        _check_block(name, block, dist)
     return _HaloExchange.apply(block, plan, constant_values)
 
 
@@ -359,12 +368,12 @@ def redistribute(block: torch.Tensor, src: Distribution, dst: Distribution) -> t
         a dtype that cannot move, or a block of the wrong shape.
     """
     name = "redistribute"
-    _check_dist(name, src, "src")
-    _check_dist(name, dst, "dst")
-    plan = redistribution_plan(src, dst)  # refuses incompatible distributions
-    back = redistribution_plan(dst, src)
-    _check_block(name, block, src)
-    _agree(name, src.grid.comm, block, src=src, dst=dst, dtype=str(block.dtype))
+    with validating(name, {"src": src, "dst": dst, **_state(block)}, _comm_of(src)):
+        _check_dist(name, src, "src")
+        _check_dist(name, dst, "dst")
+        plan = redistribution_plan(src, dst)  # refuses incompatible distributions
+        back = redistribution_plan(dst, src)
+        _check_block(name, block, src)
     return _Redistribute.apply(block, plan, back)
 
 
@@ -396,12 +405,12 @@ def gather(block: torch.Tensor, dist: Distribution, root: int | None = None) -> 
         As :func:`redistribute`, and for a root that is not a rank of the grid.
     """
     name = "gather"
-    _check_dist(name, dist)
-    root = _check_root(name, root, dist.grid.size)
-    target = dist.replicated() if root is None else _root_distribution(dist, root)
-    plan, back = redistribution_plan(dist, target), redistribution_plan(target, dist)
-    _check_block(name, block, dist)
-    _agree(name, dist.grid.comm, block, dist=dist, root=root, dtype=str(block.dtype))
+    with validating(name, {"dist": dist, "root": root, **_state(block)}, _comm_of(dist)):
+        _check_dist(name, dist)
+        root = _check_root(name, root, dist.grid.size)
+        target = dist.replicated() if root is None else _root_distribution(dist, root)
+        plan, back = redistribution_plan(dist, target), redistribution_plan(target, dist)
+        _check_block(name, block, dist)
     return _Redistribute.apply(block, plan, back)
 
 
@@ -439,20 +448,24 @@ def scatter(tensor: torch.Tensor | None, dist: Distribution,
         a dtype that cannot move, or not of the global shape.
     """
     name = "scatter"
-    _check_dist(name, dist)
-    root = _check_root(name, root, dist.grid.size)
+    # with a root, the others' tensors are not read: only whether they require grad counts
+    arguments = {"dist": dist, "root": root, **_state(tensor, dtype=root is None)}
+    if root is not None and tensor is None:
+        arguments["requires_grad"] = False
+    with validating(name, arguments, _comm_of(dist)):
+        _check_dist(name, dist)
+        root = _check_root(name, root, dist.grid.size)
+        if root is None:
+            _check_block(name, tensor, dist.replicated(), "global tensor")
+        elif dist.grid.rank == root:
+            _check_tensor(name, tensor, "global tensor")
+        elif tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: tensor must be a torch.Tensor or None, "
+                            f"got {type(tensor).__name__}")
     if root is None:
-        _check_block(name, tensor, dist.replicated(), "global tensor")
-        _agree(name, dist.grid.comm, tensor, dist=dist, root=root, dtype=str(tensor.dtype))
         src = dist.replicated()
         return _Redistribute.apply(tensor, redistribution_plan(src, dist),
                                    redistribution_plan(dist, src))
-    if dist.grid.rank == root:  # the others' arguments are not read
-        _check_tensor(name, tensor, "global tensor")
-    elif tensor is not None and not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name}: tensor must be a torch.Tensor or None, "
-                        f"got {type(tensor).__name__}")
-    _agree(name, dist.grid.comm, tensor, dist=dist, root=root)
     return _ScatterFromRoot.apply(tensor, dist, root)
 
 
@@ -484,8 +497,9 @@ def all_reduce(t: torch.Tensor, group: Group, *,
     """
     name = "all_reduce"
     comm = _group_comm(name, group, axes)
-    _check_tensor(name, t, "t")
-    _agree(name, comm, t, shape=tuple(t.shape), dtype=str(t.dtype))
+    shape = tuple(getattr(t, "shape", ()))
+    with validating(name, {"shape": shape, **_state(t)}, comm):
+        _check_tensor(name, t, "t")
     return _AllReduce.apply(t, comm)
 
 
@@ -520,7 +534,8 @@ def broadcast(t: torch.Tensor, group: Group, *, axes: int | Sequence[int] | None
     """
     name = "broadcast"
     comm = _group_comm(name, group, axes)
-    root = _check_root(name, root, comm.Get_size())
-    _check_tensor(name, t, "t")
-    _agree(name, comm, t, shape=tuple(t.shape), dtype=str(t.dtype), root=root)
+    shape = tuple(getattr(t, "shape", ()))
+    with validating(name, {"shape": shape, "root": root, **_state(t)}, comm):
+        root = _check_root(name, root, comm.Get_size())
+        _check_tensor(name, t, "t")
     return _Broadcast.apply(t, comm, root)
