@@ -56,7 +56,9 @@ before any of them raises (:class:`disttensor.settings.validating`).
 
 Blocks may live on the CPU, where halo exchange and redistribution work on
 the NumPy view of the tensor's memory without a copy, or on a GPU, where
-they are staged through host memory by the library's transport.
+they are staged through host memory by the library's transport (not yet
+for the halo modes 'reflect' and 'symmetric', whose views have negative
+steps, which PyTorch tensors cannot have).
 """
 
 from __future__ import annotations
