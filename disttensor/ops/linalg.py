@@ -34,6 +34,7 @@ from ._util import (
     bcast_array,
     block_coords,
     is_dist,
+    normalize_axis_index,
     subcomm_index,
     wrap,
 )
@@ -42,7 +43,7 @@ from .reductions import _store, count_nonzero
 from .reductions import max as dmax
 from .reductions import min as dmin
 from .reductions import sum as dsum
-from .shape import expand_dims, ravel, reshape, squeeze, transpose
+from .shape import expand_dims, moveaxis, ravel, reshape, squeeze, transpose
 
 __all__ = ["matmul", "matmul_distributions", "dot", "vdot", "vecdot", "outer", "inner",
            "tensordot"]
@@ -238,17 +239,31 @@ def vdot(a: Any, b: Any) -> DistArray:
 
 @collective
 def vecdot(x1: Any, x2: Any, /, *, axis: int = -1, out: Any = None, **kwargs: Any) -> DistArray:
-    """``sum(conj(x1) * x2, axis)``, like :func:`numpy.vecdot` (broadcasting the others)."""
+    """``sum(conj(x1) * x2)`` over ``axis`` of each operand, like :func:`numpy.vecdot`.
+
+    ``axis`` counts in each operand's own dimensions (for a negative ``axis``,
+    as the array API standard has it, from the last one); the other dimensions
+    broadcast, the contracted ones must have the same size (not broadcast).
+    The result has the operands' result type, as NumPy's: integers wrap
+    around rather than widen as :func:`numpy.sum` would.
+    """
     for k in ("casting", "order", "subok", "dtype", "signature", "axes"):
         kwargs.pop(k, None)
     if kwargs:
         raise TypeError(f"vecdot on DistArrays does not take {sorted(kwargs)}")
     x1, x2 = as_operand(x1), as_operand(x2)
-    n1 = x1.shape[axis] if np.ndim(x1) or is_dist(x1) else None
-    n2 = x2.shape[axis] if np.ndim(x2) or is_dist(x2) else None
-    if n1 is None or n2 is None or n1 != n2:
-        raise ValueError("vecdot: the contracted dimensions must have the same size")
-    r = dsum(np.multiply(np.conjugate(x1), x2), axis=axis)
+    nd1 = x1.ndim if is_dist(x1) else np.ndim(x1)
+    nd2 = x2.ndim if is_dist(x2) else np.ndim(x2)
+    if nd1 == 0 or nd2 == 0:
+        raise ValueError("vecdot: both operands need at least one dimension (no scalars)")
+    a1, a2 = normalize_axis_index(axis, nd1), normalize_axis_index(axis, nd2)
+    if np.shape(x1)[a1] != np.shape(x2)[a2]:
+        raise ValueError(f"vecdot: the contracted dimensions must have the same size, got "
+                         f"{np.shape(x1)[a1]} and {np.shape(x2)[a2]}")
+    x1 = moveaxis(x1, a1, -1) if is_dist(x1) else np.moveaxis(np.asarray(x1), a1, -1)
+    x2 = moveaxis(x2, a2, -1) if is_dist(x2) else np.moveaxis(np.asarray(x2), a2, -1)
+    products = np.multiply(np.conjugate(x1), x2)
+    r = dsum(products, axis=-1, dtype=products.dtype)
     return _store(r, out) if out is not None else r
 
 

@@ -164,16 +164,22 @@ def _dtype_probe(fn: Callable[[np.ndarray], Any], dtype: np.dtype, shape: tuple[
     return fn(np.eye(m, n, dtype=dtype) * 2)
 
 
-def _local(x: DistArray, name: str, fn: Callable[[Any], Any],
-           cores: Sequence[tuple[int, ...]], square: bool = False) -> Any:
-    """``fn`` on each rank's stack of whole matrices; one DistArray per core shape."""
+def _local(x: DistArray, name: str, fn: Callable[..., Any],
+           cores: Sequence[tuple[int, ...]], square: bool = False,
+           stack_kw: Callable[[DistArray], dict[str, Any]] | None = None) -> Any:
+    """``fn`` on each rank's stack of whole matrices; one DistArray per core shape.
+
+    ``stack_kw``, given the matrices' layout, gives further keywords of ``fn``
+    for this rank's stack (its part of a per-matrix ``rtol``, say).
+    """
     _check(x, name)
     if square:
         _square(x)
     _dtype_probe(fn, x.dtype, x.shape[-2:])
     x = _matrices(x, name)
     nb = x.ndim - 2
-    out = _agree(x.comm, lambda: fn(to_numpy(x.local)))
+    kw = {} if stack_kw is None else stack_kw(x)
+    out = _agree(x.comm, lambda: fn(to_numpy(x.local), **kw))
     if len(cores) == 1:
         return _result(out, x, cores[0], nb)
     return tuple(_result(o, x, c, nb) for o, c in zip(out, cores))
@@ -348,43 +354,78 @@ def svdvals(x: DistArray, /) -> DistArray:
     return _local(x, "svdvals", np.linalg.svdvals, [(min(x.shape[-2:]),)])
 
 
-def _check_rtol(rtol: Any) -> None:
-    if rtol is not None and (is_dist(rtol) or not np.isscalar(rtol)):
-        raise TypeError("linalg: rtol must be None or a Python/NumPy scalar for DistArrays")
+def _rtols(rtol: Any, x: DistArray, name: str) -> Any:
+    """The standard's ``rtol`` for the matrices of ``x``: None, a float, or a NumPy array of
+    their stack shape ``x.shape[:-2]`` (one value per matrix), the same on every rank.
+
+    ``rtol`` is None, a real number, or an array (a DistArray, or a global
+    array) that broadcasts against ``x[..., 0, 0]``; a DistArray's values are
+    gathered (one per matrix).
+    """
+    if rtol is None:
+        return None
+    values = (to_numpy(rtol.redistribute(rtol.dist.replicated()).local) if is_dist(rtol)
+              else np.asarray(rtol))
+    if values.dtype.kind not in "biuf":
+        raise TypeError(f"linalg.{name}: rtol must be real, got dtype {values.dtype}")
+    if values.ndim == 0:
+        return float(values)
+    try:
+        return np.broadcast_to(values, x.shape[:-2])
+    except ValueError:
+        raise ValueError(f"linalg.{name}: rtol of shape {values.shape} does not broadcast "
+                         f"against the stack shape {x.shape[:-2]}") from None
+
+
+def _rtol_kw(rtols: Any) -> Callable[[DistArray], dict[str, Any]]:
+    """``stack_kw`` for :func:`_local`: this rank's part of ``rtols`` (see :func:`_rtols`)."""
+    def kw(xm: DistArray) -> dict[str, Any]:
+        if rtols is None or np.ndim(rtols) == 0:
+            return {"rtol": rtols}
+        return {"rtol": rtols[xm.dist.local_slices()[:xm.ndim - 2]]}
+    return kw
+
+
+def _default_rtol(rtols: Any, x: DistArray, dtype: Any) -> Any:
+    """``rtols``, or the standard's default ``max(M, N) * eps`` of ``dtype``."""
+    return max(x.shape[-2:]) * np.finfo(dtype).eps if rtols is None else rtols
 
 
 @collective
-def matrix_rank(x: DistArray, /, *, rtol: float | None = None) -> DistArray:
-    """Rank by the singular values above ``rtol * max(S)`` (``rtol`` default
-    ``max(M, N) * eps``), like :func:`numpy.linalg.matrix_rank` (TSQR for tall-skinny)."""
-    _check_rtol(rtol)
+def matrix_rank(x: DistArray, /, *, rtol: Any = None) -> DistArray:
+    """Rank by the singular values above ``rtol * max(S)``, like
+    :func:`numpy.linalg.matrix_rank` with the standard's ``rtol``: None (the
+    default ``max(M, N) * eps``), a number, or an array that broadcasts against
+    ``x[..., 0, 0]`` (a tolerance per matrix). TSQR for tall-skinny matrices."""
     _check(x, "matrix_rank")
+    r = _rtols(rtol, x, "matrix_rank")
     if _tall_skinny(x):
-        _, r = tsqr(x)
-        eps = np.finfo(r.dtype).eps
-        tol = max(x.shape) * eps if rtol is None else rtol
-        return _replicated(np.asarray(np.linalg.matrix_rank(to_numpy(r.local), rtol=tol)), x)
-    return _local(x, "matrix_rank", lambda a: np.asarray(np.linalg.matrix_rank(a, rtol=rtol)),
-                  [()])
+        _, q = tsqr(x)
+        tol = _default_rtol(r, x, q.dtype)
+        return _replicated(np.asarray(np.linalg.matrix_rank(to_numpy(q.local), rtol=tol)), x)
+    return _local(x, "matrix_rank", lambda a, **kw: np.asarray(np.linalg.matrix_rank(a, **kw)),
+                  [()], stack_kw=_rtol_kw(r))
 
 
 @collective
-def pinv(x: DistArray, /, *, rtol: float | None = None) -> DistArray:
+def pinv(x: DistArray, /, *, rtol: Any = None) -> DistArray:
     """Moore-Penrose pseudo-inverse, like :func:`numpy.linalg.pinv` with the standard's
-    ``rtol`` (default ``max(M, N) * eps``). Tall-skinny matrices: ``pinv(R) Q^H`` by TSQR,
-    column-split like ``x``'s rows."""
-    _check_rtol(rtol)
+    ``rtol``: singular values at most ``rtol`` times the largest are taken as zero;
+    None (the default ``max(M, N) * eps``), a number, or an array that broadcasts
+    against ``x[..., 0, 0]`` (a tolerance per matrix). Tall-skinny matrices:
+    ``pinv(R) Q^H`` by TSQR, column-split like ``x``'s rows."""
     _check(x, "pinv")
+    r = _rtols(rtol, x, "pinv")
     m, n = x.shape[-2:]
     if _tall_skinny(x):
-        q, r = tsqr(x)
-        tol = max(m, n) * np.finfo(r.dtype).eps if rtol is None else rtol
-        b = np.linalg.pinv(to_numpy(r.local), rtol=tol)
+        q, tri = tsqr(x)
+        b = np.linalg.pinv(to_numpy(tri.local), rtol=_default_rtol(r, x, tri.dtype))
         local = b @ np.conjugate(to_numpy(q.local)).T
         d = q.dist
         dist = Distribution((n, m), d.grid_arg, (d.axes[1], d.axes[0]), [None, d.splits[0]])
         return wrap(q.xp.asarray(np.ascontiguousarray(local)), dist, q.xp)
-    return _local(x, "pinv", lambda a: np.linalg.pinv(a, rtol=rtol), [(n, m)])
+    return _local(x, "pinv", lambda a, **kw: np.linalg.pinv(a, **kw), [(n, m)],
+                  stack_kw=_rtol_kw(r))
 
 
 # ------------------------------------------------------------------ pairs of operands

@@ -37,8 +37,10 @@ import disttensor.ops.shape as _shape
 import disttensor.ops.sorting as sorting
 
 from ..array import DistArray
+from ..backend import array_namespace
 from ._util import is_dist, wrap
 from .indexing import nonzero as nz
+from .ufuncs import local_function
 
 __array_api_version__ = "2023.12"
 
@@ -63,7 +65,7 @@ _UFUNCS = {
     "bitwise_invert": np.invert, "bitwise_or": np.bitwise_or,
     "bitwise_right_shift": np.right_shift, "bitwise_xor": np.bitwise_xor, "ceil": np.ceil,
     "conj": np.conjugate, "copysign": np.copysign, "cos": np.cos, "cosh": np.cosh,
-    "divide": np.divide, "equal": np.equal, "exp": np.exp, "expm1": np.expm1,
+    "divide": np.divide, "equal": np.equal, "exp": np.exp,
     "floor": np.floor, "floor_divide": np.floor_divide, "greater": np.greater,
     "greater_equal": np.greater_equal, "hypot": np.hypot, "isfinite": np.isfinite,
     "isinf": np.isinf, "isnan": np.isnan, "less": np.less, "less_equal": np.less_equal,
@@ -94,6 +96,44 @@ def _make(name: str, uf: np.ufunc) -> Any:
 for _name, _uf in _UFUNCS.items():
     globals()[_name] = _make(_name, _uf)
 del _name, _uf
+
+
+def _expm1_standard(z: Any) -> Any:
+    """``expm1`` of a block, with the standard's special cases for complex values."""
+    xp = array_namespace(z)
+    with np.errstate(all="ignore"):
+        out = xp.expm1(z)
+        if z.dtype.kind != "c" or out.size == 0:
+            return out
+        a, b = xp.real(z), xp.imag(z)
+        # a zero imaginary part stays that zero and the real part is a real expm1 (+0 for -0)
+        fix = xp.empty_like(out)
+        fix.real[...], fix.imag[...] = xp.expm1(a) + 0.0, b
+        out = xp.where(b == 0, fix, out)
+        wild = ~xp.isfinite(b)
+        # -inf + bj: -1 + 0j, the zero signed like an infinite b (conj symmetry)
+        fix.real[...], fix.imag[...] = -1.0, xp.where(xp.isinf(b), xp.copysign(0.0, b), 0.0)
+        out = xp.where(wild & (a == -np.inf), fix, out)
+        fix.real[...], fix.imag[...] = np.inf, np.nan
+        out = xp.where(wild & (a == np.inf), fix, out)
+    return out
+
+
+def expm1(x: Any, /) -> DistArray:
+    """Array API ``expm1``: :data:`numpy.expm1`, with the standard's special cases where
+    NumPy's complex ``expm1`` differs.
+
+    NumPy computes ``exp(a) * cis(b) - 1`` for ``z = a + bj`` and so loses the
+    cases where that product is ``inf * 0`` or ``inf * NaN``. The standard
+    (after C99 Annex G, with ``expm1(conj(z)) == conj(expm1(z))``) has
+    ``expm1(a + 0j) = expm1(a) + 0j`` (``+0 + 0j`` for ``a = -0`` and ``NaN + 0j``
+    for ``a = NaN``), and, for an infinite or NaN ``b``,
+    ``expm1(-inf + bj) = -1 + 0j`` and ``expm1(+inf + bj) = inf + NaN j``.
+    Real arguments are NumPy's.
+    """
+    if not is_dist(x) or x.dtype.kind != "c":
+        return np.expm1(x)
+    return local_function(_expm1_standard, [x])
 
 
 def real(x: Any, /) -> DistArray:
