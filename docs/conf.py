@@ -11,6 +11,7 @@ docstrings. The figure of the concepts page is drawn by ``gen_figures.py``
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -56,7 +57,9 @@ myst_enable_extensions = ["colon_fence", "dollarmath"]
 autosummary_generate = False
 autodoc_default_options = {"member-order": "bysource"}
 autodoc_typehints = "none"  # the numpydoc Parameters sections carry the types
-autodoc_mock_imports: list[str] = []
+# disttensor_nn.torch needs PyTorch (an optional extra): without it, its pages are built
+# from its docstrings with torch mocked
+autodoc_mock_imports: list[str] = [] if importlib.util.find_spec("torch") else ["torch"]
 
 # numpydoc: parse the docstrings, no per-class member tables (the reference pages
 # list the members), no validation at build time.
