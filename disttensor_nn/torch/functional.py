@@ -64,6 +64,7 @@ steps, which PyTorch tensors cannot have).
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -121,11 +122,11 @@ def _check_block(name: str, block: Any, dist: Distribution, what: str = "block")
 def _check_root(name: str, root: Any, size: int) -> int | None:
     if root is None:
         return None
-    if isinstance(root, bool) or not isinstance(root, int):
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral):
         raise TypeError(f"{name}: root must be None or an int, got {root!r}")
     if not 0 <= root < size:
         raise ValueError(f"{name}: root must be a rank in [0, {size}), got {root}")
-    return root
+    return int(root)
 
 
 def _state(t: Any, dtype: bool = True) -> dict[str, Any]:
