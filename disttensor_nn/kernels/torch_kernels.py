@@ -145,36 +145,45 @@ def _back(t: Any, like: Any) -> Any:
     return xp.from_dlpack(t)
 
 
-def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
-                 dilation: Sequence[int], groups: int = 1, workspace_bytes: int = 0) -> Any:
-    """Valid N-D cross-correlation of ``x`` (N, C, *S) with ``w`` (F, C/groups, *K), plus ``b``.
+def _pads(padding: Sequence[int] | None, nd: int) -> list[int]:
+    return [0] * nd if padding is None else [int(p) for p in padding]
 
-    ``aten.convolution`` on the arrays' memory; ``workspace_bytes`` is
-    accepted for the NumPy kernels' signature (the library sizes its own).
+
+def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
+                 dilation: Sequence[int], groups: int = 1, workspace_bytes: int = 0,
+                 padding: Sequence[int] | None = None) -> Any:
+    """N-D cross-correlation of ``x`` (N, C, *S) with ``w`` (F, C/groups, *K), plus ``b``.
+
+    ``aten.convolution`` on the arrays' memory: valid (the input is already
+    padded by a halo) or, with ``padding``, zero-padded by that much on both
+    sides of each spatial dimension inside the kernel. ``workspace_bytes``
+    is accepted for the NumPy kernels' signature (the library sizes its own).
     """
     torch = require()
     nd = w.ndim - 2
     xt, wt = _t(x), _t(w)
     bt = None if b is None else _t(b)
-    y = torch.ops.aten.convolution(xt, wt, bt, list(stride), [0] * nd, list(dilation), False,
-                                   [0] * nd, int(groups))
+    y = torch.ops.aten.convolution(xt, wt, bt, list(stride), _pads(padding, nd), list(dilation),
+                                   False, [0] * nd, int(groups))
     return _back(y, x)
 
 
 def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequence[int],
                   groups: int = 1, need_dx: bool = True, need_dw: bool = True,
-                  workspace_bytes: int = 0) -> tuple[Any | None, Any | None, Any | None]:
+                  workspace_bytes: int = 0, padding: Sequence[int] | None = None
+                  ) -> tuple[Any | None, Any | None, Any | None]:
     """Gradients ``(dx, dw, db)`` of :func:`conv_forward` (``aten.convolution_backward``).
 
-    ``dx`` is over the whole input ``x``; ``dw`` and ``db`` are computed
-    when ``need_dw`` (None otherwise), ``dx`` when ``need_dx``.
+    ``dx`` is over the whole input ``x`` (with ``padding``, the unpadded
+    input); ``dw`` and ``db`` are computed when ``need_dw`` (None
+    otherwise), ``dx`` when ``need_dx``.
     """
     torch = require()
     nd = w.ndim - 2
     dyt, xt, wt = _t(dy), _t(x), _t(w)
     dx, dw, db = torch.ops.aten.convolution_backward(
-        dyt, xt, wt, [w.shape[0]], list(stride), [0] * nd, list(dilation), False, [0] * nd,
-        int(groups), [bool(need_dx), bool(need_dw), bool(need_dw)])
+        dyt, xt, wt, [w.shape[0]], list(stride), _pads(padding, nd), list(dilation), False,
+        [0] * nd, int(groups), [bool(need_dx), bool(need_dw), bool(need_dw)])
     return (None if dx is None else _back(dx, x), None if dw is None else _back(dw, x),
             None if db is None else _back(db, x))
 
@@ -186,14 +195,18 @@ def _pool_args(kernel: Sequence[int]) -> tuple[int, tuple[int, ...]]:
 
 
 def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
-                 dilation: Sequence[int], op: str) -> tuple[Any, Any | None]:
+                 dilation: Sequence[int], op: str, padding: Sequence[int] | None = None
+                 ) -> tuple[Any, Any | None]:
     """Max (with ATen's flat input indices) or average over every window of ``x``.
 
-    1-D pooling runs as 2-D over a unit height. Average pooling with a
-    dilation, which ATen lacks, runs the NumPy kernel (its ``arg`` is None
-    either way).
+    1-D pooling runs as 2-D over a unit height. With ``padding`` the kernel
+    pads both sides (-inf for max; zeros counted in the average, as a halo
+    fill does). Average pooling with a dilation, which ATen lacks, runs the
+    NumPy kernel (its ``arg`` is None either way), without ``padding``.
     """
     if op == "avg" and any(d != 1 for d in dilation):
+        if padding is not None and any(padding):
+            raise ValueError("a dilated average pool is padded by a halo, not the kernel")
         return _numpy_pool_forward(x, kernel, stride, dilation, op)
     torch = require()
     nd, lead = _pool_args(kernel)
@@ -201,13 +214,14 @@ def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
     if lead:
         xt = xt.unsqueeze(2)
     k, s, d = lead + tuple(kernel), lead + tuple(stride), lead + tuple(dilation)
+    p = lead and [0] + _pads(padding, 1) or _pads(padding, nd)
     if op == "max":
         fn = torch.ops.aten.max_pool2d_with_indices if nd == 2 else \
             torch.ops.aten.max_pool3d_with_indices
-        y, idx = fn(xt, list(k), list(s), [0] * nd, list(d), False)
+        y, idx = fn(xt, list(k), list(s), p, list(d), False)
     else:
         fn = torch.ops.aten.avg_pool2d if nd == 2 else torch.ops.aten.avg_pool3d
-        y, idx = fn(xt, list(k), list(s), [0] * nd, False, True, None), None
+        y, idx = fn(xt, list(k), list(s), p, False, True, None), None
     if lead:
         y = y.squeeze(2)
         idx = None if idx is None else idx.squeeze(2)
@@ -216,11 +230,11 @@ def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
 
 def pool_backward(dy: Any, x_shape: Sequence[int], kernel: Sequence[int],
                   stride: Sequence[int], dilation: Sequence[int], op: str,
-                  arg: Any | None = None) -> Any:
-    """Gradient of :func:`pool_forward` over the whole input of ``x_shape``.
+                  arg: Any | None = None, padding: Sequence[int] | None = None) -> Any:
+    """Gradient of :func:`pool_forward` over the whole input of ``x_shape`` (unpadded).
 
     ``arg`` is what :func:`pool_forward` returned for max pooling (ATen's
-    indices).
+    indices); ``padding`` that of the forward call.
     """
     if op == "avg" and any(d != 1 for d in dilation):
         return _numpy_pool_backward(dy, x_shape, kernel, stride, dilation, op, arg)
@@ -234,17 +248,18 @@ def pool_backward(dy: Any, x_shape: Sequence[int], kernel: Sequence[int],
     # ATen reads only the input's sizes and dtype: a broadcast scalar stands in for it
     like = torch.zeros((), dtype=gt.dtype, device=gt.device).expand(shape)
     k, s, d = lead + tuple(kernel), lead + tuple(stride), lead + tuple(dilation)
+    p = lead and [0] + _pads(padding, 1) or _pads(padding, nd)
     if op == "max":
         idx = _t(arg)
         if lead:
             idx = idx.unsqueeze(2)
         fn = torch.ops.aten.max_pool2d_with_indices_backward if nd == 2 else \
             torch.ops.aten.max_pool3d_with_indices_backward
-        dx = fn(gt, like, list(k), list(s), [0] * nd, list(d), False, idx)
+        dx = fn(gt, like, list(k), list(s), p, list(d), False, idx)
     else:
         fn = torch.ops.aten.avg_pool2d_backward if nd == 2 else \
             torch.ops.aten.avg_pool3d_backward
-        dx = fn(gt, like, list(k), list(s), [0] * nd, False, True, None)
+        dx = fn(gt, like, list(k), list(s), p, False, True, None)
     if lead:
         dx = dx.squeeze(2)
     return _back(dx.contiguous(), dy)

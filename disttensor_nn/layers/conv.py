@@ -217,14 +217,16 @@ class ConvNd(WindowLayer):
         w = self.weight.data
         s = self.spec
         kernels = kernels_for(xwin, self.kernel_backend)
+        pads = self._kernel_pads()
         if w.size == 0:  # an empty filter or channel slice
-            out = kernels.out_shape(xwin.shape[2:], s.kernel, s.stride, s.dilation)
+            out = kernels.out_shape(tuple(n + 2 * p for n, p in zip(xwin.shape[2:], pads)),
+                                    s.kernel, s.stride, s.dilation)
             y = array_namespace(xwin).zeros((xwin.shape[0], w.shape[0], *out), dtype=xwin.dtype)
             if b is not None:
                 y += b.reshape((-1,) + (1,) * self.nd)
             return y
         return kernels.conv_forward(xwin, w, b, s.stride, s.dilation,
-                                    self._local_groups(xwin.shape[1]))
+                                    self._local_groups(xwin.shape[1]), **self._padding_kw())
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
         if self.weight.data.size == 0:
@@ -232,8 +234,12 @@ class ConvNd(WindowLayer):
         dx, _, _ = kernels_for(xwin, self.kernel_backend).conv_backward(
             dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
             self._local_groups(xwin.shape[1]),
-            need_dx=True, need_dw=False)
+            need_dx=True, need_dw=False, **self._padding_kw())
         return dx
+
+    def _padding_kw(self) -> dict[str, Any]:
+        """``padding=`` for the kernels where they pad (the NumPy kernels never do)."""
+        return {} if self._pads is None else {"padding": self._pads}
 
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         xp = dy.xp
@@ -245,7 +251,8 @@ class ConvNd(WindowLayer):
         else:
             _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
                 dy.local, xwin, w, self.spec.stride, self.spec.dilation,
-                self._local_groups(xwin.shape[1]), need_dx=False, need_dw=True)
+                self._local_groups(xwin.shape[1]), need_dx=False, need_dw=True,
+                **self._padding_kw())
         # The ranks that split N or space hold parts of the sums of the same shard.
         reduce_gradients_([(self.weight, dw), (self.bias, db)],
                           split_axes_comm(dy.dist, sum_axes))

@@ -43,14 +43,26 @@ class _Pool(WindowLayer):
     def _pad_value(self) -> float:
         return -np.inf if self.op == "max" else 0.0
 
+    def kernel_padding(self, x: DistArray) -> tuple[int, ...] | None:
+        """As :meth:`WindowLayer.kernel_padding`; never for a dilated average pool (ATen's
+        average pools have no dilation, so the NumPy kernel runs it on a halo)."""
+        if self.op == "avg" and any(d != 1 for d in self.spec.dilation):
+            return None
+        return super().kernel_padding(x)
+
     def _pool_forward(self, xwin: Any) -> tuple[Any, Any | None]:
         s = self.spec
         kernels = kernels_for(xwin, self.kernel_backend)
         if xwin.size == 0:  # an empty sample block: nothing to pool (and no argmax to reshape)
             xp = array_namespace(xwin)
-            o = tuple(xwin.shape[:2]) + kernels.out_shape(xwin.shape[2:], s.kernel, s.stride,
+            pads = self._kernel_pads()
+            padded = tuple(n + 2 * p for n, p in zip(xwin.shape[2:], pads))
+            o = tuple(xwin.shape[:2]) + kernels.out_shape(padded, s.kernel, s.stride,
                                                           s.dilation)
             return xp.zeros(o, dtype=xwin.dtype), backend.empty(xp, o, np.intp)
+        if self._pads is not None:
+            return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op,
+                                        padding=self._pads)
         return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
 
     def _kernel_forward(self, xwin: Any) -> Any:
@@ -65,8 +77,9 @@ class _Pool(WindowLayer):
             _, arg = self._pool_forward(xwin)
         self._arg = None
         s = self.spec
+        kw = {} if self._pads is None else {"padding": self._pads}
         return kernels_for(xwin, self.kernel_backend).pool_backward(
-            dy, xwin.shape, s.kernel, s.stride, s.dilation, self.op, arg)
+            dy, xwin.shape, s.kernel, s.stride, s.dilation, self.op, arg, **kw)
 
     def __repr__(self) -> str:
         s = self.spec

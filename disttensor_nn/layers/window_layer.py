@@ -34,7 +34,9 @@ class WindowLayer(Layer):
 
     Subclasses define ``_kernel_forward(xwin) -> y`` and
     ``_kernel_backward(dy, xwin) -> dxwin`` on local arrays, ``_channels_out``
-    and ``_pad_value``.
+    and ``_pad_value``; where :meth:`kernel_padding` says the kernels pad
+    (the torch kernels on whole spatial dimensions), they pass
+    ``_kernel_pads()`` to them and receive the unextended block.
     """
 
     saved_for_backward = ("_saved",)
@@ -43,6 +45,11 @@ class WindowLayer(Layer):
     spec: WindowSpec
     mode: str = "constant"
     overlap: bool = False
+    _pads: tuple[int, ...] | None = None  # this pass's kernel padding (kernel_padding)
+
+    def _kernel_pads(self) -> tuple[int, ...]:
+        """The padding of this pass for the kernel calls (zeros when a halo padded)."""
+        return self._pads if self._pads is not None else (0,) * self.nd
 
     def _pad_value(self) -> float:
         return 0.0
@@ -79,11 +86,37 @@ class WindowLayer(Layer):
         return d.replace(global_shape=shape, splits=d.splits)
 
     # ------------------------------------------------------------ forward
+    def kernel_padding(self, x: DistArray) -> tuple[int, ...] | None:
+        """The padding the kernels apply themselves for input ``x``, or None (a halo pads).
+
+        The torch kernels pad inside the kernel (as ``torch.nn.Conv2d`` does)
+        when this rank's block spans every spatial dimension whole and the
+        padding is symmetric zeros (or -inf for max pooling): no halo, no
+        extended copy of the input, and no halo adjoint in backward.
+        Otherwise None.
+        """
+        # decided from what every rank knows alike (a rank's empty block pads the same way)
+        if self.kernel_backend != "torch" or self.mode != "constant":
+            return None
+        if any(x.dist.nblocks[d] > 1 for d in range(2, x.ndim)):
+            return None
+        if any(lo != hi for lo, hi in self.spec.padding):
+            return None
+        return tuple(lo for lo, _ in self.spec.padding)
+
     def forward(self, x: DistArray) -> DistArray:
         self._check(x)
         self._check_window(x.shape)
         xin = x
         x = self._kernel_input(xin)
+        self._pads = self.kernel_padding(x)
+        if self._pads is not None:  # the kernels pad: no halo
+            out_dist = self.output_distribution(x.dist)
+            local = self._kernel_forward(x.local)
+            out = DistArray(local, out_dist) if is_c_contiguous(local) else \
+                DistArray.from_local(x.xp.ascontiguousarray(local), out_dist)
+            self._saved = (xin, x, None, None, None)
+            return self._finish_output(out)
         geo = geometry(self.spec, x.dist)
         plan = halo_plan(x.dist, geo.widths, self.mode)
         out_dist = self.output_distribution(x.dist)
@@ -146,6 +179,14 @@ class WindowLayer(Layer):
 
     def backward(self, dy: DistArray) -> DistArray | None:
         xin = self._saved[0]
+        if self._saved[2] is None:  # the kernels padded: the gradient has the block's shape
+            x = self._saved[1]
+            if not self.input_grad:
+                self._param_backward(dy, x.local)
+                return None
+            dx = self._kernel_backward(dy.local, x.local)
+            self._param_backward(dy, x.local)
+            return self._input_grad(DistArray(dx, x.dist), xin)
         x, geo, plan, ext = self._extended_input()
         sl = geo.input_slices(geo.out_box)
         nonempty = all(b > a for a, b in geo.out_box)
