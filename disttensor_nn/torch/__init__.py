@@ -5,7 +5,9 @@ gather, scatter, all-reduce and broadcast as :class:`torch.autograd.Function`
 s whose backward pass is the movement's adjoint, for people who write their
 own distributed layers in PyTorch (see ``docs/torch.md``). Each takes this
 rank's block as a tensor and the :class:`~disttensor.Distribution` it
-belongs to, and returns a tensor.
+belongs to, and returns a tensor. :func:`parallelize`
+(:mod:`disttensor_nn.torch.parallel`) runs an unchanged ``torch.nn.Module`` on
+distributed blocks with them.
 
 PyTorch is optional (``pip install "disttensor[torch]"``): importing
 :mod:`disttensor_nn` never imports it, and importing this package without it
@@ -30,13 +32,16 @@ from .functional import (
     redistribute,
     scatter,
 )
+from .parallel import ParallelModule, parallelize
 
 __all__ = [
+    "ParallelModule",
     "all_reduce",
     "broadcast",
     "extended_distribution",
     "gather",
     "halo_exchange",
+    "parallelize",
     "redistribute",
     "scatter",
 ]

@@ -1,0 +1,1177 @@
+"""Unchanged PyTorch models on distributed blocks: :func:`parallelize`.
+
+The model is traced by :mod:`torch.fx`, its shapes propagated on the example
+input shape (:class:`torch.fx.passes.shape_prop.ShapeProp`), and every node
+compiled, once and on every rank alike, into a step that runs on this rank's
+block:
+
+- window modules (convolutions, transposed convolutions, pooling) exchange
+  the halo that :mod:`disttensor_nn.window` computes (:func:`geometry`,
+  :func:`transposed_geometry`: output boundaries and widths for any kernel,
+  stride, padding, dilation and uneven blocks) with :func:`halo_exchange`,
+  then run the module's own functional operation with padding 0;
+- batch and group norms take their statistics over the split dimensions with
+  ``broadcast(all_reduce(.))``;
+- element-wise operations run on the blocks unchanged, after the operands of
+  a binary one are brought to one distribution (:func:`redistribute`);
+- heads (flatten, view, Linear, means and sums over split dimensions) move
+  what they need whole (:func:`redistribute`, :func:`all_reduce`);
+- anything else runs as it is where none of its inputs is split, and is
+  refused, naming the node and the dimension, where one is.
+
+Every decision is metadata (the library's first principle), so an error is
+raised on every rank alike before any message. Parameter gradients are summed
+over the ranks that split each parameter's input by the library's one
+mechanism for it, :func:`disttensor_nn.module.reduce_gradients_`, inside a
+:class:`~disttensor_nn.module.GradientBuckets` context that a backward pass
+opens at its first parameter gradient and closes when it ends (fused,
+non-blocking allreduces overlapped with the rest of backward).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+from torch.fx import GraphModule, Node, symbolic_trace
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor_nn.module import GradientBuckets, reduce_gradients_, split_axes_comm
+from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
+
+from .functional import all_reduce, broadcast, halo_exchange, redistribute
+
+__all__ = ["ParallelModule", "parallelize"]
+
+Step = Callable[[list], Any]
+
+_CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+_CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
+           nn.ConvTranspose3d: F.conv_transpose3d}
+_MAXPOOL = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
+_AVGPOOL = {nn.AvgPool1d: F.avg_pool1d, nn.AvgPool2d: F.avg_pool2d, nn.AvgPool3d: F.avg_pool3d}
+_ADAPTIVE = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+_ADAPTIVE_F = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge",
+                  "circular": "wrap"}
+_NOT_ELEMENTWISE = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU,
+                    nn.MultiheadAttention)
+_ELEMENTWISE_MODULES = tuple(
+    cls for cls in vars(nn.modules.activation).values()
+    if isinstance(cls, type) and issubclass(cls, nn.Module) and cls is not nn.Module
+    and not issubclass(cls, _NOT_ELEMENTWISE)
+) + (nn.Identity,)
+_ELEMENTWISE_NAMES = frozenset(
+    "abs absolute acos asin atan ceil clamp clamp_min clamp_max clip cos cosh elu exp expm1 "
+    "floor gelu hardsigmoid hardswish hardtanh leaky_relu log log1p log_sigmoid mish neg "
+    "negative pow reciprocal relu relu6 round rsqrt selu celu sigmoid sign silu sin sinh "
+    "softplus softsign sqrt square tanh tanhshrink threshold trunc add sub subtract mul "
+    "multiply div divide true_divide maximum minimum where lerp hardshrink softshrink prelu "
+    "rrelu glu_none contiguous float double half clone detach to type_as".split()
+)
+_BINARY_OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
+                               operator.neg, operator.pow, operator.iadd, operator.imul,
+                               operator.isub, operator.itruediv, operator.floordiv))
+_LINEAR_MODES = {"nearest": 0, "nearest-exact": 0, "linear": 1, "bilinear": 1,
+                 "trilinear": 1, "bicubic": 2}
+
+# parameters that a ParallelModule replaced: an optimizer over them is refused at its step
+_RETIRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# ------------------------------------------------------------------ helpers
+def _split(dist: Distribution, dim: int) -> bool:
+    """Whether ``dim`` of ``dist`` has more than one block."""
+    return math.prod(dist.grid_shape[a] for a in dist.dim_axes[dim]) > 1
+
+
+def _split_dims(dist: Distribution) -> list[int]:
+    return [d for d in range(dist.ndim) if _split(dist, d)]
+
+
+def _axes_key(dist: Distribution, dims: Sequence[int] | None = None) -> frozenset:
+    """The grid axes (of more than one rank) that split ``dims`` of ``dist``."""
+    dims = range(dist.ndim) if dims is None else dims
+    return frozenset(a for d in dims for a in dist.dim_axes[d] if dist.grid_shape[a] > 1)
+
+
+def _unsplit(dist: Distribution, dims: Sequence[int]) -> Distribution:
+    """``dist`` with ``dims`` whole (their grid axes hold replicas)."""
+    axes = [None if d in dims else a for d, a in enumerate(dist.axes)]
+    splits = [None if d in dims else s for d, s in enumerate(dist.splits)]
+    return Distribution(dist.global_shape, dist.grid_arg, axes, splits)
+
+
+def _with_shape(dist: Distribution, shape: Sequence[int],
+                splits: dict[int, Any] | None = None) -> Distribution:
+    """``dist``'s axes and cuts on a new shape of as many dimensions; ``splits`` overrides."""
+    cuts = list(dist.splits)
+    for d, s in (splits or {}).items():
+        cuts[d] = s
+    return Distribution(tuple(shape), dist.grid_arg, dist.axes, cuts)
+
+
+def _cuts(bounds: Sequence[int]) -> list[int] | None:
+    return list(bounds[1:-1]) if len(bounds) > 2 else None
+
+
+def _shape_of(node: Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _describe(node: Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", repr(node.target))
+    return f"node '{node.name}' ({node.op} {target})"
+
+
+class _GradTarget:
+    """What :func:`reduce_gradients_` adds a parameter's sum to: the NumPy view of its grad."""
+
+    def __init__(self, param: nn.Parameter):
+        self.param = param
+        self.unreduced: Any = None
+
+    @property
+    def grad(self) -> Any:
+        if self.param.grad is None:
+            self.param.grad = torch.zeros_like(self.param)
+        return self.param.grad.numpy()
+
+    @grad.setter
+    def grad(self, value: Any) -> None:  # the in-place sum wrote into the view already
+        if value is not self.param.grad.numpy() and not (
+                hasattr(value, "__array_interface__")
+                and value.__array_interface__["data"][0] == self.param.grad.data_ptr()):
+            self.param.grad.copy_(torch.from_numpy(value))
+
+
+@dataclass
+class _Value:
+    """What the compiler knows of a node's value: a distributed tensor's Distribution or
+    None (a value every rank holds alike: a number, a size, a parameter)."""
+
+    dist: Distribution | None
+
+
+# ------------------------------------------------------------------ the module
+class ParallelModule(nn.Module):
+    """A traced PyTorch model run on this rank's blocks (made by :func:`parallelize`).
+
+    Its submodules, parameters and buffers are the model's own (the same
+    modules; the parameters new :class:`torch.nn.Parameter` objects on the
+    same data), under the same names, so :meth:`state_dict` keys and shapes
+    are the model's and a state dictionary moves between the two both ways.
+
+    Attributes
+    ----------
+    input_dist : Distribution
+        The distribution the forward pass wants its input in.
+    output_dist : Distribution or tuple of Distribution
+        The distribution of the output (a tuple where the model returns one).
+    """
+
+    def __init__(self, model: nn.Module, graph: GraphModule, steps: list[tuple[Node, Step]],
+                 input_dist: Distribution, output_dist: Any,
+                 param_comms: dict[int, MPI.Intracomm]):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in
+                                 model._non_persistent_buffers_set)
+        self.input_dist = input_dist
+        self.output_dist = output_dist
+        self._graph = graph.graph
+        self._steps = steps
+        self._buckets: GradientBuckets | None = None
+        self._targets: dict[int, _GradTarget] = {}
+        self.training = model.training
+        for p in self.parameters():
+            if id(p) in param_comms and p.requires_grad:
+                p.register_hook(self._gradient_hook(p, param_comms[id(p)]))
+
+    # -------------------------------------------------------------- gradients
+    def _gradient_hook(self, p: nn.Parameter, comm: MPI.Intracomm
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+        target = self._targets.setdefault(id(p), _GradTarget(p))
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if self._buckets is None:
+                self._buckets = GradientBuckets().__enter__()
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            target.grad  # noqa: B018  (creates the grad the sum is added to)
+            local = grad.detach().to(p.dtype).contiguous().clone()
+            reduce_gradients_([(target, local.numpy())], comm)
+            return torch.zeros_like(grad)
+
+        return hook
+
+    def _finish(self) -> None:
+        buckets, self._buckets = self._buckets, None
+        if buckets is not None:
+            buckets.__exit__(None, None, None)
+
+    # -------------------------------------------------------------- forward
+    def forward(self, x: DistArray | torch.Tensor) -> Any:
+        """The model on this rank's block of ``x``.
+
+        Parameters
+        ----------
+        x : DistArray or torch.Tensor
+            A DistArray of torch tensors distributed as :attr:`input_dist`,
+            or this rank's block of it.
+
+        Returns
+        -------
+        DistArray
+            The output, distributed as :attr:`output_dist` (a tuple of them
+            where the model returns one); its ``local`` carries the autograd
+            graph.
+        """
+        if isinstance(x, DistArray):
+            if x.dist != self.input_dist:
+                raise ValueError(f"ParallelModule: the input is distributed as {x.dist}, "
+                                 f"but this model wants {self.input_dist}")
+            x = x.local
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"ParallelModule: the input must be a DistArray or a "
+                            f"torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != self.input_dist.local_shape():
+            raise ValueError(f"ParallelModule: this rank's block has shape {tuple(x.shape)}, "
+                             f"but its block of {self.input_dist} has shape "
+                             f"{self.input_dist.local_shape()}")
+        env: dict[Node, Any] = {}
+        result = None
+        for node, step in self._steps:
+            if node.op == "placeholder":
+                env[node] = x
+                continue
+            args = map_aggregate((node.args, node.kwargs),
+                                 lambda a: env[a] if isinstance(a, Node) else a)
+            value = step(args)
+            if node.op == "output":
+                result = value
+            else:
+                env[node] = value
+        return result
+
+
+# ------------------------------------------------------------------ the compiler
+class _Compiler:
+    """Turns each node of a traced, shape-propagated graph into a step on blocks."""
+
+    def __init__(self, gm: GraphModule, model: nn.Module, grid: ProcessGrid):
+        self.gm = gm
+        self.model = model
+        self.grid = grid
+        self.values: dict[Node, _Value] = {}
+        self.output_dist: Any = None
+        # id of each parameter used -> (the grid axes that sum its gradient, a
+        # distribution of its input, the first node that uses it)
+        self.param_keys: dict[int, tuple[frozenset, Distribution, str]] = {}
+
+    # errors, each raised alike on every rank: all of it is metadata
+    def fail(self, node: Node, why: str) -> None:
+        raise ValueError(f"parallelize: {_describe(node)}: {why}")
+
+    def refuse_split(self, node: Node, dist: Distribution, dims: Sequence[int],
+                     what: str) -> None:
+        for d in dims:
+            if _split(dist, d):
+                self.fail(node, f"{what} on dimension {d}, which is split over the grid "
+                                f"(grid shape {dist.grid_shape}); it runs only on dimensions "
+                                "that are not split")
+
+    def dist_of(self, arg: Any) -> Distribution | None:
+        return self.values[arg].dist if isinstance(arg, Node) else None
+
+    def use_params(self, node: Node, module_name: str, dist: Distribution) -> None:
+        """Record the ranks that sum the gradients of a module's parameters."""
+        if dist is None:
+            return
+        module = self.gm.get_submodule(module_name)
+        prefix = f"{module_name}." if module_name else ""
+        for name, _ in module.named_parameters():
+            self.use_param(node, prefix + name, dist)
+
+    def use_param(self, node: Node, name: str, dist: Distribution) -> None:
+        try:
+            param = self.model.get_parameter(name)
+        except AttributeError:
+            return  # a buffer
+        key = _axes_key(dist)
+        known = self.param_keys.get(id(param))
+        if known is not None and known[0] != key:
+            raise ValueError(
+                f"parallelize: parameter '{name}' is shared by {known[2]} and "
+                f"{_describe(node)}, whose inputs are split differently ({known[1]} and "
+                f"{dist}): its gradient would be summed over different ranks")
+        if known is None:
+            self.param_keys[id(param)] = (key, dist, _describe(node))
+
+    # --------------------------------------------------------------- dispatch
+    def compile(self, node: Node) -> Step:
+        if node.op == "placeholder":
+            raise AssertionError  # handled by the caller
+        if node.op == "get_attr":
+            return self.get_attr(node)
+        if node.op == "output":
+            return self.output(node)
+        if node.op == "call_module":
+            return self.call_module(node)
+        if node.op == "call_function":
+            return self.call_function(node)
+        if node.op == "call_method":
+            return self.call_method(node)
+        self.fail(node, "is not a kind of node parallelize knows")
+        raise AssertionError
+
+    def output(self, node: Node) -> Step:
+        dists = map_aggregate(node.args[0], lambda a: self.dist_of(a))
+
+        def wrap(block: Any, dist: Any) -> Any:
+            return DistArray(block, dist) if isinstance(dist, Distribution) else block
+
+        def step(args: Any) -> Any:
+            out = args[0][0]
+            if isinstance(dists, Distribution):
+                return wrap(out, dists)
+            if isinstance(out, (tuple, list)):
+                return type(out)(wrap(o, d) for o, d in zip(out, dists))
+            return out
+
+        self.output_dist = dists
+        return step
+
+    def get_attr(self, node: Node) -> Step:
+        self.set(node, None)
+        target = node.target
+        model = self.model
+
+        def step(args: Any) -> Any:
+            return getattr_path(model, target)
+
+        return step
+
+    def set(self, node: Node, dist: Distribution | None) -> None:
+        self.values[node] = _Value(dist)
+
+    # --------------------------------------------------------------- generic rules
+    def local(self, node: Node, fn: Callable[..., Any]) -> Step:
+        """Run ``fn`` as it is: every distributed input must be whole on every rank."""
+        dists = [self.dist_of(a) for a in _flat_nodes(node)]
+        for d in dists:
+            if d is not None:
+                self.refuse_split(node, d, range(d.ndim), "an operation parallelize does not "
+                                  "know how to split runs")
+        shape = _shape_of(node)
+        dist = Distribution(shape, self.grid, (None,) * len(shape)) if shape is not None \
+            and any(d is not None for d in dists) else None
+        self.set(node, dist)
+        for a in _flat_nodes(node):
+            if a.op == "get_attr" and dist is not None:
+                self.use_param(node, a.target, dist)
+
+        def step(args: Any) -> Any:
+            a, kw = args
+            return fn(*a, **kw)
+
+        return step
+
+    def elementwise(self, node: Node, fn: Callable[..., Any]) -> Step:
+        """An element-wise operation on blocks of one distribution (others moved to it)."""
+        shape = _shape_of(node)
+        tensors = [a for a in _flat_nodes(node) if self.dist_of(a) is not None]
+        if not tensors or shape is None:
+            return self.local(node, fn)
+        target = next((self.dist_of(a) for a in tensors
+                       if self.dist_of(a).global_shape == shape), None)
+        if target is None:
+            return self.local(node, fn)
+        moves: dict[Node, tuple[Distribution, Distribution]] = {}
+        for a in tensors:
+            d = self.dist_of(a)
+            if d == target:
+                continue
+            if d.global_shape != shape:
+                self.fail(node, f"broadcasts a distributed operand of shape {d.global_shape} "
+                                f"against shape {shape}")
+            moves[a] = (d, target)
+        for a in _flat_nodes(node):
+            if a.op == "get_attr":
+                self.check_broadcast(node, a, target)
+                self.use_param(node, a.target, target)
+        self.set(node, target)
+        positions = _node_positions(node, moves)
+
+        def step(args: Any) -> Any:
+            a, kw = args
+            for path, (src, dst) in positions:
+                a, kw = _replace_at((a, kw), path, lambda t, s=src, d=dst:
+                                    redistribute(t, s, d))
+            return fn(*a, **kw)
+
+        return step
+
+    def check_broadcast(self, node: Node, attr: Node, dist: Distribution) -> None:
+        shape = _shape_of(attr)
+        if shape is None:
+            return
+        for k in range(1, len(shape) + 1):
+            d = dist.ndim - k
+            if d >= 0 and shape[-k] != 1 and _split(dist, d):
+                self.fail(node, f"broadcasts '{attr.target}' of shape {shape} along "
+                                f"dimension {d}, which is split over the grid")
+
+    # --------------------------------------------------------------- call_module
+    def call_module(self, node: Node) -> Step:
+        m = self.gm.get_submodule(node.target)
+        x = node.args[0] if node.args else None
+        dist = self.dist_of(x)
+        if dist is None:
+            return self.local(node, m)
+        if len(node.args) != 1 or node.kwargs:
+            if isinstance(m, tuple(_CONV) + tuple(_CONV_T) + tuple(_MAXPOOL)):
+                self.fail(node, "is called with more than its input")
+        if type(m) in _CONV:
+            return self.conv(node, m, dist)
+        if type(m) in _CONV_T:
+            return self.conv_transpose(node, m, dist)
+        if type(m) in _MAXPOOL or type(m) in _AVGPOOL:
+            return self.pool(node, m, dist)
+        if isinstance(m, _ADAPTIVE):
+            return self.adaptive(node, m.output_size, dist, len(dist.global_shape) - 2)
+        if isinstance(m, _BATCHNORM):
+            return self.batchnorm(node, m, dist)
+        if isinstance(m, nn.GroupNorm):
+            return self.groupnorm(node, m, dist)
+        if isinstance(m, nn.LayerNorm):
+            d0 = dist.ndim - len(m.normalized_shape)
+            self.refuse_split(node, dist, range(d0, dist.ndim), "LayerNorm normalizes")
+            return self.same(node, m, dist)
+        if isinstance(m, nn.Upsample):
+            return self.interpolate(node, dist, m.mode, m.align_corners)
+        if type(m) is nn.Dropout:
+            return self.dropout(node, dist, lambda args: (m.p, m.training))
+        if isinstance(m, nn.Flatten):
+            return self.reshape(node, dist)
+        if isinstance(m, nn.Linear):
+            return self.linear(node, m, dist)
+        if isinstance(m, (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
+            dim = m.dim if m.dim is not None else 1
+            self.refuse_split(node, dist, [dim % dist.ndim], f"{type(m).__name__} reduces")
+            return self.same(node, m, dist)
+        if isinstance(m, _ELEMENTWISE_MODULES):
+            if isinstance(m, nn.PReLU) and m.num_parameters > 1:
+                self.refuse_split(node, dist, [1], "PReLU's per-channel weight")
+            return self.same(node, m, dist)
+        step = self.local(node, m)
+        self.use_params(node, node.target, self.values[node].dist)
+        return step
+
+    def same(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        """A module that maps this rank's block to its block of the same distribution."""
+        self.set(node, dist)
+        self.use_params(node, node.target, dist)
+        return lambda args: m(*args[0], **args[1])
+
+    def conv(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        nd = dist.ndim - 2
+        self.refuse_split(node, dist, [1], f"{type(m).__name__} mixes channels")
+        spec = WindowSpec.make(nd, m.kernel_size, m.stride, m.padding, m.dilation)
+        mode = _PADDING_MODES[m.padding_mode]
+        geo = geometry(spec, dist)
+        shape = _shape_of(node)
+        out = _with_shape(geo.out_dist, shape)
+        self._check_shape(node, out, shape)
+        slices = geo.input_slices(geo.out_box)
+        fn, widths = _CONV[type(m)], geo.widths
+        empty = any(b <= a for a, b in geo.out_box) or 0 in dist.local_shape()
+        self.set(node, out)
+        self.use_params(node, node.target, dist)
+        local_out = out.local_shape()
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            ext = halo_exchange(x, dist, widths, mode) if any(any(w) for w in widths) else x
+            if empty:
+                return _empty_like_output(ext, local_out, m.parameters())
+            return fn(ext[slices], m.weight, m.bias, m.stride, 0, m.dilation, m.groups)
+
+        return step
+
+    def conv_transpose(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        nd = dist.ndim - 2
+        self.refuse_split(node, dist, [1], f"{type(m).__name__} mixes channels")
+        if m.padding_mode != "zeros":
+            self.fail(node, "a transposed convolution pads with zeros only")
+        spec = WindowSpec.make(nd, m.kernel_size, m.stride, m.padding, m.dilation)
+        geo = transposed_geometry(spec, tuple(m.output_padding), dist)
+        shape = _shape_of(node)
+        out = _with_shape(geo.out_dist, shape)
+        self._check_shape(node, out, shape)
+        block = dist.block_index()
+        pads: list[int] = []
+        for i in reversed(range(nd)):
+            start = spec.stride[i] * geo.in_origin[i] - spec.padding[i][0]
+            o0, o1 = (out.boundaries[2 + i][block[2 + i]],
+                      out.boundaries[2 + i][block[2 + i] + 1])
+            length = dist.local_shape()[2 + i] + sum(geo.in_widths[2 + i])
+            full = spec.stride[i] * (length - 1) + spec.dilation[i] * (spec.kernel[i] - 1) + 1 \
+                if length else 0
+            pads += [start - o0, o1 - (start + full)]
+        fn, widths = _CONV_T[type(m)], geo.in_widths
+        local_out = out.local_shape()
+        empty = 0 in local_out or any(dist.local_shape()[2 + i] + sum(geo.in_widths[2 + i])
+                                      == 0 for i in range(nd))
+        self.set(node, out)
+        self.use_params(node, node.target, dist)
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            ext = halo_exchange(x, dist, widths) if any(any(w) for w in widths) else x
+            if empty:
+                return _empty_like_output(ext, local_out, m.parameters())
+            y = fn(ext, m.weight, None, m.stride, 0, 0, m.groups, m.dilation)
+            y = F.pad(y, pads)
+            if m.bias is not None:
+                y = y + m.bias.view((1, -1) + (1,) * nd)
+            return y
+
+        return step
+
+    def pool(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        nd = dist.ndim - 2
+        kind = type(m).__name__
+        is_max = type(m) in _MAXPOOL
+        if is_max and m.return_indices:
+            self.refuse_split(node, dist, range(dist.ndim), f"{kind} with return_indices")
+            return self.same_shape_local(node, m)
+        stride = m.stride if m.stride is not None else m.kernel_size
+        dilation = m.dilation if is_max else 1
+        spec = WindowSpec.make(nd, m.kernel_size, stride, m.padding, dilation)
+        shape = _shape_of(node)
+        # ceil_mode: more padding after, so the floor of the rule gives PyTorch's length
+        pads = list(spec.padding)
+        for i in range(nd):
+            extra = (shape[2 + i] - spec.out_length(i, dist.global_shape[2 + i])) * spec.stride[i]
+            pads[i] = (pads[i][0], pads[i][1] + max(0, extra))
+        spec = WindowSpec(spec.kernel, spec.stride, tuple(pads), spec.dilation)
+        geo = geometry(spec, dist)
+        out = _with_shape(geo.out_dist, shape)
+        self._check_shape(node, out, shape)
+        slices = geo.input_slices(geo.out_box)
+        widths = geo.widths
+        local_out = out.local_shape()
+        empty = 0 in local_out
+        self.set(node, out)
+        if is_max:
+            fn = _MAXPOOL[type(m)]
+            fill = -math.inf
+
+            def run(ext: torch.Tensor) -> torch.Tensor:
+                return fn(ext, spec.kernel, spec.stride, 0, spec.dilation)
+        else:
+            fn = _AVGPOOL[type(m)]
+            fill = 0.0
+            divisor = _avg_divisor(spec, m, dist.global_shape, geo.out_box,
+                                   orig_pad=WindowSpec.make(nd, m.kernel_size, stride,
+                                                            m.padding, 1).padding)
+            scale = math.prod(spec.kernel)
+
+            def run(ext: torch.Tensor) -> torch.Tensor:
+                y = fn(ext, spec.kernel, spec.stride, 0)
+                return y * (scale / divisor.to(dtype=y.dtype, device=y.device))
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            ext = halo_exchange(x, dist, widths, "constant", fill) \
+                if any(any(w) for w in widths) else x
+            if empty:
+                return ext.new_zeros(local_out) + 0 * ext.sum()
+            return run(ext[slices])
+
+        return step
+
+    def same_shape_local(self, node: Node, m: Callable[..., Any]) -> Step:
+        return self.local(node, m)
+
+    def adaptive(self, node: Node, output_size: Any, dist: Distribution, nd: int) -> Step:
+        shape = _shape_of(node)
+        ins, outs = dist.global_shape[2:], shape[2:]
+        split = [i for i in range(nd) if _split(dist, 2 + i)]
+        if not split:
+            fn = _ADAPTIVE_F[nd - 1]
+            self.set(node, _with_shape(dist, shape, {2 + i: None for i in range(nd)}))
+            return lambda args: fn(args[0][0], outs)
+        if all(n % o == 0 for n, o in zip(ins, outs)):
+            k = tuple(n // o for n, o in zip(ins, outs))
+            pool = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)[nd - 1](k, k)
+            return self.pool(node, pool, dist)
+        if all(o == 1 for o in outs):
+            return self.reduce_sum(node, dist, list(range(2, 2 + nd)), True, mean=True)
+        self.fail(node, f"adaptive average pooling from {tuple(ins)} to {tuple(outs)} on "
+                        f"split dimensions {[2 + i for i in split]}: the sizes must divide "
+                        "or the output be 1")
+        raise AssertionError
+
+    def reduce_sum(self, node: Node, dist: Distribution, dims: list[int], keepdim: bool,
+                   mean: bool) -> Step:
+        shape = _shape_of(node)
+        comm = split_axes_comm(dist, dims)
+        count = math.prod(dist.global_shape[d] for d in dims)
+        keep = [d for d in range(dist.ndim) if d not in dims]
+        if keepdim:
+            axes = [None if d in dims else a for d, a in enumerate(dist.axes)]
+            splits = [None if d in dims else s for d, s in enumerate(dist.splits)]
+        else:
+            axes = [dist.axes[d] for d in keep]
+            splits = [dist.splits[d] for d in keep]
+        self.set(node, Distribution(shape, dist.grid_arg, axes, splits))
+        any_split = any(_split(dist, d) for d in dims)
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            s = x.sum(dim=dims, keepdim=keepdim)
+            if any_split:
+                s = all_reduce(s, comm)
+            return s / count if mean else s
+
+        return step
+
+    def batchnorm(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        self.refuse_split(node, dist, [1], f"{type(m).__name__} normalizes per channel and")
+        dims = [0] + list(range(2, dist.ndim))
+        comm = split_axes_comm(dist, dims)
+        count = math.prod(dist.global_shape[d] for d in dims)
+        view = (1, -1) + (1,) * (dist.ndim - 2)
+        self.set(node, dist)
+        self.use_params(node, node.target, dist)
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            training = m.training or (m.running_mean is None and m.running_var is None)
+            if training:
+                mean = broadcast(all_reduce(x.sum(dim=dims), comm), comm) / count
+                xc = x - mean.view(view)
+                var = broadcast(all_reduce((xc * xc).sum(dim=dims), comm), comm) / count
+                if m.training and m.track_running_stats and m.running_mean is not None:
+                    with torch.no_grad():
+                        m.num_batches_tracked.add_(1)
+                        f = (1.0 / float(m.num_batches_tracked) if m.momentum is None
+                             else m.momentum)
+                        unbiased = var.detach() * (count / max(count - 1, 1))
+                        m.running_mean.mul_(1 - f).add_(mean.detach() * f)
+                        m.running_var.mul_(1 - f).add_(unbiased * f)
+            else:
+                mean, var = m.running_mean, m.running_var
+                xc = x - mean.view(view)
+            y = xc * torch.rsqrt(var + m.eps).view(view)
+            if m.affine:
+                y = y * m.weight.view(view) + m.bias.view(view)
+            return y
+
+        return step
+
+    def groupnorm(self, node: Node, m: nn.GroupNorm, dist: Distribution) -> Step:
+        self.refuse_split(node, dist, [1], "GroupNorm normalizes groups of channels and")
+        dims = list(range(2, dist.ndim))
+        comm = split_axes_comm(dist, dims)
+        g = m.num_groups
+        count = (dist.global_shape[1] // g) * math.prod(dist.global_shape[d] for d in dims)
+        view = (1, -1) + (1,) * (dist.ndim - 2)
+        self.set(node, dist)
+        self.use_params(node, node.target, dist)
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            xs = x.reshape(x.shape[0], g, x[0].numel() // g if x.shape[0] else 0)
+            mean = broadcast(all_reduce(xs.sum(-1), comm), comm) / count
+            xc = xs - mean.unsqueeze(-1)
+            var = broadcast(all_reduce((xc * xc).sum(-1), comm), comm) / count
+            y = (xc * torch.rsqrt(var + m.eps).unsqueeze(-1)).reshape(x.shape)
+            if m.affine:
+                y = y * m.weight.view(view) + m.bias.view(view)
+            return y
+
+        return step
+
+    def interpolate(self, node: Node, dist: Distribution, mode: str,
+                    align_corners: Any) -> Step:
+        nd = dist.ndim - 2
+        shape = _shape_of(node)
+        split = [i for i in range(nd) if _split(dist, 2 + i)]
+        if mode not in _LINEAR_MODES and split:
+            self.fail(node, f"interpolation mode '{mode}' on split dimension {2 + split[0]}")
+        if align_corners and split:
+            self.fail(node, f"align_corners=True on split dimension {2 + split[0]}")
+        factors = {}
+        for i in split:
+            n, o = dist.global_shape[2 + i], shape[2 + i]
+            if o % n:
+                self.fail(node, f"a scale that is not an integer ({n} -> {o}) on split "
+                                f"dimension {2 + i}")
+            factors[i] = o // n
+        h = _LINEAR_MODES.get(mode, 0)
+        out = _with_shape(dist, shape, {2 + i: (
+            [c * factors[i] for c in dist.boundaries[2 + i][1:-1]] if i in factors else None)
+            for i in range(nd)})
+        self._check_shape(node, out, shape)
+        widths = [(0, 0), (0, 0)] + [(h, h) if i in factors else (0, 0) for i in range(nd)]
+        halo = h > 0 and bool(factors)
+        local_out = out.local_shape()
+        size = tuple(local_out[2 + i] + (2 * h * factors[i] if i in factors and h else 0)
+                     for i in range(nd))
+        crop = tuple(slice(h * factors[i], h * factors[i] + local_out[2 + i])
+                     if i in factors and h else slice(None) for i in range(nd))
+        kwargs = {} if mode.startswith("nearest") else {"align_corners": align_corners}
+        self.set(node, out)
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            ext = halo_exchange(x, dist, widths, "edge") if halo else x
+            if 0 in local_out:
+                return ext.new_zeros(local_out) + 0 * ext.sum()
+            y = F.interpolate(ext, size=size, mode=mode, **kwargs)
+            return y[(slice(None), slice(None)) + crop] if halo else y
+
+        return step
+
+    def dropout(self, node: Node, dist: Distribution,
+                settings: Callable[[Any], tuple[float, bool]]) -> Step:
+        self.set(node, dist)
+        slices = dist.local_slices()
+        shape = dist.global_shape
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            p, training = settings(args)
+            if not training or p == 0:
+                return x
+            if p == 1:
+                return x * torch.zeros_like(x)
+            noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+            noise.div_(1 - p)
+            return x * noise[slices]
+
+        return step
+
+    def reshape(self, node: Node, dist: Distribution) -> Step:
+        shape = _shape_of(node)
+        src = dist.global_shape
+        p = 0
+        while p < min(len(shape), len(src)) and shape[p] == src[p]:
+            p += 1
+        if p == len(src) == len(shape):
+            self.set(node, dist)
+            return lambda args: args[0][0]
+        rest = list(range(p, len(src)))
+        whole = _unsplit(dist, rest) if any(_split(dist, d) for d in rest) else dist
+        axes = list(whole.axes[:p]) + [None] * (len(shape) - p)
+        splits = list(whole.splits[:p]) + [None] * (len(shape) - p)
+        out = Distribution(shape, dist.grid_arg, axes, splits)
+        local = out.local_shape()
+        self.set(node, out)
+        move = whole != dist
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            if move:
+                x = redistribute(x, dist, whole)
+            return x.reshape(local)
+
+        return step
+
+    def linear(self, node: Node, m: nn.Linear, dist: Distribution) -> Step:
+        last = dist.ndim - 1
+        whole = _unsplit(dist, [last]) if _split(dist, last) else dist
+        shape = _shape_of(node)
+        self.set(node, _with_shape(whole, shape, {last: None}))
+        self.use_params(node, node.target, whole)
+        move = whole != dist
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            if move:
+                x = redistribute(x, dist, whole)
+            return F.linear(x, m.weight, m.bias)
+
+        return step
+
+    def _check_shape(self, node: Node, out: Distribution, shape: Sequence[int]) -> None:
+        if tuple(out.global_shape) != tuple(shape):  # pragma: no cover - a geometry bug
+            self.fail(node, f"the window geometry gives shape {out.global_shape}, PyTorch "
+                            f"{tuple(shape)}")
+
+    # --------------------------------------------------------------- call_function / method
+    def call_function(self, node: Node) -> Step:
+        fn = node.target
+        x = node.args[0] if node.args else None
+        dist = self.dist_of(x)
+        if fn in (torch.cat, torch.concat) and isinstance(x, (list, tuple)):
+            return self.cat(node)
+        if dist is None:
+            if any(self.dist_of(a) is not None for a in _flat_nodes(node)):
+                return self.elementwise(node, fn)
+            return self.local(node, fn)
+        if fn is getattr and node.args[1] == "shape":
+            return self.global_attr(node, dist.global_shape)
+        if fn is F.interpolate:
+            mode = _arg(node, 4, "mode", "nearest")
+            return self.interpolate(node, dist, mode, _arg(node, 5, "align_corners", None))
+        if fn is torch.flatten:
+            return self.reshape(node, dist)
+        if fn is F.dropout:
+            def settings(args: Any) -> tuple[float, bool]:
+                a, kw = args
+                p = kw.get("p", a[1] if len(a) > 1 else 0.5)
+                return p, kw.get("training", a[2] if len(a) > 2 else True)
+            return self.dropout(node, dist, settings)
+        if fn in _ADAPTIVE_F:
+            return self.adaptive(node, None, dist, dist.ndim - 2)
+        if fn in (torch.mean, torch.sum):
+            return self.reduction(node, dist, fn.__name__)
+        if fn in (F.relu, F.relu6, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish,
+                  F.leaky_relu, F.hardtanh, F.hardswish, F.hardsigmoid, F.sigmoid, F.tanh,
+                  F.softplus, F.logsigmoid, F.threshold) or fn in _BINARY_OPERATORS or (
+                getattr(fn, "__module__", None) in ("torch", None)
+                and getattr(fn, "__name__", "") in _ELEMENTWISE_NAMES):
+            return self.elementwise(node, fn)
+        if fn in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax):
+            dim = _arg(node, 1, "dim", None)
+            self.refuse_split(node, dist, [(dim if dim is not None else 1) % dist.ndim],
+                              "softmax reduces")
+            self.set(node, dist)
+            return lambda args: fn(*args[0], **args[1])
+        return self.local(node, fn)
+
+    def call_method(self, node: Node) -> Step:
+        name = node.target
+        x = node.args[0]
+        dist = self.dist_of(x)
+        if dist is None:
+            return self.local(node, _method(name))
+        if name == "size":
+            return self.global_attr(node, dist.global_shape, sized=True)
+        if name == "dim":
+            return self.global_attr(node, dist.ndim, scalar=True)
+        if name in ("view", "reshape", "flatten"):
+            return self.reshape(node, dist)
+        if name == "permute":
+            return self.permute(node, dist)
+        if name in ("mean", "sum"):
+            return self.reduction(node, dist, name)
+        if name in _ELEMENTWISE_NAMES or name.rstrip("_") in _ELEMENTWISE_NAMES:
+            return self.elementwise(node, _method(name))
+        return self.local(node, _method(name))
+
+    def global_attr(self, node: Node, value: Any, sized: bool = False,
+                    scalar: bool = False) -> Step:
+        """Sizes as the global array has them (every rank alike)."""
+        self.set(node, None)
+        if scalar:
+            return lambda args: value
+        whole = torch.Size(value)
+        if not sized:
+            return lambda args: whole
+
+        def step(args: Any) -> Any:
+            a, kw = args
+            dim = kw.get("dim", a[1] if len(a) > 1 else None)
+            return whole if dim is None else whole[dim]
+
+        return step
+
+    def permute(self, node: Node, dist: Distribution) -> Step:
+        order = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
+        order = [int(o) % dist.ndim for o in order]
+        out = Distribution([dist.global_shape[o] for o in order], dist.grid_arg,
+                           [dist.axes[o] for o in order], [dist.splits[o] for o in order])
+        self.set(node, out)
+        return lambda args: args[0][0].permute(order)
+
+    def reduction(self, node: Node, dist: Distribution, name: str) -> Step:
+        dim = _arg(node, 1, "dim", None)
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        if _arg(node, 3, "dtype", None) is not None:
+            return self.local(node, _method(name))
+        dims = list(range(dist.ndim)) if dim is None else sorted(
+            {int(d) % dist.ndim for d in (dim if isinstance(dim, (tuple, list)) else [dim])})
+        return self.reduce_sum(node, dist, dims, keepdim, mean=name == "mean")
+
+    def cat(self, node: Node) -> Step:
+        tensors = list(node.args[0])
+        dim = _arg(node, 1, "dim", 0)
+        dists = [self.dist_of(t) for t in tensors]
+        if any(d is None for d in dists):
+            return self.local(node, torch.cat)
+        first = dists[0]
+        dim %= first.ndim
+        self.refuse_split(node, first, [dim], "torch.cat joins")
+        shape = _shape_of(node)
+        targets = [_with_shape(first, d.global_shape, {dim: None}) for d in dists]
+        out = _with_shape(first, shape, {dim: None})
+        self.set(node, out)
+        moves = [(d, t) if d != t else None for d, t in zip(dists, targets)]
+
+        def step(args: Any) -> torch.Tensor:
+            a, _ = args
+            blocks = [b if mv is None else redistribute(b, *mv) for b, mv in zip(a[0], moves)]
+            return torch.cat(blocks, dim)
+
+        return step
+
+
+# ------------------------------------------------------------------ small helpers
+def getattr_path(obj: Any, target: str) -> Any:
+    """``obj.a.b.c`` for ``target`` 'a.b.c'."""
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _method(name: str) -> Callable[..., Any]:
+    return lambda self, *a, **kw: getattr(self, name)(*a, **kw)
+
+
+def _arg(node: Node, index: int, name: str, default: Any) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+def _flat_nodes(node: Node) -> list[Node]:
+    out: list[Node] = []
+    map_aggregate((node.args, node.kwargs),
+                  lambda a: out.append(a) if isinstance(a, Node) else None)
+    return out
+
+
+def _node_positions(node: Node, moves: dict[Node, tuple[Distribution, Distribution]]
+                    ) -> list[tuple[tuple, tuple[Distribution, Distribution]]]:
+    """Where in ``(args, kwargs)`` each moved node sits (a path of indices and keys)."""
+    found: list = []
+
+    def walk(value: Any, path: tuple) -> None:
+        if isinstance(value, Node):
+            if value in moves:
+                found.append((path, moves[value]))
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                walk(v, path + (i,))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, path + (k,))
+
+    walk((node.args, node.kwargs), ())
+    return found
+
+
+def _replace_at(value: Any, path: tuple, fn: Callable[[Any], Any]) -> Any:
+    if not path:
+        return fn(value)
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, head: _replace_at(value[head], rest, fn)}
+    items = list(value)
+    items[head] = _replace_at(items[head], rest, fn)
+    return type(value)(items) if isinstance(value, tuple) else items
+
+
+def _empty_like_output(ext: torch.Tensor, shape: tuple[int, ...],
+                       params: Any) -> torch.Tensor:
+    """An empty block that keeps the autograd graph of every rank alike (the parameters'
+    gradient hooks run on every rank)."""
+    zero = 0 * ext.sum()
+    for p in params:
+        zero = zero + 0 * p.sum()
+    return ext.new_zeros(shape) + zero
+
+
+def _avg_divisor(spec: WindowSpec, m: nn.Module, shape: Sequence[int],
+                 box: Sequence[tuple[int, int]], orig_pad: Sequence[tuple[int, int]]
+                 ) -> torch.Tensor:
+    """PyTorch's divisor of each of this rank's average-pool outputs."""
+    nd = len(spec.kernel)
+    if getattr(m, "divisor_override", None):
+        sizes = [max(0, b - a) for a, b in box]
+        return torch.full(sizes, float(m.divisor_override), dtype=torch.float64).view(
+            (1, 1) + tuple(sizes))
+    out = torch.ones((), dtype=torch.float64)
+    for i in range(nd):
+        n, k, s, p = shape[2 + i], spec.kernel[i], spec.stride[i], orig_pad[i][0]
+        j = torch.arange(box[i][0], box[i][1], dtype=torch.float64)
+        start = j * s - p
+        end = torch.clamp(start + k, max=n + p)
+        if m.count_include_pad:
+            size = end - start
+        else:
+            size = torch.clamp(end, max=n) - torch.clamp(start, min=0)
+        out = out.unsqueeze(-1) * size
+    return out.view((1, 1) + tuple(max(0, b - a) for a, b in box))
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in _RETIRED:
+                raise RuntimeError(
+                    "this optimizer holds the parameters the model had before parallelize, "
+                    "which the parallel model no longer uses; build it on the parallel "
+                    "model's parameters (ParallelModule.parameters())")
+
+
+_OPTIMIZER_CHECK: list[Any] = []  # the global step pre-hook, registered once
+
+
+def _watch_optimizers() -> None:
+    if not _OPTIMIZER_CHECK:
+        _OPTIMIZER_CHECK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+# ------------------------------------------------------------------ parallelize
+def _input_distribution(shape: tuple[int, ...], layout: Any, comm: MPI.Intracomm
+                        ) -> Distribution:
+    if isinstance(layout, str):
+        if layout == "auto":
+            raise NotImplementedError("parallelize: layout='auto' (a plan by the planner) is "
+                                      "not available yet; give a grid shape over the input's "
+                                      "dimensions, e.g. (1, 1, 2, 1)")
+        raise ValueError(f"parallelize: layout must be 'auto' or a grid shape, got {layout!r}")
+    if not isinstance(layout, Sequence) or not all(
+            isinstance(g, int) and not isinstance(g, bool) for g in layout):
+        raise TypeError(f"parallelize: layout must be 'auto' or a grid shape (a tuple of "
+                        f"ints, one per input dimension), got {layout!r}")
+    layout = tuple(layout)
+    if len(layout) != len(shape):
+        raise ValueError(f"parallelize: the grid shape {layout} has {len(layout)} entries, "
+                         f"the input shape {shape} {len(shape)} dimensions")
+    if any(g < 1 for g in layout) or math.prod(layout) != comm.Get_size():
+        raise ValueError(f"parallelize: the grid shape {layout} must be positive and hold "
+                         f"the {comm.Get_size()} ranks")
+    return Distribution(shape, ProcessGrid(layout, comm), tuple(range(len(shape))))
+
+
+def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: Any = "auto",
+                *, memory_per_rank: int | None = None, machine: Any = None,
+                comm: MPI.Intracomm | None = None) -> ParallelModule:
+    """An unchanged PyTorch model, run on this rank's blocks of a distributed input.
+
+    The model is traced by :mod:`torch.fx` and each node compiled into a step
+    on blocks (see the module's notes). Collective: every rank calls it alike,
+    with the same model (same parameters). The model's modules become the
+    returned module's (its parameters are replaced by new
+    :class:`torch.nn.Parameter` objects on the same data; an optimizer
+    built before on the old ones is refused at its first step); nothing is
+    changed where an error is raised.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model; its forward takes one tensor of ``example_input_shape``.
+    example_input_shape : sequence of int
+        The global input shape (N, C, *spatial) the parallel model runs on.
+    layout : 'auto' or sequence of int
+        A grid shape over the input's dimensions (``(1, 1, 2, 1)`` splits H of
+        (N, C, H, W) in two): dimension ``d`` split by grid axis ``d``, each
+        layer following where its input lies. ``'auto'`` (the planner's
+        choice) is not available yet.
+    memory_per_rank : int, optional
+        The memory budget of one rank, in bytes, for ``layout='auto'``.
+    machine : optional
+        The machine model for ``layout='auto'``.
+    comm : MPI.Intracomm, optional
+        The ranks (``MPI.COMM_WORLD`` by default).
+
+    Returns
+    -------
+    ParallelModule
+        With ``input_dist``; its forward takes a DistArray of torch tensors
+        in ``input_dist`` (or this rank's block) and returns a DistArray whose
+        ``to_global()`` is the model's output; after ``backward`` each
+        parameter's gradient is that of one process on the whole batch.
+
+    Raises
+    ------
+    TypeError
+        For a model that is not a torch.nn.Module or cannot be traced by
+        torch.fx, or a layout of the wrong type.
+    ValueError
+        For an input shape the model does not accept, a grid that does not
+        hold the ranks, an operation on a split dimension that parallelize
+        cannot split (naming the node and the dimension), or a parameter
+        shared by layers whose inputs are split differently.
+
+    All are raised on every rank alike, before any message.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize: model must be a torch.nn.Module, "
+                        f"got {type(model).__name__}")
+    if isinstance(model, ParallelModule):
+        raise TypeError("parallelize: the model is parallel already")
+    try:
+        shape = tuple(int(s) for s in example_input_shape)
+    except (TypeError, ValueError):
+        raise TypeError(f"parallelize: example_input_shape must be a sequence of ints, "
+                        f"got {example_input_shape!r}") from None
+    del memory_per_rank, machine  # for layout='auto'
+    try:
+        gm = symbolic_trace(model)
+    except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses
+        raise TypeError(f"parallelize: {type(model).__name__} cannot be traced by torch.fx "
+                        f"({type(err).__name__}: {err})") from None
+    param = next(model.parameters(), None)
+    dtype = param.dtype if param is not None else torch.get_default_dtype()
+    modes = {m: m.training for m in gm.modules()}
+    try:
+        gm.eval()
+        with torch.no_grad():
+            ShapeProp(gm).propagate(torch.zeros(shape, dtype=dtype))
+    except Exception as err:  # noqa: BLE001 - whatever the model refuses
+        raise ValueError(f"parallelize: {type(model).__name__} does not accept an input of "
+                         f"shape {shape} ({type(err).__name__}: {err})") from None
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    input_dist = _input_distribution(shape, layout, comm)
+    compiler = _Compiler(gm, model, input_dist.grid)
+    steps: list[tuple[Node, Step]] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if steps:
+                raise TypeError("parallelize: the model's forward must take one input")
+            compiler.set(node, input_dist)
+            steps.append((node, lambda args: None))
+            continue
+        steps.append((node, compiler.compile(node)))
+    # converted only now, when nothing can fail: new Parameters on the same data
+    _watch_optimizers()
+    fresh: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in fresh:
+                fresh[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+                _RETIRED[p] = True
+            module._parameters[name] = fresh[id(p)]
+    comms = {id(fresh[i]): split_axes_comm(dist)
+             for i, (_, dist, _) in compiler.param_keys.items()}
+    return ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms)
