@@ -19,7 +19,7 @@ from .grid import ProcessGrid, factorizations
 from .halo import halo_accumulate, halo_plan
 from .io import chunk_splits, from_hdf5, from_npy, from_zarr, npy_header, to_npy, to_zarr
 from .redistribute import redistribution_plan
-from .runtime import abort_on_exception, limit_blas_threads
+from .runtime import abort_on_exception, limit_blas_threads, node_share
 from .settings import CollectiveMismatchError, get_options, options, set_options
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "halo_accumulate",
     "halo_plan",
     "limit_blas_threads",
+    "node_share",
     "make_distribution",
     "nccl_enabled",
     "node_local_rank",

@@ -33,7 +33,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["abort_on_exception", "limit_blas_threads"]
+__all__ = ["abort_on_exception", "limit_blas_threads", "node_share"]
 
 _previous_hook = None
 _previous_thread_hook = None
@@ -160,28 +160,38 @@ def _install_default() -> None:
 _thread_limits = None
 
 
+def node_share(comm: MPI.Comm | None = None) -> tuple[int, int]:
+    """``(ranks, cores)``: this node's ranks of ``comm`` and the cores this process may use.
+
+    Collective over ``comm`` (default ``MPI.COMM_WORLD``): the ranks that share
+    memory with this one are counted by ``MPI_Comm_split_type``.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_size()
+    node.Free()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return local, cores
+
+
 def limit_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
     """Limit this rank's BLAS/OpenMP threads; returns the limit. Collective over ``comm``.
 
     By default each rank gets the cores this process may use divided by the
-    number of ranks on its node (at least one). Several ranks that each run a
-    full-width BLAS thread pool on the same cores slow each other down by
-    large factors, so the command-line tools call this at start-up; library
-    users launching several ranks per node should do the same (or set
-    ``OMP_NUM_THREADS`` before starting Python).
+    number of ranks on its node (at least one; :func:`node_share`). Several
+    ranks that each run a full-width BLAS thread pool on the same cores slow
+    each other down by large factors, so the command-line tools call this at
+    start-up; library users launching several ranks per node should do the
+    same (or set ``OMP_NUM_THREADS`` before starting Python).
     """
     global _thread_limits
     from threadpoolctl import threadpool_limits
 
     if threads is None:
-        comm = MPI.COMM_WORLD if comm is None else comm
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        local = node.Get_size()
-        node.Free()
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            cores = os.cpu_count() or 1
+        local, cores = node_share(comm)
         threads = max(1, cores // local)
     _thread_limits = threadpool_limits(limits=int(threads))
     return int(threads)

@@ -201,8 +201,8 @@ def _generic(monkeypatch):
     """Make the layers use the generic kernels for NumPy arrays."""
     from disttensor_nn.layers import conv, pool
 
-    monkeypatch.setattr(conv, "kernels_for", lambda a: xp_kernels)
-    monkeypatch.setattr(pool, "kernels_for", lambda a: xp_kernels)
+    monkeypatch.setattr(conv, "kernels_for", lambda a, backend=None: xp_kernels)
+    monkeypatch.setattr(pool, "kernels_for", lambda a, backend=None: xp_kernels)
 
 
 @pytest.mark.parallel([1, 2, 3, 4])

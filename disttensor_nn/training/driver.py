@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-from disttensor import use_device
+from disttensor import node_share, use_device
 from disttensor.backend import is_numpy, nbytes
 
 from ..container import Sequential
@@ -250,13 +250,7 @@ def _check_config(cfg: TrainConfig) -> None:
 def _threads(cfg: TrainConfig, comm: MPI.Comm) -> tuple[int, int, int]:
     """Set each rank's kernel threads (BLAS and PyTorch's); returns (threads, ranks on this
     node, cores). Collective. By default the cores divided by the ranks of the node."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local = node.Get_size()
-    node.Free()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
+    local, cores = node_share(comm)
     threads = cfg.threads if cfg.threads is not None else max(1, cores // local)
     if threads * local > cores and cfg.threads is not None and threads > 1:
         _say(comm, f"warning: --threads {threads} on {_plural(local, 'rank')} of this node "
