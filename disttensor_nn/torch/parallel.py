@@ -84,11 +84,14 @@ _ELEMENTWISE_NAMES = frozenset(
 _BINARY_OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
                                operator.neg, operator.pow, operator.iadd, operator.imul,
                                operator.isub, operator.itruediv, operator.floordiv))
+# shape-keeping operations along one dimension (their first argument after the tensor)
+_ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
+                        "softmin"))
 _LINEAR_MODES = {"nearest": 0, "nearest-exact": 0, "linear": 1, "bilinear": 1,
                  "trilinear": 1, "bicubic": 2}
 
 # parameters that a ParallelModule replaced: an optimizer over them is refused at its step
-_RETIRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RETIRED: dict[int, weakref.ref] = {}  # id -> the parameter (tensors compare by value)
 
 
 # ------------------------------------------------------------------ helpers
@@ -202,30 +205,64 @@ class ParallelModule(nn.Module):
         self._buckets: GradientBuckets | None = None
         self._targets: dict[int, _GradTarget] = {}
         self.training = model.training
-        for p in self.parameters():
-            if id(p) in param_comms and p.requires_grad:
-                p.register_hook(self._gradient_hook(p, param_comms[id(p)]))
+        # the order every rank reduces in: the reverse of first use in forward, the order
+        # backward usually reaches them, so a prefix that is ready starts at once
+        by_id = {id(p): p for p in self.parameters()}
+        self._order = [(by_id[i], c) for i, c in reversed(list(param_comms.items()))
+                       if i in by_id and by_id[i].requires_grad]
+        self._pending: dict[int, torch.Tensor] = {}
+        self._next = 0
+        for p, _ in self._order:
+            self._targets[id(p)] = _GradTarget(p)
+            p.register_hook(self._gradient_hook(p))
 
     # -------------------------------------------------------------- gradients
-    def _gradient_hook(self, p: nn.Parameter, comm: MPI.Intracomm
-                       ) -> Callable[[torch.Tensor], torch.Tensor]:
-        target = self._targets.setdefault(id(p), _GradTarget(p))
+    def _begin(self) -> None:
+        """Open the buckets of this backward pass; its end reduces what is left."""
+        if self._buckets is None:
+            self._buckets = GradientBuckets().__enter__()
+            self._pending.clear()
+            self._next = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
+    def _gradient_hook(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            if self._buckets is None:
-                self._buckets = GradientBuckets().__enter__()
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            target.grad  # noqa: B018  (creates the grad the sum is added to)
-            local = grad.detach().to(p.dtype).contiguous().clone()
-            reduce_gradients_([(target, local.numpy())], comm)
+            self._begin()
+            self._pending[id(p)] = grad.detach().to(p.dtype).contiguous().clone()
+            self._reduce_ready()
             return torch.zeros_like(grad)
 
         return hook
 
+    def _reduce(self, p: nn.Parameter, comm: MPI.Intracomm, local: torch.Tensor) -> None:
+        target = self._targets[id(p)]
+        target.grad  # noqa: B018  (creates the grad the sum is added to)
+        reduce_gradients_([(target, local.numpy())], comm)
+
+    def _reduce_ready(self) -> None:
+        """Hand the buckets the gradients that are ready, in the order of every rank (a
+        rank's backward may reach them in another order: its graph differs where its
+        block is empty)."""
+        while self._next < len(self._order) and id(self._order[self._next][0]) in \
+                self._pending:
+            p, comm = self._order[self._next]
+            self._reduce(p, comm, self._pending.pop(id(p)))
+            self._next += 1
+
+    def _watch_output(self, value: Any) -> None:
+        block = value.local if isinstance(value, DistArray) else value
+        if isinstance(block, torch.Tensor) and block.requires_grad and self._order:
+            block.register_hook(lambda grad: self._begin())
+
     def _finish(self) -> None:
         buckets, self._buckets = self._buckets, None
-        if buckets is not None:
-            buckets.__exit__(None, None, None)
+        if buckets is None:
+            return
+        for p, comm in self._order[self._next:]:  # zeros for those this rank's pass missed
+            local = self._pending.pop(id(p), None)
+            self._reduce(p, comm, torch.zeros_like(p) if local is None else local.detach())
+        self._next = len(self._order)
+        buckets.__exit__(None, None, None)
 
     # -------------------------------------------------------------- forward
     def forward(self, x: DistArray | torch.Tensor) -> Any:
@@ -267,6 +304,7 @@ class ParallelModule(nn.Module):
             value = step(args)
             if node.op == "output":
                 result = value
+                map_aggregate(value, self._watch_output)
             else:
                 env[node] = value
         return result
@@ -294,9 +332,9 @@ class _Compiler:
                      what: str) -> None:
         for d in dims:
             if _split(dist, d):
-                self.fail(node, f"{what} on dimension {d}, which is split over the grid "
-                                f"(grid shape {dist.grid_shape}); it runs only on dimensions "
-                                "that are not split")
+                self.fail(node, f"{what}: dimension {d} of its input is split over the "
+                                f"grid (grid shape {dist.grid_shape}), and this operation "
+                                "runs only where that dimension is whole")
 
     def dist_of(self, arg: Any) -> Distribution | None:
         return self.values[arg].dist if isinstance(arg, Node) else None
@@ -375,11 +413,20 @@ class _Compiler:
     # --------------------------------------------------------------- generic rules
     def local(self, node: Node, fn: Callable[..., Any]) -> Step:
         """Run ``fn`` as it is: every distributed input must be whole on every rank."""
+        name = node.target if isinstance(node.target, str) else getattr(
+            node.target, "__name__", "")
+        dist = self.dist_of(node.args[0]) if node.args else None
+        if name in _ALONG_DIM and dist is not None and _shape_of(node) == dist.global_shape:
+            dim = _arg(node, 1, "dim", None)
+            if isinstance(dim, int):
+                self.refuse_split(node, dist, [dim % dist.ndim], f"{name} runs along it")
+                self.set(node, dist)
+                return lambda args: fn(*args[0], **args[1])
         dists = [self.dist_of(a) for a in _flat_nodes(node)]
         for d in dists:
             if d is not None:
-                self.refuse_split(node, d, range(d.ndim), "an operation parallelize does not "
-                                  "know how to split runs")
+                self.refuse_split(node, d, range(d.ndim),
+                                  "parallelize does not split this operation")
         shape = _shape_of(node)
         dist = Distribution(shape, self.grid, (None,) * len(shape)) if shape is not None \
             and any(d is not None for d in dists) else None
@@ -656,7 +703,7 @@ class _Compiler:
         return step
 
     def batchnorm(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
-        self.refuse_split(node, dist, [1], f"{type(m).__name__} normalizes per channel and")
+        self.refuse_split(node, dist, [1], f"{type(m).__name__} normalizes per channel")
         dims = [0] + list(range(2, dist.ndim))
         comm = split_axes_comm(dist, dims)
         count = math.prod(dist.global_shape[d] for d in dims)
@@ -690,7 +737,7 @@ class _Compiler:
         return step
 
     def groupnorm(self, node: Node, m: nn.GroupNorm, dist: Distribution) -> Step:
-        self.refuse_split(node, dist, [1], "GroupNorm normalizes groups of channels and")
+        self.refuse_split(node, dist, [1], "GroupNorm normalizes groups of channels")
         dims = list(range(2, dist.ndim))
         comm = split_axes_comm(dist, dims)
         g = m.num_groups
@@ -923,7 +970,7 @@ class _Compiler:
             return self.local(node, torch.cat)
         first = dists[0]
         dim %= first.ndim
-        self.refuse_split(node, first, [dim], "torch.cat joins")
+        self.refuse_split(node, first, [dim], "torch.cat joins along it")
         shape = _shape_of(node)
         targets = [_with_shape(first, d.global_shape, {dim: None}) for d in dists]
         out = _with_shape(first, shape, {dim: None})
@@ -1030,7 +1077,8 @@ def _avg_divisor(spec: WindowSpec, m: nn.Module, shape: Sequence[int],
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in _RETIRED:
+            old = _RETIRED.get(id(p))
+            if old is not None and old() is p:
                 raise RuntimeError(
                     "this optimizer holds the parameters the model had before parallelize, "
                     "which the parallel model no longer uses; build it on the parallel "
@@ -1170,7 +1218,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
                 continue
             if id(p) not in fresh:
                 fresh[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-                _RETIRED[p] = True
+                _RETIRED[id(p)] = weakref.ref(p)
             module._parameters[name] = fresh[id(p)]
     comms = {id(fresh[i]): split_axes_comm(dist)
              for i, (_, dist, _) in compiler.param_keys.items()}

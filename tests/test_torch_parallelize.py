@@ -1,0 +1,399 @@
+"""``disttensor_nn.torch.parallelize`` against the same model in one process.
+
+Each model is deep-copied before it is parallelized; the copy runs on the global input in
+every rank's process, the parallel model on this rank's block. The loss is the same on every
+rank (the gathered output against a fixed tensor), so every parameter gradient of the
+parallel model must equal the copy's, and every rank's input gradient the copy's on its
+block. Grids split each dimension of the input and two at once, with uneven and empty blocks
+at 3 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import disttensor as dt
+from disttensor.testing import collective_assert, collective_outcome
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402, N812  (after the skip)
+from torch import nn  # noqa: E402
+
+from disttensor_nn.torch import ParallelModule, gather, parallelize  # noqa: E402
+
+SIZES = [1, 2, 3, 4]
+comm = MPI.COMM_WORLD
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------ models
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet-18 layout (stem, stages of BasicBlocks, pooled head), small."""
+
+    def __init__(self, widths=(4, 6), classes=5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.layer1 = nn.Sequential(BasicBlock(widths[0], widths[0]))
+        self.layer2 = nn.Sequential(BasicBlock(widths[0], widths[1], 2),
+                                    BasicBlock(widths[1], widths[1]))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(widths[1], classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        x = torch.flatten(self.avgpool(x), 1)
+        return self.fc(x)
+
+
+def conv_block(cin, cout):
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class UNet2d(nn.Module):
+    """Two levels, max-pooled down, a transposed convolution and interpolation up, cat skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1, self.enc2 = conv_block(2, 4), conv_block(4, 6)
+        self.bottom = nn.Sequential(nn.Conv2d(6, 6, 3, padding=2, dilation=2), nn.GELU())
+        self.pool = nn.MaxPool2d(2)
+        self.up2 = nn.ConvTranspose2d(6, 6, 2, stride=2)
+        self.dec2 = conv_block(12, 4)
+        self.dec1 = nn.Sequential(nn.Conv2d(8, 4, 3, padding=1, padding_mode="reflect",
+                                            groups=2), nn.SiLU())
+        self.head = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(self.pool(e1))
+        b = self.bottom(self.pool(e2))
+        d2 = self.dec2(torch.cat([self.up2(b), e2], dim=1))
+        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
+        d1 = self.dec1(torch.cat([up, e1], 1))
+        return torch.sigmoid(self.head(d1)) * 2 - 1
+
+
+class UNet3d(nn.Module):
+    """3-D: group norm, average pooling, nearest upsampling, a cat skip, dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.GroupNorm(2, 4),
+                                 nn.LeakyReLU(0.1))
+        self.pool = nn.AvgPool3d(2, ceil_mode=True)
+        self.mid = nn.Sequential(nn.Conv3d(4, 4, (3, 1, 3), padding=(1, 0, 1), bias=False),
+                                 nn.BatchNorm3d(4), nn.ReLU())
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.drop = nn.Dropout(0.25)
+        self.out = nn.Conv3d(8, 2, 3, padding=1, stride=(1, 2, 1))
+
+    def forward(self, x):
+        e = self.enc(x)
+        m = self.up(self.mid(self.pool(e)))
+        return self.out(self.drop(torch.cat([m, e], 1)))
+
+
+class MeshFCN(nn.Module):
+    """A fully convolutional net of dilated, strided and grouped 1-D convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv1d(2, 4, 5, padding=4, dilation=2, bias=False), nn.BatchNorm1d(4), nn.Tanh(),
+            nn.Conv1d(4, 4, 3, stride=2, groups=2, padding=1, padding_mode="circular"),
+            nn.AvgPool1d(3, stride=1, padding=1, count_include_pad=False),
+            nn.ConvTranspose1d(4, 3, 4, stride=2, padding=1, dilation=1),
+            nn.MaxPool1d(3, stride=1, padding=1, dilation=1), nn.ReLU())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+# ------------------------------------------------------------------ helpers
+def grids(ndim):
+    """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
+    and at 4 ranks two of them at once."""
+    p = comm.Get_size()
+    one = [1] * ndim
+    out = []
+    for d in [0, 2, ndim - 1]:
+        g = list(one)
+        g[d] = p
+        if tuple(g) not in out:
+            out.append(tuple(g))
+    if p == 4:
+        out.append(tuple([2, 1, 2] + [1] * (ndim - 3)))
+        if ndim > 3:
+            out.append(tuple([1, 1, 2] + [1] * (ndim - 4) + [2]))
+    return out
+
+
+def global_tensor(shape, seed, dtype):
+    return torch.tensor(np.random.default_rng(seed).standard_normal(shape), dtype=dtype)
+
+
+def rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
+
+
+def tolerance(dtype):
+    return 1e-10 if dtype == torch.float64 else 1e-5
+
+
+def run_both(model, shape, grid, dtype=torch.float64, seed=1):
+    """Forward and backward of the parallel model and of the copy; what differs, as text."""
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, shape, grid)
+    x = global_tensor(shape, seed, dtype)
+    xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone().requires_grad_()
+    torch.manual_seed(7)
+    out = pm(xl)
+    whole = gather(out.local, out.dist)
+    target = global_tensor(whole.shape, seed + 1, dtype)
+    (whole * target).sum().backward()
+    xr = x.clone().requires_grad_()
+    torch.manual_seed(7)
+    yr = ref(xr)
+    (yr * target).sum().backward()
+    tol = tolerance(dtype)
+    bad = []
+    if rel(out.to_global(), yr) > tol:
+        bad.append(f"output {rel(out.to_global(), yr)}")
+    if rel(xl.grad, xr.grad[pm.input_dist.local_slices()]) > tol:
+        bad.append("input gradient")
+    for (name, a), b in zip(pm.named_parameters(), ref.parameters()):
+        if rel(a.grad, b.grad) > tol:
+            bad.append(f"grad {name}: {rel(a.grad, b.grad)}")
+    for (name, a), b in zip(pm.state_dict().items(), ref.state_dict().values()):
+        if a.dtype.is_floating_point and rel(a, b) > tol:
+            bad.append(f"state {name}")
+    return pm, ref, bad
+
+
+MODELS = {
+    "resnet": (ResNet, (3, 3, 20, 18)),
+    "unet2d": (UNet2d, (2, 2, 12, 8)),
+    "unet3d": (UNet3d, (2, 2, 8, 6, 6)),
+    "mesh-fcn": (MeshFCN, (3, 2, 14)),
+}
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_outputs_and_gradients_equal_one_process_float64(name):
+    cls, shape = MODELS[name]
+    for grid in grids(len(shape)):
+        torch.manual_seed(0)
+        model = cls().double()
+        _, _, bad = run_both(model, shape, grid)
+        collective_assert(not bad, f"{name} on {grid}: {bad}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_float32_resnet():
+    cls, shape = MODELS["resnet"]
+    for grid in grids(4)[:2]:
+        torch.manual_seed(0)
+        _, _, bad = run_both(cls(), shape, grid, dtype=torch.float32)
+        collective_assert(not bad, f"{grid}: {bad}")
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_training_steps_keep_the_weights_equal(opt):
+    p = comm.Get_size()
+    for name, grid in (("unet2d", (1, 1, p, 1)), ("resnet", (p, 1, 1, 1))):
+        cls, shape = MODELS[name]
+        torch.manual_seed(0)
+        model = cls().double()
+        ref = copy.deepcopy(model)
+        pm = parallelize(model, shape, grid)
+
+        def make(params):
+            if opt == "sgd":
+                return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+            return torch.optim.Adam(params, lr=0.01)
+
+        o_par, o_ref = make(pm.parameters()), make(ref.parameters())
+        bad = []
+        for step in range(3):
+            x = global_tensor(shape, 10 + step, torch.float64)
+            o_par.zero_grad()
+            o_ref.zero_grad()
+            out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+            whole = gather(out.local, out.dist)
+            target = global_tensor(whole.shape, 20 + step, torch.float64)
+            ((whole - target) ** 2).mean().backward()
+            ((ref(x) - target) ** 2).mean().backward()
+            o_par.step()
+            o_ref.step()
+            for (pname, a), b in zip(pm.named_parameters(), ref.parameters()):
+                if rel(a, b) > 1e-10:
+                    bad.append(f"{name} step {step} {pname}: {rel(a, b)}")
+        collective_assert(not bad, str(bad[:5]))
+
+
+@pytest.mark.parallel([1, 2])
+def test_state_dict_round_trip():
+    p = comm.Get_size()
+    cls, shape = MODELS["unet2d"]
+    torch.manual_seed(0)
+    model = cls().double()
+    keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    pm = parallelize(model, shape, (1, 1, p, 1))
+    ok = {k: tuple(v.shape) for k, v in pm.state_dict().items()} == keys
+    # train the parallel model a step (batch statistics move), save, load into one process
+    x = global_tensor(shape, 3, torch.float64)
+    pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+    single = cls().double()
+    single.load_state_dict(pm.state_dict())
+    pm.eval()
+    single.eval()
+    ok = ok and rel(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global(),
+                    single(x)) < 1e-10
+    # and back: another single-process state into the parallel model
+    torch.manual_seed(5)
+    other = cls().double()
+    pm.load_state_dict(other.state_dict())
+    other.eval()
+    ok = ok and rel(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global(),
+                    other(x)) < 1e-10
+    collective_assert(ok and isinstance(pm, ParallelModule), "state dict round trip")
+    collective_assert(all(isinstance(q, nn.Parameter) for q in pm.parameters()), "parameters")
+
+
+@pytest.mark.parallel([1, 2])
+def test_buckets_fuse_the_gradient_sums():
+    """Every parameter's sum goes through the buckets: one fused allreduce at 2 ranks."""
+    p = comm.Get_size()
+    cls, shape = MODELS["resnet"]
+    torch.manual_seed(0)
+    _, _, bad = run_both(cls().double(), shape, (p, 1, 1, 1))
+    collective_assert(not bad, str(bad))
+
+
+# ------------------------------------------------------------------ bad input
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.conv(x)
+        return x
+
+
+class CumSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).cumsum(2)
+
+
+class Shared(nn.Module):
+    """One Linear applied to samples split over the ranks and to their (replicated) sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(torch.flatten(x, 1))
+        return self.fc(y.sum(0, keepdim=True))
+
+
+def outcome(fn):
+    _, exc = collective_outcome(fn)  # the same type and message on every rank
+    return exc
+
+
+@pytest.mark.parallel(SIZES)
+def test_bad_input_raises_alike_and_converts_nothing():
+    p = comm.Get_size()
+    exc = outcome(lambda: parallelize(Untraceable(), (1, 1, 6, 6), (1, 1, p, 1)))
+    collective_assert(isinstance(exc, TypeError) and "traced" in str(exc), repr(exc))
+
+    model = ResNet()
+    before = list(model.parameters())
+    exc = outcome(lambda: parallelize(model, (2, 4, 20, 18), (1, 1, p, 1)))
+    collective_assert(isinstance(exc, ValueError) and "does not accept" in str(exc),
+                      repr(exc))
+    collective_assert(all(a is b for a, b in zip(before, model.parameters())), "converted")
+
+    exc = outcome(lambda: parallelize(model, (2, 3, 20, 18), (1, 1, p, 2)))
+    collective_assert(isinstance(exc, ValueError) and "grid shape" in str(exc), repr(exc))
+
+    exc = outcome(lambda: parallelize(model, (2, 3, 20, 18), layout="cubes"))
+    collective_assert(isinstance(exc, ValueError), repr(exc))
+
+
+@pytest.mark.parallel([2, 3])
+def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
+    p = comm.Get_size()
+    exc = outcome(lambda: parallelize(CumSum(), (1, 1, 6, 5), (1, 1, p, 1)))
+    collective_assert(isinstance(exc, ValueError) and "cumsum" in str(exc)
+                      and "dimension 2" in str(exc), repr(exc))
+    pm = parallelize(CumSum(), (1, 1, 6, 5), (1, 1, 1, p))  # H whole: runs as it is
+    x = global_tensor((1, 1, 6, 5), 0, torch.float32)
+    collective_assert(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global()
+                      .shape == (1, 2, 6, 5), "local")
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_parameter_shared_by_layers_split_differently_raises():
+    p = comm.Get_size()
+    exc = outcome(lambda: parallelize(Shared(), (p, 1, 2, 2), (p, 1, 1, 1)))
+    collective_assert(isinstance(exc, ValueError) and "'fc.weight'" in str(exc)
+                      and "shared" in str(exc), repr(exc))
+
+
+@pytest.mark.parallel([1, 2])
+def test_an_optimizer_on_the_old_parameters_is_refused():
+    p = comm.Get_size()
+    model = MeshFCN().double()
+    old = torch.optim.SGD(model.parameters(), lr=0.1)
+    pm = parallelize(model, (2, 2, 14), (1, 1, p))
+    out = pm(dt.DistArray.from_global(global_tensor((2, 2, 14), 0, torch.float64),
+                                      pm.input_dist, xp=torch))
+    gather(out.local, out.dist).sum().backward()
+    exc = outcome(old.step)
+    collective_assert(isinstance(exc, RuntimeError) and "before parallelize" in str(exc),
+                      repr(exc))
+    torch.optim.SGD(pm.parameters(), lr=0.1).step()  # the new ones work
