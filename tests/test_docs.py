@@ -37,9 +37,10 @@ CHECK_LINES = {
     "property_testing.py": "property testing tutorial: OK on {n} ranks",
     "train_mesh.py": "training tutorial: OK on {n} ranks",
     "torch_custom_layer.py": "torch custom layer tutorial: OK on {n} ranks",
+    "torch_parallelize.py": "torch parallelize tutorial: OK on {n} ranks",
 }
 # tutorials and modules that need PyTorch (an optional extra): skipped without it
-NEEDS_TORCH = {"torch_custom_layer.py"}
+NEEDS_TORCH = {"torch_custom_layer.py", "torch_parallelize.py"}
 TORCH_MODULES = "disttensor_nn.torch"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 TIMEOUT = 240

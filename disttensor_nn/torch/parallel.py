@@ -1,7 +1,8 @@
 """Unchanged PyTorch models on distributed blocks: :func:`parallelize`.
 
 The model is traced by :mod:`torch.fx`, its shapes propagated on the example
-input shape (:class:`torch.fx.passes.shape_prop.ShapeProp`), and every node
+input shape (:class:`torch.fx.passes.shape_prop.ShapeProp` on fake tensors,
+which hold no memory), and every node
 compiled, once and on every rank alike, into a step that runs on this rank's
 block:
 
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp
@@ -1134,7 +1136,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     model : torch.nn.Module
         The model; its forward takes one tensor of ``example_input_shape``.
     example_input_shape : sequence of int
-        The global input shape (N, C, *spatial) the parallel model runs on.
+        The global input shape, ``(N, C, *spatial)``, the parallel model runs on.
     layout : 'auto' or sequence of int
         A grid shape over the input's dimensions (``(1, 1, 2, 1)`` splits H of
         (N, C, H, W) in two): dimension ``d`` split by grid axis ``d``, each
@@ -1189,9 +1191,12 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     dtype = param.dtype if param is not None else torch.get_default_dtype()
     modes = {m: m.training for m in gm.modules()}
     try:
-        gm.eval()
+        gm.eval()  # shapes only: no batch statistics or dropout masks drawn
+        fake = FakeTensorMode(allow_non_fake_inputs=True)  # no memory, no arithmetic
+        with fake:
+            example = torch.empty(shape, dtype=dtype)
         with torch.no_grad():
-            ShapeProp(gm).propagate(torch.zeros(shape, dtype=dtype))
+            ShapeProp(gm, fake_mode=fake).propagate(example)
     except Exception as err:  # noqa: BLE001 - whatever the model refuses
         raise ValueError(f"parallelize: {type(model).__name__} does not accept an input of "
                          f"shape {shape} ({type(err).__name__}: {err})") from None
