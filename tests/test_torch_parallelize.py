@@ -141,6 +141,26 @@ class MeshFCN(nn.Module):
         return self.net(x)
 
 
+class Heads(nn.Module):
+    """Channel LayerNorm (channels last and back), divisible adaptive pooling, and three
+    heads: a mean over space, the flattened features, a functional global pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.LayerNorm(4)
+        self.pool = nn.AdaptiveAvgPool2d((4, 3))
+        self.fc1, self.fc2, self.fc3 = nn.Linear(4, 3), nn.Linear(48, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.norm(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        y = F.softplus(self.pool(y))
+        a = self.fc1(y.mean((2, 3)))
+        b = self.fc2(y.reshape(y.size(0), -1))
+        c = self.fc3(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1))
+        return torch.cat([a, b, c], 1).softmax(dim=1)
+
+
 # ------------------------------------------------------------------ helpers
 def grids(ndim):
     """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
@@ -208,6 +228,7 @@ MODELS = {
     "unet2d": (UNet2d, (2, 2, 12, 8)),
     "unet3d": (UNet3d, (2, 2, 8, 6, 6)),
     "mesh-fcn": (MeshFCN, (3, 2, 14)),
+    "heads": (Heads, (3, 2, 8, 9)),
 }
 
 
@@ -370,6 +391,10 @@ def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
     exc = outcome(lambda: parallelize(CumSum(), (1, 1, 6, 5), (1, 1, p, 1)))
     collective_assert(isinstance(exc, ValueError) and "cumsum" in str(exc)
                       and "dimension 2" in str(exc), repr(exc))
+    model = ResNet()
+    exc = outcome(lambda: parallelize(model, (2, 3, 20, 18), (1, p, 1, 1)))
+    collective_assert(isinstance(exc, ValueError) and "'conv1'" in str(exc)
+                      and "dimension 1" in str(exc), repr(exc))  # channels are not split yet
     pm = parallelize(CumSum(), (1, 1, 6, 5), (1, 1, 1, p))  # H whole: runs as it is
     x = global_tensor((1, 1, 6, 5), 0, torch.float32)
     collective_assert(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global()

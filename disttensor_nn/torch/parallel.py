@@ -31,6 +31,8 @@ non-blocking allreduces overlapped with the rest of backward).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import operator
 import weakref
@@ -421,7 +423,7 @@ class _Compiler:
         if name in _ALONG_DIM and dist is not None and _shape_of(node) == dist.global_shape:
             dim = _arg(node, 1, "dim", None)
             if isinstance(dim, int):
-                self.refuse_split(node, dist, [dim % dist.ndim], f"{name} runs along it")
+                self.refuse_split(node, dist, [dim % dist.ndim], f"{name} runs along one dimension")
                 self.set(node, dist)
                 return lambda args: fn(*args[0], **args[1])
         dists = [self.dist_of(a) for a in _flat_nodes(node)]
@@ -972,7 +974,7 @@ class _Compiler:
             return self.local(node, torch.cat)
         first = dists[0]
         dim %= first.ndim
-        self.refuse_split(node, first, [dim], "torch.cat joins along it")
+        self.refuse_split(node, first, [dim], "torch.cat joins along one dimension")
         shape = _shape_of(node)
         targets = [_with_shape(first, d.global_shape, {dim: None}) for d in dists]
         out = _with_shape(first, shape, {dim: None})
@@ -1195,11 +1197,15 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         fake = FakeTensorMode(allow_non_fake_inputs=True)  # no memory, no arithmetic
         with fake:
             example = torch.empty(shape, dtype=dtype)
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # its traceback
             ShapeProp(gm, fake_mode=fake).propagate(example)
     except Exception as err:  # noqa: BLE001 - whatever the model refuses
+        cause = err.__cause__ or err  # ShapeProp's own error names the node only
+        where = [n.name for n in gm.graph.nodes if "tensor_meta" not in n.meta
+                 and n.op != "output"][:1]
+        at = f" at node '{where[0]}'" if where else ""
         raise ValueError(f"parallelize: {type(model).__name__} does not accept an input of "
-                         f"shape {shape} ({type(err).__name__}: {err})") from None
+                         f"shape {shape}{at} ({type(cause).__name__}: {cause})") from None
     finally:
         for m, training in modes.items():
             m.training = training
