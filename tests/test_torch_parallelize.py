@@ -10,6 +10,7 @@ at 3 and 4 ranks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -23,6 +24,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402, N812  (after the skip)
 from torch import nn  # noqa: E402
 
+from disttensor_nn.module import no_sync  # noqa: E402
 from disttensor_nn.torch import ParallelModule, gather, parallelize  # noqa: E402
 
 SIZES = [1, 2, 3, 4]
@@ -422,3 +424,24 @@ def test_an_optimizer_on_the_old_parameters_is_refused():
     collective_assert(isinstance(exc, RuntimeError) and "before parallelize" in str(exc),
                       repr(exc))
     torch.optim.SGD(pm.parameters(), lr=0.1).step()  # the new ones work
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_gradient_accumulation_under_no_sync():
+    """Two micro-batches, the first under no_sync (no reduction): the sums of both."""
+    p = comm.Get_size()
+    cls, shape = MODELS["mesh-fcn"]
+    torch.manual_seed(0)
+    model = cls().double()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, shape, (1, 1, p))
+    for i in range(2):
+        x = global_tensor(shape, 30 + i, torch.float64)
+        out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+        whole = gather(out.local, out.dist)
+        with no_sync() if i == 0 else contextlib.nullcontext():
+            (whole ** 2).sum().backward()
+        (ref(x) ** 2).sum().backward()
+    bad = [name for (name, a), b in zip(pm.named_parameters(), ref.parameters())
+           if rel(a.grad, b.grad) > 1e-10]
+    collective_assert(not bad, str(bad))
