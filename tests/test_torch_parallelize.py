@@ -163,6 +163,27 @@ class Heads(nn.Module):
         return torch.cat([a, b, c], 1).softmax(dim=1)
 
 
+class Pools(nn.Module):
+    """Pooling with ceil_mode, padding, count_include_pad and divisor_override on odd sizes,
+    and bicubic and nearest-exact interpolation."""
+
+    def __init__(self):
+        super().__init__()
+        self.max = nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)
+        self.avg = nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=True)
+        self.avg_excl = nn.AvgPool2d((2, 3), (3, 2), padding=(1, 1), ceil_mode=True,
+                                     count_include_pad=False)
+        self.avg_div = nn.AvgPool2d(2, 2, divisor_override=3)
+        self.scale = nn.Parameter(torch.full((1, 2, 1, 1), 1.5))
+
+    def forward(self, x):
+        y = self.max(x) * self.scale
+        u = F.interpolate(y, scale_factor=(2, 3), mode="bicubic")
+        v = F.interpolate(y, scale_factor=2, mode="nearest-exact")
+        return torch.cat([self.avg(x).flatten(1), self.avg_excl(x).flatten(1),
+                          self.avg_div(x).flatten(1), u.flatten(1), v.flatten(1)], 1)
+
+
 # ------------------------------------------------------------------ helpers
 def grids(ndim):
     """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
@@ -231,6 +252,7 @@ MODELS = {
     "unet3d": (UNet3d, (2, 2, 8, 6, 6)),
     "mesh-fcn": (MeshFCN, (3, 2, 14)),
     "heads": (Heads, (3, 2, 8, 9)),
+    "pools": (Pools, (2, 2, 11, 9)),
 }
 
 

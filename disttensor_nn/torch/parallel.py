@@ -764,7 +764,7 @@ class _Compiler:
         return step
 
     def interpolate(self, node: Node, dist: Distribution, mode: str,
-                    align_corners: Any) -> Step:
+                    align_corners: Any, antialias: bool = False) -> Step:
         nd = dist.ndim - 2
         shape = _shape_of(node)
         split = [i for i in range(nd) if _split(dist, 2 + i)]
@@ -791,7 +791,8 @@ class _Compiler:
                      for i in range(nd))
         crop = tuple(slice(h * factors[i], h * factors[i] + local_out[2 + i])
                      if i in factors and h else slice(None) for i in range(nd))
-        kwargs = {} if mode.startswith("nearest") else {"align_corners": align_corners}
+        kwargs = {} if mode.startswith("nearest") or mode == "area" else \
+            {"align_corners": align_corners, "antialias": antialias}
         self.set(node, out)
 
         def step(args: Any) -> torch.Tensor:
@@ -884,8 +885,9 @@ class _Compiler:
         if fn is getattr and node.args[1] == "shape":
             return self.global_attr(node, dist.global_shape)
         if fn is F.interpolate:
-            mode = _arg(node, 4, "mode", "nearest")
-            return self.interpolate(node, dist, mode, _arg(node, 5, "align_corners", None))
+            mode = _arg(node, 3, "mode", "nearest")
+            return self.interpolate(node, dist, mode, _arg(node, 4, "align_corners", None),
+                                    bool(_arg(node, 6, "antialias", False)))
         if fn is torch.flatten:
             return self.reshape(node, dist)
         if fn is F.dropout:
