@@ -467,3 +467,23 @@ def test_gradient_accumulation_under_no_sync():
     bad = [name for (name, a), b in zip(pm.named_parameters(), ref.parameters())
            if rel(a.grad, b.grad) > 1e-10]
     collective_assert(not bad, str(bad))
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_a_term_every_rank_computes_alike_keeps_its_own_gradient():
+    """A regularizer of the parameters, computed whole on every rank, is not summed over
+    the ranks: only the gradient of the model's use of a parameter on this rank's data is."""
+    p = comm.Get_size()
+    cls, shape = MODELS["unet2d"]
+    torch.manual_seed(0)
+    model = cls().double()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, shape, (1, 1, 1, p))
+    x = global_tensor(shape, 4, torch.float64)
+    out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+    penalty = sum((q ** 2).sum() for q in pm.parameters())
+    ((gather(out.local, out.dist) ** 2).mean() + 0.1 * penalty).backward()
+    ((ref(x) ** 2).mean() + 0.1 * sum((q ** 2).sum() for q in ref.parameters())).backward()
+    bad = [name for (name, a), b in zip(pm.named_parameters(), ref.parameters())
+           if rel(a.grad, b.grad) > 1e-10]
+    collective_assert(not bad, str(bad))

@@ -25,8 +25,11 @@ raised on every rank alike before any message. Parameter gradients are summed
 over the ranks that split each parameter's input by the library's one
 mechanism for it, :func:`disttensor_nn.module.reduce_gradients_`, inside a
 :class:`~disttensor_nn.module.GradientBuckets` context that a backward pass
-opens at its first parameter gradient and closes when it ends (fused,
-non-blocking allreduces overlapped with the rest of backward).
+opens when it reaches the output and closes when it ends (fused,
+non-blocking allreduces overlapped with the rest of backward). A forward
+pass uses each parameter through one autograd function whose backward hands
+the gradient of the model's use to them, so a term that every rank computes
+alike outside the model (a regularizer) keeps its own gradient.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp
@@ -166,6 +170,49 @@ class _GradTarget:
             self.param.grad.copy_(torch.from_numpy(value))
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """A parameter as a layer uses it on this rank's part of the data: the backward pass
+    hands the gradient of that use to its module's gradient sums (:func:`reduce_gradients_`),
+    which add the sum over the ranks to the parameter's ``grad``; other uses of the
+    parameter (a regularizer every rank computes alike) keep their own gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, owner: ParallelModule, key: int) -> torch.Tensor:
+        ctx.owner, ctx.key = owner, key
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.owner._ready(ctx.key, grad)
+        return None, None, None
+
+
+class _ParamView:
+    """The parameters as this forward pass uses them (each through :class:`_SumOverRanks`
+    once, so all its uses in the model meet before its one reduction)."""
+
+    def __init__(self) -> None:
+        self.owner: ParallelModule | None = None
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __call__(self, p: Any) -> Any:
+        owner = self.owner
+        if not isinstance(p, nn.Parameter) or owner is None or id(p) not in owner._comms \
+                or not p.requires_grad or not torch.is_grad_enabled():
+            return p
+        used = self.cache.get(id(p))
+        if used is None:
+            used = self.cache[id(p)] = _SumOverRanks.apply(p, owner, id(p))
+        return used
+
+    def call(self, m: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """``m(*args, **kwargs)`` with its parameters as this pass uses them."""
+        params = {name: self(p) for name, p in m.named_parameters()}
+        if not params:
+            return m(*args, **kwargs)
+        return functional_call(m, params, tuple(args), kwargs)
+
+
 @dataclass
 class _Value:
     """What the compiler knows of a node's value: a distributed tensor's Distribution or
@@ -193,7 +240,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, graph: GraphModule, steps: list[tuple[Node, Step]],
                  input_dist: Distribution, output_dist: Any,
-                 param_comms: dict[int, MPI.Intracomm]):
+                 param_comms: dict[int, MPI.Intracomm], view: _ParamView):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -214,11 +261,12 @@ class ParallelModule(nn.Module):
         by_id = {id(p): p for p in self.parameters()}
         self._order = [(by_id[i], c) for i, c in reversed(list(param_comms.items()))
                        if i in by_id and by_id[i].requires_grad]
+        self._comms = {id(p): c for p, c in self._order}
         self._pending: dict[int, torch.Tensor] = {}
         self._next = 0
+        self._view = view
         for p, _ in self._order:
             self._targets[id(p)] = _GradTarget(p)
-            p.register_hook(self._gradient_hook(p))
 
     # -------------------------------------------------------------- gradients
     def _begin(self) -> None:
@@ -229,14 +277,12 @@ class ParallelModule(nn.Module):
             self._next = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _gradient_hook(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            self._begin()
-            self._pending[id(p)] = grad.detach().to(p.dtype).contiguous().clone()
-            self._reduce_ready()
-            return torch.zeros_like(grad)
-
-        return hook
+    def _ready(self, key: int, grad: torch.Tensor) -> None:
+        """This rank's part of a parameter's gradient, from its use in this pass."""
+        self._begin()
+        p = self._targets[key].param
+        self._pending[key] = grad.detach().to(p.dtype).contiguous().clone()
+        self._reduce_ready()
 
     def _reduce(self, p: nn.Parameter, comm: MPI.Intracomm, local: torch.Tensor) -> None:
         target = self._targets[id(p)]
@@ -299,6 +345,7 @@ class ParallelModule(nn.Module):
                              f"{self.input_dist.local_shape()}")
         env: dict[Node, Any] = {}
         result = None
+        self._view.owner, self._view.cache = self, {}
         for node, step in self._steps:
             if node.op == "placeholder":
                 env[node] = x
@@ -311,6 +358,7 @@ class ParallelModule(nn.Module):
                 map_aggregate(value, self._watch_output)
             else:
                 env[node] = value
+        self._view.cache = {}
         return result
 
 
@@ -327,6 +375,7 @@ class _Compiler:
         # id of each parameter used -> (the grid axes that sum its gradient, a
         # distribution of its input, the first node that uses it)
         self.param_keys: dict[int, tuple[frozenset, Distribution, str]] = {}
+        self.view = _ParamView()
 
     # errors, each raised alike on every rank: all of it is metadata
     def fail(self, node: Node, why: str) -> None:
@@ -404,10 +453,10 @@ class _Compiler:
     def get_attr(self, node: Node) -> Step:
         self.set(node, None)
         target = node.target
-        model = self.model
+        model, view = self.model, self.view
 
         def step(args: Any) -> Any:
-            return getattr_path(model, target)
+            return view(getattr_path(model, target))
 
         return step
 
@@ -496,7 +545,7 @@ class _Compiler:
         x = node.args[0] if node.args else None
         dist = self.dist_of(x)
         if dist is None:
-            return self.local(node, m)
+            return self.local(node, self.module_call(m))
         if len(node.args) != 1 or node.kwargs:
             if isinstance(m, tuple(_CONV) + tuple(_CONV_T) + tuple(_MAXPOOL)):
                 self.fail(node, "is called with more than its input")
@@ -532,7 +581,7 @@ class _Compiler:
             if isinstance(m, nn.PReLU) and m.num_parameters > 1:
                 self.refuse_split(node, dist, [1], "PReLU's per-channel weight")
             return self.same(node, m, dist)
-        step = self.local(node, m)
+        step = self.local(node, self.module_call(m))
         self.use_params(node, node.target, self.values[node].dist)
         return step
 
@@ -540,7 +589,12 @@ class _Compiler:
         """A module that maps this rank's block to its block of the same distribution."""
         self.set(node, dist)
         self.use_params(node, node.target, dist)
-        return lambda args: m(*args[0], **args[1])
+        view = self.view
+        return lambda args: view.call(m, args[0], args[1])
+
+    def module_call(self, m: nn.Module) -> Callable[..., Any]:
+        view = self.view
+        return lambda *a, **kw: view.call(m, a, kw)
 
     def conv(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
         nd = dist.ndim - 2
@@ -558,12 +612,15 @@ class _Compiler:
         self.use_params(node, node.target, dist)
         local_out = out.local_shape()
 
+        view = self.view
+
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
             ext = halo_exchange(x, dist, widths, mode) if any(any(w) for w in widths) else x
+            weight, bias = view(m.weight), view(m.bias)
             if empty:
-                return _empty_like_output(ext, local_out, m.parameters())
-            return fn(ext[slices], m.weight, m.bias, m.stride, 0, m.dilation, m.groups)
+                return _empty_like_output(ext, local_out, [weight, bias])
+            return fn(ext[slices], weight, bias, m.stride, 0, m.dilation, m.groups)
 
         return step
 
@@ -594,15 +651,18 @@ class _Compiler:
         self.set(node, out)
         self.use_params(node, node.target, dist)
 
+        view = self.view
+
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
             ext = halo_exchange(x, dist, widths) if any(any(w) for w in widths) else x
+            weight, bias = view(m.weight), view(m.bias)
             if empty:
-                return _empty_like_output(ext, local_out, m.parameters())
-            y = fn(ext, m.weight, None, m.stride, 0, 0, m.groups, m.dilation)
+                return _empty_like_output(ext, local_out, [weight, bias])
+            y = fn(ext, weight, None, m.stride, 0, 0, m.groups, m.dilation)
             y = F.pad(y, pads)
-            if m.bias is not None:
-                y = y + m.bias.view((1, -1) + (1,) * nd)
+            if bias is not None:
+                y = y + bias.view((1, -1) + (1,) * nd)
             return y
 
         return step
@@ -613,7 +673,7 @@ class _Compiler:
         is_max = type(m) in _MAXPOOL
         if is_max and m.return_indices:
             self.refuse_split(node, dist, range(dist.ndim), f"{kind} with return_indices")
-            return self.same_shape_local(node, m)
+            return self.same_shape_local(node, self.module_call(m))
         stride = m.stride if m.stride is not None else m.kernel_size
         dilation = m.dilation if is_max else 1
         spec = WindowSpec.make(nd, m.kernel_size, stride, m.padding, dilation)
@@ -715,6 +775,8 @@ class _Compiler:
         self.set(node, dist)
         self.use_params(node, node.target, dist)
 
+        params = self.view
+
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
             training = m.training or (m.running_mean is None and m.running_var is None)
@@ -735,7 +797,7 @@ class _Compiler:
                 xc = x - mean.view(view)
             y = xc * torch.rsqrt(var + m.eps).view(view)
             if m.affine:
-                y = y * m.weight.view(view) + m.bias.view(view)
+                y = y * params(m.weight).view(view) + params(m.bias).view(view)
             return y
 
         return step
@@ -750,6 +812,8 @@ class _Compiler:
         self.set(node, dist)
         self.use_params(node, node.target, dist)
 
+        params = self.view
+
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
             xs = x.reshape(x.shape[0], g, x[0].numel() // g if x.shape[0] else 0)
@@ -758,7 +822,7 @@ class _Compiler:
             var = broadcast(all_reduce((xc * xc).sum(-1), comm), comm) / count
             y = (xc * torch.rsqrt(var + m.eps).unsqueeze(-1)).reshape(x.shape)
             if m.affine:
-                y = y * m.weight.view(view) + m.bias.view(view)
+                y = y * params(m.weight).view(view) + params(m.bias).view(view)
             return y
 
         return step
@@ -858,11 +922,13 @@ class _Compiler:
         self.use_params(node, node.target, whole)
         move = whole != dist
 
+        view = self.view
+
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
             if move:
                 x = redistribute(x, dist, whole)
-            return F.linear(x, m.weight, m.bias)
+            return F.linear(x, view(m.weight), view(m.bias))
 
         return step
 
@@ -1053,7 +1119,8 @@ def _empty_like_output(ext: torch.Tensor, shape: tuple[int, ...],
     gradient hooks run on every rank)."""
     zero = 0 * ext.sum()
     for p in params:
-        zero = zero + 0 * p.sum()
+        if p is not None:
+            zero = zero + 0 * p.sum()
     return ext.new_zeros(shape) + zero
 
 
@@ -1235,4 +1302,5 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             module._parameters[name] = fresh[id(p)]
     comms = {id(fresh[i]): split_axes_comm(dist)
              for i, (_, dist, _) in compiler.param_keys.items()}
-    return ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms)
+    return ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms,
+                          compiler.view)
