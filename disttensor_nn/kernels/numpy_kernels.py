@@ -650,30 +650,48 @@ def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
                   arg: np.ndarray | None = None) -> np.ndarray:
     """Gradient of :func:`pool_forward` over the whole (padded) input.
 
-    Per kernel offset, ``dy`` times the mask ``arg == offset`` (a plain multiply,
-    faster than a masked add; a non-finite ``dy`` also reaches the window's other cells)
-    is added into that offset's strided view of ``dx``;
-    parts of the batch run on the kernels' pool.
+    Max: the flat input index of each output's maximum (the window's origin
+    plus the offset of its argmax, one table look-up) receives its ``dy`` in
+    one scatter-add (``np.add.at``, which sums the outputs whose overlapping
+    windows share a maximum), one pass over the outputs as PyTorch's kernel
+    makes. Average: per kernel offset, ``dy`` divided by the window's size
+    is added into that offset's strided view of ``dx``; parts of the batch
+    run on the kernels' pool.
     """
     dx = np.zeros(x_shape, dtype=dy.dtype)
     o = dy.shape[2:]
     if dy.size == 0:
         return dx
+    if op == "max":
+        np.add.at(dx.reshape(-1), _argmax_index(x_shape, kernel, stride, dilation, o, arg),
+                  dy.reshape(-1))
+        return dx
 
     def part(a: int, e: int) -> None:
         dys, dxs = dy[a:e], dx[a:e]
-        if op == "avg":
-            g = dys * dy.dtype.type(1.0 / math.prod(kernel))
-            for _, view in _offset_views(dxs, kernel, stride, dilation, o):
-                np.add(view, g, out=view)
-            return
-        args = arg[a:e]
-        mask = np.empty(dys.shape, bool)
-        tmp = np.empty_like(dys)
-        for flat_k, view in _offset_views(dxs, kernel, stride, dilation, o):
-            np.equal(args, flat_k, out=mask)
-            np.multiply(dys, mask, out=tmp)
-            np.add(view, tmp, out=view)
+        g = dys * dy.dtype.type(1.0 / math.prod(kernel))
+        for _, view in _offset_views(dxs, kernel, stride, dilation, o):
+            np.add(view, g, out=view)
 
     _run_parts(part, _batch_parts(dy.shape[0]))
     return dx
+
+
+def _argmax_index(x_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
+                  dilation: Sequence[int], o: Sequence[int], arg: np.ndarray) -> np.ndarray:
+    """The flat index into an input of ``x_shape`` of every output's maximum, from its
+    flat offset within the window (``arg``, as :func:`pool_forward` gives it), raveled."""
+    nd = len(kernel)
+    elems = [math.prod(x_shape[i + 1:]) for i in range(len(x_shape))]  # row-major strides
+    table = np.zeros(math.prod(kernel), np.intp)  # window offset -> input index offset
+    for flat_k, kk in enumerate(itertools.product(*(range(k) for k in kernel))):
+        table[flat_k] = sum(kk[i] * dilation[i] * elems[2 + i] for i in range(nd))
+    idx = np.take(table, arg)
+    # each window's origin, by broadcasting: samples and channels, then each dimension
+    n, c = arg.shape[:2]
+    idx += (np.arange(n * c, dtype=np.intp) * elems[1]).reshape((n, c) + (1,) * nd)
+    for i in range(nd):
+        shape = [1] * (nd + 2)
+        shape[2 + i] = o[i]
+        idx += (np.arange(o[i], dtype=np.intp) * (stride[i] * elems[2 + i])).reshape(shape)
+    return idx.reshape(-1)

@@ -266,23 +266,30 @@ def pool_backward(dy: Any, x_shape: Sequence[int], kernel: Sequence[int],
 
 
 def relu_forward(x: Any, negative_slope: float = 0.0) -> tuple[Any, Any]:
-    """``(y, mask)``: the (leaky) rectifier of ``x`` and the one-byte mask ``x > 0``."""
+    """``(y, saved)``: the (leaky) rectifier of ``x`` and what its backward reads.
+
+    With ``negative_slope >= 0`` the output itself, whose sign is the
+    input's (it is the next layer's input, usually kept anyway); with a
+    negative slope the one-byte mask ``x > 0``.
+    """
     torch = require()
     xt = _t(x)
-    mask = torch.gt(xt, 0)
     y = torch.relu(xt) if negative_slope == 0 else \
         torch.nn.functional.leaky_relu(xt, negative_slope)
-    return _back(y, x), _back(mask, x)
+    saved = y if negative_slope >= 0 else torch.gt(xt, 0)
+    return _back(y, x), _back(saved, x)
 
 
-def relu_backward(dy: Any, mask: Any, negative_slope: float = 0.0) -> Any:
-    """Gradient of :func:`relu_forward` from its mask."""
+def relu_backward(dy: Any, saved: Any, negative_slope: float = 0.0) -> Any:
+    """Gradient of :func:`relu_forward` from what it saved (one pass)."""
     torch = require()
-    gt, mt = _t(dy), _t(mask)
+    gt, st = _t(dy), _t(saved)
     if negative_slope == 0:
-        dx = torch.mul(gt, mt)
+        dx = torch.ops.aten.threshold_backward(gt, st, 0)
+    elif negative_slope > 0:
+        dx = torch.ops.aten.leaky_relu_backward(gt, st, negative_slope, True)
     else:
-        dx = torch.where(mt, gt, gt * negative_slope)
+        dx = torch.where(st, gt, gt * negative_slope)
     return _back(dx, dy)
 
 
@@ -292,8 +299,10 @@ def channel_moments(x3: Any) -> tuple[Any, Any, Any]:
     ``centre`` is the channels' mean in the array's dtype; ``sum_d`` and
     ``sum_d2`` are the sums of ``d = x - centre`` and of ``d**2`` in float64,
     so that sums over several ranks combine without cancellation (batch
-    normalisation's statistics): the sum in float64, then the variance about
-    the mean in one Welford pass (``torch.var``), two reads of the array.
+    normalisation's statistics). The mean and variance come from ATen's
+    one-pass batch-norm statistics (``batch_norm_update_stats``); the sum
+    of ``x - centre``, exact where a channel is far from zero, from a second
+    pass.
     """
     torch = require()
     t = _t(x3)
@@ -302,11 +311,10 @@ def channel_moments(x3: Any) -> tuple[Any, Any, Any]:
     if m == 0:
         zero = torch.zeros(c, dtype=torch.float64, device=t.device)
         return _back(zero.to(t.dtype), x3), _back(zero, x3), _back(zero.clone(), x3)
-    total = torch.sum(t, dim=(0, 2), dtype=torch.float64)
-    var = torch.var(t, dim=(0, 2), correction=0).to(torch.float64)
-    centre = (total / m).to(t.dtype)
-    sum_d = total - m * centre.to(torch.float64)  # the mean's rounding to the dtype, summed
-    sum_d2 = var * m + sum_d * sum_d / m
+    mean, var = torch.batch_norm_update_stats(t, None, None, 0.0)
+    centre = mean.to(t.dtype)
+    sum_d = torch.sum(torch.sub(t, centre[:, None]), dim=(0, 2)).to(torch.float64)
+    sum_d2 = var.to(torch.float64) * m + sum_d * sum_d / m
     return _back(centre, x3), _back(sum_d, x3), _back(sum_d2, x3)
 
 def _per_channel(v: Any, like: Any) -> Any:
@@ -328,14 +336,21 @@ def scale_shift(x3: Any, centre: Any, scale: Any, shift: Any) -> Any:
 
 
 def grad_moments(g3: Any, x3: Any, centre: Any) -> tuple[Any, Any]:
-    """``(sum(g), sum(g * (x - centre)))`` per channel of ``(N, C, M)`` arrays, in float64."""
+    """``(sum(g), sum(g * (x - centre)))`` per channel of ``(N, C, M)`` arrays, in float64.
+
+    One fused pass: ATen's batch-norm backward reduction with the centre as
+    the mean and a unit inverse deviation.
+    """
     torch = require()
     g, x = _t(g3), _t(x3)
-    sum_g = torch.sum(torch.sum(g, dim=2), dim=0, dtype=torch.float64)
-    d = torch.sub(x, _per_channel(centre, x))
-    sum_gd = torch.einsum("ncm,ncm->c", g, d).to(torch.float64)
-    return _back(sum_g, g3), _back(sum_gd, g3)
-
+    c = g.shape[1]
+    if g.numel() == 0:
+        zero = torch.zeros(c, dtype=torch.float64, device=g.device)
+        return _back(zero, g3), _back(zero.clone(), g3)
+    one = torch.ones(c, dtype=g.dtype, device=g.device)
+    _, sum_gd, sum_g = torch.ops.aten.native_batch_norm_backward(
+        g, x, one, None, None, _t(centre).to(g.dtype), one, True, 0.0, [False, True, True])
+    return _back(sum_g.to(torch.float64), g3), _back(sum_gd.to(torch.float64), g3)
 
 def affine_grad(g3: Any, x3: Any, centre: Any, a: Any, b: Any, c: Any) -> Any:
     """``g3 * a + (x3 - centre) * b + c`` per channel of ``(N, C, M)`` arrays (batch

@@ -17,7 +17,8 @@ __all__ = ["ReLU", "LeakyReLU", "Sigmoid", "Add"]
 class LeakyReLU(Layer):
     """``max(x, 0) + negative_slope * min(x, 0)``, applied to each local element.
 
-    Backward keeps only the one-byte mask ``x > 0``.
+    Backward keeps only the one-byte mask ``x > 0`` (with the torch kernels
+    and a slope of at least 0, the output, whose sign is the input's).
     """
 
     saved_for_backward = ("_mask",)
@@ -57,9 +58,12 @@ class LeakyReLU(Layer):
         return DistArray(dx, dy.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """As :meth:`Layer.cost_spec`, but what backward keeps is a one-byte mask per element."""
+        """As :meth:`Layer.cost_spec`, but what backward keeps is a one-byte mask per element;
+        with the torch kernels (and a slope of at least 0) the output itself."""
         block = largest_block(dist)
         n = math.prod(block)
+        if self.kernel_backend == "torch" and self.negative_slope >= 0:
+            return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, keeps_output=True)
         return CostSpec(block, flops=float(n), nbytes=2 * n * itemsize, saved=n)
 
 
