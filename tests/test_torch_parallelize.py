@@ -153,14 +153,16 @@ class Heads(nn.Module):
         self.norm = nn.LayerNorm(4)
         self.pool = nn.AdaptiveAvgPool2d((4, 3))
         self.fc1, self.fc2, self.fc3 = nn.Linear(4, 3), nn.Linear(48, 3), nn.Linear(4, 3)
+        self.first = nn.Conv2d(2, 2, 1)
 
     def forward(self, x):
+        x = torch.cat([self.first(x)[:, :1], x[:, 1:]], 1)  # channels sliced
         y = self.norm(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         y = F.softplus(self.pool(y))
         a = self.fc1(y.mean((2, 3)))
         b = self.fc2(y.reshape(y.size(0), -1))
         c = self.fc3(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1))
-        return torch.cat([a, b, c], 1).softmax(dim=1)
+        return torch.cat([a, b, c[:, 1:]], 1).softmax(dim=1)
 
 
 class Pools(nn.Module):

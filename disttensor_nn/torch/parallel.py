@@ -950,6 +950,8 @@ class _Compiler:
             return self.local(node, fn)
         if fn is getattr and node.args[1] == "shape":
             return self.global_attr(node, dist.global_shape)
+        if fn is operator.getitem:
+            return self.getitem(node, dist)
         if fn is F.interpolate:
             mode = _arg(node, 3, "mode", "nearest")
             return self.interpolate(node, dist, mode, _arg(node, 4, "align_corners", None),
@@ -1016,6 +1018,23 @@ class _Compiler:
             return whole if dim is None else whole[dim]
 
         return step
+
+    def getitem(self, node: Node, dist: Distribution) -> Step:
+        """Indexing with slices and ints: locally, where it keeps the split dimensions whole."""
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if not all(isinstance(i, (slice, int)) and not isinstance(i, bool) for i in index) \
+                or len(index) > dist.ndim:
+            return self.local(node, operator.getitem)
+        axes, splits = [], []
+        for d in range(dist.ndim):
+            i = index[d] if d < len(index) else slice(None)
+            if i != slice(None):
+                self.refuse_split(node, dist, [d], "indexing selects")
+            if not isinstance(i, int):
+                axes.append(dist.axes[d])
+                splits.append(dist.splits[d] if i == slice(None) else None)
+        self.set(node, Distribution(_shape_of(node), dist.grid_arg, axes, splits))
+        return lambda args: args[0][0][index]
 
     def permute(self, node: Node, dist: Distribution) -> Step:
         order = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
