@@ -86,6 +86,7 @@ class ConvNd(WindowLayer):
 
     nd = 0
     kernel_backends = ("numpy", "torch")
+    _pending: tuple[Any, Any] | None = None  # weight and bias gradients from the dx call
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
                  padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
@@ -231,10 +232,14 @@ class ConvNd(WindowLayer):
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
         if self.weight.data.size == 0:
             return array_namespace(xwin).zeros(xwin.shape, dtype=dy.dtype)
-        dx, _, _ = kernels_for(xwin, self.kernel_backend).conv_backward(
+        # the torch kernels give the weight gradient in the same call at little extra cost
+        # (one convolution_backward, as torch's autograd makes); _param_backward takes it
+        both = self.kernel_backend == "torch"
+        dx, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
             dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
             self._local_groups(xwin.shape[1]),
-            need_dx=True, need_dw=False, **self._padding_kw())
+            need_dx=True, need_dw=both, **self._padding_kw())
+        self._pending = (dw, db) if both else None
         return dx
 
     def _padding_kw(self) -> dict[str, Any]:
@@ -245,9 +250,12 @@ class ConvNd(WindowLayer):
         xp = dy.xp
         w = self.weight.data
         sum_axes = (0, *range(2, dy.ndim))
+        pending, self._pending = self._pending, None
         if xwin is None or w.size == 0:
             dw = xp.zeros_like(w)
             db = xp.sum(dy.local, axis=sum_axes) if self.bias is not None else None
+        elif pending is not None:  # computed with the input gradient
+            dw, db = pending
         else:
             _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
                 dy.local, xwin, w, self.spec.stride, self.spec.dilation,
