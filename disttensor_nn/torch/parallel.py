@@ -339,6 +339,9 @@ class ParallelModule(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ParallelModule: the input must be a DistArray or a "
                             f"torch.Tensor, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"ParallelModule: the input is on {x.device}; parallel "
+                                      "models run on CPU tensors only, so far")
         if tuple(x.shape) != self.input_dist.local_shape():
             raise ValueError(f"ParallelModule: this rank's block has shape {tuple(x.shape)}, "
                              f"but its block of {self.input_dist} has shape "
@@ -1279,6 +1282,11 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
                         f"({type(err).__name__}: {err})") from None
     param = next(model.parameters(), None)
     dtype = param.dtype if param is not None else torch.get_default_dtype()
+    devices = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]
+                      if t.device.type != "cpu"})
+    if devices:
+        raise NotImplementedError(f"parallelize: the model is on {', '.join(devices)}; "
+                                  "parallel models run on CPU tensors only, so far")
     modes = {m: m.training for m in gm.modules()}
     try:
         gm.eval()  # shapes only: no batch statistics or dropout masks drawn
