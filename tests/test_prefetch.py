@@ -95,7 +95,7 @@ def test_waiting_for_batches_is_counted():
     pre.close()
 
 
-@pytest.mark.parallel([2, 3])
+@pytest.mark.parallel([3])
 def test_training_with_prefetching_gives_the_same_losses_as_without():
     comm = MPI.COMM_WORLD
     base = dict(model="mesh-demo", size=(64, 64), batch=4, steps=6, samples=12,
