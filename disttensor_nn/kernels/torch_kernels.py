@@ -9,7 +9,8 @@ module it gave. The kernels are ATen's: ``aten.convolution`` and
 ``aten.convolution_backward`` (oneDNN's direct convolutions on a CPU with it,
 cuDNN's on a GPU), ``max_pool*_with_indices`` and their backward, the
 average pools, ``relu``, and batch normalisation's per-channel moments
-(one Welford pass) and fused per-channel affine passes.
+(``batch_norm_update_stats``, ``native_batch_norm_backward``'s reduction) and
+per-channel affine passes.
 
 PyTorch is optional (the ``torch`` extra: ``pip install "disttensor[torch]"``);
 this module imports it on first use, so importing :mod:`disttensor_nn` never

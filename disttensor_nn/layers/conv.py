@@ -242,10 +242,6 @@ class ConvNd(WindowLayer):
         self._pending = (dw, db) if both else None
         return dx
 
-    def _padding_kw(self) -> dict[str, Any]:
-        """``padding=`` for the kernels where they pad (the NumPy kernels never do)."""
-        return {} if self._pads is None else {"padding": self._pads}
-
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         xp = dy.xp
         w = self.weight.data

@@ -88,8 +88,9 @@ class BatchNormNd(Layer):
     without the channel split).
 
     All arithmetic uses the input's array module (NumPy or CuPy), or with
-    ``kernel_backend="torch"`` PyTorch's: the moments in one Welford pass and
-    each elementwise pass fused into one (``addcmul``); the running
+    ``kernel_backend="torch"`` PyTorch's: ATen's one-pass batch-norm statistics
+    and fused backward reduction, the centred normalisation updated in place;
+    the running
     statistics (float64 buffers ``running_mean`` and ``running_var``, in the
     :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
 

@@ -60,10 +60,8 @@ class _Pool(WindowLayer):
             o = tuple(xwin.shape[:2]) + kernels.out_shape(padded, s.kernel, s.stride,
                                                           s.dilation)
             return xp.zeros(o, dtype=xwin.dtype), backend.empty(xp, o, np.intp)
-        if self._pads is not None:
-            return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op,
-                                        padding=self._pads)
-        return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op)
+        return kernels.pool_forward(xwin, s.kernel, s.stride, s.dilation, self.op,
+                                    **self._padding_kw())
 
     def _kernel_forward(self, xwin: Any) -> Any:
         y, self._arg = self._pool_forward(xwin)
@@ -77,9 +75,8 @@ class _Pool(WindowLayer):
             _, arg = self._pool_forward(xwin)
         self._arg = None
         s = self.spec
-        kw = {} if self._pads is None else {"padding": self._pads}
         return kernels_for(xwin, self.kernel_backend).pool_backward(
-            dy, xwin.shape, s.kernel, s.stride, s.dilation, self.op, arg, **kw)
+            dy, xwin.shape, s.kernel, s.stride, s.dilation, self.op, arg, **self._padding_kw())
 
     def __repr__(self) -> str:
         s = self.spec

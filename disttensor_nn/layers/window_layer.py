@@ -51,6 +51,10 @@ class WindowLayer(Layer):
         """The padding of this pass for the kernel calls (zeros when a halo padded)."""
         return self._pads if self._pads is not None else (0,) * self.nd
 
+    def _padding_kw(self) -> dict[str, Any]:
+        """``padding=`` for the kernels where they pad (the NumPy kernels never do)."""
+        return {} if self._pads is None else {"padding": self._pads}
+
     def _pad_value(self) -> float:
         return 0.0
 
