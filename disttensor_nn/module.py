@@ -79,6 +79,13 @@ class Parameter:
         self.grad = array_namespace(self.data).zeros_like(self.data)
         self.dist = dist
         self.unreduced: Any = None  # this rank's gradient parts kept back by no_sync
+        # the communicator the last backward pass summed the gradient over (the ranks
+        # that replicate this parameter or its block), and, with reduce_scatter set
+        # (disttensor_nn.optim.shard_state's "gradients" stage), the flat range
+        # (start, stop) of the local block that ``grad`` holds alone
+        self.grad_comm: MPI.Intracomm | None = None
+        self.reduce_scatter = False
+        self.grad_range: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -108,6 +115,10 @@ class Parameter:
                                "not reduced yet; run a backward pass outside no_sync first")
         if dist is not None and tuple(dist.global_shape) != self.shape:
             raise ValueError(f"Parameter.shard_: {dist} is not for shape {self.shape}")
+        if self.grad_range is not None:  # the reduced shard back to the local block
+            self.grad = reshape(gather_shards(self.grad, self.grad_comm, self.data.size),
+                                self.data.shape)
+            self.grad_range = None
         self.data = local_block(self.full(), dist)
         self.grad = local_block(full_array(self.grad, self.dist), dist)
         self.dist = dist
@@ -184,6 +195,76 @@ class Layout:
 
     def __repr__(self) -> str:
         return f"Layout(grid={self.grid.shape}, axes={self.axes})"
+
+
+def shard_range(size: int, nranks: int, rank: int) -> tuple[int, int]:
+    """The flat range ``(start, stop)`` of ``size`` elements that rank ``rank`` of
+    ``nranks`` holds: the first ``size % nranks`` ranks one element more (empty ranges
+    when ``size < nranks``)."""
+    base, extra = divmod(size, nranks)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def shard_counts(size: int, nranks: int) -> tuple[list[int], list[int]]:
+    """Every rank's element count and offset under :func:`shard_range`."""
+    bounds = [shard_range(size, nranks, r) for r in range(nranks)]
+    return [b - a for a, b in bounds], [a for a, _ in bounds]
+
+
+def _host(a: Any) -> np.ndarray:
+    """``a`` as a contiguous NumPy array (itself for NumPy arrays)."""
+    return np.ascontiguousarray(backend.to_numpy(a))
+
+
+def gather_shards(shard: Any, comm: MPI.Intracomm, size: int, out: Any = None) -> Any:
+    """The flat array of ``size`` elements whose :func:`shard_range` pieces the ranks of
+    ``comm`` hold (``shard`` this rank's), by one Allgatherv; written into ``out``
+    (flat, of ``size`` elements, in place) when given. Collective over ``comm``."""
+    counts, displs = shard_counts(size, comm.size)
+    like = shard if out is None else out
+    xp, device = array_namespace(like), device_of(like)
+    if out is not None and isinstance(out, np.ndarray):
+        lo = displs[comm.rank]
+        if comm.size > 1:
+            if not np.shares_memory(out[lo:lo + counts[comm.rank]], shard):
+                out[lo:lo + counts[comm.rank]] = shard
+            comm.Allgatherv(MPI.IN_PLACE, [out, (counts, displs)])
+        return out
+    host = np.empty(size, dtype=numpy_dtype(shard.dtype))
+    comm.Allgatherv(_host(shard), [host, (counts, displs)])
+    if out is None:
+        return as_module(host, xp, device) if xp is not np else host
+    out[...] = as_module(host, xp, device)
+    return out
+
+
+def reduce_scatter_(grad: Any, comm: MPI.Intracomm) -> Any:
+    """This rank's :func:`shard_range` piece of the sum over ``comm`` of the flat ``grad``
+    (one Reduce_scatter with counts). Collective over ``comm``."""
+    counts, _ = shard_counts(grad.size, comm.size)
+    send = _host(reshape(grad, (-1,)))
+    recv = np.empty(counts[comm.rank], dtype=send.dtype)
+    comm.Reduce_scatter(send, recv, counts, op=MPI.SUM)
+    xp = array_namespace(grad)
+    return recv if xp is np else as_module(recv, xp, device_of(grad))
+
+
+def _scatter_into(grads: Sequence[tuple[Parameter, Any]], comm: MPI.Intracomm) -> None:
+    """``p.grad`` += this rank's piece of each summed gradient; ``grad`` then holds only
+    that piece (``grad_range``): the reduce-scatter path of :func:`reduce_gradients_`."""
+    for p, g in grads:
+        piece = reduce_scatter_(g, comm)
+        rng = shard_range(p.data.size, comm.size, comm.rank)
+        if p.grad_range != rng:
+            if p.grad_range is not None:
+                raise RuntimeError("reduce_gradients_: a parameter's gradient is sharded over "
+                                   "another communicator; zero_grad() it first")
+            # the local block's gradient so far (what the layers added without a
+            # reduction, e.g. batch-norm sums, is replicated): keep its piece
+            p.grad = contiguous(reshape(p.grad, (-1,))[rng[0]:rng[1]], copy=True)
+            p.grad_range = rng
+        p.grad += astype(piece, p.grad.dtype) if piece.dtype != p.grad.dtype else piece
 
 
 def split_axes_comm(dist: Distribution, dims: Sequence[int] | None = None) -> MPI.Intracomm:
@@ -272,7 +353,13 @@ def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
     parameter is None are skipped. Inside a :class:`GradientBuckets` context the
     sums join its buckets (non-blocking, finished by its ``wait``); otherwise
     one blocking allreduce of all of them. Either way each gradient element is
-    summed over the same ranks: the results are the same. Inside a
+    summed over the same ranks: the results are the same. A parameter with
+    ``reduce_scatter`` set (the ``"gradients"`` stage of
+    :func:`disttensor_nn.optim.shard_state`) is summed by a blocking
+    Reduce_scatter instead, into the piece of its flat gradient that this
+    rank's optimizer shard updates (``grad`` then holds that piece alone,
+    ``grad_range`` its place). Every parameter records ``comm`` as its
+    ``grad_comm``. Inside a
     :func:`no_sync` context nothing is sent: the parts are kept back on the
     parameters and join the next reduction.
     """
@@ -283,6 +370,13 @@ def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
         _keep_back(grads)
         return
     grads = _with_kept(grads)
+    for p, _ in grads:
+        p.grad_comm = comm
+    if comm.size > 1 and any(p.reduce_scatter for p, _ in grads):
+        _scatter_into([(p, g) for p, g in grads if p.reduce_scatter], comm)
+        grads = [(p, g) for p, g in grads if not p.reduce_scatter]
+        if not grads:
+            return
     if _active_buckets:
         _active_buckets[-1].add(grads, comm)
         return

@@ -43,7 +43,9 @@ def clip_grad_norm_(parameters: Parameter | Iterable[Parameter], max_norm: float
     As ``torch.nn.utils.clip_grad_norm_``, with the norm that of the whole
     distributed model's gradient: a sharded parameter (``Parameter.dist``)
     counts each block of its gradient once, whatever ranks hold it and how
-    many replicas of it there are, and a replicated parameter counts once.
+    many replicas of it there are, and a replicated parameter counts once; a
+    gradient that :func:`~disttensor_nn.optim.shard_state` reduced into
+    pieces counts each piece once.
     The gradients are scaled by ``max_norm / (total + 1e-6)`` when that is
     below 1. Collective over the grids of the sharded parameters (one
     allreduce per grid); every rank computes the same norm and applies the
@@ -90,6 +92,17 @@ def clip_grad_norm_(parameters: Parameter | Iterable[Parameter], max_norm: float
         return 0.0
     inf = norm_type == math.inf
     parts = [_local_power_sum(p.grad, norm_type) for p in params]
+    # a gradient reduced into pieces (shard_state's "gradients"): each piece's part summed
+    # over the ranks holding the pieces, giving the part of the whole local block
+    by_comm: dict[int, tuple[Any, list[int]]] = {}
+    for i, p in enumerate(params):
+        if p.grad_range is not None:
+            by_comm.setdefault(id(p.grad_comm), (p.grad_comm, []))[1].append(i)
+    for comm, idx in by_comm.values():
+        values = np.array([parts[i] for i in idx], dtype=np.float64)
+        comm.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX if inf else MPI.SUM)
+        for i, v in zip(idx, values.tolist()):
+            parts[i] = v
     # each sharded parameter's part summed over its grid, once per block
     by_grid: dict[ProcessGrid, list[int]] = {}
     for i, p in enumerate(params):

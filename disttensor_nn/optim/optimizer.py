@@ -5,15 +5,66 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from mpi4py import MPI
 
-from disttensor.backend import array_namespace, as_module, contiguous, device_of, to_numpy
+from disttensor.backend import (
+    array_namespace,
+    as_module,
+    contiguous,
+    device_of,
+    reshape,
+    to_numpy,
+)
 
-from ..module import Parameter, full_array, local_block
+from ..module import Parameter, full_array, gather_shards, local_block, shard_range
 
-__all__ = ["Optimizer"]
+__all__ = ["Optimizer", "STAGES"]
+
+STAGES = ("none", "optimizer", "gradients", "full")
+"""The stages of sharded parameter state (:func:`disttensor_nn.optim.shard_state`)."""
+
+
+class _Shard(NamedTuple):
+    """The piece ``[start, stop)`` of a parameter's flat local block (``size`` elements,
+    of ``shape``) whose state this rank keeps, over the ranks of ``comm``."""
+
+    comm: MPI.Intracomm
+    start: int
+    stop: int
+    size: int
+    shape: tuple[int, ...]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Shard) and self.comm == other.comm and \
+            (self.start, self.stop, self.size, self.shape) == \
+            (other.start, other.stop, other.size, other.shape)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Piece:
+    """What an optimizer's ``_update`` sees of a parameter under sharded state: flat
+    views of this rank's piece of its data and gradient."""
+
+    __slots__ = ("data", "grad", "dist", "unreduced")
+
+    def __init__(self, data: Any, grad: Any):
+        self.data, self.grad, self.dist, self.unreduced = data, grad, None, None
+
+
+def _flat(a: Any) -> Any:
+    return reshape(a, (-1,))
+
+
+def _whole_piece(a: Any, shard: _Shard) -> Any:
+    """The local block (of ``shard.shape``) whose piece ``a`` is (collective)."""
+    return reshape(gather_shards(a, shard.comm, shard.size), shard.shape)
 
 
 def _like(ref: Any, buf: Any) -> Any:
@@ -80,6 +131,12 @@ class Optimizer:
     layers' backward passes, so every rank applies the same update and the
     parameters stay identical without further communication.
 
+    :func:`~disttensor_nn.optim.shard_state` (``shard_stage``) shards the
+    state over the ranks that replicate each parameter: ``state[i]`` then
+    holds flat arrays of this rank's piece of the parameter's elements
+    (``_update`` runs on that piece), and :meth:`step` all-gathers the
+    updated pieces.
+
     Subclasses give ``_saved`` (the hyper-parameters that :meth:`state_dict`
     stores) and ``_update(i, p)``; the constructor validates every
     hyper-parameter before anything is kept.
@@ -103,6 +160,9 @@ class Optimizer:
         self.param_groups: list[dict[str, Any]] = [{"params": self.params, **defaults}]
         self.state: list[Any] = [None] * len(self.params)
         self._dists: list[Any] = [p.dist for p in self.params]  # the state's splits
+        self.shard_stage = "none"  # disttensor_nn.optim.shard_state
+        self.shard_comm: MPI.Intracomm | None = None
+        self._shards: list[_Shard | None] = [None] * len(self.params)  # the state's pieces
 
     def __getattr__(self, name: str) -> Any:
         # the hyper-parameters of the (one) group: opt.lr is param_groups[0]["lr"]
@@ -137,8 +197,45 @@ class Optimizer:
         if self.lr < 0:
             raise ValueError(f"{name}.step: lr must be >= 0, got {self.lr!r}")
         for i, p in enumerate(self.params):
-            self._follow(i, p)
+            if self.shard_stage == "none" and self._shards[i] is None \
+                    and p.grad_range is None:
+                self._follow(i, p)
+                self._update(i, p)
+            else:
+                self._sharded_update(i, p)
+
+    def _shard_of(self, p: Parameter) -> _Shard | None:
+        """The piece of ``p`` whose state this rank keeps (None: all of it)."""
+        comm = p.grad_comm if p.grad_comm is not None else self.shard_comm
+        if self.shard_stage == "none" or comm is None or comm.size == 1:
+            return None
+        start, stop = shard_range(p.data.size, comm.size, comm.rank)
+        return _Shard(comm, start, stop, p.data.size, tuple(p.data.shape))
+
+    def _sharded_update(self, i: int, p: Parameter) -> None:
+        """Update this rank's piece of ``p`` and all-gather the pieces (see shard_state)."""
+        shard, old = self._shard_of(p), self._shards[i]
+        if old is not None and (shard != old or self._dists[i] != p.dist):
+            # the state as the local block, gathered over the ranks that kept it
+            self.state[i] = _map_arrays(self.state[i], lambda a: _whole_piece(a, old))
+            self._shards[i] = None
+        self._follow(i, p)
+        if p.grad_range is not None and (shard is None or p.grad_range
+                                         != (shard.start, shard.stop)):
+            p.grad = reshape(gather_shards(p.grad, p.grad_comm, p.data.size), p.data.shape)
+            p.grad_range = None
+        if shard is None:
             self._update(i, p)
+            return
+        if self._shards[i] is None:  # keep this rank's piece of the state
+            self.state[i] = _map_arrays(self.state[i], lambda a: contiguous(
+                _flat(a)[shard.start:shard.stop], copy=True))
+            self._shards[i] = shard
+        flat = _flat(p.data)
+        grad = p.grad if p.grad_range is not None else _flat(p.grad)[shard.start:shard.stop]
+        piece = _Piece(flat[shard.start:shard.stop], grad)
+        self._update(i, piece)  # type: ignore[arg-type]
+        gather_shards(piece.data, shard.comm, shard.size, out=flat)
 
     def _follow(self, i: int, p: Parameter) -> None:
         """Re-split and move ``state[i]`` as ``p`` was (collective when ``p`` is sharded)."""
@@ -166,14 +263,20 @@ class Optimizer:
 
         ``state[i]`` is the state of ``params[i]`` (None before its first
         step), copied to host memory whatever module the parameters use, so
-        that checkpoints can store it. The state of sharded parameters is
-        given whole (gathered: the call is then collective), so that it loads
-        under any other split.
+        that checkpoints can store it. The state of sharded parameters, and
+        state sharded by :func:`~disttensor_nn.optim.shard_state`, is given
+        whole (gathered: the call is then collective), with the keys and
+        shapes of the unsharded state, so that it loads under any other split,
+        stage or rank count.
         """
-        def whole(d: Any) -> Callable[[Any], np.ndarray]:
-            return lambda a: np.array(to_numpy(full_array(a, d)), copy=True)
-        out: dict[str, Any] = {"state": [_map_arrays(s, whole(d))
-                                         for s, d in zip(self.state, self._dists)]}
+        def whole(d: Any, shard: _Shard | None) -> Callable[[Any], np.ndarray]:
+            def one(a: Any) -> np.ndarray:
+                if shard is not None:
+                    a = _whole_piece(a, shard)
+                return np.array(to_numpy(full_array(a, d)), copy=True)
+            return one
+        out: dict[str, Any] = {"state": [_map_arrays(s, whole(d, sh)) for s, d, sh
+                                         in zip(self.state, self._dists, self._shards)]}
         for k in self._saved:
             v = self.param_groups[0][k]
             out[k] = tuple(v) if isinstance(v, tuple) else v
@@ -226,6 +329,7 @@ class Optimizer:
         self.state = [_map_arrays(dict(e) if isinstance(e, Mapping) else e, block(p))
                       for p, e in zip(self.params, state["state"])]
         self._dists = [p.dist for p in self.params]
+        self._shards = [None] * len(self.params)  # pieces taken at the next step
         for k in self._saved:
             v = state[k]
             self.param_groups[0][k] = tuple(v) if isinstance(v, list) else v

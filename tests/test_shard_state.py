@@ -1,0 +1,212 @@
+"""disttensor_nn.optim.shard_state: optimizer state (and gradients) sharded over the
+ranks that replicate each parameter.
+
+Every stage is compared with unsharded training at 1-4 ranks: raw parameters
+whose local gradient parts go through ``reduce_gradients_`` (sizes not
+divisible by the rank count, and parameters with fewer elements than ranks, so
+some pieces are empty) against an unsharded optimizer stepping the sum of the
+parts computed here in NumPy; and a small convolutional model split over space
+against the same model trained unsharded. State dictionaries are whole, and
+load at another rank count and stage; bad stage names raise the same error on
+every rank and change nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import disttensor as dt
+import disttensor_nn as nn
+from disttensor.testing import collective_assert, collective_outcome
+from disttensor_nn.module import reduce_gradients_, shard_counts, shard_range
+from disttensor_nn.optim import SGD, Adam, AdamW, clip_grad_norm_, shard_state
+
+comm = MPI.COMM_WORLD
+SIZES = [1, 2, 3, 4]
+SHAPES = [(5, 3), (7,), (1,), (2, 1)]  # 15 and 7 elements: uneven; 1 and 2: empty pieces
+STEPS = 6
+TOL = 1e-12
+
+
+def make(kind: str, params):
+    if kind == "sgd":
+        return SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
+    if kind == "adam":
+        return Adam(params, lr=0.05, amsgrad=True)
+    return AdamW(params, lr=0.05)
+
+
+def fresh_params():
+    rng = np.random.default_rng(7)
+    return [nn.Parameter(rng.standard_normal(s)) for s in SHAPES]
+
+
+def part(step: int, rank: int, k: int) -> np.ndarray:
+    """Rank ``rank``'s local gradient part of parameter ``k`` at step ``step``."""
+    return np.random.default_rng(10_000 * step + 100 * rank + k).standard_normal(SHAPES[k])
+
+
+def state_bytes(opt) -> int:
+    return sum(a.nbytes for s in opt.state if s is not None
+               for a in (s.values() if isinstance(s, dict) else [s]) if hasattr(a, "nbytes"))
+
+
+def run_sharded(opt, params, steps, clip=None):
+    for s in steps:
+        opt.zero_grad()
+        reduce_gradients_([(p, part(s, comm.rank, k)) for k, p in enumerate(params)], comm)
+        if clip is not None:
+            clip_grad_norm_(params, clip)
+        opt.step()
+
+
+def run_reference(opt, params, steps, nranks, clip=None):
+    """The unsharded optimizer on the sums of every rank's parts (NumPy, no MPI)."""
+    for s in steps:
+        opt.zero_grad()
+        for k, p in enumerate(params):
+            p.grad[...] = sum(part(s, r, k) for r in range(nranks))
+        if clip is not None:
+            total = np.sqrt(sum(float(np.sum(p.grad ** 2)) for p in params))
+            if clip / (total + 1e-6) < 1:
+                for p in params:
+                    p.grad *= clip / (total + 1e-6)
+        opt.step()
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("stage", ["optimizer", "gradients"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_each_stage_matches_unsharded_training(stage, kind):
+    params, ref = fresh_params(), fresh_params()
+    opt = shard_state(make(kind, params), stage)
+    ref_opt = make(kind, ref)
+    run_sharded(opt, params, range(STEPS), clip=2.0)
+    run_reference(ref_opt, ref, range(STEPS), comm.size, clip=2.0)
+    errs = [float(np.max(np.abs(p.data - q.data))) for p, q in zip(params, ref)]
+    collective_assert(max(errs) < TOL, f"{stage} {kind}: weights differ by {errs}")
+    # each rank keeps its piece of every state array: about 1/R of the unsharded bytes
+    slots = 1 if kind == "sgd" else 3
+    want = sum(shard_counts(int(np.prod(s)), comm.size)[0][comm.rank] for s in SHAPES)
+    collective_assert(state_bytes(opt) == slots * 8 * want,
+                      f"{state_bytes(opt)} state bytes, want {slots * 8 * want}")
+    if stage == "gradients":
+        got = [p.grad.size for p in params]
+        want_g = [np.subtract(*shard_range(int(np.prod(s)), comm.size, comm.rank)[::-1])
+                  for s in SHAPES]
+        collective_assert(comm.size == 1 or got == want_g, f"gradient pieces {got} {want_g}")
+    # the state dictionary is whole: the unsharded optimizer's keys, shapes and values
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    ok = all((a.keys() == b.keys() and all(np.allclose(a[k], b[k], rtol=0, atol=TOL)
+                                           for k in a))
+             if isinstance(a, dict) else np.allclose(a, b, rtol=0, atol=TOL)
+             for a, b in zip(sd["state"], ref_sd["state"]))
+    collective_assert(ok, "state_dict differs from the unsharded one")
+
+
+@pytest.mark.parallel(SIZES)
+def test_state_dict_moves_between_stages_and_rank_counts():
+    """Save sharded at P ranks, load unsharded, and load sharded over fewer ranks."""
+    params, ref = fresh_params(), fresh_params()
+    opt = shard_state(Adam(params, lr=0.05), "optimizer", comm=comm)
+    ref_opt = Adam(ref, lr=0.05)
+    for s in range(3):  # gradients set whole (no backward): the sharding comm given
+        for k, (p, q) in enumerate(zip(params, ref)):
+            p.grad[...] = q.grad[...] = part(s, 0, k)
+        opt.step()
+        ref_opt.step()
+    saved = opt.state_dict()
+    collective_assert(state_bytes(opt) < state_bytes(ref_opt) or comm.size == 1, "not sharded")
+    # sharded -> unsharded, on each rank alone
+    plain = fresh_params()
+    for p, q in zip(plain, params):
+        p.data[...] = q.data
+    plain_opt = Adam(plain, lr=0.05)
+    plain_opt.load_state_dict(saved)
+    # sharded at P -> sharded at max(P - 1, 1) ranks (the other rank steps unsharded)
+    sub = comm.Split(0 if comm.rank < max(comm.size - 1, 1) else 1, comm.rank)
+    moved = fresh_params()
+    for p, q in zip(moved, params):
+        p.data[...] = q.data
+    moved_opt = shard_state(Adam(moved, lr=0.05), "optimizer", comm=sub)
+    moved_opt.load_state_dict(saved)
+    for s in range(3, 5):
+        for k, p in enumerate(ref):
+            g = part(s, 0, k)
+            p.grad[...] = g
+            plain[k].grad[...] = g
+            moved[k].grad[...] = g
+        ref_opt.step()
+        plain_opt.step()
+        moved_opt.step()
+    errs = [float(np.max(np.abs(a.data - r.data))) for ps in (plain, moved)
+            for a, r in zip(ps, ref)]
+    collective_assert(max(errs) < TOL, f"after loading: weights differ by {errs}")
+    # and back: the unsharded state loads into a sharded optimizer over the world
+    back = shard_state(Adam(fresh_params(), lr=0.05), "optimizer", comm=comm)
+    back.load_state_dict(plain_opt.state_dict())
+    a, b = back.state_dict()["state"], ref_opt.state_dict()["state"]
+    collective_assert(all(np.array_equal(x["exp_avg_sq"], y["exp_avg_sq"])
+                          for x, y in zip(a, b)), "unsharded -> sharded")
+    sub.Free()
+
+
+def conv_model(seed: int = 0) -> nn.Sequential:
+    # weights of 54, 3, 3 and 1 elements: pieces uneven and, at 2-4 ranks, empty
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, seed=seed, dtype=np.float64),
+                         nn.ReLU(), nn.Conv2d(3, 1, 1, seed=seed + 1, dtype=np.float64))
+
+
+@functools.cache
+def grid1() -> dt.ProcessGrid:
+    return dt.ProcessGrid((comm.size,))
+
+
+def train_model(stage: str | None, kind: str, steps: int = 4):
+    model = conv_model()
+    opt = make(kind, model.parameters())
+    if stage is not None:
+        shard_state(opt, stage)
+    loss = nn.MSELoss()
+    shape = (2, 2, 8, 6)
+    dist = dt.Distribution(shape, grid1(), (None, None, 0, None))
+    norms = []
+    for s in range(steps):
+        rng = np.random.default_rng(s)
+        x = dt.DistArray.from_global(rng.standard_normal(shape), dist)
+        t = rng.standard_normal((2, 1, 8, 6))
+        opt.zero_grad()
+        loss(model(x), t)
+        model.backward(loss.backward())
+        norms.append(clip_grad_norm_(model.parameters(), 0.5))
+        opt.step()
+    return [p.data.copy() for p in model.parameters()], norms
+
+
+@pytest.mark.parallel([1, 3, 4])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_model_split_over_space_trains_alike_at_each_stage(kind):
+    ref, ref_norms = train_model(None, kind)
+    for stage in ("optimizer", "gradients"):
+        got, norms = train_model(stage, kind)
+        errs = [float(np.max(np.abs(a - b))) for a, b in zip(got, ref)]
+        collective_assert(max(errs) < 1e-10 and np.allclose(norms, ref_norms, rtol=1e-10),
+                          f"{stage}: weights differ by {errs}, norms {norms} {ref_norms}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_bad_stages_raise_the_same_error_on_every_rank_and_change_nothing():
+    params = fresh_params()
+    opt = SGD(params, lr=0.1, momentum=0.9)
+    for stage, words in (("zero2", "unknown stage 'zero2'"), (2, "unknown stage 2"),
+                         ("full", "not built yet")):
+        _, err = collective_outcome(shard_state, opt, stage)
+        collective_assert(isinstance(err, ValueError) and words in str(err), str(err))
+    _, err = collective_outcome(shard_state, object(), "optimizer")
+    collective_assert(isinstance(err, TypeError), str(err))
+    collective_assert(opt.shard_stage == "none" and not any(p.reduce_scatter for p in params),
+                      "changed")
