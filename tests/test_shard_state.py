@@ -24,6 +24,7 @@ import disttensor_nn as nn
 from disttensor.testing import collective_assert, collective_outcome
 from disttensor_nn.module import reduce_gradients_, shard_counts, shard_range
 from disttensor_nn.optim import SGD, Adam, AdamW, clip_grad_norm_, shard_state
+from disttensor_nn.plan import CostModel, MachineProfile
 
 comm = MPI.COMM_WORLD
 SIZES = [1, 2, 3, 4]
@@ -210,3 +211,28 @@ def test_bad_stages_raise_the_same_error_on_every_rank_and_change_nothing():
     collective_assert(isinstance(err, TypeError), str(err))
     collective_assert(opt.shard_stage == "none" and not any(p.reduce_scatter for p in params),
                       "changed")
+
+
+def test_the_memory_model_counts_the_sharded_state_per_rank():
+    """params_memory: the optimizer state, then the gradients, at 1/P (metadata only)."""
+    prof = MachineProfile(name="test", p2p_alpha=1e-5, p2p_beta=1e-9, allreduce_alpha=2e-5,
+                          allreduce_beta=2e-9, alltoall_alpha=3e-5, alltoall_beta=3e-9,
+                          peak_flops=1e10, efficiency=0.5, mem_bandwidth=1e10,
+                          memory_per_rank=2**30, reduce_scratch=0.0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 2, 1))
+    sizes = [int(np.prod(p.shape)) * 4 for p in model.parameters()]
+    total, big = sum(sizes), max(sizes)
+    for nprocs, slots in ((1, 1), (4, 1), (4, 2), (3, 3)):
+        def mem(stage, nprocs=nprocs, slots=slots):
+            return CostModel(prof, nprocs, shard_state=stage,
+                             state_slots=slots).params_memory(model, sizes)
+        small = sum(n for n in sizes if n < 2**20)
+        # weights, gradients, state, and the local gradients waiting for their reduction
+        assert mem("none") == pytest.approx((2 + slots) * total + total + small)
+        assert mem("optimizer") == pytest.approx(2 * total + slots * total / nprocs
+                                                 + total + small)
+        # reduce-scattered one layer at a time: one layer's local gradients in flight
+        assert mem("gradients") == pytest.approx(total + (1 + slots) * total / nprocs + big)
+        assert mem("full") == pytest.approx((2 + slots) * total / nprocs + 2 * big)
+    with pytest.raises(ValueError, match="unknown shard_state 'zero'"):
+        CostModel(prof, 2, shard_state="zero")

@@ -40,6 +40,7 @@ from disttensor import Distribution, factorizations
 from ..costspec import CostSpec, largest_block
 from ..kernels import BACKENDS, backend_supports, with_backend
 from ..module import Layer
+from ..optim.optimizer import STAGES
 from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
 
@@ -233,12 +234,27 @@ class CostModel:
         the fastest is kept (:attr:`LayerCost.kernels`; the first on a tie);
         a backend that cannot run the arrays' dtype is left out. None: each
         layer's own ``kernel_backend``.
+    shard_state : {"none", "optimizer", "gradients", "full"}
+        The parameters' state sharded over the ranks that replicate them
+        (:func:`disttensor_nn.optim.shard_state`), as :meth:`params_memory`
+        counts it.
+    state_slots : int
+        Arrays of optimizer state per parameter: 1 for SGD with momentum
+        (the default), 0 without, 2 for Adam and AdamW, 3 with AMSGrad.
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
                  itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20,
-                 training: bool = True, backends: Sequence[str] | None = None):
+                 training: bool = True, backends: Sequence[str] | None = None,
+                 shard_state: str = "none", state_slots: int = 1):
         self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
+        if shard_state not in STAGES:
+            raise ValueError(f"unknown shard_state {shard_state!r}; the stages are "
+                             f"{', '.join(STAGES)}")
+        if isinstance(state_slots, bool) or not isinstance(state_slots, int) or \
+                state_slots < 0:
+            raise ValueError(f"state_slots must be an int >= 0, got {state_slots!r}")
+        self.shard_state, self.state_slots = shard_state, state_slots
         if backends is not None:
             backends = tuple(backends)
             for b in backends:
@@ -448,15 +464,37 @@ class CostModel:
         default: the parameters' own sizes). The optimizer's
         update of one parameter makes a temporary of its size. Whole parameters:
         an upper bound where a plan shards some of them.
+
+        With :attr:`shard_state` (:func:`disttensor_nn.optim.shard_state`) the
+        ``state_slots`` arrays of optimizer state count ``1 / nprocs`` of
+        their size (``"optimizer"``), and so do the reduced gradients
+        (``"gradients"``), whose local parts are then reduced one layer at a
+        time (a blocking Reduce_scatter: one layer's parts in flight), and
+        the optimizer's temporaries are of a piece's size; ``"full"`` counts
+        the weights so too, plus the largest one gathered whole. Each parameter's
+        piece is ``1 / nprocs`` of it whenever every grid axis splits the
+        samples, space or the channels (a channel-sharded block of ``1 / c``
+        is shared by ``nprocs / c`` ranks).
         """
         sizes = [math.prod(p.shape) * p.data.itemsize for p in model.parameters()]
         if not self.training:
             return float(sum(sizes))
         grads = sizes if local_grads is None else list(local_grads)
-        pending = sum(grads) + sum(n for n in grads if n < self.bucket_bytes)
+        stage = STAGES.index(self.shard_state)
+        share = 1.0 / self.nprocs if stage >= 1 else 1.0
+        if stage >= 2:  # reduce-scattered one layer at a time, blocking
+            pending = max(grads, default=0.0)
+            held = sum(sizes) * share
+        else:
+            pending = sum(grads) + sum(n for n in grads if n < self.bucket_bytes)
+            held = sum(sizes)
         if self.nprocs > 1:  # the reductions in flight: the MPI library's temporaries
-            pending += self.profile.reduce_scratch * sum(grads)
-        return float(3 * sum(sizes) + max(pending, max(sizes, default=0)))
+            pending += self.profile.reduce_scratch * (pending if stage >= 2 else sum(grads))
+        state = self.state_slots * sum(sizes) * share
+        weights = float(sum(sizes))
+        if stage >= 3:  # 1/P of the weights, the largest layer's gathered for its passes
+            weights = weights * share + max(sizes, default=0)
+        return float(weights + held + state + max(pending, max(sizes, default=0) * share))
 
     def local_gradient_bytes(self, layer: Layer, in_shape: tuple[int, ...]) -> list[float]:
         """Bytes of the local gradients ``layer`` hands to the reduction (its gradient

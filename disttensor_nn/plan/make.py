@@ -14,6 +14,7 @@ from disttensor.device import use_device
 
 from ..kernels import BACKENDS, available_backends, check_backend
 from ..memory import MemoryProfile
+from ..optim.optimizer import STAGES
 from .costmodel import CostModel
 from .machine import load_profile
 from .planner import Plan, Planner
@@ -28,7 +29,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               profile: MemoryProfile | None = None,
               recompute: bool | str = False, training: bool = True,
               channels: bool = False, max_states: int | None = None,
-              kernels: str | None = None) -> tuple[Plan, Planner | None]:
+              kernels: str | None = None, shard_state: str = "none",
+              state_slots: int = 1) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -92,6 +94,13 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         times to choose by). The plan names each layer's choice
         (:attr:`PlanEntry.kernels`) and :func:`apply_plan` sets it. None:
         each layer's own ``kernel_backend``.
+    shard_state : {"none", "optimizer", "gradients", "full"}
+        The parameters' state sharded over the ranks that replicate them
+        (:func:`disttensor_nn.optim.shard_state`), counted so in the plan's
+        memory (:meth:`CostModel.params_memory`).
+    state_slots : int
+        Arrays of optimizer state per parameter (1: SGD's momentum; 2: Adam's
+        moments).
 
     Returns
     -------
@@ -104,11 +113,14 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     ------
     ValueError
         When nothing fits the memory budget (on every rank of ``comm``), or
-        for an unknown ``kernels``.
+        for an unknown ``kernels`` or ``shard_state``.
     ImportError
         For ``kernels="torch"`` without PyTorch (naming the extra).
     """
     backends = kernel_choice(kernels)
+    if shard_state not in STAGES:  # before any work, the same on every rank
+        raise ValueError(f"unknown shard_state {shard_state!r}; the stages are "
+                         f"{', '.join(STAGES)}")
     machine_profile = load_profile(machine)
     memory = machine_profile.memory_per_rank if memory is None else memory
     timer = None
@@ -119,7 +131,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         backends = None
     planner = Planner(model, batch_shape,
                       CostModel(machine_profile, nprocs, timer, itemsize, training=training,
-                                backends=backends),
+                                backends=backends, shard_state=shard_state,
+                                state_slots=state_slots),
                       memory, baseline=baseline, recompute=recompute if training else False,
                       channels=channels, max_states=max_states)
     with _phase(profile, "kernel measurement"):
