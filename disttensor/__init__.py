@@ -12,6 +12,7 @@ from . import (
     random,
 )
 from .array import DistArray
+from .blockcache import BlockCache, block_cache
 from .creation import arange, asarray, empty, full, make_distribution, ones, zeros
 from .device import gpu_aware_mpi, nccl_enabled, node_local_rank, set_transport, use_device
 from .distribution import Distribution, block_boundaries
@@ -23,6 +24,7 @@ from .runtime import abort_on_exception, limit_blas_threads, node_share
 from .settings import CollectiveMismatchError, get_options, options, set_options
 
 __all__ = [
+    "BlockCache",
     "CollectiveMismatchError",
     "DistArray",
     "Distribution",
@@ -31,6 +33,7 @@ __all__ = [
     "arange",
     "asarray",
     "block_boundaries",
+    "block_cache",
     "chunk_splits",
     "empty",
     "factorizations",

@@ -26,6 +26,8 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
+from .blockcache import active_block_cache
+
 __all__ = [
     "array_namespace",
     "as_module",
@@ -38,6 +40,7 @@ __all__ = [
     "device_kw",
     "device_of",
     "empty",
+    "zeros",
     "fill",
     "from_numpy",
     "host_empty",
@@ -139,11 +142,28 @@ def device_kw(x: Any) -> dict[str, Any]:
 
 
 def empty(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:
-    """An uninitialised C-contiguous array of ``xp`` (on ``device`` when given)."""
+    """An uninitialised C-contiguous array of ``xp`` (on ``device`` when given).
+
+    A large NumPy block comes from the active :class:`~disttensor.blockcache.BlockCache`
+    where one is (:func:`~disttensor.blockcache.block_cache`).
+    """
     dt = namespace_dtype(xp, dtype)
+    cache = active_block_cache()
+    if cache is not None and xp is np and device in (None, "cpu"):
+        return cache.empty(shape, dt)
     if device is None:
         return xp.empty(shape, dtype=dt)
     return xp.empty(shape, dtype=dt, device=device)
+
+
+def zeros(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:
+    """As :func:`empty`, filled with zeros."""
+    if active_block_cache() is not None and xp is np and device in (None, "cpu"):
+        out = empty(xp, shape, dtype, device)
+        out.fill(0)
+        return out
+    dt = namespace_dtype(xp, dtype)
+    return xp.zeros(shape, dtype=dt) if device is None else xp.zeros(shape, dtype=dt, device=device)
 
 
 def astype(x: Any, dtype: Any) -> Any:

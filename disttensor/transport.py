@@ -100,7 +100,7 @@ class Transport:
             pool = self._pool.get(key)
             if pool:
                 return self._reuse(pool)
-            return np.empty(shape, dtype)
+            return empty(np, shape, dtype)
         dt = numpy_dtype(dtype)
         place = None if like is None else device_of(like)
         key = (tuple(shape), dt.str, like is None, repr(place))

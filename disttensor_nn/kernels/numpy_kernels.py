@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from disttensor.backend import empty, zeros
+
 __all__ = [
     "out_shape",
     "windows",
@@ -80,6 +82,16 @@ def _buffer(name: str, shape: int | tuple[int, ...], dtype) -> np.ndarray:
         buf = bufs[key] = np.empty(size, dtype)
     return buf[:size].reshape(shape)
 
+
+
+def _empty(shape: tuple[int, ...], dtype: object) -> np.ndarray:
+    """An output or gradient block (from the active block cache where there is one)."""
+    return empty(np, shape, dtype)
+
+
+def _zeros(shape: tuple[int, ...], dtype: object) -> np.ndarray:
+    """As :func:`_empty`, zeroed."""
+    return zeros(np, shape, dtype)
 
 _threads = {"n": 1, "pool": None}
 
@@ -228,7 +240,7 @@ def conv_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     kernel, stride, dilation = tuple(w.shape[2:]), tuple(stride), tuple(dilation)
     dtype = np.result_type(x, w)
     o = out_shape(x.shape[2:], kernel, stride, dilation)
-    y = np.empty((n, f) + o, dtype=dtype)
+    y = _empty((n, f) + o, dtype)
     if y.size == 0:
         return y
     _run_parts(lambda a, e: _conv_forward_into(x[a:e], w, b, stride, dilation, groups,
@@ -304,7 +316,7 @@ def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence
     if len(parts) == 1:
         return _conv_backward_part(dy, x, w, stride, dilation, groups, need_dx, need_dw,
                                    workspace_bytes)
-    dx = np.empty(x.shape, dtype) if need_dx else None
+    dx = _empty(x.shape, dtype) if need_dx else None
 
     def part(a: int, e: int):
         return _conv_backward_part(dy[a:e], x[a:e], w, stride, dilation, groups, need_dx,
@@ -340,7 +352,7 @@ def _conv_backward_part(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Se
     dx = None
     if need_dx:
         if dx_out is None:
-            dx = (np.empty if transposed_conv and dy.size else np.zeros)(x.shape, dtype=dtype)
+            dx = (_empty if transposed_conv and dy.size else _zeros)(x.shape, dtype)
         else:
             dx = dx_out
             if not (transposed_conv and dy.size):
@@ -619,8 +631,8 @@ def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
     """
     o = out_shape(x.shape[2:], kernel, stride, dilation)
     shape = tuple(x.shape[:2]) + o
-    y = np.empty(shape, x.dtype)
-    arg = None if op == "avg" else np.empty(shape, _arg_dtype(kernel))
+    y = _empty(shape, x.dtype)
+    arg = None if op == "avg" else _empty(shape, _arg_dtype(kernel))
     if y.size == 0:
         return y, arg
 
@@ -658,7 +670,7 @@ def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
     is added into that offset's strided view of ``dx``; parts of the batch
     run on the kernels' pool.
     """
-    dx = np.zeros(x_shape, dtype=dy.dtype)
+    dx = _zeros(x_shape, dy.dtype)
     o = dy.shape[2:]
     if dy.size == 0:
         return dx

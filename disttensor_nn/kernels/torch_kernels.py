@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from disttensor.backend import array_namespace, is_numpy
+from disttensor.blockcache import active_block_cache
 
 from .numpy_kernels import out_shape  # the same geometry for every backend
 from .numpy_kernels import pool_backward as _numpy_pool_backward
@@ -144,6 +145,15 @@ def _back(t: Any, like: Any) -> Any:
     if type(like) is type(t):
         return t
     return xp.from_dlpack(t)
+
+
+def _out(like: Any, t: Any) -> dict[str, Any]:
+    """``out=`` for an element-wise result of ``t``'s shape and dtype next to the NumPy
+    array ``like``: a block of the active block cache (none otherwise: ATen allocates)."""
+    cache = active_block_cache()
+    if cache is None or not isinstance(like, np.ndarray):
+        return {}
+    return {"out": _t(cache.empty(tuple(t.shape), like.dtype))}
 
 
 def _pads(padding: Sequence[int] | None, nd: int) -> list[int]:
@@ -275,7 +285,7 @@ def relu_forward(x: Any, negative_slope: float = 0.0) -> tuple[Any, Any]:
     """
     torch = require()
     xt = _t(x)
-    y = torch.relu(xt) if negative_slope == 0 else \
+    y = torch.clamp_min(xt, 0, **_out(x, xt)) if negative_slope == 0 else \
         torch.nn.functional.leaky_relu(xt, negative_slope)
     saved = y if negative_slope >= 0 else torch.gt(xt, 0)
     return _back(y, x), _back(saved, x)
@@ -286,7 +296,9 @@ def relu_backward(dy: Any, saved: Any, negative_slope: float = 0.0) -> Any:
     torch = require()
     gt, st = _t(dy), _t(saved)
     if negative_slope == 0:
-        dx = torch.ops.aten.threshold_backward(gt, st, 0)
+        out = _out(dy, gt)
+        dx = torch.ops.aten.threshold_backward.grad_input(gt, st, 0, grad_input=out["out"]) \
+            if out else torch.ops.aten.threshold_backward(gt, st, 0)
     elif negative_slope > 0:
         dx = torch.ops.aten.leaky_relu_backward(gt, st, negative_slope, True)
     else:
@@ -314,7 +326,7 @@ def channel_moments(x3: Any) -> tuple[Any, Any, Any]:
         return _back(zero.to(t.dtype), x3), _back(zero, x3), _back(zero.clone(), x3)
     mean, var = torch.batch_norm_update_stats(t, None, None, 0.0)
     centre = mean.to(t.dtype)
-    sum_d = torch.sum(torch.sub(t, centre[:, None]), dim=(0, 2)).to(torch.float64)
+    sum_d = torch.sum(torch.sub(t, centre[:, None], **_out(x3, t)), dim=(0, 2)).to(torch.float64)
     sum_d2 = var.to(torch.float64) * m + sum_d * sum_d / m
     return _back(centre, x3), _back(sum_d, x3), _back(sum_d2, x3)
 
@@ -331,7 +343,7 @@ def scale_shift(x3: Any, centre: Any, scale: Any, shift: Any) -> Any:
     """
     torch = require()
     t = _t(x3)
-    y = torch.sub(t, _per_channel(centre, t))
+    y = torch.sub(t, _per_channel(centre, t), **_out(x3, t))
     y.mul_(_per_channel(scale, t)).add_(_per_channel(shift, t))
     return _back(y, x3)
 
@@ -358,6 +370,6 @@ def affine_grad(g3: Any, x3: Any, centre: Any, a: Any, b: Any, c: Any) -> Any:
     normalisation's input gradient); one new array, updated in place."""
     torch = require()
     g, x = _t(g3), _t(x3)
-    dx = torch.sub(x, _per_channel(centre, x))
+    dx = torch.sub(x, _per_channel(centre, x), **_out(g3, g))
     dx.mul_(_per_channel(b, g)).add_(_per_channel(c, g)).addcmul_(g, _per_channel(a, g))
     return _back(dx, g3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import writes_in_place
+from disttensor.backend import device_of, empty, writes_in_place
 
 from ..costspec import CostSpec, largest_block
 from ..kernels import kernels_for
@@ -34,13 +34,17 @@ class LeakyReLU(Layer):
         if self.kernel_backend == "torch":
             y, self._mask = kernels_for(xl, "torch").relu_forward(xl, self.negative_slope)
             return DistArray(y, x.dist)
-        self._mask = mask = xp.greater(xl, 0)
-        if self.negative_slope == 0:
-            y = xp.maximum(xl, 0)
-        elif writes_in_place(xp):
-            y = xl * self.negative_slope
-            xp.copyto(y, xl, where=mask)
+        if writes_in_place(xp):  # into blocks of the block cache where one is active
+            device = device_of(xl)
+            self._mask = mask = xp.greater(xl, 0, out=empty(xp, xl.shape, bool, device))
+            y = empty(xp, xl.shape, xl.dtype, device)
+            if self.negative_slope == 0:
+                xp.maximum(xl, 0, out=y)
+            else:
+                xp.multiply(xl, self.negative_slope, out=y)
+                xp.copyto(y, xl, where=mask)
         else:
+            self._mask = mask = xp.greater(xl, 0)
             y = xp.where(mask, xl, xl * self.negative_slope)
         return DistArray(y, x.dist)
 
@@ -51,9 +55,10 @@ class LeakyReLU(Layer):
                                                                    self.negative_slope), dy.dist)
         if not writes_in_place(xp):
             return DistArray(xp.where(self._mask, g, g * self.negative_slope), dy.dist)
+        dx = empty(xp, g.shape, g.dtype, device_of(g))
         if self.negative_slope == 0:
-            return DistArray(xp.multiply(g, self._mask, dtype=g.dtype), dy.dist)
-        dx = g * self.negative_slope
+            return DistArray(xp.multiply(g, self._mask, dtype=g.dtype, out=dx), dy.dist)
+        xp.multiply(g, self.negative_slope, out=dx)
         xp.copyto(dx, g, where=self._mask)
         return DistArray(dx, dy.dist)
 

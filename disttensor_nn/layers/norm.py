@@ -17,6 +17,7 @@ from disttensor.backend import (
     contiguous,
     device_kw,
     device_of,
+    empty,
     namespace_dtype,
     writes_in_place,
 )
@@ -30,7 +31,7 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
 
 def _scratch(xp: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any | None:
     """A buffer for :func:`_into` where the module writes in place (else None)."""
-    return xp.empty(shape, dtype=dtype) if writes_in_place(xp) else None
+    return empty(xp, shape, dtype) if writes_in_place(xp) else None
 
 
 def _into(xp: ModuleType, op: str, a: Any, b: Any, out: Any | None) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution, halo_plan
-from disttensor.backend import device_kw, is_c_contiguous
+from disttensor.backend import device_of, is_c_contiguous, zeros
 
 from ..costspec import CostSpec, largest_block
 from ..module import Layer, check_input
@@ -201,7 +201,7 @@ class WindowLayer(Layer):
         if dxwin is not None and dxwin.shape == ext.shape:  # the window is the whole block
             dext = dxwin
         else:
-            dext = x.xp.zeros(ext.shape, dtype=dy.local.dtype, **device_kw(dy.local))
+            dext = zeros(x.xp, ext.shape, dy.local.dtype, device_of(dy.local))
             if dxwin is not None:
                 dext[sl] = dxwin
         # The halo cells travel back to their owners while the parameter

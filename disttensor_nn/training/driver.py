@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from disttensor import node_share, use_device
 from disttensor.backend import is_numpy, nbytes
+from disttensor.blockcache import block_cache
 
 from ..container import Sequential
 from ..kernels import limit_threads, synchronize
@@ -106,6 +107,7 @@ class TrainConfig:
     data_target: str = "target"
     recalibrate: bool = False  # measure this machine again even if a calibration is cached
     profile_memory: bool = False  # peak memory by phase and layer, largest allocations
+    block_cache: bool = True  # the step's large blocks reused from step to step
     recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
     accumulate: int = 1  # micro-batches of `batch` samples per step, one gradient reduction
@@ -334,6 +336,17 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     return model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history
 
 
+def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm) -> int:
+    """Bytes the step's block cache may hold: what the plan predicts the step adds to the
+    process, its parameters and their gradients (within the budget, if there is one)."""
+    params = sum(nbytes(p.data) for p in model.parameters())
+    extra = plan.peak_memory - plan.baseline_memory - 2 * params
+    if plan.memory_budget:
+        now = comm.allreduce(resident_bytes(), op=MPI.MAX)
+        extra = min(extra, plan.memory_budget - now)
+    return max(int(extra), 0)
+
+
 def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm) -> None:
     """Refuse, on every rank, a step whose predicted memory on top of what the ranks hold
     now passes the budget; warn when the node's free memory is short of it."""
@@ -490,9 +503,13 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     plain = iter(loader) if it is None else None
     times, data_times = [], []
     warmup = [0.0] * len(clocks)
+    cache_limit = _cache_limit(plan, model, comm) if cfg.block_cache else None
     try:
-        step, warmup = _loop(cfg, comm, memory, xp, model, loss_fn, opt, loader, it, plain,
-                             step, history, clocks, times, data_times, bar, sched)
+        with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
+                as cache:
+            step, warmup = _loop(cfg, comm, memory, xp, model, loss_fn, opt, loader, it,
+                                 plain, step, history, clocks, times, data_times, bar, sched)
+            cached = None if cache is None else asdict(cache.stats)
     finally:
         if it is not None:
             it.close()
@@ -526,6 +543,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         "planning_peak_memory_per_rank_bytes": phase_peak("calibration", "kernel measurement",
                                                           "planning"),
         "memory_budget_bytes": plan.memory_budget,
+        "block_cache": None if cached is None else {**cached, "limit_bytes": cache_limit},
         "memory_profile": _gather_profile(memory, comm) if cfg.profile_memory else None,
         "layers": [{"name": e.name, "layer": e.layer, "grid": list(e.grid),
                     "predicted_s": e.fwd + e.bwd + e.comm, "measured_s": float(m)}

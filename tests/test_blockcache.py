@@ -1,0 +1,98 @@
+"""The block cache: reuse only of unreferenced buffers, its limit, and layers that run on it
+giving the same values as without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import disttensor as dt
+from disttensor.blockcache import BlockCache, block_cache, size_class
+import disttensor_nn as nn
+from disttensor_nn.kernels import use_kernels
+
+MiB = 2**20
+
+
+def test_size_classes_bound_the_slack():
+    for n in [1, 7, 9, 1000, MiB, MiB + 1, 3 * MiB + 5, 2**30 - 3]:
+        c = size_class(n)
+        assert n <= c <= n * 1.125 + 1
+
+
+def test_a_referenced_buffer_is_never_handed_out():
+    cache = BlockCache()
+    a = cache.empty((256, 1024), np.float32)
+    a[...] = 1
+    views = [a[3:5], a.reshape(-1), memoryview(a)]
+    del a
+    b = cache.empty((256, 1024), np.float32)  # the first buffer is still referenced
+    b[...] = 2
+    assert np.all(views[0] == 1) and cache.stats.misses == 2
+    del views, b
+    cache.empty((256, 1024), np.float32)
+    assert cache.stats.hits == 1 and cache.stats.held_bytes == 2 * MiB
+
+
+def test_limit_evicts_free_buffers_then_overflows():
+    cache = BlockCache(limit=3 * MiB)
+    keep = [cache.empty(MiB // 8, np.float64) for _ in range(3)]
+    assert cache.stats.held_bytes == 3 * MiB
+    extra = cache.empty(MiB // 8, np.float64)  # no room: allocated outside the cache
+    assert cache.stats.overflows == 1 and extra.nbytes == MiB
+    del keep
+    cache.empty(2 * MiB, np.uint8)  # free buffers dropped to make room
+    assert cache.stats.evictions >= 2 and cache.stats.held_bytes <= 3 * MiB
+
+
+def test_small_requests_and_bad_arguments():
+    cache = BlockCache()
+    cache.empty(10, np.float32)
+    assert cache.stats.held_bytes == 0
+    with pytest.raises(ValueError, match="limit"):
+        BlockCache(limit=-1)
+
+
+def test_backend_empty_uses_the_active_cache_only_inside_the_block():
+    with block_cache() as cache:
+        x = dt.DistArray.empty(dt.make_distribution((8, 64, 64, 16)), np.float64)
+        assert cache.stats.misses == 1 and x.local.base is not None
+    assert dt.blockcache.active_block_cache() is None
+
+
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("kernels", ["numpy", "torch"])
+def test_layers_on_cached_blocks_match_fresh_ones(kernels):
+    """Three steps of a conv/BN/ReLU/pool chain split over H (uneven blocks), each on
+    blocks the earlier ones freed, equal bit for bit to the same steps without a cache."""
+    if kernels == "torch":
+        pytest.importorskip("torch")
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 37, 29)).astype(np.float32)
+    dy = rng.standard_normal((2, 8, 18, 14)).astype(np.float32)
+    grid = dt.ProcessGrid((comm.Get_size(),), comm)
+
+    def run(cached):
+        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                            nn.MaxPool2d(2))
+        wrng = np.random.default_rng(1)
+        for prm in net.parameters():
+            prm.data[...] = wrng.standard_normal(prm.shape) * 0.5
+        net.set_layouts([nn.Layout(grid, (None, None, 0, None))] * 4)
+        use_kernels(net, kernels)
+        dist = dt.Distribution(x.shape, grid, (None, None, 0, None))
+        out = []
+        with block_cache(4 * MiB, min_bytes=1024) if cached else np.errstate():
+            for _ in range(3):  # later steps reuse the blocks of earlier ones
+                y = net(dt.DistArray.from_global(x, dist))
+                dx = net.call_backward(dt.DistArray.from_global(dy, y.dist))
+                out.append((y.to_global(), dx.to_global(),
+                            net[0].weight.grad.copy()))
+                net.zero_grad()
+        return out
+
+    for a, b in zip(run(False), run(True)):
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u, v)
