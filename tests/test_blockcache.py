@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import disttensor as dt
-from disttensor.blockcache import BlockCache, block_cache, size_class
 import disttensor_nn as nn
+from disttensor.blockcache import BlockCache, block_cache, size_class
 from disttensor_nn.kernels import use_kernels
 
 MiB = 2**20
