@@ -152,9 +152,12 @@ def _describe(node: Node) -> str:
 class _GradTarget:
     """What :func:`reduce_gradients_` adds a parameter's sum to: the NumPy view of its grad."""
 
+    reduce_scatter = False  # torch parameters keep whole gradients (no sharded state)
+
     def __init__(self, param: nn.Parameter):
         self.param = param
         self.unreduced: Any = None
+        self.grad_comm: Any = None
 
     @property
     def grad(self) -> Any:
