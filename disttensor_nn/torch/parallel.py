@@ -58,6 +58,7 @@ from disttensor import DistArray, Distribution, ProcessGrid
 from disttensor_nn.module import GradientBuckets, reduce_gradients_, split_axes_comm
 from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
 
+from .autoplan import LAYOUT_KEY, is_plan_layout, plan_layouts, relayout
 from .functional import all_reduce, broadcast, halo_exchange, redistribute
 
 __all__ = ["ParallelModule", "parallelize"]
@@ -95,6 +96,9 @@ _BINARY_OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operato
 # shape-keeping operations along one dimension (their first argument after the tensor)
 _ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
                         "softmin"))
+_ELEMENTWISE_F = (F.relu, F.relu6, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.leaky_relu,
+                  F.hardtanh, F.hardswish, F.hardsigmoid, F.sigmoid, F.tanh, F.softplus,
+                  F.logsigmoid, F.threshold)
 _LINEAR_MODES = {"nearest": 0, "nearest-exact": 0, "linear": 1, "bilinear": 1,
                  "trilinear": 1, "bicubic": 2}
 
@@ -239,6 +243,9 @@ class ParallelModule(nn.Module):
         The distribution the forward pass wants its input in.
     output_dist : Distribution or tuple of Distribution
         The distribution of the output (a tuple where the model returns one).
+    plan : Plan or None
+        The plan the layers run by (``layout='auto'`` or a plan; ``plan.table()``
+        prints it as ``disttensor-plan`` does), None for a grid shape.
     """
 
     def __init__(self, model: nn.Module, graph: GraphModule, steps: list[tuple[Node, Step]],
@@ -254,6 +261,7 @@ class ParallelModule(nn.Module):
                                  model._non_persistent_buffers_set)
         self.input_dist = input_dist
         self.output_dist = output_dist
+        self.plan: Any = None
         self._graph = graph.graph
         self._steps = steps
         self._buckets: GradientBuckets | None = None
@@ -432,12 +440,23 @@ class _Compiler:
             return self.output(node)
         if node.op == "call_module":
             return self.call_module(node)
+        if node.op == "call_function" and node.target is relayout:
+            return self.relayout(node)
         if node.op == "call_function":
             return self.call_function(node)
         if node.op == "call_method":
             return self.call_method(node)
         self.fail(node, "is not a kind of node parallelize knows")
         raise AssertionError
+
+    def relayout(self, node: Node) -> Step:
+        """A planned layer's input moved to the plan's layout (nothing where it is so)."""
+        src, dst = self.dist_of(node.args[0]), node.meta[LAYOUT_KEY]
+        if src is None or (src.grid == dst.grid and src.axes == dst.axes):
+            self.set(node, src)  # laid out as planned: its own cuts are kept
+            return lambda args: args[0][0]
+        self.set(node, dst)
+        return lambda args: redistribute(args[0][0], src, dst)
 
     def output(self, node: Node) -> Step:
         dists = map_aggregate(node.args[0], lambda a: self.dist_of(a))
@@ -974,11 +993,7 @@ class _Compiler:
             return self.adaptive(node, None, dist, dist.ndim - 2)
         if fn in (torch.mean, torch.sum):
             return self.reduction(node, dist, fn.__name__)
-        if fn in (F.relu, F.relu6, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish,
-                  F.leaky_relu, F.hardtanh, F.hardswish, F.hardsigmoid, F.sigmoid, F.tanh,
-                  F.softplus, F.logsigmoid, F.threshold) or fn in _BINARY_OPERATORS or (
-                getattr(fn, "__module__", None) in ("torch", None)
-                and getattr(fn, "__name__", "") in _ELEMENTWISE_NAMES):
+        if _elementwise_function(fn):
             return self.elementwise(node, fn)
         if fn in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax):
             dim = _arg(node, 1, "dim", None)
@@ -1083,6 +1098,29 @@ class _Compiler:
 
 
 # ------------------------------------------------------------------ small helpers
+def _elementwise_function(fn: Any) -> bool:
+    """Whether the function or method name ``fn`` is an element-wise operation."""
+    if isinstance(fn, str):
+        return fn in _ELEMENTWISE_NAMES or fn.rstrip("_") in _ELEMENTWISE_NAMES
+    return fn in _ELEMENTWISE_F or fn in _BINARY_OPERATORS or (
+        getattr(fn, "__module__", None) in ("torch", None)
+        and getattr(fn, "__name__", "") in _ELEMENTWISE_NAMES)
+
+
+def _runs_on_blocks(gm: GraphModule) -> Callable[[Node], bool]:
+    """Whether the compiler runs a node of ``gm`` on blocks of any split, as it is."""
+    def test(node: Node) -> bool:
+        if node.op == "call_module":
+            m = gm.get_submodule(node.target)
+            return isinstance(m, _ELEMENTWISE_MODULES) and not (
+                isinstance(m, nn.PReLU) and m.num_parameters > 1)
+        if node.op in ("call_function", "call_method"):
+            return _elementwise_function(node.target)
+        return False
+
+    return test
+
+
 def getattr_path(obj: Any, target: str) -> Any:
     """``obj.a.b.c`` for ``target`` 'a.b.c'."""
     for part in target.split("."):
@@ -1194,16 +1232,11 @@ def _watch_optimizers() -> None:
 # ------------------------------------------------------------------ parallelize
 def _input_distribution(shape: tuple[int, ...], layout: Any, comm: MPI.Intracomm
                         ) -> Distribution:
-    if isinstance(layout, str):
-        if layout == "auto":
-            raise NotImplementedError("parallelize: layout='auto' (a plan by the planner) is "
-                                      "not available yet; give a grid shape over the input's "
-                                      "dimensions, e.g. (1, 1, 2, 1)")
-        raise ValueError(f"parallelize: layout must be 'auto' or a grid shape, got {layout!r}")
     if not isinstance(layout, Sequence) or not all(
             isinstance(g, int) and not isinstance(g, bool) for g in layout):
-        raise TypeError(f"parallelize: layout must be 'auto' or a grid shape (a tuple of "
-                        f"ints, one per input dimension), got {layout!r}")
+        raise TypeError(f"parallelize: layout must be 'auto', a Plan, a plan's JSON file or "
+                        f"a grid shape (a tuple of ints, one per input dimension), got "
+                        f"{layout!r}")
     layout = tuple(layout)
     if len(layout) != len(shape):
         raise ValueError(f"parallelize: the grid shape {layout} has {len(layout)} entries, "
@@ -1233,15 +1266,26 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         The model; its forward takes one tensor of ``example_input_shape``.
     example_input_shape : sequence of int
         The global input shape, ``(N, C, *spatial)``, the parallel model runs on.
-    layout : 'auto' or sequence of int
-        A grid shape over the input's dimensions (``(1, 1, 2, 1)`` splits H of
-        (N, C, H, W) in two): dimension ``d`` split by grid axis ``d``, each
-        layer following where its input lies. ``'auto'`` (the planner's
-        choice) is not available yet.
+    layout : 'auto', Plan, path or sequence of int
+        ``'auto'``: the planner (:mod:`disttensor_nn.plan`) chooses each
+        layer's input distribution for ``machine`` within
+        ``memory_per_rank`` (see :mod:`disttensor_nn.torch.autoplan`), and
+        the input is redistributed between layers whose layouts differ; the
+        plan is :attr:`ParallelModule.plan`. A :class:`~disttensor_nn.plan.Plan`
+        (or the path of its JSON, ``Plan.to_json``) made so for this model,
+        input shape and rank count: applied as it is. A grid shape over the
+        input's dimensions (``(1, 1, 2, 1)`` splits H of (N, C, H, W) in
+        two): dimension ``d`` split by grid axis ``d``, each layer following
+        where its input lies.
     memory_per_rank : int, optional
-        The memory budget of one rank, in bytes, for ``layout='auto'``.
-    machine : optional
-        The machine model for ``layout='auto'``.
+        The memory budget of one rank, in bytes, for ``layout='auto'``
+        (default: the machine profile's memory per rank).
+    machine : str, optional
+        The machine profile for ``layout='auto'``: a built-in profile's name
+        (:func:`disttensor_nn.plan.builtin_profiles`, no kernel timed) or a
+        profile's JSON file; default ``'this'``, this machine's calibrated
+        profile, on which the layers' kernels are timed with the torch
+        kernels on all ranks at once.
     comm : MPI.Intracomm, optional
         The ranks (``MPI.COMM_WORLD`` by default).
 
@@ -1261,10 +1305,17 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     ValueError
         For an input shape the model does not accept, a grid that does not
         hold the ranks, an operation on a split dimension that parallelize
-        cannot split (naming the node and the dimension), or a parameter
-        shared by layers whose inputs are split differently.
+        cannot split (naming the node and the dimension), a parameter
+        shared by layers whose inputs are split differently, a memory
+        budget no plan fits, or a plan made for another model, input shape
+        or rank count.
+    NotImplementedError
+        With ``layout='auto'``, for a graph the planner cannot describe
+        (naming the node): a merge of more than two tensors, a ``torch.cat``
+        along other than the channels, several outputs.
 
-    All are raised on every rank alike, before any message.
+    All are raised on every rank alike, before any message (on a measured
+    machine profile, after the kernels are timed on all ranks together).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(model, nn.Module):
@@ -1277,7 +1328,6 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     except (TypeError, ValueError):
         raise TypeError(f"parallelize: example_input_shape must be a sequence of ints, "
                         f"got {example_input_shape!r}") from None
-    del memory_per_rank, machine  # for layout='auto'
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses
@@ -1308,7 +1358,12 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     finally:
         for m, training in modes.items():
             m.training = training
-    input_dist = _input_distribution(shape, layout, comm)
+    plan = None
+    if is_plan_layout(layout):  # the planner's layouts, a relayout node before each layer
+        plan, input_dist = plan_layouts(gm, shape, dtype, layout, memory_per_rank, machine,
+                                        comm, _runs_on_blocks(gm))
+    else:
+        input_dist = _input_distribution(shape, layout, comm)
     compiler = _Compiler(gm, model, input_dist.grid)
     steps: list[tuple[Node, Step]] = []
     for node in gm.graph.nodes:
@@ -1332,5 +1387,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             module._parameters[name] = fresh[id(p)]
     comms = {id(fresh[i]): split_axes_comm(dist)
              for i, (_, dist, _) in compiler.param_keys.items()}
-    return ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms,
-                          compiler.view)
+    pm = ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms,
+                        compiler.view)
+    pm.plan = plan
+    return pm

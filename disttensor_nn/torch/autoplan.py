@@ -1,0 +1,657 @@
+"""The planner for traced PyTorch models: ``parallelize(model, shape, layout="auto")``.
+
+A traced, shape-propagated graph is described to the project's planner
+(:mod:`disttensor_nn.plan`) as the planner's own kind of network: a
+:class:`~disttensor_nn.Sequential` chain of layers, with a
+:class:`~disttensor_nn.Residual` block for each merge of two paths (``+``
+of a residual connection, ``torch.cat`` of a skip connection). Each traced
+operation is stood for by the built-in layer that does the same work, made
+from the module's attributes (a convolution's kernel, stride, padding,
+dilation and groups, a pool's window, a norm's features), so its cost spec,
+kernel signature and twin are that layer's; an operation without one is a
+:class:`TracedOp`, whose cost spec streams its block and prices the moves
+the runtime makes for it. The planner chooses each layer's input
+distribution; :func:`plan_layouts` turns the plan into a
+:class:`~disttensor.Distribution` per layer on grids of the ranks, and
+the compiler of :mod:`disttensor_nn.torch.parallel` redistributes where
+consecutive layers' layouts differ.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_aggregate
+
+from disttensor import Distribution, ProcessGrid
+
+from ..container import Residual, Sequential
+from ..costspec import Allreduce, CostSpec, largest_block
+from ..layers.conv import Conv1d, Conv2d, Conv3d
+from ..layers.dense import Linear
+from ..layers.dropout import Dropout
+from ..layers.elementwise import LeakyReLU, ReLU, Sigmoid
+from ..layers.groupnorm import GroupNorm
+from ..layers.merge import Concat
+from ..layers.norm import BatchNorm1d, BatchNorm2d, BatchNorm3d
+from ..layers.pool import (
+    AvgPool1d,
+    AvgPool2d,
+    AvgPool3d,
+    GlobalAvgPool,
+    MaxPool1d,
+    MaxPool2d,
+    MaxPool3d,
+)
+from ..layers.transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
+from ..layers.upsample import Upsample
+from ..module import Layer, Parameter
+from ..plan import Plan, load_profile, make_plan
+from ..plan.costmodel import dist_for
+from ..plan.planner import leaf_nodes, trace
+from ..window import WindowSpec
+
+__all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout"]
+
+#: The key of a relayout node's ``meta`` that holds the Distribution it moves its input to.
+LAYOUT_KEY = "disttensor_layout"
+
+_CONV = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
+_CONV_T = {nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d,
+           nn.ConvTranspose3d: ConvTranspose3d}
+_POOL = {nn.MaxPool1d: MaxPool1d, nn.MaxPool2d: MaxPool2d, nn.MaxPool3d: MaxPool3d,
+         nn.AvgPool1d: AvgPool1d, nn.AvgPool2d: AvgPool2d, nn.AvgPool3d: AvgPool3d}
+_AVG = (AvgPool1d, AvgPool2d, AvgPool3d)
+_ADAPTIVE = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+_ADAPTIVE_F = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+_BATCHNORM = {nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d,
+              nn.BatchNorm3d: BatchNorm3d}
+_LINEAR_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic")
+_RESHAPES = frozenset(("view", "reshape", "flatten"))
+_ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
+                        "softmin"))
+
+
+def relayout(x: Any) -> Any:
+    """The target of a node that moves its input to the layout in ``meta[LAYOUT_KEY]``.
+
+    Never run: the compiler turns such a node into a redistribution, or
+    nothing where the input is laid out so already.
+    """
+    return x
+
+
+class TracedOp(Layer):
+    """The planner's view of a traced operation that no built-in layer does.
+
+    Its work is not timed: forward and backward each read and write the
+    block once. Where the runtime makes dimensions of its input whole first
+    (an operation along them, one it runs only on whole arrays), the cost
+    spec has that redistribution; where it sums over split dimensions, that
+    allreduce. The module's parameters count in the plan's memory.
+
+    Parameters
+    ----------
+    name : str
+        What the operation is (the plan table's layer column).
+    out_shape : tuple of int
+        Its output's global shape.
+    whole : sequence of int
+        Dimensions of the input the runtime makes whole first.
+    reduced : sequence of int
+        Dimensions of the input it sums over (an allreduce where they are split).
+    params : sequence of tuple
+        Shapes of the module's parameters.
+    dtype : numpy dtype
+        The parameters' dtype.
+    """
+
+    def __init__(self, name: str, out_shape: tuple[int, ...], whole: Sequence[int] = (),
+                 reduced: Sequence[int] = (), params: Sequence[tuple[int, ...]] = (),
+                 dtype: Any = np.float32):
+        self.name = name
+        self.out_shape = tuple(out_shape)
+        self.whole = tuple(sorted(set(whole)))
+        self.reduced = tuple(sorted(set(reduced)))
+        for i, shape in enumerate(params):
+            setattr(self, f"p{i}", Parameter(np.zeros(shape, dtype)))
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return self.out_shape
+
+    def kernel_signature(self) -> str:
+        return f"traced:{self.name}"
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        """Not timed: each pass streams the block; the moves and sums the runtime makes."""
+        block = largest_block(dist)
+        moves: tuple[Distribution, ...] = ()
+        if any(dist.nblocks[d] > 1 for d in self.whole if d < dist.ndim):
+            axes = [None if d in self.whole else a for d, a in enumerate(dist.axes)]
+            target = Distribution(dist.global_shape, dist.grid_shape, axes)  # replicas
+            moves = (target,)
+            block = largest_block(target)
+        sums = ()
+        split = tuple(d for d in self.reduced if d < dist.ndim and dist.nblocks[d] > 1)
+        if split:
+            out = math.prod(b for d, b in enumerate(block) if d not in self.reduced)
+            sums = (Allreduce(out * itemsize, split),)
+        params = sum(math.prod(p.shape) for p in self.own_parameters())
+        if params:
+            sums += (Allreduce(params * 8, tuple(range(dist.ndim)), gradient=True),)
+        return CostSpec(block, nbytes=2 * math.prod(block) * itemsize, timed=False,
+                        redistributions=moves, allreduces=sums, keeps_input=True)
+
+    def __repr__(self) -> str:
+        return f"TracedOp({self.name})"
+
+
+class _GlobalMean(GlobalAvgPool):
+    """:class:`GlobalAvgPool` whose output keeps the spatial dimensions (of length 1)."""
+
+    def __init__(self, out_shape: tuple[int, ...]):
+        self.out_shape = tuple(out_shape)
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return self.out_shape
+
+
+@dataclass
+class _Leaf:
+    """One planned operation: its node, the node of its input, the layer standing for it,
+    and the dimensions of its input the runtime needs whole."""
+
+    node: Node
+    source: Node
+    layer: Layer
+    whole: tuple[int, ...]
+    name: str
+    kind: str
+
+
+# ------------------------------------------------------------------ the graph
+def _fail(node: Node | None, why: str) -> None:
+    where = f"node '{node.name}': " if node is not None else ""
+    raise NotImplementedError(f"parallelize(layout='auto'): {where}{why}; give a grid shape "
+                              "as the layout instead")
+
+
+def _shape(node: Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _inputs(node: Node) -> list[Node]:
+    out: list[Node] = []
+    map_aggregate((node.args, node.kwargs),
+                  lambda a: out.append(a) if isinstance(a, Node) and a not in out else None)
+    return out
+
+
+class _Graph:
+    """The tensors that depend on the input, their producers and the immediate dominators."""
+
+    def __init__(self, gm: GraphModule):
+        nodes = list(gm.graph.nodes)
+        places = [n for n in nodes if n.op == "placeholder"]
+        self.source = places[0]
+        self.data: dict[Node, list[Node]] = {self.source: []}
+        for n in nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            preds = [a for a in _inputs(n) if a in self.data]
+            if preds and _shape(n) is not None:
+                self.data[n] = preds
+        out = [n for n in nodes if n.op == "output"][0]
+        results = [a for a in _inputs(out) if a in self.data]
+        if len(results) != 1 or _shape(results[0]) is None or \
+                not isinstance(out.args[0], Node):
+            _fail(None, "the planner plans models that return one tensor")
+        self.result = results[0]
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.idom: dict[Node, Node | None] = {self.source: None}
+        self.depth = {self.source: 0}
+        for n, preds in self.data.items():
+            if n is self.source:
+                continue
+            d = preds[0]
+            for p in preds[1:]:
+                d = self._common(d, p)
+            self.idom[n] = d
+            self.depth[n] = self.depth[d] + 1
+
+    def _common(self, a: Node, b: Node) -> Node:
+        while a is not b:
+            if self.depth[a] >= self.depth[b]:
+                a = self.idom[a]
+            else:
+                b = self.idom[b]
+        return a
+
+
+# ------------------------------------------------------------------ layers
+def _np_dtype(dtype: torch.dtype) -> Any:
+    return {torch.float64: np.float64, torch.float16: np.float16}.get(dtype, np.float32)
+
+
+def _index_dims(index: Any, ndim: int) -> list[int] | None:
+    """The dimensions ``x[index]`` narrows (None: not slices and ints alone)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) > ndim or not all(isinstance(i, (slice, int)) and not isinstance(i, bool)
+                                    for i in index):
+        return None
+    return [d for d, i in enumerate(index) if i != slice(None)]
+
+
+def _arg(node: Node, index: int, name: str, default: Any) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+def _dims(dim: Any, ndim: int) -> list[int]:
+    if dim is None:
+        return list(range(ndim))
+    return sorted({int(d) % ndim for d in (dim if isinstance(dim, (tuple, list)) else [dim])})
+
+
+class _Mirror:
+    """Builds the planner's network for a traced graph (see the module's notes)."""
+
+    def __init__(self, gm: GraphModule, dtype: torch.dtype,
+                 elementwise: Callable[[Node], bool]):
+        self.gm = gm
+        self.graph = _Graph(gm)
+        self.dtype = _np_dtype(dtype)
+        self.elementwise = elementwise
+        self.leaves: list[_Leaf] = []
+        self.names: set[str] = set()
+
+    # ------------------------------------------------------------ structure
+    def chain(self, start: Node, end: Node) -> list[Any]:
+        """The items from ``start``'s value (excluded) to ``end``'s (included)."""
+        items: list[Any] = []
+        cur = end
+        while cur is not start:
+            preds = self.graph.data[cur]
+            if cur is self.graph.source:  # pragma: no cover - start dominates end
+                _fail(end, "the graph is not a chain of blocks")
+            if len(preds) == 1:
+                items.append(cur)
+                cur = preds[0]
+                continue
+            fork = self.graph.idom[cur]
+            items.append(("merge", cur, fork))
+            cur = fork
+        return items[::-1]
+
+    def build(self, start: Node, end: Node) -> Sequential:
+        layers: list[Layer] = []
+        for item in self.chain(start, end):
+            if isinstance(item, tuple):
+                layers.append(self.merge(item[1], item[2]))
+            else:
+                layers.append(self.leaf(item))
+        return Sequential(*layers)
+
+    def merge(self, node: Node, fork: Node) -> Residual:
+        preds = self.graph.data[node]
+        if len(preds) != 2:
+            _fail(node, f"it joins {len(preds)} tensors; the planner plans merges of two "
+                        "(a residual '+' or a skip connection's torch.cat)")
+        shape = _shape(node)
+        first, second = self._operands(node, preds)
+        if node.op == "call_function" and node.target in (torch.cat, torch.concat):
+            if _arg(node, 1, "dim", 0) % len(shape) != 1:
+                _fail(node, "torch.cat joins a skip connection along the channels only")
+            merge: Any = Concat(1)
+        else:
+            if not self.elementwise(node) or _shape(first) != shape or \
+                    _shape(second) != shape:
+                _fail(node, "it joins two tensors other than element-wise, shape for shape")
+            merge = None
+        branch = self.build(fork, first)
+        shortcut = self.build(fork, second) if second is not fork else None
+        return Residual(branch, shortcut, merge=merge)
+
+    def _operands(self, node: Node, preds: list[Node]) -> tuple[Node, Node]:
+        """The two tensors in the order the operation takes them."""
+        if node.op == "call_function" and node.target in (torch.cat, torch.concat):
+            order = [a for a in node.args[0] if isinstance(a, Node)]
+            if len(order) != 2:
+                _fail(node, "torch.cat of a skip connection joins two tensors")
+            return order[0], order[1]
+        ordered = [a for a in _inputs(node) if a in preds]
+        return ordered[0], ordered[1]
+
+    # ------------------------------------------------------------ leaves
+    def leaf(self, node: Node) -> Layer:
+        source = self.graph.data[node][0]
+        in_shape, out = _shape(source), _shape(node)
+        layer, whole, kind = self.layer_for(node, in_shape, out)
+        try:
+            ok = tuple(layer.output_shape(in_shape)) == out
+            layer.cost_spec(dist_for(in_shape, (1,) * max(len(in_shape) - 1, 1)), 8)
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:  # the built-in layer does not take it as PyTorch does: a traced op
+            layer = TracedOp(kind, out, whole, params=self.params(node), dtype=self.dtype)
+        # a module called again is named by its node ('pool_1'), as torch.fx names it
+        name = node.target if node.op == "call_module" and node.target not in self.names \
+            else node.name
+        self.names.add(str(name))
+        self.leaves.append(_Leaf(node, source, layer, tuple(whole), str(name), kind))
+        return layer
+
+    def params(self, node: Node) -> list[tuple[int, ...]]:
+        shapes = []
+        if node.op == "call_module":
+            shapes += [tuple(p.shape) for p in self.gm.get_submodule(node.target).parameters()]
+        for a in _inputs(node):
+            if a.op == "get_attr" and _shape(a) is not None:
+                shapes.append(_shape(a))
+        return shapes
+
+    def traced(self, kind: str, out: tuple[int, ...], node: Node, whole: Sequence[int] = (),
+               reduced: Sequence[int] = ()) -> tuple[Layer, list[int], str]:
+        return TracedOp(kind, out, whole, reduced, self.params(node), self.dtype), \
+            list(whole), kind
+
+    def layer_for(self, node: Node, shape: tuple[int, ...], out: tuple[int, ...]
+                  ) -> tuple[Layer, list[int], str]:
+        """The layer standing for ``node``, the dimensions its input needs whole, its name."""
+        nd = len(shape) - 2
+        dt = self.dtype
+        if node.op == "call_module":
+            m = self.gm.get_submodule(node.target)
+            kind = type(m).__name__
+            if type(m) in _CONV:
+                return _CONV[type(m)](m.in_channels, m.out_channels, m.kernel_size, m.stride,
+                                      m.padding, m.dilation, m.groups, m.bias is not None,
+                                      m.padding_mode, dtype=dt), [], kind
+            if type(m) in _CONV_T:
+                return _CONV_T[type(m)](m.in_channels, m.out_channels, m.kernel_size,
+                                        m.stride, m.padding, m.output_padding, m.groups,
+                                        m.bias is not None, m.dilation, dtype=dt), [], kind
+            if type(m) in _POOL:
+                return self.pool(_POOL[type(m)], m, shape, out), [], kind
+            if isinstance(m, _ADAPTIVE):
+                return self.adaptive(node, shape, out, kind)
+            if type(m) in _BATCHNORM:
+                return _BATCHNORM[type(m)](m.num_features, m.eps, m.momentum or 0.1,
+                                           m.affine, m.track_running_stats, dtype=dt), [], kind
+            if isinstance(m, nn.GroupNorm):
+                return GroupNorm(m.num_groups, m.num_channels, m.eps, m.affine,
+                                 dtype=dt), [], kind
+            if isinstance(m, nn.LayerNorm):
+                return self.traced(kind, out, node, range(nd + 2 - len(m.normalized_shape),
+                                                          nd + 2))
+            if isinstance(m, nn.Upsample):
+                return self.upsample(node, shape, out, m.mode, m.align_corners, kind)
+            if type(m) is nn.Dropout and 0 <= m.p < 1:
+                return Dropout(m.p), [], kind
+            if isinstance(m, nn.Flatten):
+                return self.traced(kind, out, node, range(m.start_dim % len(shape), len(shape)))
+            if isinstance(m, nn.Linear) and len(shape) == 2:
+                return Linear(m.in_features, m.out_features, m.bias is not None,
+                              dtype=dt), [], kind
+            if isinstance(m, nn.Linear):
+                return self.traced(kind, out, node, [len(shape) - 1])
+            if isinstance(m, (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
+                return self.traced(kind, out, node, [(m.dim if m.dim is not None else 1)
+                                                     % len(shape)])
+            if type(m) is nn.ReLU:
+                return ReLU(), [], kind
+            if type(m) is nn.LeakyReLU:
+                return LeakyReLU(m.negative_slope), [], kind
+            if type(m) is nn.Sigmoid:
+                return Sigmoid(), [], kind
+            if isinstance(m, nn.PReLU) and m.num_parameters > 1:
+                return self.traced(kind, out, node, [1])
+            if self.elementwise(node):
+                return self.traced(kind, out, node)
+            return self.traced(kind, out, node, range(len(shape)))
+        fn = node.target
+        kind = fn if isinstance(fn, str) else getattr(fn, "__name__", str(fn))
+        if fn in (F.relu, torch.relu):
+            return ReLU(), [], kind
+        if fn in (torch.sigmoid, F.sigmoid):
+            return Sigmoid(), [], kind
+        if fn is F.interpolate:
+            return self.upsample(node, shape, out, _arg(node, 3, "mode", "nearest"),
+                                 _arg(node, 4, "align_corners", None), kind)
+        if fn is F.dropout:
+            p = _arg(node, 1, "p", 0.5)
+            if isinstance(p, float) and 0 <= p < 1:
+                return Dropout(p), [], kind
+        if fn in _ADAPTIVE_F:
+            return self.adaptive(node, shape, out, kind)
+        if fn is torch.flatten or (node.op == "call_method" and fn in _RESHAPES):
+            p = 0
+            while p < min(len(out), len(shape)) and out[p] == shape[p]:
+                p += 1
+            return self.traced(kind, out, node, range(p, len(shape)))
+        if fn in (torch.mean, torch.sum) or (node.op == "call_method" and fn in ("mean", "sum")):
+            dims = _dims(_arg(node, 1, "dim", None), len(shape))
+            if kind == "mean" and dims == list(range(2, len(shape))) and len(shape) > 2:
+                return (_GlobalMean(out) if len(out) == len(shape) else GlobalAvgPool()), \
+                    [], kind
+            return self.traced(kind, out, node, reduced=dims)
+        if fn is operator.getitem:
+            dims = _index_dims(node.args[1], len(shape))
+            return self.traced(kind, out, node, range(len(shape)) if dims is None else dims)
+        if (node.op == "call_method" and fn == "permute") or self.elementwise(node):
+            return self.traced(kind, out, node)
+        if fn in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax) or \
+                kind in _ALONG_DIM:
+            dim = _arg(node, 1, "dim", None)
+            if isinstance(dim, int) and out == shape:
+                return self.traced(kind, out, node, [dim % len(shape)])
+        return self.traced(kind, out, node, range(len(shape)))
+
+    def pool(self, cls: type, m: nn.Module, shape: tuple[int, ...], out: tuple[int, ...]
+             ) -> Layer:
+        """The built-in pool, with the extra padding after that ``ceil_mode`` means."""
+        nd = len(shape) - 2
+        stride = m.stride if m.stride is not None else m.kernel_size
+        dilation = getattr(m, "dilation", 1)
+        spec = WindowSpec.make(nd, m.kernel_size, stride, m.padding, dilation)
+        pads = list(spec.padding)
+        for i in range(nd):
+            extra = (out[2 + i] - spec.out_length(i, shape[2 + i])) * spec.stride[i]
+            pads[i] = (pads[i][0], pads[i][1] + max(0, extra))
+        if cls in _AVG:
+            return cls(spec.kernel, spec.stride, tuple(pads))
+        return cls(spec.kernel, spec.stride, tuple(pads), spec.dilation)
+
+    def adaptive(self, node: Node, shape: tuple[int, ...], out: tuple[int, ...], kind: str
+                 ) -> tuple[Layer, list[int], str]:
+        nd = len(shape) - 2
+        ins, outs = shape[2:], out[2:]
+        if all(o == 1 for o in outs):
+            return _GlobalMean(out), [], kind
+        if all(o and n % o == 0 for n, o in zip(ins, outs)):
+            k = tuple(n // o for n, o in zip(ins, outs))
+            return (AvgPool1d, AvgPool2d, AvgPool3d)[nd - 1](k, k), [], kind
+        return self.traced(kind, out, node, range(2, 2 + nd))
+
+    def upsample(self, node: Node, shape: tuple[int, ...], out: tuple[int, ...], mode: str,
+                 align_corners: Any, kind: str) -> tuple[Layer, list[int], str]:
+        nd = len(shape) - 2
+        uneven = [2 + i for i in range(nd) if out[2 + i] % shape[2 + i]]
+        if mode not in _LINEAR_MODES or align_corners:
+            return self.traced(kind, out, node, range(2, 2 + nd))
+        if uneven:
+            return self.traced(kind, out, node, uneven)
+        try:
+            return Upsample(size=tuple(out[2:]), mode=mode), [], kind
+        except ValueError:  # a mode the built-in layer has not: its halo, untimed
+            return self.traced(kind, out, node)
+
+
+# ------------------------------------------------------------------ the plan
+def _same_entries(plan: Plan, leaves: list[_Leaf], shape: tuple[int, ...], nprocs: int
+                  ) -> str | None:
+    """Why ``plan`` is not a plan of this model (None where it is)."""
+    if tuple(plan.batch_shape) != tuple(shape):
+        return f"it is for the input shape {tuple(plan.batch_shape)}, not {tuple(shape)}"
+    if plan.nprocs != nprocs:
+        return f"it is for {plan.nprocs} ranks, not {nprocs}"
+    if len(plan.entries) != len(leaves):
+        return f"it has {len(plan.entries)} layers, the model {len(leaves)}"
+    for e, leaf in zip(plan.entries, leaves):
+        if (e.name, e.layer, tuple(e.in_shape)) != (leaf.name, leaf.kind,
+                                                    tuple(_shape(leaf.source))):
+            return (f"its layer '{e.name}' ({e.layer}, input {tuple(e.in_shape)}) is the "
+                    f"model's '{leaf.name}' ({leaf.kind}, input {_shape(leaf.source)})")
+    return None
+
+
+def _given_plan(layout: Any) -> Plan | None:
+    """The plan ``layout`` names (a Plan, or the path of its JSON), or None for 'auto'."""
+    if isinstance(layout, Plan):
+        return layout
+    if isinstance(layout, str) and layout == "auto":
+        return None
+    path = Path(layout)
+    if not path.is_file():
+        raise ValueError(f"parallelize: layout must be 'auto', a Plan, a plan's JSON file or "
+                         f"a grid shape; there is no file {str(layout)!r}")
+    try:
+        return Plan.from_json(path.read_text())
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"parallelize: {str(layout)!r} is not a plan's JSON ({err})") from None
+
+
+def is_plan_layout(layout: Any) -> bool:
+    """Whether ``layout`` asks for a plan: 'auto', a Plan, or a path (not a grid shape)."""
+    return isinstance(layout, (str, os.PathLike, Plan))
+
+
+def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, layout: Any,
+                 memory_per_rank: float | None, machine: Any, comm: MPI.Intracomm,
+                 elementwise: Callable[[Node], bool]) -> tuple[Plan, Distribution]:
+    """Plan the traced model (or check a given plan) and mark its graph with the layouts.
+
+    Before each planned operation a :func:`relayout` node is inserted on its
+    input, holding in ``meta[LAYOUT_KEY]`` the Distribution the plan gives
+    that input (the dimensions the operation needs whole left whole).
+    Everything is decided on every rank alike before the first message
+    (the grids' communicators are made last); on a measured machine profile
+    the kernels are timed on all ranks at once first (:func:`make_plan`).
+
+    Parameters
+    ----------
+    gm : GraphModule
+        The traced model, its shapes propagated (``meta['tensor_meta']``).
+    shape : tuple of int
+        The global input shape.
+    dtype : torch.dtype
+        The parameters' dtype (the activations' bytes per element).
+    layout : 'auto', Plan or path
+        Plan it, or the plan (or its JSON file) to apply.
+    memory_per_rank : float, optional
+        Bytes per rank the plan must fit (default: the profile's).
+    machine : str or None
+        A machine profile's name or JSON file (:func:`disttensor_nn.plan.load_profile`);
+        None: ``'this'``, this machine's calibrated profile.
+    comm : MPI.Intracomm
+        The ranks.
+    elementwise : callable
+        Whether the compiler runs a node on blocks of any split.
+
+    Returns
+    -------
+    plan : Plan
+        Its entries named by the model's modules (or nodes), one per operation.
+    input_dist : Distribution
+        The distribution of the model's input.
+
+    Raises
+    ------
+    NotImplementedError
+        For a graph the planner cannot describe (a merge of other than two
+        tensors, a cat along other than the channels, several outputs).
+    ValueError
+        When no plan fits the memory budget, or for a plan of another model,
+        input shape or rank count.
+    """
+    mirror = _Mirror(gm, dtype, elementwise)
+    network = mirror.build(mirror.graph.source, mirror.graph.result)
+    leaves = mirror.leaves
+    if not leaves:
+        _fail(None, "the model has no operation to plan")
+    nodes = leaf_nodes(trace(network, tuple(shape)))
+    order = {id(leaf.layer): leaf for leaf in leaves}
+    leaves = [order[id(n.layer)] for n in nodes]  # the planner's order
+    if len({leaf.node for leaf in leaves}) != len(leaves) or len(leaves) != sum(
+            1 for n in mirror.graph.data if n is not mirror.graph.source
+            and not _is_merge(mirror.graph, n) and _reaches(mirror.graph, n)):
+        _fail(None, "its graph is not a chain of layers with residual and skip connections")
+    plan = _given_plan(layout)
+    nprocs = comm.Get_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if plan is None:
+        name = "this" if machine is None else machine
+        profile = load_profile(name)
+        try:
+            plan, _ = make_plan(network, tuple(shape), nprocs, name, memory_per_rank,
+                                itemsize=itemsize, comm=comm if profile.measured else None,
+                                kernels="torch")
+        except ValueError as err:
+            raise ValueError(f"parallelize: {err}") from None
+        plan = replace(plan, entries=[replace(e, name=leaf.name, layer=leaf.kind)
+                                      for e, leaf in zip(plan.entries, leaves)])
+    else:
+        why = _same_entries(plan, leaves, shape, nprocs)
+        if why is not None:
+            raise ValueError(f"parallelize: the plan was made for another model: {why}")
+    grids: dict[tuple[int, ...], ProcessGrid] = {}
+    input_dist = None
+    for leaf, entry in zip(leaves, plan.entries):
+        in_shape = _shape(leaf.source)
+        pure = dist_for(in_shape, tuple(entry.grid), entry.split_channels, inner=plan.inner)
+        axes = [None if d in leaf.whole or in_shape[d] <= 1 else a
+                for d, a in enumerate(pure.axes)]
+        if pure.grid_shape not in grids:
+            grids[pure.grid_shape] = ProcessGrid(pure.grid_shape, comm)
+        dist = Distribution(in_shape, grids[pure.grid_shape], axes)
+        with gm.graph.inserting_before(leaf.node):
+            move = gm.graph.call_function(relayout, (leaf.source,))
+        move.meta = {**leaf.source.meta, LAYOUT_KEY: dist}
+        leaf.node.replace_input_with(leaf.source, move)
+        if input_dist is None and leaf.source is mirror.graph.source:
+            input_dist = dist
+    if input_dist is None:  # the input goes to a merge first: the first layer's grid
+        grid = grids[dist_for(shape, tuple(plan.entries[0].grid), inner=plan.inner).grid_shape]
+        input_dist = Distribution(tuple(shape), grid, (None,) * len(shape))
+    return plan, input_dist
+
+
+def _is_merge(graph: _Graph, node: Node) -> bool:
+    return len(graph.data[node]) > 1
+
+
+def _reaches(graph: _Graph, node: Node) -> bool:
+    """Whether the model's result depends on ``node``."""
+    seen, todo = set(), [graph.result]
+    while todo:
+        n = todo.pop()
+        if n is node:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += graph.data.get(n, [])
+    return False

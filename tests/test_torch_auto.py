@@ -1,0 +1,241 @@
+"""``parallelize(model, shape, layout="auto")``: the planner's layouts against one process.
+
+Each model is deep-copied before it is parallelized; the copy runs on the global input in
+every rank's process, the parallel model on this rank's block, and the loss is the same on
+every rank, so the output and every parameter gradient of the parallel model must equal the
+copy's. Plans are made on a published machine profile, which times no kernel, so they are
+the same on every rank and in every run. Plans whose layers' layouts differ (given as a Plan
+and as its JSON file) check the redistributions between layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import disttensor as dt
+from disttensor.testing import collective_assert, collective_outcome
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402, N812  (after the skip)
+from torch import nn  # noqa: E402
+
+from disttensor_nn.plan import Plan  # noqa: E402
+from disttensor_nn.torch import gather, parallelize  # noqa: E402
+
+SIZES = [1, 2, 3]
+MACHINE = "v100-nvlink-edr"
+comm = MPI.COMM_WORLD
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------ models
+class SmallCNN(nn.Module):
+    """Convolutions, batch norm, ReLU, pooling, a residual '+', a flattened linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.act = nn.ReLU()
+        self.conv3 = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.bn1(self.conv1(x))))
+        x = x + self.act(self.conv2(x))
+        x = torch.relu(self.conv3(x))
+        return self.fc(torch.flatten(self.gap(x), 1))
+
+
+CNN_LAYERS = ["conv1", "bn1", "relu", "pool", "conv2", "act", "conv3", "relu_1", "gap",
+              "flatten", "fc"]
+
+
+def block(cin, cout):
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU())
+
+
+class SmallUNet(nn.Module):
+    """Two levels: max pooling down, a transposed convolution and interpolation up, cat skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1, self.enc2 = block(2, 4), block(4, 6)
+        self.pool = nn.MaxPool2d(2)
+        self.bottom = nn.Conv2d(6, 6, 3, padding=1)
+        self.up2 = nn.ConvTranspose2d(6, 6, 2, stride=2)
+        self.dec2 = block(12, 4)
+        self.dec1 = block(8, 4)
+        self.head = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(self.pool(e1))
+        b = self.bottom(self.pool(e2))
+        d2 = self.dec2(torch.cat([self.up2(b), e2], dim=1))
+        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
+        return self.head(self.dec1(torch.cat([up, e1], 1)))
+
+
+UNET_LAYERS = ["enc1.0", "enc1.1", "enc1.2", "pool", "enc2.0", "enc2.1", "enc2.2", "pool_1",
+               "bottom", "up2", "dec2.0", "dec2.1", "dec2.2", "interpolate", "dec1.0",
+               "dec1.1", "dec1.2", "head"]
+
+MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
+          "unet": (SmallUNet, (1, 2, 16, 12), UNET_LAYERS)}
+
+
+# ------------------------------------------------------------------ helpers
+def global_tensor(shape, seed, dtype):
+    return torch.tensor(np.random.default_rng(seed).standard_normal(shape), dtype=dtype)
+
+
+def rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
+
+
+def make(name, dtype):
+    cls, shape, layers = MODELS[name]
+    torch.manual_seed(3)
+    return cls().to(dtype), shape, layers
+
+
+def compare(model, shape, dtype, **kwargs):
+    """The parallel model against the copy in one process; what differs, as text."""
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, shape, machine=MACHINE, **kwargs)
+    x = global_tensor(shape, 1, dtype)
+    out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+    whole = gather(out.local, out.dist)
+    target = global_tensor(tuple(whole.shape), 2, dtype)
+    (whole * target).sum().backward()
+    yr = ref(x)
+    (yr * target).sum().backward()
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    bad = []
+    if rel(out.to_global(), yr) > tol:
+        bad.append(f"output {rel(out.to_global(), yr)}")
+    for (name, a), b in zip(pm.named_parameters(), ref.parameters()):
+        if a.grad is None or rel(a.grad, b.grad) > tol:
+            bad.append(f"grad {name}")
+    return pm, bad
+
+
+def mixed(plan):
+    """``plan`` with its layers' grids cycling through every split of one dimension."""
+    p = plan.nprocs
+    ndim = len(plan.entries[0].grid)
+    grids = [tuple(p if i == d else 1 for i in range(ndim)) for d in range(ndim)]
+    entries = [dataclasses.replace(e, grid=grids[(i + 1) % len(grids)])
+               for i, e in enumerate(plan.entries)]
+    return dataclasses.replace(plan, entries=entries)
+
+
+def outcome(fn):
+    _, exc = collective_outcome(fn)  # the same type and message on every rank
+    return exc
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_auto_equals_one_process_float64(name):
+    model, shape, layers = make(name, torch.float64)
+    pm, bad = compare(model, shape, torch.float64, layout="auto")
+    collective_assert(not bad, f"{name}: {bad}")
+    collective_assert([e.name for e in pm.plan.entries] == layers,
+                      [e.name for e in pm.plan.entries])
+    collective_assert(pm.plan.nprocs == comm.Get_size() and
+                      tuple(pm.plan.batch_shape) == shape, "plan")
+    table = pm.plan.table()
+    collective_assert("predicted time per iteration" in table and
+                      all(n in table for n in layers), table)
+    collective_assert(pm.input_dist.global_shape == shape, "input")
+
+
+@pytest.mark.parallel(SIZES)
+def test_auto_float32_cnn():
+    model, shape, _ = make("cnn", torch.float32)
+    _, bad = compare(model, shape, torch.float32)  # 'auto' is the default layout
+    collective_assert(not bad, bad)
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_plan_whose_layouts_differ_between_layers(name, tmp_path):
+    model, shape, _ = make(name, torch.float64)
+    plan = mixed(parallelize(copy.deepcopy(model), shape, machine=MACHINE).plan)
+    pm, bad = compare(copy.deepcopy(model), shape, torch.float64, layout=plan)
+    collective_assert(not bad, f"{name}: {bad}")
+    collective_assert(pm.plan is plan, "the plan given")
+    path = tmp_path / f"plan{comm.Get_rank()}.json"
+    path.write_text(plan.to_json())
+    pm, bad = compare(model, shape, torch.float64, layout=str(path))
+    collective_assert(not bad, f"{name} from JSON: {bad}")
+    collective_assert(pm.plan == Plan.from_json(plan.to_json()), "the plan read")
+
+
+@pytest.mark.parallel([2, 3])
+def test_a_memory_budget_is_honoured():
+    model, shape, _ = make("unet", torch.float64)
+    free = parallelize(copy.deepcopy(model), shape, machine=MACHINE).plan
+    budget = 0.8 * free.peak_memory  # the fastest plan does not fit
+    pm, bad = compare(model, shape, torch.float64, memory_per_rank=budget)
+    collective_assert(not bad, bad)
+    collective_assert(pm.plan.peak_memory <= budget < free.peak_memory and
+                      pm.plan.memory_budget == budget, pm.plan.table())
+    collective_assert(any(e.grid != f.grid for e, f in zip(pm.plan.entries, free.entries)),
+                      pm.plan.table())
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_budget_no_plan_fits_is_refused_alike():
+    model, shape, _ = make("cnn", torch.float64)
+    before = list(model.parameters())
+    exc = outcome(lambda: parallelize(model, shape, "auto", memory_per_rank=4096,
+                                      machine=MACHINE))
+    collective_assert(isinstance(exc, ValueError) and "fits 0 MiB per rank" in str(exc),
+                      repr(exc))
+    collective_assert(all(a is b for a, b in zip(before, model.parameters())), "converted")
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_plan_of_another_model_is_refused_alike():
+    cnn, shape, _ = make("cnn", torch.float64)
+    plan = parallelize(copy.deepcopy(cnn), shape, machine=MACHINE).plan
+    unet, ushape, _ = make("unet", torch.float64)
+    before = list(unet.parameters())
+    exc = outcome(lambda: parallelize(unet, ushape, plan))
+    collective_assert(isinstance(exc, ValueError) and "another model" in str(exc), repr(exc))
+    collective_assert(all(a is b for a, b in zip(before, unet.parameters())), "converted")
+    other = (8,) + shape[1:]
+    exc = outcome(lambda: parallelize(copy.deepcopy(cnn), other, plan))
+    collective_assert(isinstance(exc, ValueError) and "input shape" in str(exc), repr(exc))
+    exc = outcome(lambda: parallelize(copy.deepcopy(cnn), shape, "no-such-plan.json"))
+    collective_assert(isinstance(exc, ValueError) and "no file" in str(exc), repr(exc))
+
+
+class ThreeWay(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x), x], 1)
+
+
+@pytest.mark.parallel([1, 2])
+def test_a_graph_the_planner_cannot_describe_is_refused_alike():
+    exc = outcome(lambda: parallelize(ThreeWay(), (2, 2, 8, 8), "auto", machine=MACHINE))
+    collective_assert(isinstance(exc, NotImplementedError) and "'cat'" in str(exc) and
+                      "grid shape" in str(exc), repr(exc))
