@@ -14,6 +14,10 @@ every rank and change nothing.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -23,8 +27,18 @@ import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import collective_assert, collective_outcome
 from disttensor_nn.module import reduce_gradients_, shard_counts, shard_range
-from disttensor_nn.optim import SGD, Adam, AdamW, clip_grad_norm_, shard_state
+from disttensor_nn.optim import (
+    BUILT_STAGES,
+    SGD,
+    STAGES,
+    Adam,
+    AdamW,
+    clip_grad_norm_,
+    shard_state,
+)
 from disttensor_nn.plan import CostModel, MachineProfile
+from disttensor_nn.training import TrainConfig, build_model, load_checkpoint, train
+from disttensor_nn.training.driver import SetupError
 
 comm = MPI.COMM_WORLD
 SIZES = [1, 2, 3, 4]
@@ -236,3 +250,185 @@ def test_the_memory_model_counts_the_sharded_state_per_rank():
         assert mem("full") == pytest.approx((2 + slots) * total / nprocs + 2 * big)
     with pytest.raises(ValueError, match="unknown shard_state 'zero'"):
         CostModel(prof, 2, shard_state="zero")
+
+
+# --------------------------------------------------------------------------- the training driver
+V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
+CLI = ["mesh-demo", "--machine", V100, "--no-progress", "--size", "64x64", "--batch", "4",
+       "--samples", "8"]
+SHARDED = [s for s in BUILT_STAGES if s != "none"]
+
+
+def shared_dir(c: MPI.Comm = comm) -> str:
+    path = tempfile.mkdtemp(prefix="dt-shard-") if c.rank == 0 else None
+    return c.bcast(path, root=0)
+
+
+def checkpoint_weights(path: str) -> list[np.ndarray]:
+    """The parameters a checkpoint holds, read on this rank alone."""
+    model, _ = build_model("mesh-demo", (64, 64), 4)
+    load_checkpoint(path, model, comm=MPI.COMM_SELF)
+    return [np.array(p.full()) for p in model.parameters()]
+
+
+def cli_run(capsys, tmp: str, name: str, *argv: str) -> tuple[dict, list[np.ndarray], str]:
+    """``disttensor-train`` with ``argv``: its summary, final weights and rank 0's output."""
+    from disttensor_nn.training.cli import train_main
+
+    prefix, ck = os.path.join(tmp, name), os.path.join(tmp, name + "-ck")
+    assert train_main(CLI + ["--metrics", prefix, "--checkpoint", ck, *argv]) == 0
+    out = capsys.readouterr().out
+    comm.Barrier()  # rank 0 writes the metrics after training
+    with open(prefix + ".json") as f:
+        summary = json.load(f)["summary"]
+    return summary, checkpoint_weights(ck), out
+
+
+def assert_same_training(a: tuple, b: tuple, what: str, rtol: float = 1e-5) -> None:
+    (sa, wa, _), (sb, wb, _) = a, b
+    la, lb = np.array(sa["history"]), np.array(sb["history"])
+    errs = [float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)) for x, y in zip(wa, wb)]
+    collective_assert(len(la) == len(lb) and np.allclose(la, lb, rtol=rtol, atol=0),
+                      f"{what}: losses {la} vs {lb}")
+    collective_assert(max(errs) <= rtol, f"{what}: weights differ by {max(errs)} (relative)")
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_command_line_trains_alike_at_each_stage(capsys, optimizer):
+    """--shard-state: the same losses and weights as unsharded training (a checkpoint of
+    each holds its final weights, whole)."""
+    tmp = shared_dir()
+    common = ["--steps", "3", "--optimizer", optimizer] + (
+        ["--lr", "0.01"] if optimizer == "adam" else [])
+    ref = cli_run(capsys, tmp, "none", *common)
+    collective_assert(ref[0]["shard_state"] == "none", "summary")
+    for stage in SHARDED:
+        got = cli_run(capsys, tmp, stage, *common, "--shard-state", stage)
+        assert_same_training(got, ref, stage)
+        summary, _, out = got
+        collective_assert(summary["shard_state"] == stage, f"summary {summary['shard_state']}")
+        collective_assert(comm.rank > 0 or f"parameter state sharded: {stage}" in out, out)
+        collective_assert("does nothing here" not in out, out)  # replicated over the ranks
+
+
+@pytest.mark.parallel([1])
+def test_shard_state_without_replicated_parameters_trains_on_with_one_note(capsys):
+    tmp = shared_dir()
+    ref = cli_run(capsys, tmp, "none", "--steps", "2")
+    got = cli_run(capsys, tmp, "optimizer", "--steps", "2", "--shard-state", "optimizer")
+    out = got[2]
+    assert out.count("note: --shard-state optimizer does nothing here") == 1, out
+    assert_same_training(got, ref, "1 rank", rtol=0)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--shard-state", "zero3"], "invalid choice: 'zero3'"),
+    (["--shard-state", ""], "invalid choice: ''"),
+] + ([] if "full" in BUILT_STAGES else [(["--shard-state", "full"], "not built yet")]))
+def test_the_command_line_refuses_bad_stages_with_one_usage_message(capsys, argv, words):
+    from disttensor_nn.training.cli import train_main
+
+    with pytest.raises(SystemExit) as exc:
+        train_main(CLI + ["--metrics", ""] + argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("error:") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_train_refuses_an_unknown_stage_on_every_rank_before_any_work():
+    cfg = TrainConfig(model="mesh-demo", size=(64, 64), batch=4, steps=1, samples=8,
+                      metrics=None, machine=V100, progress=False, shard_state="zero")
+    _, err = collective_outcome(train, cfg)
+    collective_assert(isinstance(err, SetupError) and "unknown stage 'zero'" in str(err),
+                      repr(err))
+
+
+@pytest.mark.parallel([3])
+def test_a_checkpoint_saved_sharded_at_two_ranks_resumes_unsharded_at_one_and_three():
+    """Whole state in the checkpoint: saved by 2 ranks under --shard-state gradients, it
+    continues unsharded on 3 ranks and on 1 as the checkpoint of the same 2-rank training
+    unsharded does (Adam's moments and step count included)."""
+    tmp = shared_dir()
+
+    def cfg(**kw):
+        base = dict(model="mesh-demo", size=(64, 64), batch=4, samples=8, metrics=None,
+                    machine=V100, progress=False, optimizer="adam", lr=0.01)
+        return TrainConfig(**{**base, **kw})
+    pair = comm.Split(0 if comm.rank < 2 else MPI.UNDEFINED, comm.rank)
+    saved = {}
+    for stage in ("gradients", "none"):
+        saved[stage] = ck = os.path.join(tmp, stage)
+        if pair != MPI.COMM_NULL:
+            assert train(cfg(steps=3, checkpoint=ck, shard_state=stage), comm=pair)["steps"] == 3
+        comm.Barrier()
+        if comm.rank == 0:  # a copy for the 1-rank run
+            shutil.copytree(ck, ck + "-solo")
+    if pair != MPI.COMM_NULL:
+        pair.Free()
+    comm.Barrier()
+    runs = {}
+    for stage, ck in saved.items():
+        three = train(cfg(steps=6, checkpoint=ck, resume=True))
+        one = train(cfg(steps=6, checkpoint=ck + "-solo", resume=True), comm=MPI.COMM_SELF) \
+            if comm.rank == 0 else None
+        runs[stage] = {"3 ranks": (three, ck), "1 rank": (comm.bcast(one, root=0),
+                                                          ck + "-solo")}
+    for name in ("3 ranks", "1 rank"):
+        (got, path), (ref, ref_path) = runs["gradients"][name], runs["none"][name]
+        a, b = np.array(got["history"]), np.array(ref["history"])
+        collective_assert(len(a) == 6 and np.allclose(a, b, rtol=1e-5, atol=0),
+                          f"{name}: losses {a} vs {b}")
+        w, wr = checkpoint_weights(path), checkpoint_weights(ref_path)
+        errs = [float(np.max(np.abs(x - y))) for x, y in zip(w, wr)]
+        collective_assert(max(errs) < 1e-5, f"{name}: weights differ by {max(errs)}")
+
+
+def test_the_plan_counts_the_sharded_state_in_its_peak():
+    """make_plan's predicted peak shrinks by what each stage leaves on the other ranks:
+    figures from the parameters' sizes, the optimizer's slots and R alone."""
+    from disttensor_nn.plan import load_profile, make_plan
+
+    model, shape = build_model("mesh-demo", (64, 64), 4)
+    sizes = [int(np.prod(p.shape)) * 4 for p in model.parameters()]
+    total, big = sum(sizes), max(sizes)
+    # each convolution hands its weight's and bias's local gradients to the reduction
+    # together (batch norm sums its own): all in buckets of less than 1 MiB
+    reduced = [sum(int(np.prod(p.shape)) * 4 for p in layer.own_parameters())
+               for layer in model if isinstance(layer, nn.Conv2d)]
+    assert max(reduced) < 2**20
+    scratch = load_profile(V100).reduce_scratch
+    for nprocs, slots in ((2, 1), (4, 2), (3, 0)):
+        plans = {stage: make_plan(model, shape, nprocs, V100, baseline=1e8, shard_state=stage,
+                                  state_slots=slots)[0] for stage in STAGES}
+        grids = {stage: [e.grid for e in p.entries] for stage, p in plans.items()}
+        assert all(g == grids["none"] for g in grids.values()), grids
+        assert all(e.grid[0] == nprocs for e in plans["none"].entries)  # samples split
+        peak = {stage: p.peak_memory for stage, p in plans.items()}
+        # stage 1: the optimizer state, (1 - 1/R) of slots x the parameters
+        assert peak["none"] - peak["optimizer"] == pytest.approx(
+            slots * total * (1 - 1 / nprocs))
+        # stage 2: also the reduced gradients; the local gradients waiting for their
+        # (fused) reductions, with the MPI library's scratch, become one layer's
+        waiting = 2 * sum(reduced) + scratch * sum(reduced)
+        assert peak["none"] - peak["gradients"] == pytest.approx(
+            (1 + slots) * total * (1 - 1 / nprocs) + waiting - max(reduced) * (1 + scratch))
+        # stage 3: also the weights, but the largest is gathered whole for its passes
+        assert peak["gradients"] - peak["full"] == pytest.approx(
+            total * (1 - 1 / nprocs) - big)
+
+
+@pytest.mark.parallel([2])
+def test_the_driver_plans_with_the_stage_and_the_optimizers_slots():
+    """The plan the training driver makes counts the stage: Adam's two moments at 1/R."""
+    def run(stage):
+        s = train(TrainConfig(model="mesh-demo", size=(64, 64), batch=4, steps=1, samples=8,
+                              metrics=None, machine=V100, progress=False, optimizer="adam",
+                              lr=0.01, shard_state=stage))
+        return s["predicted_peak_memory_bytes"] - s["predicted_baseline_memory_bytes"]
+    model, _ = build_model("mesh-demo", (64, 64), 4)
+    total = sum(int(np.prod(p.shape)) * 4 for p in model.parameters())
+    saved = run("none") - run("optimizer")
+    collective_assert(saved == pytest.approx(2 * total * (1 - 1 / comm.size)),
+                      f"{saved} vs {2 * total * (1 - 1 / comm.size)}")

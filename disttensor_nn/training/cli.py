@@ -16,6 +16,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..kernels import BACKENDS, limit_threads
+from ..optim import STAGES
 from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
@@ -351,6 +352,11 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         metavar="X", help="scale the gradients so that the norm of the whole "
                         "model's gradient (sharded parameters counted once) is at most X "
                         "(None: no clipping)")
+    parser.add_argument("--shard-state", choices=STAGES, default=d.shard_state,
+                        help="parameter state sharded over the ranks that replicate it (ZeRO "
+                        "stages): each keeps 1/R of the optimizer state (optimizer), also of "
+                        "the reduced gradients (gradients), also of the weights (full); "
+                        "checkpoints stay whole")
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
     parser.add_argument("--data", metavar="PATH",
@@ -433,7 +439,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       schedule=a.schedule, warmup_steps=a.warmup_steps,
                       warmup_start_factor=a.warmup_start_factor, step_size=a.step_size,
                       gamma=a.gamma, min_lr=a.min_lr, schedule_steps=a.schedule_steps,
-                      clip_grad_norm=a.clip_grad_norm)
+                      clip_grad_norm=a.clip_grad_norm, shard_state=a.shard_state)
     problem = recipe_problem(cfg, a.lr if a.lr is not None else model_spec(a.model).lr)
     if problem:
         parser.error(problem)

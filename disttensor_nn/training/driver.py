@@ -40,7 +40,13 @@ from ..plan.timer import warm_up
 from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint, save_checkpoint
 from .data import Loader, Prefetcher, open_dataset
-from .recipe import make_optimizer, make_scheduler, recipe_problem, resume_problem
+from .recipe import (
+    make_optimizer,
+    make_scheduler,
+    recipe_problem,
+    resume_problem,
+    state_slots,
+)
 from .registry import build_model, check_size, model_spec
 
 __all__ = ["TrainConfig", "train", "plan_mismatch", "prediction_warning", "SetupError",
@@ -114,6 +120,7 @@ class TrainConfig:
     kernels: str = "auto"  # "numpy", "torch" or "auto" (each layer's faster; make_plan)
     threads: int | None = None  # kernel threads per rank (None: the cores / ranks per node)
     prefetch: int = 1  # batches prepared ahead by a thread while a step runs (0: none)
+    shard_state: str = "none"  # "none", "optimizer", "gradients" or "full" (optim.shard_state)
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -165,6 +172,13 @@ def plan_mismatch(plan: Plan, model: Layer, shape: tuple[int, ...], nprocs: int)
         return (f"the plan has {len(plan.entries)} layers, the model {len(nodes)}: it was made "
                 "for another model")
     return None
+
+
+def _replicated(model: Layer, nprocs: int) -> bool:
+    """Whether some parameter of ``model`` (as a plan split it over ``nprocs`` ranks) is held
+    alike by several ranks: what :func:`~disttensor_nn.optim.shard_state` shards."""
+    return nprocs > 1 and any(p.dist is None or p.dist.nreplicas > 1
+                              for p in model.parameters())
 
 
 def _plural(n: int, word: str) -> str:
@@ -225,7 +239,8 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {cfg.recompute!r}")
     plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
                         comm=comm, baseline=baseline, profile=memory,
-                        recompute=RECOMPUTE[cfg.recompute], kernels=cfg.kernels)
+                        recompute=RECOMPUTE[cfg.recompute], kernels=cfg.kernels,
+                        shard_state=cfg.shard_state, state_slots=state_slots(cfg))
     return plan
 
 
@@ -295,6 +310,10 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         * np.dtype(np.float32).itemsize / comm.Get_size()
     plan = _plan(cfg, model, shape, comm, memory, baseline + ahead, machine)
     apply_plan(model, plan, shape, comm)
+    if cfg.shard_state != "none" and not _replicated(model, comm.Get_size()):
+        _say(comm, f"note: --shard-state {cfg.shard_state} does nothing here: no parameter of "
+                   "this plan is replicated over several ranks, so there is no state to "
+                   "shard (training goes on unsharded)")
     if not is_numpy(xp):
         model.to(xp)
     nodes = leaf_nodes(trace(model, shape))
@@ -527,7 +546,8 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
                                    if n in memory.phases), default=0), op=MPI.MAX)
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
-        "steps": step, "final_loss": history[-1]["loss"] if history else None,
+        "steps": step, "shard_state": cfg.shard_state,
+        "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
         "history": [h["loss"] for h in history],
         "time_per_iteration_s": float(np.median(np.add(times, data_times))) if times else None,
@@ -539,6 +559,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         # the plan is for one micro-batch, its gradient reduction included: an upper bound
         "predicted_time_per_iteration_s": cfg.accumulate * plan.time,
         "peak_memory_per_rank_bytes": peak, "predicted_peak_memory_bytes": plan.peak_memory,
+        "predicted_baseline_memory_bytes": plan.baseline_memory,
         "training_peak_memory_per_rank_bytes": phase_peak("forward", "backward", "optimizer"),
         "planning_peak_memory_per_rank_bytes": phase_peak("calibration", "kernel measurement",
                                                           "planning"),
@@ -702,7 +723,9 @@ def _print_summary(s: dict) -> None:
     k = s["config"].get("accumulate", 1)
     micro = f" x {k} micro-batches" if k > 1 else ""
     print(f"\n{s['model']} {tuple(s['batch_shape'])}{micro} on {_plural(s['ranks'], 'rank')}: "
-          f"{_plural(s['steps'], 'step')}")
+          f"{_plural(s['steps'], 'step')}"
+          + (f"; parameter state sharded: {s['shard_state']}"
+             if s.get("shard_state", "none") != "none" else ""))
     if s["first_loss"] is not None:
         print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     if s["time_per_iteration_s"]:

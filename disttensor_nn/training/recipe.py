@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..module import Parameter
-from ..optim import SGD, Adam, AdamW, Optimizer
+from ..optim import SGD, Adam, AdamW, Optimizer, check_stage, shard_state
 from ..optim.lr_scheduler import (
     CosineAnnealingLR,
     LinearLR,
@@ -49,7 +49,7 @@ from ..optim.lr_scheduler import (
 )
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "recipe_problem", "make_optimizer", "make_scheduler",
-           "scheduler_class", "resume_problem"]
+           "scheduler_class", "resume_problem", "state_slots"]
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
 """``TrainConfig.optimizer`` (``--optimizer``) -> the optimizer class."""
@@ -104,6 +104,10 @@ def recipe_problem(cfg: Any, lr: float | None = None) -> str | None:
         return f"unknown --optimizer {cfg.optimizer!r}: choose {_choices(OPTIMIZERS)}"
     if cfg.schedule not in SCHEDULES:
         return f"unknown --schedule {cfg.schedule!r}: choose {_choices(SCHEDULES)}"
+    try:
+        check_stage(getattr(cfg, "shard_state", "none"))
+    except ValueError as exc:
+        return "--" + str(exc).replace("_", "-", 1)
     if lr is not None and (not _real(lr) or lr < 0 or (cfg.optimizer == "sgd" and lr == 0)):
         return f"--lr must be {'> 0' if cfg.optimizer == 'sgd' else '>= 0'}, got {lr!r}"
     for flag, value in (("--momentum", cfg.momentum), ("--weight-decay", cfg.weight_decay),
@@ -137,7 +141,8 @@ def recipe_problem(cfg: Any, lr: float | None = None) -> str | None:
 
 
 def make_optimizer(cfg: Any, params: Iterable[Parameter], lr: float) -> Optimizer:
-    """The optimizer ``cfg.optimizer`` names, with learning rate ``lr``.
+    """The optimizer ``cfg.optimizer`` names, with learning rate ``lr``, its state
+    sharded as ``cfg.shard_state`` says (:func:`~disttensor_nn.optim.shard_state`).
 
     ``cfg.momentum`` applies to SGD; ``cfg.weight_decay`` to all three
     (None: the optimizer's default, 0 for SGD and Adam, 0.01 for AdamW).
@@ -145,8 +150,19 @@ def make_optimizer(cfg: Any, params: Iterable[Parameter], lr: float) -> Optimize
     cls = OPTIMIZERS[cfg.optimizer]
     kw: dict[str, Any] = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
     if cls is SGD:
-        return SGD(params, lr=lr, momentum=cfg.momentum, **kw)
-    return cls(params, lr=lr, **kw)
+        opt: Optimizer = SGD(params, lr=lr, momentum=cfg.momentum, **kw)
+    else:
+        opt = cls(params, lr=lr, **kw)
+    stage = getattr(cfg, "shard_state", "none")
+    return opt if stage == "none" else shard_state(opt, stage)
+
+
+def state_slots(cfg: Any) -> int:
+    """Arrays of optimizer state per parameter that ``cfg``'s optimizer keeps (for the
+    memory model: SGD's momentum, Adam's two moments)."""
+    if cfg.optimizer == "sgd":
+        return 1 if cfg.momentum else 0
+    return 2
 
 
 def _span(cfg: Any) -> int:
