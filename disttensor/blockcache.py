@@ -18,10 +18,18 @@ call gives a block back; dropping the last array does.
 
 The cache holds at most ``limit`` bytes. A request that would pass it first
 drops free buffers (the largest first), and if the live ones alone leave no
-room it is allocated outside the cache, as NumPy would: the cache never
-refuses memory and never holds more than its limit, which is what a memory
-model can count. Only blocks of ``min_bytes`` or more are cached (the C
-allocator serves small ones well).
+room it gets memory of its own, not kept after its arrays are gone: the
+cache never refuses memory and never holds more than its limit, which is
+what a memory model can count. Only blocks of ``min_bytes`` or more are
+cached (the C allocator serves small ones well). A request takes the
+smallest free buffer at most a quarter larger than its size class, so blocks
+of slightly different sizes (uneven splits, halo-extended blocks) share
+buffers.
+
+The buffers are anonymous memory maps of their own, not C-heap blocks: a
+dropped buffer goes back to the operating system at once, where the C
+heap would keep freed blocks of a few MiB resident, and a new one reads as
+zeros without being written (:meth:`BlockCache.zeros` does not fill it).
 
 :func:`block_cache` makes a cache the process's active one for a ``with``
 block; :func:`disttensor.backend.empty` then takes every large NumPy block
@@ -33,6 +41,8 @@ layers' kernels use it unchanged. Arrays of other modules are untouched
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 import sys
 import threading
 from collections.abc import Iterator
@@ -60,9 +70,16 @@ def size_class(nbytes: int) -> int:
     return -(-int(nbytes) // step) * step
 
 
+def _map(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh anonymous memory as a uint8 array (zero pages, mapped on first
+    touch), given back to the operating system as soon as no array refers to it: the C
+    heap, which would keep freed blocks of a few MiB resident, never sees it."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+
+
 def _baseline_refcount() -> int:
     """References a free buffer has while :meth:`BlockCache._take_free` looks at it."""
-    probe = [np.empty(1, np.uint8)]
+    probe = [_map(1)]
     for buf in probe:
         return sys.getrefcount(buf)
     raise AssertionError("unreachable")
@@ -136,41 +153,50 @@ class BlockCache:
         """
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(map(int, shape))
         dt = np.dtype(dtype)
-        nbytes = dt.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = dt.itemsize * math.prod(shape)
         if nbytes < self.min_bytes:
             return np.empty(shape, dt)
-        buf = self._take(size_class(nbytes))
-        if buf is None:
-            return np.empty(shape, dt)
-        return buf[:nbytes].view(dt).reshape(shape)
+        return self._array(shape, dt, nbytes)[0]
 
     def zeros(self, shape: tuple[int, ...] | int, dtype: Any = np.float64) -> np.ndarray:
-        """As :meth:`empty`, filled with zeros."""
-        out = self.empty(shape, dtype)
-        out.fill(0)
+        """As :meth:`empty`, filled with zeros (a newly mapped buffer is zero already)."""
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(map(int, shape))
+        dt = np.dtype(dtype)
+        nbytes = dt.itemsize * math.prod(shape)
+        if nbytes < self.min_bytes:
+            return np.zeros(shape, dt)
+        out, fresh = self._array(shape, dt, nbytes)
+        if not fresh:
+            out.fill(0)
         return out
 
-    def _take(self, cap: int) -> np.ndarray | None:
+    def _array(self, shape: tuple[int, ...], dt: np.dtype, nbytes: int
+               ) -> tuple[np.ndarray, bool]:
+        buf, fresh = self._take(size_class(nbytes))
+        return buf[:nbytes].view(dt).reshape(shape), fresh
+
+    def _take(self, cap: int) -> tuple[np.ndarray, bool]:
+        """A buffer of at least ``cap`` bytes and whether it was mapped just now (zeros)."""
         s = self.stats
         with self._lock:
-            held = self._buffers.setdefault(cap, [])
-            for buf in held:
-                if sys.getrefcount(buf) <= self._free_refs:
-                    s.hits += 1
-                    return buf
+            # the smallest free buffer that holds the request without more than a quarter
+            # of slack: requests a class or two apart (uneven blocks) share buffers
+            for c in sorted(k for k in self._buffers if cap <= k <= cap + cap // 4):
+                for buf in self._buffers[c]:
+                    if sys.getrefcount(buf) <= self._free_refs:
+                        s.hits += 1
+                        return buf, False
             if self.limit is not None and s.held_bytes + cap > self.limit:
                 self._evict(s.held_bytes + cap - self.limit)
                 if s.held_bytes + cap > self.limit:
                     s.overflows += 1
-                    return None
-            buf = np.empty(cap, np.uint8)
-            held.append(buf)
+                    return _map(cap), True
+            buf = _map(cap)
+            self._buffers.setdefault(cap, []).append(buf)
             s.misses += 1
             s.held_bytes += cap
             s.peak_held_bytes = max(s.peak_held_bytes, s.held_bytes)
-            return buf
+            return buf, True
 
     def _evict(self, need: int) -> None:
         """Drop free buffers, the largest first, until ``need`` bytes are given back."""

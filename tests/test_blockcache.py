@@ -45,6 +45,20 @@ def test_limit_evicts_free_buffers_then_overflows():
     assert cache.stats.evictions >= 2 and cache.stats.held_bytes <= 3 * MiB
 
 
+def test_nearby_sizes_share_a_buffer_and_zeros_are_zero_on_reuse():
+    cache = BlockCache()
+    a = cache.zeros((5 * MiB,), np.uint8)  # a fresh map reads as zeros
+    assert not a.any()
+    a[...] = 7
+    del a
+    b = cache.zeros((9 * MiB // 2,), np.uint8)  # a class below, within a quarter: shared
+    assert cache.stats.hits == 1 and cache.stats.misses == 1 and not b.any()
+    b[...] = 3
+    del b
+    c = cache.empty((3 * MiB,), np.uint8)  # far smaller: a buffer of its own
+    assert cache.stats.misses == 2 and c.nbytes == 3 * MiB
+
+
 def test_small_requests_and_bad_arguments():
     cache = BlockCache()
     cache.empty(10, np.float32)
