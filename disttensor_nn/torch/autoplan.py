@@ -4,7 +4,8 @@ A traced, shape-propagated graph is described to the project's planner
 (:mod:`disttensor_nn.plan`) as the planner's own kind of network: a
 :class:`~disttensor_nn.Sequential` chain of layers, with a
 :class:`~disttensor_nn.Residual` block for each merge of two paths (``+``
-of a residual connection, ``torch.cat`` of a skip connection). Each traced
+of a residual connection, ``torch.cat`` of skip connections or branches,
+nested one path at a time). Each traced
 operation is stood for by the built-in layer that does the same work, made
 from the module's attributes (a convolution's kernel, stride, padding,
 dilation and groups, a pool's window, a norm's features), so its cost spec,
@@ -307,34 +308,29 @@ class _Mirror:
         return Sequential(*layers)
 
     def merge(self, node: Node, fork: Node) -> Residual:
+        """Two paths from ``fork`` merged (``+``, or ``torch.cat`` along the channels: of
+        several paths, as nested blocks, each joining one more)."""
+        shape = _shape(node)
         preds = self.graph.data[node]
+        if node.op == "call_function" and node.target in (torch.cat, torch.concat):
+            operands = list(node.args[0])
+            if _arg(node, 1, "dim", 0) % len(shape) != 1:
+                _fail(node, "torch.cat joins skip connections along the channels only")
+            if len(set(operands)) != len(operands) or any(a not in preds for a in operands):
+                _fail(node, "torch.cat joins tensors other than distinct paths of the input")
+            block: Layer = self.build(fork, operands[0])
+            for a in operands[1:]:
+                block = Residual(block, self.build(fork, a) if a is not fork else None,
+                                 merge=Concat(1))
+            return block
         if len(preds) != 2:
             _fail(node, f"it joins {len(preds)} tensors; the planner plans merges of two "
-                        "(a residual '+' or a skip connection's torch.cat)")
-        shape = _shape(node)
-        first, second = self._operands(node, preds)
-        if node.op == "call_function" and node.target in (torch.cat, torch.concat):
-            if _arg(node, 1, "dim", 0) % len(shape) != 1:
-                _fail(node, "torch.cat joins a skip connection along the channels only")
-            merge: Any = Concat(1)
-        else:
-            if not self.elementwise(node) or _shape(first) != shape or \
-                    _shape(second) != shape:
-                _fail(node, "it joins two tensors other than element-wise, shape for shape")
-            merge = None
-        branch = self.build(fork, first)
-        shortcut = self.build(fork, second) if second is not fork else None
-        return Residual(branch, shortcut, merge=merge)
-
-    def _operands(self, node: Node, preds: list[Node]) -> tuple[Node, Node]:
-        """The two tensors in the order the operation takes them."""
-        if node.op == "call_function" and node.target in (torch.cat, torch.concat):
-            order = [a for a in node.args[0] if isinstance(a, Node)]
-            if len(order) != 2:
-                _fail(node, "torch.cat of a skip connection joins two tensors")
-            return order[0], order[1]
-        ordered = [a for a in _inputs(node) if a in preds]
-        return ordered[0], ordered[1]
+                        "(a residual '+') or a torch.cat along the channels")
+        first, second = [a for a in _inputs(node) if a in preds]
+        if not self.elementwise(node) or _shape(first) != shape or _shape(second) != shape:
+            _fail(node, "it joins two tensors other than element-wise, shape for shape")
+        return Residual(self.build(fork, first), self.build(fork, second)
+                        if second is not fork else None)
 
     # ------------------------------------------------------------ leaves
     def leaf(self, node: Node) -> Layer:
@@ -582,8 +578,10 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     Raises
     ------
     NotImplementedError
-        For a graph the planner cannot describe (a merge of other than two
-        tensors, a cat along other than the channels, several outputs).
+        For a graph the planner cannot describe (naming the node): paths
+        that share a layer and merge elsewhere, an element-wise merge of
+        more than two tensors, a cat along other than the channels, several
+        outputs.
     ValueError
         When no plan fits the memory budget, or for a plan of another model,
         input shape or rank count.
@@ -596,9 +594,14 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     nodes = leaf_nodes(trace(network, tuple(shape)))
     order = {id(leaf.layer): leaf for leaf in leaves}
     leaves = [order[id(n.layer)] for n in nodes]  # the planner's order
-    if len({leaf.node for leaf in leaves}) != len(leaves) or len(leaves) != sum(
-            1 for n in mirror.graph.data if n is not mirror.graph.source
-            and not _is_merge(mirror.graph, n) and _reaches(mirror.graph, n)):
+    seen: set[Node] = set()
+    for leaf in leaves:
+        if leaf.node in seen:  # on two paths that merge elsewhere: not series-parallel
+            _fail(leaf.node, "its output feeds paths that the planner cannot nest as residual "
+                             "or skip connections of one block")
+        seen.add(leaf.node)
+    if len(leaves) != sum(1 for n in mirror.graph.data if n is not mirror.graph.source
+                          and not _is_merge(mirror.graph, n) and _reaches(mirror.graph, n)):
         _fail(None, "its graph is not a chain of layers with residual and skip connections")
     plan = _given_plan(layout)
     nprocs = comm.Get_size()

@@ -1311,8 +1311,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         or rank count.
     NotImplementedError
         With ``layout='auto'``, for a graph the planner cannot describe
-        (naming the node): a merge of more than two tensors, a ``torch.cat``
-        along other than the channels, several outputs.
+        (naming the node): paths that share a layer and merge elsewhere, a
+        ``torch.cat`` along other than the channels, several outputs.
 
     All are raised on every rank alike, before any message (on a measured
     machine profile, after the kernels are timed on all ranks together).
