@@ -237,6 +237,10 @@ def test_a_plan_of_another_model_is_refused_alike():
     other = (8,) + shape[1:]
     exc = outcome(lambda: parallelize(copy.deepcopy(cnn), other, plan))
     collective_assert(isinstance(exc, ValueError) and "input shape" in str(exc), repr(exc))
+    wrong = dataclasses.replace(plan, entries=[dataclasses.replace(
+        plan.entries[0], grid=(comm.Get_size() + 1, 1, 1))] + plan.entries[1:])
+    exc = outcome(lambda: parallelize(copy.deepcopy(cnn), shape, wrong))
+    collective_assert(isinstance(exc, ValueError) and "does not hold" in str(exc), repr(exc))
     exc = outcome(lambda: parallelize(copy.deepcopy(cnn), shape, "no-such-plan.json"))
     collective_assert(isinstance(exc, ValueError) and "no file" in str(exc), repr(exc))
 

@@ -621,11 +621,21 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         why = _same_entries(plan, leaves, shape, nprocs)
         if why is not None:
             raise ValueError(f"parallelize: the plan was made for another model: {why}")
+    pures = []
+    for leaf, entry in zip(leaves, plan.entries):  # all checked before the grids are made
+        try:
+            pure = dist_for(_shape(leaf.source), tuple(entry.grid), entry.split_channels,
+                            inner=plan.inner)
+        except ValueError as err:
+            raise ValueError(f"parallelize: the plan's layer '{entry.name}': {err}") from None
+        if math.prod(pure.grid_shape) != nprocs:
+            raise ValueError(f"parallelize: the plan's layer '{entry.name}' has the grid "
+                             f"{tuple(entry.grid)}, which does not hold the {nprocs} ranks")
+        pures.append(pure)
     grids: dict[tuple[int, ...], ProcessGrid] = {}
     input_dist = None
-    for leaf, entry in zip(leaves, plan.entries):
+    for leaf, pure in zip(leaves, pures):
         in_shape = _shape(leaf.source)
-        pure = dist_for(in_shape, tuple(entry.grid), entry.split_channels, inner=plan.inner)
         axes = [None if d in leaf.whole or in_shape[d] <= 1 else a
                 for d, a in enumerate(pure.axes)]
         if pure.grid_shape not in grids:
