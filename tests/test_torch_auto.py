@@ -266,9 +266,19 @@ class AlongWidth(nn.Module):
         return torch.cat([self.a(x), x], 3)
 
 
+class ThreeDims(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y.view(y.size(0), y.size(1), -1).sum(2)
+
+
 @pytest.mark.parallel([1, 2])
 def test_a_graph_the_planner_cannot_describe_is_refused_alike():
-    for model, node in ((SharedPath(), "'a'"), (AlongWidth(), "'cat'")):
+    for model, node in ((SharedPath(), "'a'"), (AlongWidth(), "'cat'"), (ThreeDims(), "'view'")):
         before = list(model.parameters())
         exc = outcome(lambda m=model: parallelize(m, (2, 2, 8, 8), "auto", machine=MACHINE))
         collective_assert(isinstance(exc, NotImplementedError) and node in str(exc) and

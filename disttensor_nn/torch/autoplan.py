@@ -336,6 +336,11 @@ class _Mirror:
     def leaf(self, node: Node) -> Layer:
         source = self.graph.data[node][0]
         in_shape, out = _shape(source), _shape(node)
+        ndim = len(_shape(self.graph.source))
+        for s in (in_shape, out):
+            if len(s) not in (2, ndim):
+                _fail(node, f"a tensor of shape {s}: the planner lays out tensors of the "
+                            f"input's {ndim} dimensions or of 2 (samples, features)")
         layer, whole, kind = self.layer_for(node, in_shape, out)
         try:
             ok = tuple(layer.output_shape(in_shape)) == out
@@ -430,7 +435,7 @@ class _Mirror:
                                  _arg(node, 4, "align_corners", None), kind)
         if fn is F.dropout:
             p = _arg(node, 1, "p", 0.5)
-            if isinstance(p, float) and 0 <= p < 1:
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1:
                 return Dropout(p), [], kind
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, shape, out, kind)
