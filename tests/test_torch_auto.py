@@ -35,7 +35,8 @@ torch.set_num_threads(1)
 
 # ------------------------------------------------------------------ models
 class SmallCNN(nn.Module):
-    """Convolutions, batch norm, ReLU, pooling, a residual '+', a flattened linear head."""
+    """Convolutions, batch norm, ReLU, pooling, residual '+' (an identity shortcut and a
+    strided one), a flattened linear head."""
 
     def __init__(self):
         super().__init__()
@@ -45,18 +46,19 @@ class SmallCNN(nn.Module):
         self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
         self.act = nn.ReLU()
         self.conv3 = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+        self.down = nn.Conv2d(4, 6, 1, stride=2, bias=False)
         self.gap = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(6, 3)
 
     def forward(self, x):
         x = self.pool(F.relu(self.bn1(self.conv1(x))))
         x = x + self.act(self.conv2(x))
-        x = torch.relu(self.conv3(x))
+        x = torch.relu(self.conv3(x) + self.down(x))
         return self.fc(torch.flatten(self.gap(x), 1))
 
 
-CNN_LAYERS = ["conv1", "bn1", "relu", "pool", "conv2", "act", "conv3", "relu_1", "gap",
-              "flatten", "fc"]
+CNN_LAYERS = ["conv1", "bn1", "relu", "pool", "conv2", "act", "conv3", "down", "relu_1",
+              "gap", "flatten", "fc"]
 
 
 def block(cin, cout):
