@@ -110,3 +110,20 @@ def test_layers_on_cached_blocks_match_fresh_ones(kernels):
     for a, b in zip(run(False), run(True)):
         for u, v in zip(a, b):
             np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parallel([1, 2])
+def test_training_on_the_cache_reuses_blocks_within_its_limit_and_trains_alike():
+    """The training driver's cache stays under its limit, serves warm steps from the
+    buffers of the first, and leaves the losses bit for bit as without it."""
+    from disttensor.testing import collective_assert
+    from disttensor_nn.training import TrainConfig, train
+    base = dict(model="mesh-demo", size=(128, 128), batch=2, steps=4, samples=8, metrics=None,
+                machine="v100-nvlink-edr", progress=False, prefetch=0)
+    cached = train(TrainConfig(**base))
+    fresh = train(TrainConfig(**base, block_cache=False))
+    bc = cached["block_cache"]
+    collective_assert(fresh["block_cache"] is None)
+    collective_assert(bc["peak_held_bytes"] <= bc["limit_bytes"] and bc["hits"] > 0)
+    collective_assert(bc["misses_after_first_step"] <= bc["misses"] // 4, str(bc))
+    collective_assert(cached["history"] == fresh["history"])  # the losses

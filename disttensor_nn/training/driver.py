@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from disttensor import node_share, use_device
 from disttensor.backend import is_numpy, nbytes
-from disttensor.blockcache import block_cache
+from disttensor.blockcache import active_block_cache, block_cache
 
 from ..container import Sequential
 from ..kernels import limit_threads, synchronize
@@ -355,11 +355,18 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     return model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history
 
 
+CACHE_SLACK = 0.25
+"""The block cache may hold this share more than the step's predicted blocks: its size
+classes round each block up by up to an eighth, and buffers of one class wait free while
+a step asks for another."""
+
+
 def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm) -> int:
     """Bytes the step's block cache may hold: what the plan predicts the step adds to the
-    process, its parameters and their gradients (within the budget, if there is one)."""
+    process besides its parameters and their gradients, and :data:`CACHE_SLACK` more
+    (within the budget, if there is one)."""
     params = sum(nbytes(p.data) for p in model.parameters())
-    extra = plan.peak_memory - plan.baseline_memory - 2 * params
+    extra = (plan.peak_memory - plan.baseline_memory - 2 * params) * (1 + CACHE_SLACK)
     if plan.memory_budget:
         now = comm.allreduce(resident_bytes(), op=MPI.MAX)
         extra = min(extra, plan.memory_budget - now)
@@ -526,9 +533,12 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     try:
         with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
                 as cache:
-            step, warmup = _loop(cfg, comm, memory, xp, model, loss_fn, opt, loader, it,
-                                 plain, step, history, clocks, times, data_times, bar, sched)
-            cached = None if cache is None else asdict(cache.stats)
+            step, warmup, warm_misses = _loop(cfg, comm, memory, xp, model, loss_fn, opt,
+                                              loader, it, plain, step, history, clocks, times,
+                                              data_times, bar, sched)
+            cached = None if cache is None else {
+                **asdict(cache.stats),
+                "misses_after_first_step": cache.stats.misses - warm_misses}
     finally:
         if it is not None:
             it.close()
@@ -583,14 +593,16 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
           loss_fn: Any, opt: Any, loader: Loader, it: Prefetcher | None, plain: Any,
           step: int, history: list[dict], clocks: list[list[float]], times: list[float],
           data_times: list[float], bar: Any, sched: LRScheduler | None = None
-          ) -> tuple[int, list[float]]:
-    """The training steps from ``step`` on; returns the last step and the layers' clocks
-    after the first step (``times``, ``data_times`` and ``history`` grow in place).
+          ) -> tuple[int, list[float], int]:
+    """The training steps from ``step`` on; returns the last step, the layers' clocks
+    after the first step and the active block cache's misses then (``times``,
+    ``data_times`` and ``history`` grow in place).
 
     A step's time is its wall time; of it, ``data_s`` is the time it waited for its
     batches (with prefetching, only what the thread had not prepared yet).
     """
     warmup = [0.0] * len(clocks)
+    warm_misses = 0
     while step < cfg.steps:
         comm.Barrier()
         t0 = time.perf_counter()
@@ -620,6 +632,11 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
                     (contextlib.nullcontext() if last else no_sync()):
                 dy = loss_fn.backward()
                 model.call_backward(dy if cfg.accumulate == 1 else dy * (1 / cfg.accumulate))
+            # what forward kept for backward goes now, not when the next forward replaces
+            # it: the optimizer and the next batch run without it, and the next step's
+            # blocks reuse its buffers
+            for layer in model.modules():
+                layer.release_saved()
         loss = float(np.mean(losses))
         lr = opt.lr  # this step's learning rate
         with memory.phase("optimizer"):
@@ -637,6 +654,8 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
         times.append(dt_step)
         if len(times) == 1:  # the first step warms caches and allocator: not in the layer times
             warmup = [c[0] for c in clocks]
+            cache = active_block_cache()
+            warm_misses = cache.stats.misses if cache is not None else 0
         data_times.append(dt_data)
         total = wall
         history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
@@ -652,7 +671,7 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
                             extra={"loader": (it or loader).state_dict(),
                                    "history": history},
                             comm=comm, scheduler=sched)
-    return step, warmup
+    return step, warmup, warm_misses
 
 
 def _gather_profile(memory: MemoryProfile, comm: MPI.Comm) -> dict[str, Any]:
@@ -744,3 +763,9 @@ def _print_summary(s: dict) -> None:
           f"{s['planning_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB, whole run "
           f"{s['peak_memory_per_rank_bytes'] / 2**20:.0f} MiB"
           + (f"; budget {budget / 2**20:.0f} MiB" if budget else ""))
+    bc = s.get("block_cache")
+    if bc:
+        print(f"block cache: {bc['held_bytes'] / 2**20:.0f} MiB held (limit "
+              f"{bc['limit_bytes'] / 2**20:.0f} MiB), {bc['hits']} blocks reused, "
+              f"{bc['misses']} mapped, {bc['misses_after_first_step']} of them after the "
+              f"first step; {bc['overflows']} outside the cache")
