@@ -8,7 +8,7 @@ from disttensor import DistArray
 
 from .layers.elementwise import Add
 from .layers.merge import Concat
-from .module import Layer, Layout
+from .module import Layer, Layout, prefetch_weights
 
 __all__ = ["Sequential", "Residual", "Skip"]
 
@@ -45,14 +45,19 @@ class Sequential(Layer):
 
     def forward(self, x: DistArray) -> DistArray:
         self._moves = []
-        for layer in self:
+        layers = list(self)
+        for k, layer in enumerate(layers):
+            # sharded weights (shard_state "full"): the next layer's gathered meanwhile
+            prefetch_weights(layers[k + 1] if k + 1 < len(layers) else None)
             x, moved_from = _to_layout(x, layer.layout)
             self._moves.append(moved_from)
             x = layer(x)
         return x
 
     def backward(self, dy: DistArray) -> DistArray:
-        for layer, moved_from in zip(reversed(list(self)), reversed(self._moves)):
+        layers = list(self)
+        for k, (layer, moved_from) in enumerate(zip(reversed(layers), reversed(self._moves))):
+            prefetch_weights(layers[-k - 2] if k + 1 < len(layers) else None, last=True)
             dy = layer.call_backward(dy)
             if dy is None:  # the layer computes no input gradient: nothing flows further back
                 return None

@@ -54,7 +54,11 @@ class Parameter:
     moves both to another array module. Under :func:`no_sync` the layers'
     local gradient parts gather in ``unreduced`` instead (not summed over
     ranks); the next backward outside it adds them to its own parts before
-    the one reduction.
+    the one reduction. Under the ``"full"`` stage of
+    :func:`disttensor_nn.optim.shard_state` (:attr:`sharded_weights`) a rank
+    keeps only ``piece``, its part of the flat local block, between its
+    layer's passes: the layer gathers ``data`` for each pass and drops it
+    after (``data`` raises in between; :meth:`full` gathers).
 
     Parameters
     ----------
@@ -75,8 +79,14 @@ class Parameter:
             if tuple(data.shape) != dist.local_shape():
                 raise ValueError(f"Parameter: data of shape {tuple(data.shape)} is not this "
                                  f"rank's block {dist.local_shape()} of {dist}")
-        self.data = contiguous(data)
-        self.grad = array_namespace(self.data).zeros_like(self.data)
+        self._data: Any = contiguous(data)
+        # stage "full" of disttensor_nn.optim.shard_state: this rank's flat piece of the
+        # local block and where it lies (_Held); ``_data`` is then None, or the block
+        # gathered for one forward or backward pass of its layer
+        self.piece: Any = None
+        self._held: _Held | None = None
+        self._pending: tuple[Any, np.ndarray] | None = None  # a gather started ahead
+        self.grad = array_namespace(self._data).zeros_like(self._data)
         self.dist = dist
         self.unreduced: Any = None  # this rank's gradient parts kept back by no_sync
         # the communicator the last backward pass summed the gradient over (the ranks
@@ -88,18 +98,129 @@ class Parameter:
         self.grad_range: tuple[int, int] | None = None
 
     @property
+    def data(self) -> Any:
+        """This rank's array: the full parameter, or its block of ``dist``.
+
+        Raises
+        ------
+        RuntimeError
+            While the weights are sharded (:attr:`sharded_weights`) outside
+            their layer's forward and backward passes: :meth:`full` gathers
+            them (collective).
+        """
+        if self._data is None:
+            raise RuntimeError(
+                "Parameter.data: the weights are sharded over the ranks that replicate them "
+                "(shard_state 'full': this rank holds the piece Parameter.piece); their layer "
+                "gathers them for its forward and backward passes, and full() gives the whole "
+                "array (collective)")
+        return self._data
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        self._finish_prefetch()
+        self._data, self.piece, self._held = value, None, None
+
+    @property
+    def sharded_weights(self) -> bool:
+        """Whether this rank keeps only :attr:`piece` of the weights between passes (the
+        ``"full"`` stage of :func:`disttensor_nn.optim.shard_state`)."""
+        return self._held is not None
+
+    @property
+    def like(self) -> Any:
+        """An array of this parameter's module, device and dtype (``data``, or the piece)."""
+        return self._data if self._data is not None else self.piece
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of the weights."""
+        return self.like.dtype
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the (full) parameter."""
-        return tuple(self.data.shape) if self.dist is None else self.dist.global_shape
+        return self.local_shape if self.dist is None else self.dist.global_shape
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        """Shape of this rank's ``data``."""
-        return tuple(self.data.shape)
+        """Shape of this rank's ``data`` (its block: also while the weights are sharded)."""
+        return self._held.shape if self._held is not None else tuple(self._data.shape)
+
+    @property
+    def local_size(self) -> int:
+        """Elements of :attr:`local_shape`."""
+        return math.prod(self.local_shape)
 
     def full(self) -> Any:
-        """The full array (``data`` itself when replicated; collective when sharded)."""
-        return full_array(self.data, self.dist)
+        """The full array (``data`` itself when replicated; collective when sharded, or when
+        the weights are: :attr:`sharded_weights`)."""
+        block = self._data
+        if block is None:  # the pieces gathered for this call alone
+            self.gather_()
+            block, self._data = self._data, None
+        return full_array(block, self.dist)
+
+    # ------------------------------------------------ sharded weights (stage "full")
+    def release_(self, comm: MPI.Intracomm, start: int, stop: int) -> None:
+        """Keep only the piece ``[start, stop)`` of the flat local block, which the ranks of
+        ``comm`` hold together (:func:`shard_range`'s), and drop the block. Local.
+
+        The piece is copied from ``data`` unless the weights are sharded
+        already (then ``data``, gathered for a pass, is merely dropped).
+        """
+        if self._held is None:
+            shape = tuple(self._data.shape)
+            self.piece = contiguous(reshape(self._data, (-1,))[start:stop], copy=True)
+            self._held = _Held(comm, start, stop, shape)
+        self._data = None
+
+    def gather_(self) -> bool:
+        """Gather the local block from the pieces of :meth:`release_` into ``data`` (for a
+        pass of the layer; collective over the ranks that hold them); False, doing
+        nothing, when ``data`` is there already."""
+        if self._data is not None:
+            return False
+        h = self._held
+        if self._pending is not None:  # started ahead by prefetch_
+            request, buf = self._pending
+            self._pending = None
+            request.Wait()
+            self._data = reshape(buf, h.shape)
+        else:
+            self._data = reshape(gather_shards(self.piece, h.comm, math.prod(h.shape)),
+                                 h.shape)
+        return True
+
+    def prefetch_(self) -> None:
+        """Start gathering the weights ahead of :meth:`gather_` (a non-blocking
+        ``Iallgatherv``, while the layer before runs); nothing unless the weights are
+        sharded, not gathered, and NumPy arrays. Collective over the ranks that hold the
+        pieces: every rank starts the same gathers in the same order."""
+        if self._held is None or self._data is not None or self._pending is not None or \
+                not isinstance(self.piece, np.ndarray):
+            return
+        h = self._held
+        size = math.prod(h.shape)
+        counts, displs = shard_counts(size, h.comm.size)
+        buf = np.empty(size, dtype=self.piece.dtype)
+        self._pending = (h.comm.Iallgatherv(self.piece, [buf, (counts, displs)]), buf)
+
+    def _finish_prefetch(self) -> None:
+        if self._pending is not None:
+            self._pending[0].Wait()
+            self._pending = None
+
+    def drop_(self) -> None:
+        """Drop the block that :meth:`gather_` gathered (the piece stays). Local."""
+        if self._held is not None:
+            self._data = None
+
+    def unshard_weights_(self) -> None:
+        """Whole weights again on every rank (collective when they are sharded)."""
+        if self._held is not None:
+            self.gather_()
+            self.piece, self._held = None, None
 
     def shard_(self, dist: Distribution | None) -> None:
         """Re-split ``data`` and ``grad`` as ``dist`` (None: replicate), in place.
@@ -110,6 +231,7 @@ class Parameter:
         """
         if dist == self.dist:
             return
+        self.unshard_weights_()
         if self.unreduced is not None:
             raise RuntimeError("Parameter.shard_: gradient parts kept back by no_sync are "
                                "not reduced yet; run a backward pass outside no_sync first")
@@ -130,7 +252,17 @@ class Parameter:
 
     def __repr__(self) -> str:
         split = "" if self.dist is None else f", dist={self.dist}"
-        return f"Parameter(shape={self.shape}, dtype={self.data.dtype}{split})"
+        return f"Parameter(shape={self.shape}, dtype={self.dtype}{split})"
+
+
+class _Held(NamedTuple):
+    """Where a parameter's piece of sharded weights lies: ``[start, stop)`` of its flat
+    local block (of ``shape``), over the ranks of ``comm``."""
+
+    comm: MPI.Intracomm
+    start: int
+    stop: int
+    shape: tuple[int, ...]
 
 
 def full_array(local: Any, dist: Distribution | None) -> Any:
@@ -255,7 +387,7 @@ def _scatter_into(grads: Sequence[tuple[Parameter, Any]], comm: MPI.Intracomm) -
     that piece (``grad_range``): the reduce-scatter path of :func:`reduce_gradients_`."""
     for p, g in grads:
         piece = reduce_scatter_(g, comm)
-        rng = shard_range(p.data.size, comm.size, comm.rank)
+        rng = shard_range(p.local_size, comm.size, comm.rank)
         if p.grad_range != rng:
             if p.grad_range is not None:
                 raise RuntimeError("reduce_gradients_: a parameter's gradient is sharded over "
@@ -615,6 +747,29 @@ def check_kernels(layer: Layer, x: DistArray) -> None:
                         f"arrays on the {device}; use kernel_backend='numpy' for this layer")
 
 
+def prefetch_weights(layer: Layer | None, last: bool = False) -> None:
+    """Start gathering the sharded weights (stage ``"full"``) of the first layer of
+    ``layer`` that has parameters of its own (the last with ``last``: the next one of a
+    backward pass), to overlap with the layer running now (:meth:`Parameter.prefetch_`).
+    Containers call it before each of their layers; collective as the passes are."""
+    while layer is not None:
+        own = [p for p in layer.__dict__["_parameters"].values() if p is not None]
+        if own:
+            for p in own:
+                p.prefetch_()
+            return
+        children = [c for c in layer.__dict__["_modules"].values() if c is not None]
+        layer = (children[-1] if last else children[0]) if children else None
+
+
+def _gather_weights(layer: Layer) -> list[Parameter]:
+    """Gather the sharded weights of ``layer``'s own parameters for one pass (the
+    ``"full"`` stage of :func:`disttensor_nn.optim.shard_state`); those gathered, to drop
+    after it. Collective over the ranks that hold their pieces, as every pass."""
+    return [p for p in layer.__dict__["_parameters"].values()
+            if p is not None and p._held is not None and p.gather_()]
+
+
 def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` that remembers its output's distribution and dtype for :func:`check_grad`."""
 
@@ -626,10 +781,13 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         if d.get("kernel_backend") not in (None, "numpy") and isinstance(x, DistArray):
             check_kernels(self, x)
         d["_output"], d["_in_forward"] = None, True
+        gathered = _gather_weights(self)
         try:
             y = forward(self, x, *args, **kwargs)
         finally:
             d["_in_forward"] = False
+            for p in gathered:
+                p.drop_()
         d["_output"] = (y.dist, y.dtype) if isinstance(y, DistArray) else _UNCHECKED
         return y
 
@@ -648,10 +806,13 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         if out is not _UNCHECKED:
             dy = check_grad(dy, out, f"{type(self).__name__}.backward")
         d["_in_backward"] = True
+        gathered = _gather_weights(self)
         try:
             return backward(self, dy, *args, **kwargs)
         finally:
             d["_in_backward"] = False
+            for p in gathered:
+                p.drop_()
 
     return wrapper
 
@@ -1151,7 +1312,14 @@ class Layer:
                 if isinstance(dst, Parameter):
                     if dst.dist is not None:  # this rank's block of the full value
                         src = src[dst.dist.local_slices()]
-                    dst = dst.data
+                    if dst.sharded_weights and dst._data is None:  # this rank's piece of it
+                        dst._finish_prefetch()
+                        h = dst._held
+                        src = reshape(as_module(src, array_namespace(dst.piece),
+                                                device_of(dst.piece)), (-1,))[h.start:h.stop]
+                        dst = dst.piece
+                    else:
+                        dst = dst.data
                 _copy_into(dst, src)
         return IncompatibleKeys(missing if not strict else [],
                                 unexpected if not strict else [])
@@ -1180,7 +1348,13 @@ class Layer:
             This layer itself.
         """
         for p in self.parameters():
-            p.data = as_module(p.data, xp, device)
+            if p.sharded_weights:
+                p._finish_prefetch()
+                p.piece = as_module(p.piece, xp, device)
+                if p._data is not None:
+                    p._data = as_module(p._data, xp, device)
+            else:
+                p.data = as_module(p.data, xp, device)
             p.grad = as_module(p.grad, xp, device)
             if p.unreduced is not None:
                 p.unreduced = as_module(p.unreduced, xp, device)

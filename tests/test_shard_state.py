@@ -8,7 +8,10 @@ some pieces are empty) against an unsharded optimizer stepping the sum of the
 parts computed here in NumPy; and a small convolutional model split over space
 against the same model trained unsharded. State dictionaries are whole, and
 load at another rank count and stage; bad stage names raise the same error on
-every rank and change nothing.
+every rank and change nothing. Stage "full" (sharded weights, gathered by each
+layer for its passes) trains 20 steps as unsharded at 1-4 ranks. The memory
+model's figures are checked against sizes computed here, and the training
+driver and its command line (--shard-state) against unsharded training.
 """
 
 from __future__ import annotations
@@ -218,7 +221,7 @@ def test_bad_stages_raise_the_same_error_on_every_rank_and_change_nothing():
     params = fresh_params()
     opt = SGD(params, lr=0.1, momentum=0.9)
     for stage, words in (("zero2", "unknown stage 'zero2'"), (2, "unknown stage 2"),
-                         ("full", "not built yet")):
+                         ("zero-3", "unknown stage 'zero-3'")):
         _, err = collective_outcome(shard_state, opt, stage)
         collective_assert(isinstance(err, ValueError) and words in str(err), str(err))
     _, err = collective_outcome(shard_state, object(), "optimizer")
@@ -247,7 +250,10 @@ def test_the_memory_model_counts_the_sharded_state_per_rank():
                                                  + total + small)
         # reduce-scattered one layer at a time: one layer's local gradients in flight
         assert mem("gradients") == pytest.approx(total + (1 + slots) * total / nprocs + big)
-        assert mem("full") == pytest.approx((2 + slots) * total / nprocs + 2 * big)
+        # the weights too, but a layer's are gathered whole for its pass, and the next
+        # one's meanwhile: the two largest
+        second = sorted(sizes)[-2]
+        assert mem("full") == pytest.approx((2 + slots) * total / nprocs + 2 * big + second)
     with pytest.raises(ValueError, match="unknown shard_state 'zero'"):
         CostModel(prof, 2, shard_state="zero")
 
@@ -325,7 +331,8 @@ def test_shard_state_without_replicated_parameters_trains_on_with_one_note(capsy
 @pytest.mark.parametrize("argv,words", [
     (["--shard-state", "zero3"], "invalid choice: 'zero3'"),
     (["--shard-state", ""], "invalid choice: ''"),
-] + ([] if "full" in BUILT_STAGES else [(["--shard-state", "full"], "not built yet")]))
+    (["--shard-state", "Full"], "invalid choice: 'Full'"),
+])
 def test_the_command_line_refuses_bad_stages_with_one_usage_message(capsys, argv, words):
     from disttensor_nn.training.cli import train_main
 
@@ -414,9 +421,10 @@ def test_the_plan_counts_the_sharded_state_in_its_peak():
         waiting = 2 * sum(reduced) + scratch * sum(reduced)
         assert peak["none"] - peak["gradients"] == pytest.approx(
             (1 + slots) * total * (1 - 1 / nprocs) + waiting - max(reduced) * (1 + scratch))
-        # stage 3: also the weights, but the largest is gathered whole for its passes
+        # stage 3: also the weights, but a layer's are gathered whole for its passes,
+        # and the next layer's meanwhile: the two largest
         assert peak["gradients"] - peak["full"] == pytest.approx(
-            total * (1 - 1 / nprocs) - big)
+            total * (1 - 1 / nprocs) - big - sorted(sizes)[-2])
 
 
 @pytest.mark.parallel([2])
@@ -432,3 +440,99 @@ def test_the_driver_plans_with_the_stage_and_the_optimizers_slots():
     saved = run("none") - run("optimizer")
     collective_assert(saved == pytest.approx(2 * total * (1 - 1 / comm.size)),
                       f"{saved} vs {2 * total * (1 - 1 / comm.size)}")
+
+
+# --------------------------------------------------------------------------- stage "full"
+def bn_model(dtype) -> nn.Sequential:
+    # weights of 54, 3, 3 and 3 elements: uneven pieces, empty at 4 ranks; batch norm sums
+    # its own gradients (after the ReLU: a bias right before it would have no gradient
+    # but rounding noise, which Adam amplifies)
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, seed=3, dtype=dtype), nn.ReLU(),
+                         nn.BatchNorm2d(3, dtype=dtype), nn.Conv2d(3, 3, 1, seed=4, dtype=dtype))
+
+
+def train_full(stage: str | None, kind: str, dtype, steps: int = 20):
+    """``steps`` steps of a model split over space (clipped), sharded at ``stage``."""
+    model = bn_model(dtype)
+    opt = SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01) \
+        if kind == "sgd" else Adam(model.parameters(), lr=0.01)
+    if stage is not None:
+        shard_state(opt, stage)
+    loss = nn.MSELoss()
+    shape = (2, 2, 8, 6)
+    dist = dt.Distribution(shape, grid1(), (None, None, 0, None))
+    seen = []  # whether the first convolution's whole weights are dropped after forward
+    model[0].register_forward_hook(lambda layer, x, y: seen.append(
+        layer.weight._data is None))
+    # the next layer's gather started before a layer runs (forward: the last convolution's
+    # while batch norm runs; backward: the first's while the ReLU runs)
+    model[2].register_forward_hook(lambda layer, x, y: ahead.append(
+        model[3].weight._pending is not None))
+    model[1].register_full_backward_hook(lambda layer, dx, dy: ahead.append(
+        model[0].weight._pending is not None))
+    ahead: list[bool] = []
+    for s in range(steps):
+        rng = np.random.default_rng(s)
+        x = dt.DistArray.from_global(rng.standard_normal(shape).astype(dtype), dist)
+        t = rng.standard_normal((2, 3, 8, 6)).astype(dtype)
+        opt.zero_grad()
+        loss(model(x), t)
+        model.backward(loss.backward())
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return model, opt, (seen, ahead)
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-6), (np.float64, 1e-12)])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_sharded_weights_train_as_unsharded_for_20_steps(kind, dtype, tol):
+    """Stage "full": each rank keeps 1/R of every replicated weight between passes, the
+    layers gather them for forward and backward and drop them after; 20 steps give the
+    unsharded weights (within the dtype's rounding), and whole state dictionaries."""
+    ref, ref_opt, _ = train_full(None, kind, dtype)
+    model, opt, (seen, ahead) = train_full("full", kind, dtype)
+    want = {k: np.asarray(v) for k, v in ref.state_dict().items()}
+    got = {k: np.asarray(v) for k, v in model.state_dict().items()}  # gathered: collective
+    errs = {k: float(np.max(np.abs(got[k] - want[k])) / max(np.max(np.abs(want[k])), 1))
+            for k in want}
+    collective_assert(got.keys() == want.keys() and max(errs.values()) <= tol,
+                      f"{kind} {dtype.__name__}: weights differ by {errs}")
+    # sharded from the first step on (its backward pass told the ranks that share them)
+    collective_assert(comm.size == 1 and not any(seen) or comm.size > 1 and all(seen[1:]),
+                      f"the whole weights stayed after forward: {seen}")
+    collective_assert(comm.size == 1 and not any(ahead) or comm.size > 1 and all(ahead[2:]),
+                      f"no gather started ahead: {ahead}")
+    convs = [p for layer in (model[0], model[3]) for p in layer.own_parameters()]
+    if comm.size > 1:
+        # the convolutions' weights: this rank's piece alone, whole only inside a pass
+        pieces = [p.piece.size for p in convs]
+        wanted = [shard_counts(int(np.prod(p.shape)), comm.size)[0][comm.rank] for p in convs]
+        collective_assert(all(p.sharded_weights and p._data is None for p in convs)
+                          and pieces == wanted, f"pieces {pieces}, want {wanted}")
+        _, err = collective_outcome(lambda: convs[0].data)
+        collective_assert(isinstance(err, RuntimeError) and "full()" in str(err), repr(err))
+    # batch norm sums its own gradients: no communicator to shard it over, whole
+    collective_assert(not any(p.sharded_weights for p in model[2].own_parameters()), "bn")
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    ok = all((np.allclose(a, b, rtol=0, atol=tol * 10) if not isinstance(a, dict) else
+              all(np.allclose(a[k], b[k], rtol=10 * tol, atol=10 * tol) for k in a))
+             for a, b in zip(sd["state"], ref_sd["state"]))
+    collective_assert(ok, "the optimizer's state_dict differs from the unsharded one")
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_sharded_weights_load_whole_state_and_go_back_to_whole():
+    """load_state_dict into sharded weights keeps each rank's piece of it; a later stage
+    "none" gathers the weights whole again."""
+    model, opt, _ = train_full("full", "adam", np.float64, steps=2)
+    ref = bn_model(np.float64)
+    saved = ref.state_dict()
+    model.load_state_dict(saved)
+    got = {k: np.asarray(v) for k, v in model.state_dict().items()}
+    collective_assert(all(np.array_equal(got[k], np.asarray(saved[k])) for k in saved),
+                      "loaded weights")
+    shard_state(opt, "none")
+    opt.zero_grad()
+    opt.step()  # zero gradients: Adam still moves by its moments, as unsharded
+    collective_assert(not any(p.sharded_weights for p in model.parameters()), "still sharded")

@@ -198,7 +198,7 @@ class Optimizer:
             raise ValueError(f"{name}.step: lr must be >= 0, got {self.lr!r}")
         for i, p in enumerate(self.params):
             if self.shard_stage == "none" and self._shards[i] is None \
-                    and p.grad_range is None:
+                    and p.grad_range is None and not p.sharded_weights:
                 self._follow(i, p)
                 self._update(i, p)
             else:
@@ -209,12 +209,20 @@ class Optimizer:
         comm = p.grad_comm if p.grad_comm is not None else self.shard_comm
         if self.shard_stage == "none" or comm is None or comm.size == 1:
             return None
-        start, stop = shard_range(p.data.size, comm.size, comm.rank)
-        return _Shard(comm, start, stop, p.data.size, tuple(p.data.shape))
+        size = p.local_size
+        start, stop = shard_range(size, comm.size, comm.rank)
+        return _Shard(comm, start, stop, size, p.local_shape)
 
     def _sharded_update(self, i: int, p: Parameter) -> None:
-        """Update this rank's piece of ``p`` and all-gather the pieces (see shard_state)."""
+        """Update this rank's piece of ``p`` and all-gather the pieces (see shard_state);
+        under ``"full"`` keep only the updated piece of the weights."""
         shard, old = self._shard_of(p), self._shards[i]
+        held = p._held
+        if held is not None and (shard is None or self.shard_stage != "full" or
+                                 (held.comm, held.start, held.stop) !=
+                                 (shard.comm, shard.start, shard.stop)):
+            p.unshard_weights_()  # whole weights again (collective)
+            held = None
         if old is not None and (shard != old or self._dists[i] != p.dist):
             # the state as the local block, gathered over the ranks that kept it
             self.state[i] = _map_arrays(self.state[i], lambda a: _whole_piece(a, old))
@@ -222,7 +230,7 @@ class Optimizer:
         self._follow(i, p)
         if p.grad_range is not None and (shard is None or p.grad_range
                                          != (shard.start, shard.stop)):
-            p.grad = reshape(gather_shards(p.grad, p.grad_comm, p.data.size), p.data.shape)
+            p.grad = reshape(gather_shards(p.grad, p.grad_comm, p.local_size), p.local_shape)
             p.grad_range = None
         if shard is None:
             self._update(i, p)
@@ -231,11 +239,18 @@ class Optimizer:
             self.state[i] = _map_arrays(self.state[i], lambda a: contiguous(
                 _flat(a)[shard.start:shard.stop], copy=True))
             self._shards[i] = shard
-        flat = _flat(p.data)
         grad = p.grad if p.grad_range is not None else _flat(p.grad)[shard.start:shard.stop]
+        if held is not None:  # the weights' piece alone, updated in place
+            p._finish_prefetch()  # a gather started ahead reads the piece: done first
+            self._update(i, _Piece(p.piece, grad))  # type: ignore[arg-type]
+            return
+        flat = _flat(p.data)
         piece = _Piece(flat[shard.start:shard.stop], grad)
         self._update(i, piece)  # type: ignore[arg-type]
-        gather_shards(piece.data, shard.comm, shard.size, out=flat)
+        if self.shard_stage == "full":  # keep the piece, drop the block
+            p.release_(shard.comm, shard.start, shard.stop)
+        else:
+            gather_shards(piece.data, shard.comm, shard.size, out=flat)
 
     def _follow(self, i: int, p: Parameter) -> None:
         """Re-split and move ``state[i]`` as ``p`` was (collective when ``p`` is sharded)."""
@@ -244,9 +259,9 @@ class Optimizer:
             old, new = self._dists[i], p.dist
             entry = _map_arrays(entry, lambda a: local_block(full_array(a, old), new))
         self._dists[i] = p.dist
-        if entry is not None and any(array_namespace(a) is not array_namespace(p.data)
+        if entry is not None and any(array_namespace(a) is not array_namespace(p.like)
                                      for a in _arrays(entry)):  # the model moved
-            entry = _map_arrays(entry, lambda a: _like(p.data, a))
+            entry = _map_arrays(entry, lambda a: _like(p.like, a))
         self.state[i] = entry
 
     def _update(self, i: int, p: Parameter) -> None:
@@ -324,7 +339,7 @@ class Optimizer:
         self.check_state_dict(state)
 
         def block(p: Parameter) -> Callable[[Any], Any]:
-            return lambda b: _like(p.data, np.asarray(b) if p.dist is None
+            return lambda b: _like(p.like, np.asarray(b) if p.dist is None
                                    else np.asarray(b)[p.dist.local_slices()])
         self.state = [_map_arrays(dict(e) if isinstance(e, Mapping) else e, block(p))
                       for p, e in zip(self.params, state["state"])]

@@ -1,5 +1,6 @@
-"""Sharded parameter state (ZeRO's stages): each rank of the ranks that replicate a
-parameter keeps and updates 1/R of its optimizer state, and optionally of its gradient."""
+"""Sharded parameter state (ZeRO's stages, FSDP): each rank of the ranks that replicate a
+parameter keeps and updates 1/R of its optimizer state, and optionally of its gradient and
+of its weights."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from .optimizer import STAGES, Optimizer
 
 __all__ = ["STAGES", "BUILT_STAGES", "check_stage", "shard_state"]
 
-BUILT_STAGES = ("none", "optimizer", "gradients")
-"""The stages :func:`shard_state` runs (``"full"``, sharded weights, is not built yet)."""
+BUILT_STAGES = ("none", "optimizer", "gradients", "full")
+"""The stages :func:`shard_state` runs (all of :data:`STAGES`)."""
 
 
 def check_stage(stage: Any) -> str:
@@ -24,9 +25,6 @@ def check_stage(stage: Any) -> str:
     if not isinstance(stage, str) or stage not in STAGES:
         raise ValueError(f"shard_state: unknown stage {stage!r}; the stages are "
                          f"{', '.join(STAGES)}")
-    if stage not in BUILT_STAGES:
-        raise ValueError(f"shard_state: the stage {stage!r} (sharded weights) is not built "
-                         f"yet; the stages built are {', '.join(BUILT_STAGES)}")
     return stage
 
 
@@ -54,8 +52,23 @@ def shard_state(optimizer: Optimizer, stage: str = "optimizer",
     rank's piece instead of an allreduce, so ``grad`` holds the reduced
     piece alone (:func:`~disttensor_nn.optim.clip_grad_norm_` still gives
     the whole model's norm). Gradients that a layer sums itself (batch
-    norm's) stay whole and are sliced. ``"none"`` undoes both (the state is
-    gathered back at the next step).
+    norm's) stay whole and are sliced.
+
+    ``"full"`` (ZeRO-3, FSDP) also shards the weights: from the first
+    :meth:`~Optimizer.step` on (the first backward pass tells each
+    parameter the ranks that replicate it), each rank keeps only its piece
+    of each such parameter (``Parameter.piece``; ``Parameter.sharded_weights``),
+    which the optimizer updates in place, with nothing all-gathered after
+    the step. Every layer gathers its own parameters' weights (one
+    ``Allgatherv`` each) just before its forward pass and again before its
+    backward pass, and drops the whole arrays after each: between passes,
+    ``Parameter.data`` raises, and :meth:`~disttensor_nn.Parameter.full`
+    and ``state_dict()`` gather the weights whole (collective), while
+    ``load_state_dict`` keeps this rank's piece of what it is given. A
+    layer's weights are thus whole only during its own passes.
+
+    ``"none"`` undoes all of it (the state, and the weights, are gathered
+    back at the next step).
 
     :meth:`Optimizer.state_dict` stays whole (keys and shapes of the
     unsharded state: collective), and a whole state loads into a sharded
@@ -66,8 +79,9 @@ def shard_state(optimizer: Optimizer, stage: str = "optimizer",
     Parameters
     ----------
     optimizer : Optimizer
-    stage : {"none", "optimizer", "gradients"}
-        ``"full"`` (sharded weights) is refused: not built yet.
+    stage : {"none", "optimizer", "gradients", "full"}
+        What each rank keeps 1/R of: the optimizer state; also the reduced
+        gradients; also the weights between the layers' passes.
     comm : mpi4py.MPI.Intracomm, optional
         The ranks that replicate the parameters whose gradients no backward
         pass of a layer has reduced (``grad_comm`` None; by default those
@@ -81,7 +95,7 @@ def shard_state(optimizer: Optimizer, stage: str = "optimizer",
     Raises
     ------
     ValueError
-        For an unknown stage or one not built yet: the same on every rank,
+        For an unknown stage: the same on every rank,
         before any communication, nothing changed.
     """
     stage = check_stage(stage)

@@ -471,7 +471,8 @@ class CostModel:
         (``"gradients"``), whose local parts are then reduced one layer at a
         time (a blocking Reduce_scatter: one layer's parts in flight), and
         the optimizer's temporaries are of a piece's size; ``"full"`` counts
-        the weights so too, plus the largest one gathered whole. Each parameter's
+        the weights so too, plus the two largest gathered whole (a layer's for
+        its pass, the next layer's gathered meanwhile). Each parameter's
         piece is ``1 / nprocs`` of it whenever every grid axis splits the
         samples, space or the channels (a channel-sharded block of ``1 / c``
         is shared by ``nprocs / c`` ranks).
@@ -492,8 +493,9 @@ class CostModel:
             pending += self.profile.reduce_scratch * (pending if stage >= 2 else sum(grads))
         state = self.state_slots * sum(sizes) * share
         weights = float(sum(sizes))
-        if stage >= 3:  # 1/P of the weights, the largest layer's gathered for its passes
-            weights = weights * share + max(sizes, default=0)
+        if stage >= 3:  # 1/P of the weights; a layer's gathered for its pass, and the
+            # next one's gathered meanwhile: at most the two largest whole
+            weights = weights * share + sum(sorted(sizes)[-2:])
         return float(weights + held + state + max(pending, max(sizes, default=0) * share))
 
     def local_gradient_bytes(self, layer: Layer, in_shape: tuple[int, ...]) -> list[float]:

@@ -524,7 +524,7 @@ def _verify(directory: str, model: Layer | None, optimizer: Any,
             _refuse(f"{directory}: the manifest lacks {key!r}")
     _check_files(directory, manifest)
     _compare("parameters", manifest["parameters"],
-             [(n, tuple(p.shape), numpy_dtype(p.data.dtype))
+             [(n, tuple(p.shape), numpy_dtype(p.dtype))
               for n, p in named_parameters(model)])
     _compare("buffers", manifest["buffers"],
              [(n, tuple(getattr(lay, a).shape), numpy_dtype(getattr(lay, a).dtype))
@@ -651,7 +651,7 @@ def _describe_arguments(model: Layer | None, optimizer: Any,
             raise ValueError(f"array {name!r} lives on another communicator than the "
                              "checkpoint's")
         described.append((name, repr(dist), dtype))
-    params = [(n, tuple(p.shape), numpy_dtype(p.data.dtype).str)
+    params = [(n, tuple(p.shape), numpy_dtype(p.dtype).str)
               for n, p in named_parameters(model)]
     buffers = [(n, tuple(getattr(lay, a).shape), numpy_dtype(getattr(lay, a).dtype).str)
                for n, lay, a in named_buffers(model)]
