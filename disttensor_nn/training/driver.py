@@ -351,7 +351,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         history = [dict(h) for h in state["extra"].get("history", [])]
         _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
     release_free_memory()  # what planning freed, before the step's peak is measured
-    _check_budget(plan, model, comm)
+    _check_budget(plan, model, comm, cfg.shard_state if cfg.layout == "auto" else "none")
     return model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history
 
 
@@ -361,26 +361,34 @@ classes round each block up by up to an eighth, and buffers of one class wait fr
 a step asks for another."""
 
 
-def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm) -> int:
-    """Bytes the step's block cache may hold: what the plan predicts the step adds to the
-    process besides its parameters and their gradients, and :data:`CACHE_SLACK` more
-    (within the budget, if there is one)."""
+def _planned_params(model: Layer, stage: str, nprocs: int) -> float:
+    """Bytes of the weights and gradients as a plan made for ``stage`` counts them: the
+    gradients (``"gradients"``), and the weights too (``"full"``), at 1/nprocs."""
     params = sum(nbytes(p.data) for p in model.parameters())
-    extra = (plan.peak_memory - plan.baseline_memory - 2 * params) * (1 + CACHE_SLACK)
+    grads = params / nprocs if stage in ("gradients", "full") else params
+    return grads + (params / nprocs if stage == "full" else params)
+
+
+def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> int:
+    """Bytes the step's block cache may hold: what the plan (made for the sharding
+    ``stage``) predicts the step adds to the process besides its parameters and their
+    gradients, and :data:`CACHE_SLACK` more (within the budget, if there is one)."""
+    params = _planned_params(model, stage, comm.Get_size())
+    extra = (plan.peak_memory - plan.baseline_memory - params) * (1 + CACHE_SLACK)
     if plan.memory_budget:
         now = comm.allreduce(resident_bytes(), op=MPI.MAX)
         extra = min(extra, plan.memory_budget - now)
     return max(int(extra), 0)
 
 
-def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm) -> None:
-    """Refuse, on every rank, a step whose predicted memory on top of what the ranks hold
-    now passes the budget; warn when the node's free memory is short of it."""
+def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> None:
+    """Refuse, on every rank, a step whose predicted memory (of a plan made for the
+    sharding ``stage``) on top of what the ranks hold now passes the budget; warn when the
+    node's free memory is short of it."""
     budget = plan.memory_budget
     now = comm.allreduce(resident_bytes(), op=MPI.MAX)
-    params = sum(nbytes(p.data) for p in model.parameters())
     # what the plan counts and the ranks already hold: the process, parameters, gradients
-    held = plan.baseline_memory + 2 * params
+    held = plan.baseline_memory + _planned_params(model, stage, comm.Get_size())
     extra = max(0.0, plan.peak_memory - held)
     if budget and now + extra > budget:
         total, where = now, plan.entries[-1]
@@ -529,7 +537,8 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     plain = iter(loader) if it is None else None
     times, data_times = [], []
     warmup = [0.0] * len(clocks)
-    cache_limit = _cache_limit(plan, model, comm) if cfg.block_cache else None
+    cache_limit = _cache_limit(plan, model, comm, cfg.shard_state if cfg.layout == "auto"
+                               else "none") if cfg.block_cache else None
     try:
         with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
                 as cache:
