@@ -536,3 +536,64 @@ def test_sharded_weights_load_whole_state_and_go_back_to_whole():
     opt.zero_grad()
     opt.step()  # zero gradients: Adam still moves by its moments, as unsharded
     collective_assert(not any(p.sharded_weights for p in model.parameters()), "still sharded")
+
+
+@functools.cache
+def grid2() -> dt.ProcessGrid:
+    return dt.ProcessGrid({1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}[comm.size])
+
+
+def filter_net() -> nn.Sequential:
+    """Filters split over grid axis 1 (their blocks replicated over axis 0), batch norm,
+    a replicated 1x1 convolution and a Linear layer."""
+    f64 = np.float64
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, dtype=f64, filter_axes=(1,)),
+                        nn.BatchNorm2d(4, dtype=f64), nn.ReLU(), nn.Conv2d(4, 4, 1, dtype=f64),
+                        nn.GlobalAvgPool(), nn.Linear(4, 3, dtype=f64))
+    rng = np.random.default_rng(30)
+    for p in net.parameters():
+        p.data[...] = rng.standard_normal(p.shape) * 0.5
+    return net
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_sharded_weights_of_split_filters_train_as_unsharded(kind):
+    """Stage "full" on a filter-split convolution: each block of its weights is sharded
+    over the ranks that hold that block (grid axis 0), the replicated weights over all."""
+    shape = (4, 2, 8, 8)
+    dist = dt.Distribution(shape, grid2(), (0, None, None, None))
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal(shape)
+    labels = np.argmax(x[:, 0, :, :3].mean(axis=(1, 2))[:, None] * [1, -1, 0.5], axis=1)
+
+    def run(stage):
+        net = filter_net()
+        opt = SGD(net.parameters(), lr=0.1, momentum=0.9) if kind == "sgd" else \
+            Adam(net.parameters(), lr=0.01)
+        if stage is not None:
+            shard_state(opt, stage)
+        loss_fn = nn.SoftmaxCrossEntropy()
+        losses = []
+        for _ in range(20):
+            losses.append(loss_fn(net(dt.DistArray.from_global(x, dist)), labels))
+            opt.zero_grad()
+            net.backward(loss_fn.backward())
+            opt.step()
+        return net, np.array(losses)
+    ref, ref_losses = run(None)
+    net, losses = run("full")
+    want = {k: np.asarray(v) for k, v in ref.state_dict().items()}
+    got = {k: np.asarray(v) for k, v in net.state_dict().items()}
+    errs = {k: float(np.max(np.abs(got[k] - want[k]))) for k in want}
+    collective_assert(np.allclose(losses, ref_losses, rtol=1e-10, atol=0)
+                      and max(errs.values()) < 1e-10, f"{kind}: {errs}")
+    w = net[0].weight
+    replicas = grid2().shape[0]
+    collective_assert(w.dist is not None or grid2().shape[1] == 1, "the filters are not split")
+    collective_assert(w.sharded_weights == (replicas > 1), f"{w.sharded_weights}")
+    if replicas > 1:
+        want_piece = shard_counts(w.local_size, replicas)[0][grid2().coords_of(comm.rank)[0]]
+        collective_assert(w.piece.size == want_piece, f"piece {w.piece.size} {want_piece}")
+    # the Linear layer's gradient is summed over the ranks splitting the samples (axis 0)
+    collective_assert(net[5].weight.sharded_weights == (replicas > 1), "Linear")
