@@ -35,7 +35,8 @@ from .kernels import backend_supports, check_backend
 
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
            "GradientBuckets", "no_sync", "reduce_gradients_", "split_axes_comm", "check_input",
-           "check_grad", "check_int", "check_kernels", "full_array", "local_block"]
+           "check_grad", "check_int", "check_kernels", "full_array", "local_block",
+           "prefetch_weights"]
 
 
 class Parameter:
