@@ -132,7 +132,7 @@ class BlockCache:
         self.limit = limit
         self.min_bytes = max(int(min_bytes), 1)
         self.stats = BlockCacheStats()
-        self._buffers: dict[int, list[np.ndarray]] = {}
+        self._by_class: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
         self._free_refs = _baseline_refcount()
 
@@ -181,8 +181,8 @@ class BlockCache:
         with self._lock:
             # the smallest free buffer that holds the request without more than a quarter
             # of slack: requests a class or two apart (uneven blocks) share buffers
-            for c in sorted(k for k in self._buffers if cap <= k <= cap + cap // 4):
-                for buf in self._buffers[c]:
+            for c in sorted(k for k in self._by_class if cap <= k <= cap + cap // 4):
+                for buf in self._by_class[c]:
                     if sys.getrefcount(buf) <= self._free_refs:
                         s.hits += 1
                         return buf, False
@@ -192,7 +192,7 @@ class BlockCache:
                     s.overflows += 1
                     return _map(cap), True
             buf = _map(cap)
-            self._buffers.setdefault(cap, []).append(buf)
+            self._by_class.setdefault(cap, []).append(buf)
             s.misses += 1
             s.held_bytes += cap
             s.peak_held_bytes = max(s.peak_held_bytes, s.held_bytes)
@@ -201,8 +201,8 @@ class BlockCache:
     def _evict(self, need: int) -> None:
         """Drop free buffers, the largest first, until ``need`` bytes are given back."""
         s = self.stats
-        for cap in sorted(self._buffers, reverse=True):
-            held = self._buffers[cap]
+        for cap in sorted(self._by_class, reverse=True):
+            held = self._by_class[cap]
             keep = []
             for buf in held:
                 if need > 0 and sys.getrefcount(buf) <= self._free_refs:
@@ -219,7 +219,7 @@ class BlockCache:
     def in_use_bytes(self) -> int:
         """Bytes of the held buffers that some array still refers to."""
         with self._lock:
-            return sum(cap for cap, held in self._buffers.items() for buf in held
+            return sum(cap for cap, held in self._by_class.items() for buf in held
                        if sys.getrefcount(buf) > self._free_refs)
 
     def clear(self) -> None:
