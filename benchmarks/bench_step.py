@@ -48,6 +48,7 @@ from _common import print_table, write_json
 from mpi4py import MPI
 
 import disttensor as dt
+from disttensor.blockcache import BlockCache, block_cache
 from disttensor_nn import SGD, MSELoss, SoftmaxCrossEntropy
 from disttensor_nn import kernels as nn_kernels
 from disttensor_nn.container import Residual, Sequential
@@ -213,8 +214,17 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
         opt.step()
         return loss
 
-    steps = {"disttensor": ours_step}
-    first = {"disttensor": ours_step()}
+    cache = BlockCache()  # kept warm between the steps, as the training driver's
+
+    def cached_step() -> float:
+        with block_cache(cache=cache):
+            return ours_step()
+
+    steps = {"disttensor": cached_step if args.block_cache != "off" else ours_step}
+    first = {"disttensor": steps["disttensor"]()}
+    if args.block_cache == "both":  # today's blocks, mapped afresh each step, beside it
+        steps["disttensor_nocache"] = ours_step
+        first["disttensor_nocache"] = first["disttensor"]
     if torch is not None:
         lo, hi = dist.local_slices()[0].start, dist.local_slices()[0].stop
         tx = torch.from_numpy(x_all[lo:hi].copy())
@@ -253,6 +263,8 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
         row[f"{key}_ms"] = 1e3 * statistics.median(ts)
         row[f"{key}_range_ms"] = [1e3 * min(ts), 1e3 * max(ts)]
         row[f"{key}_first_loss"] = first[key]
+    if "disttensor_nocache" in samples:
+        row["cache_speedup"] = row["disttensor_nocache_ms"] / row["disttensor_ms"]
     if "torch" in samples:
         row["ratio"] = row["disttensor_ms"] / row["torch_ms"]
         row["params"] = sum(p.data.size for p in model.parameters())
@@ -263,8 +275,9 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     if torch is not None:
         clocks["torch"] = torch_clocks(torch_model)
     types: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)
-    for key, fn in steps.items():
-        totals, handles = clocks[key]
+    for key, totals_handles in clocks.items():
+        fn = steps[key]
+        totals, handles = totals_handles
         fn()
         per_step = []
         for _ in range(max(3, per_round)):
@@ -277,7 +290,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
             types[k][key] = [1e3 * statistics.median(s[k][i] for s in per_step) for i in (0, 1)]
     for k, v in sorted(types.items()):
         r = {"model": name, "layer": k}
-        for key in steps:
+        for key in clocks:
             fwd, bwd = v.get(key, [float("nan")] * 2)
             r[f"{key}_fwd_ms"], r[f"{key}_bwd_ms"] = fwd, bwd
         breakdown.append(r)
@@ -298,6 +311,10 @@ def main(argv=None) -> int:
                         "or BLAS alone (with --kernels torch: PyTorch's intra-op threads)")
     p.add_argument("--kernels", choices=nn_kernels.BACKENDS, default="numpy",
                    help="our layers' kernel backend (disttensor_nn.kernels.use_kernels)")
+    p.add_argument("--block-cache", choices=("on", "off", "both"), default="on",
+                   help="our steps' large blocks from a block cache kept warm between steps "
+                        "(as disttensor-train), mapped afresh each step (off), or both, timed "
+                        "in alternation (the disttensor_nocache column)")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
@@ -333,14 +350,17 @@ def main(argv=None) -> int:
         layers += breakdown
     if comm.Get_rank() == 0:
         cols = ["model", "ranks", "threads", "kernels", "disttensor_ms"]
+        if args.block_cache == "both":
+            cols += ["disttensor_nocache_ms", "cache_speedup"]
         if torch is not None:
             cols += ["torch_ms", "ratio"]
         for r in rows:
-            for key in ("disttensor", "torch"):
+            for key in ("disttensor", "disttensor_nocache", "torch"):
                 if f"{key}_range_ms" in r:
                     lo, hi = r[f"{key}_range_ms"]
                     r[f"{key}_range"] = f"{lo:.0f}-{hi:.0f}"
-        print_table(rows, cols + [c for c in ("disttensor_range", "torch_range") if c in rows[0]])
+        print_table(rows, cols + [c for c in ("disttensor_range", "disttensor_nocache_range",
+                                              "torch_range") if c in rows[0]])
         print("first losses: " + "; ".join(
             f"{r['model']} {r['disttensor_first_loss']:.6g}"
             + (f" vs torch {r['torch_first_loss']:.6g}" if "torch_first_loss" in r else "")
