@@ -41,7 +41,7 @@ CHECK_LINES = {
 }
 # tutorials and modules that need PyTorch (an optional extra): skipped without it
 NEEDS_TORCH = {"torch_custom_layer.py", "torch_parallelize.py"}
-TORCH_MODULES = "disttensor_nn.torch"
+TORCH_MODULES = ("disttensor_nn.torch", "disttensor_nn.training.torch_driver")
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 TIMEOUT = 240
 

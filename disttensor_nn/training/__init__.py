@@ -10,6 +10,9 @@
   HDF5, Zarr and ``.npy`` files: :func:`open_dataset`);
 * :mod:`~disttensor_nn.training.inference`: distributed inference,
   :func:`predict` configured by a :class:`PredictConfig`;
+* :mod:`~disttensor_nn.training.torch_driver`: a PyTorch model of the user's
+  (``--model-file PATH.py:FUNCTION``) trained and planned by the driver's parts
+  (needs PyTorch; not imported here);
 * :mod:`~disttensor_nn.training.checkpoint`: collective, atomic checkpoints;
 * :mod:`~disttensor_nn.training.plot`: plots of a run's metrics;
 * :mod:`~disttensor_nn.training.cli`: the ``disttensor-train``,
@@ -24,6 +27,7 @@ from .data import (
     ImageNetSynthetic,
     Loader,
     MeshSynthetic,
+    NoiseDataset,
     NpyDataset,
     open_dataset,
     save_dataset,
@@ -43,7 +47,8 @@ from .registry import (
 
 __all__ = [
     "FORMAT", "VERSION", "ArrayDataset", "CheckpointError", "Dataset", "ImageNetSynthetic",
-    "Loader", "MeshSynthetic", "ModelSpec", "NpyDataset", "PredictConfig", "TrainConfig",
+    "Loader", "MeshSynthetic", "ModelSpec", "NoiseDataset", "NpyDataset", "PredictConfig",
+    "TrainConfig",
     "build_model", "check_size", "load_checkpoint",
     "model_names", "model_spec", "open_dataset", "plot_main", "plot_metrics", "plot_scaling",
     "predict", "register_model", "save_checkpoint", "save_dataset", "save_npy_dataset",

@@ -6,11 +6,14 @@ The models they accept are those of :mod:`disttensor_nn.training.registry`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
+from types import ModuleType
 from typing import Any
 
 from mpi4py import MPI
@@ -157,6 +160,42 @@ def _read_plan(parser: argparse.ArgumentParser, path: str) -> Plan:
     raise AssertionError  # parser.error exits
 
 
+def _torch_driver(parser: argparse.ArgumentParser) -> ModuleType:
+    """:mod:`disttensor_nn.training.torch_driver`, imported for ``--model-file`` only (it
+    needs PyTorch, an optional extra); without PyTorch a usage error naming the extra."""
+    try:
+        return importlib.import_module(f"{__package__}.torch_driver")
+    except ImportError as exc:
+        parser.error(f"--model-file: {exc}")
+    raise AssertionError  # parser.error exits
+
+
+def _model_file_options(parser: argparse.ArgumentParser) -> None:
+    """``--model-file`` and ``--in-channels``: a PyTorch model of the user's, instead of MODEL."""
+    parser.add_argument("--model-file", metavar="PATH.py:FUNCTION",
+                        help="instead of MODEL: a PyTorch model of your own, the "
+                        "torch.nn.Module FUNCTION() in PATH.py returns (unchanged, run by "
+                        "disttensor_nn.torch.parallelize; the torch extra)")
+    parser.add_argument("--in-channels", type=_positive_int, metavar="C",
+                        help="with --model-file: the input's channels (its spatial size is "
+                        "--size; both come from --data where that is given)")
+
+
+def _model_or_file(parser: argparse.ArgumentParser, a: argparse.Namespace,
+                   default: str | None) -> None:
+    """MODEL and ``--model-file`` exclude each other; ``a.model`` becomes the name shown."""
+    if a.model_file is not None:
+        if a.model is not None:
+            parser.error(f"give a MODEL or --model-file, not both (got {a.model} and "
+                         f"--model-file {a.model_file})")
+        a.model = a.model_file
+    else:
+        if a.in_channels is not None:
+            parser.error("--in-channels is for --model-file (a registered MODEL knows its "
+                         "channels)")
+        a.model = default if a.model is None else a.model
+
+
 def plan_main(argv: Sequence[str] | None = None) -> int:
     """``disttensor-plan MODEL --ranks P --batch N [...]``: print (and save) a plan."""
     profiles = builtin_profiles()
@@ -196,10 +235,14 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--channel-splits", action="store_true",
                         help="also split channels and filters (grids over (N, C, S..))")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
+    _model_file_options(parser)
     _kernel_options(parser)
     args = parser.parse_args(argv)
     if args.plot and not args.scaling:
         parser.error("--plot needs --scaling")
+    _model_or_file(parser, args, None)
+    if args.model_file is not None:
+        return _plan_model_file(parser, args)
     if args.model is not None:
         try:
             check_size(args.model, args.size)
@@ -258,6 +301,41 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     return 0
 
 
+def _plan_model_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``disttensor-plan --model-file PATH.py:FUNCTION``: plan the user's PyTorch model on
+    this job's ranks and print the plan (collective)."""
+    for flag, given in (("--scaling", args.scaling), ("--calibrate", args.calibrate),
+                        ("--channel-splits", args.channel_splits),
+                        ("--recompute", args.recompute != "auto")):
+        if given:
+            parser.error(f"{flag} is for the registered models, not --model-file")
+    comm = MPI.COMM_WORLD
+    if args.ranks is not None and args.ranks != comm.Get_size():
+        parser.error(f"--ranks {args.ranks}: --model-file plans for the ranks of this job "
+                     f"({comm.Get_size()}); run it under mpiexec -n {args.ranks}")
+    if args.size is None or args.in_channels is None:
+        parser.error("--model-file needs the input's shape: --in-channels C and --size HxW "
+                     "(or DxHxW)")
+    torch_driver = _torch_driver(parser)
+    shape = (args.batch or 4, args.in_channels, *args.size)
+    limit_threads(args.threads, comm=comm)
+    try:
+        pm = torch_driver.plan_model_file(args.model_file, shape, machine=args.machine,
+                                          memory_per_rank=args.memory_per_rank, comm=comm)
+    except ValueError as exc:  # a SetupError, raised on every rank alike
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    if comm.Get_rank() == 0:
+        print(f"{args.model_file}, batch {shape} -> output "
+              f"{tuple(pm.output_dist.global_shape)}, {_plural(comm.Get_size(), 'rank')}")
+        print(pm.plan.table())
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(pm.plan.to_json())
+            print(f"wrote {args.json}")
+    comm.Barrier()  # the JSON is written when any rank returns
+    return 0
+
+
 def _scaling(args: argparse.Namespace, model: Any, shape: tuple[int, ...]) -> int:
     rows = predict_scaling(model, shape, args.scaling, args.machine, args.memory_per_rank,
                            not args.no_measure, channels=args.channel_splits)
@@ -303,8 +381,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         description="Train a network with per-layer distributions chosen by the planner "
                     "(run under mpiexec -n P), on synthetic data or on a directory of .npy "
                     "samples (--data).")
-    parser.add_argument("model", nargs="?", default=d.model, choices=model_names(),
-                        help="the network to train (one of the registered models)")
+    parser.add_argument("model", nargs="?", default=None, choices=model_names(),
+                        help=f"the network to train (one of the registered models; default "
+                        f"{d.model}), or --model-file")
     parser.add_argument("--ranks-layout", default="auto", metavar="auto|PLAN.json",
                         help="'auto' (plan on this machine) or a plan JSON written by "
                         "disttensor-plan --json for this model, batch and number of ranks")
@@ -404,7 +483,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     _kernel_options(parser, d.kernels)
     parser.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=d.prefetch,
                         help="batches a thread reads or synthesises ahead while a step runs")
+    _model_file_options(parser)
     a = parser.parse_args(argv)
+    _model_or_file(parser, a, d.model)
     _check_kernels(parser, a)
     if a.resume and not a.checkpoint:
         parser.error("--resume needs --checkpoint DIR (the checkpoint to continue from)")
@@ -414,11 +495,15 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         problem = data_problem(a.data)
         if problem:
             parser.error(f"--data {a.data}: {problem}")
-    try:
-        check_size(a.model, a.size)
-    except ValueError as exc:
-        parser.error(f"--size: {exc}")
-    if a.ranks_layout != "auto":
+    if a.model_file is not None:
+        if a.ranks_layout != "auto":
+            _read_plan(parser, a.ranks_layout)  # parallelize checks that it fits the model
+    else:
+        try:
+            check_size(a.model, a.size)
+        except ValueError as exc:
+            parser.error(f"--size: {exc}")
+    if a.ranks_layout != "auto" and a.model_file is None:
         plan = _read_plan(parser, a.ranks_layout)
         model, shape = build_model(a.model, a.size, a.batch)
         problem = plan_mismatch(plan, model, shape, MPI.COMM_WORLD.Get_size())
@@ -440,11 +525,29 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       warmup_start_factor=a.warmup_start_factor, step_size=a.step_size,
                       gamma=a.gamma, min_lr=a.min_lr, schedule_steps=a.schedule_steps,
                       clip_grad_norm=a.clip_grad_norm, shard_state=a.shard_state)
+    if a.model_file is not None:
+        return _train_model_file(parser, a, cfg)
     problem = recipe_problem(cfg, a.lr if a.lr is not None else model_spec(a.model).lr)
     if problem:
         parser.error(problem)
     try:
         train(cfg)
+    except SetupError as exc:  # raised on every rank, before training
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return 0
+
+
+def _train_model_file(parser: argparse.ArgumentParser, a: argparse.Namespace,
+                      cfg: TrainConfig) -> int:
+    """``disttensor-train --model-file PATH.py:FUNCTION [...]`` (collective)."""
+    torch_driver = _torch_driver(parser)
+    problem = recipe_problem(cfg, a.lr if a.lr is not None else torch_driver.DEFAULT_LR)
+    if problem:
+        parser.error(problem)
+    cfg = torch_driver.ModelFileConfig(**asdict(cfg), model_file=a.model_file,
+                                       in_channels=a.in_channels)
+    try:
+        torch_driver.train_model_file(cfg)
     except SetupError as exc:  # raised on every rank, before training
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return 0

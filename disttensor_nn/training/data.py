@@ -48,6 +48,7 @@ __all__ = [
     "data_problem",
     "ImageNetSynthetic",
     "MeshSynthetic",
+    "NoiseDataset",
     "NpyDataset",
     "Loader",
     "Prefetcher",
@@ -444,6 +445,66 @@ class MeshSynthetic(Dataset):
 
 
 # --------------------------------------------------------------------------- .npy files
+class NoiseDataset(Dataset):
+    """Uniform noise in ``[-1, 1)`` of any sample and target shape, for any model.
+
+    Every input and target element is a SplitMix64 hash of its global index
+    ``(sample, *coordinates)`` and of the seed, so any split of a batch gives
+    the same values and no rank generates more than its block. The data set of
+    a model the registry does not know (``disttensor-train --model-file``):
+    inputs of the model's input shape, targets of its output shape.
+
+    Parameters
+    ----------
+    num_samples : int
+        Size of the data set.
+    sample_shape : tuple of int
+        ``(C, *spatial)`` of one input.
+    target_shape : tuple of int
+        The shape of one target (any, e.g. the model's output per sample).
+    seed : int
+        Selects the data set; every rank must use the same.
+    dtype : dtype
+        Element type of inputs and targets (float32 by default).
+    """
+
+    def __init__(self, num_samples: int, sample_shape: Sequence[int],
+                 target_shape: Sequence[int], seed: int = 0, dtype: Any = np.float32):
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.num_samples, self.seed = int(num_samples), seed
+        self.sample_shape = tuple(int(n) for n in sample_shape)
+        self.target_shape = tuple(int(n) for n in target_shape)
+        if not self.target_shape:
+            raise ValueError("NoiseDataset: the targets need a shape (C_t, ...), got ()")
+        self.dtype = self.target_dtype = np.dtype(dtype)
+        self._k_input, self._k_target = _stream_keys(seed, 4, 2)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @staticmethod
+    def _block(key: np.uint64, sample: int, where: Slices, shape: tuple[int, ...],
+               dtype: np.dtype) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            counter = np.uint64(sample)
+            for sl, n in zip(where, shape):
+                counter = counter * np.uint64(n)
+                counter = np.expand_dims(counter, -1) + _u64(_range(sl))
+        bits = _mix(_mix(counter, key), key)
+        return ((bits >> np.uint64(11)).astype(np.float64) * (2.0**-52) - 1.0).astype(dtype)
+
+    def _input_block(self, sample: int, where: Slices) -> np.ndarray:
+        return self._block(self._k_input, sample, where, self.sample_shape, self.dtype)
+
+    def _target_block(self, sample: int, where: Slices) -> np.ndarray:
+        return self._block(self._k_target, sample, where, self.target_shape, self.target_dtype)
+
+    def __repr__(self) -> str:
+        return (f"NoiseDataset({self.num_samples}, sample_shape={self.sample_shape}, "
+                f"target_shape={self.target_shape}, seed={self.seed})")
+
+
 def _npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype]:
     """(shape, fortran_order, dtype) from the header of a .npy file, reading nothing else."""
     with open(path, "rb") as f:
