@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402, N812  (after the skip)
 
 from disttensor_nn.plan import Plan  # noqa: E402
-from disttensor_nn.training.cli import plan_main, train_main  # noqa: E402
+from disttensor_nn.training.cli import plan_main, predict_main, train_main  # noqa: E402
 from disttensor_nn.training.data import NoiseDataset  # noqa: E402
 
 V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
@@ -269,6 +269,42 @@ def test_plan_prints_the_table_and_its_json_trains(capsys):
                                    "--ranks-layout", plan))
     if comm.Get_rank() == 0:
         assert "plan" in err and "(2, 2, 12, 10)" in err, err
+
+
+# ------------------------------------------------------------------ inference
+@pytest.mark.parallel([1, 2, 3])
+def test_predict_runs_the_checkpoint_as_plain_torch_does(capsys):
+    tmp = shared_tmpdir()
+    path = model_file(tmp)
+    data, x, _ = npy_data(tmp)
+    ck, out = os.path.join(tmp, "ck"), os.path.join(tmp, "pred.npy")
+    assert train_main(base(path, "--data", data, "--batch", "2", "--steps", "2",
+                           "--checkpoint", ck)) == 0
+    assert predict_main(["--model-file", f"{path}:build", "--checkpoint", ck, "--data", data,
+                         "--out", out, "--machine", V100, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        assert f"wrote {N} outputs ({N}, 1, {H}, {W}) to {out}" in text, text
+        assert "enc.0 Conv2d" in text, text
+    ns: dict = {}
+    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
+    plain = ns["build"]()
+    plain.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint_state(ck).items()})
+    plain.eval()  # batch norm by its running statistics
+    with torch.no_grad():
+        want = plain(torch.from_numpy(x)).numpy().astype(np.float64)
+    got = np.load(out).astype(np.float64)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want) if got.shape == want.shape \
+        else np.inf
+    collective_assert(err <= 1e-5, f"outputs {got.shape}, relative error {err:.2e}")
+    for argv, words in (([], "a MODEL is needed (or --model-file"),
+                        (["mesh-demo", "--model-file", f"{path}:build"], "not both"),
+                        (["--model-file", f"{path}:nothere"], "defines no 'nothere'")):
+        err_text = usage_error(capsys, [*argv, "--checkpoint", ck, "--data", data, "--out",
+                                        out, "--machine", V100], predict_main)
+        if comm.Get_rank() == 0:
+            assert words in err_text, err_text
 
 
 # ------------------------------------------------------------------ bad arguments

@@ -622,7 +622,11 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
                     "of a data set, split over the ranks as the planner chooses for inference "
                     "memory (run under mpiexec -n P); every rank reads its block of each "
                     "input and writes its block of each output to one Zarr store or .npy file.")
-    parser.add_argument("model", choices=model_names(), help="the trained network")
+    parser.add_argument("model", nargs="?", default=None, choices=model_names(),
+                        help="the trained network (or --model-file)")
+    parser.add_argument("--model-file", metavar="PATH.py:FUNCTION",
+                        help="instead of MODEL: the PyTorch model of a disttensor-train "
+                        "--model-file run (the torch extra)")
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="the checkpoint of disttensor-train --checkpoint DIR")
     parser.add_argument("--data", required=True, metavar="PATH",
@@ -647,6 +651,11 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
                         "--machine this then plans with the GPU calibration this-gpu)")
     _kernel_options(parser, d.kernels)
     a = parser.parse_args(argv)
+    if a.model_file is not None and a.model is not None:
+        parser.error(f"give a MODEL or --model-file, not both (got {a.model} and "
+                     f"--model-file {a.model_file})")
+    if a.model_file is None and a.model is None:
+        parser.error("a MODEL is needed (or --model-file PATH.py:FUNCTION)")
     _check_kernels(parser, a)
     if not os.path.isdir(a.checkpoint):
         parser.error(f"--checkpoint {a.checkpoint}: not a directory")
@@ -661,12 +670,15 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isdir(parent):
         parser.error(f"--out {a.out}: the directory {parent} does not exist")
     limit_threads(a.threads)
-    cfg = PredictConfig(model=a.model, checkpoint=a.checkpoint, data=a.data, out=a.out,
+    cfg = PredictConfig(model=a.model or a.model_file, checkpoint=a.checkpoint, data=a.data,
+                        out=a.out,
                         data_input=a.data_input, machine=a.machine,
                         memory_per_rank=a.memory_per_rank, chunks=a.chunks,
                         progress=not a.no_progress, device=a.device, kernels=a.kernels)
+    torch_driver = _torch_driver(parser) if a.model_file is not None else None
     try:
-        result = predict(cfg)
+        result = predict(cfg) if torch_driver is None else \
+            torch_driver.predict_model_file(cfg, a.model_file)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if MPI.COMM_WORLD.Get_rank() == 0:

@@ -12,6 +12,9 @@ measured time and peak memory) and checkpoints with ``--resume``. The
 optimizer is ``torch.optim``'s SGD, Adam or AdamW, the schedules
 ``torch.optim.lr_scheduler``'s, the loss the mean squared error of the
 model's output against the targets (of the output's shape).
+``disttensor-predict --model-file`` runs such a run's checkpoint on every
+sample of a data set, as :func:`~disttensor_nn.training.predict` runs the
+built-in models.
 
 This module imports PyTorch; the command lines import it only for
 ``--model-file``, so the rest of the package needs none.
@@ -39,7 +42,7 @@ from mpi4py import MPI
 from torch import nn
 from tqdm import tqdm
 
-from disttensor import DistArray, Distribution
+from disttensor import DistArray, Distribution, to_npy, to_zarr
 
 from ..memory import MemoryProfile, map_large_allocations, release_free_memory
 from ..module import Layout, no_sync, split_axes_comm
@@ -59,10 +62,12 @@ from .driver import (
     _threads,
     _write_metrics,
 )
+from .inference import PredictConfig, _create_output
+from .inference import _machine as _predict_machine
 from .recipe import recipe_problem, resume_problem
 
 __all__ = ["DEFAULT_LR", "ModelFileConfig", "load_model_file", "mse_loss", "plan_model_file",
-           "train_model_file"]
+           "predict_model_file", "train_model_file"]
 
 DEFAULT_LR = 0.01
 """The learning rate of a ``--model-file`` run without ``--lr``."""
@@ -651,3 +656,100 @@ def plan_model_file(spec: str, shape: Sequence[int], *, machine: str,
         return _parallel(cfg, model, tuple(shape), comm, machine)
     except ValueError as exc:
         raise SetupError(str(exc)) from exc
+
+
+def predict_model_file(cfg: PredictConfig, model_file: str,
+                       comm: MPI.Comm | None = None) -> dict[str, Any]:
+    """Run the model of ``model_file`` with a checkpoint's weights on every sample of
+    ``cfg.data`` (collective), as :func:`~disttensor_nn.training.predict` does.
+
+    The model is built (as for training), given the parameters and buffers
+    of ``cfg.checkpoint`` (a ``--model-file`` run's, or any checkpoint with
+    the model's ``state_dict`` names), put in eval mode (batch norm by its
+    running statistics, no dropout) and parallelized for one sample by the
+    planner (``cfg.machine``, ``cfg.memory_per_rank``; the plan is made for
+    a training step's memory). Every rank reads its block of each input and
+    writes its block of each output (float32) to ``cfg.out``.
+
+    Returns
+    -------
+    dict
+        The keys of :func:`~disttensor_nn.training.predict`'s result;
+        ``predicted_time_per_sample_s`` is the plan's forward compute.
+
+    Raises
+    ------
+    ValueError, FileNotFoundError, OSError, CheckpointError
+        On every rank alike, before any sample runs: a model file that does
+        not load (:class:`SetupError`), ``cfg.device='gpu'``, NumPy kernels,
+        a model ``parallelize`` refuses for the samples' shape, a checkpoint
+        of another model, an output that cannot be created.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if cfg.device != "cpu":
+        raise SetupError("--device gpu: a --model-file model runs on CPU tensors only, so far")
+    if cfg.kernels not in ("auto", "torch"):
+        raise SetupError(f"--kernels {cfg.kernels}: a --model-file model runs PyTorch's own "
+                         "kernels")
+    if cfg.memory_per_rank is not None:
+        map_large_allocations()
+    memory = MemoryProfile()
+    try:
+        return _predict(cfg, model_file, comm, memory)
+    finally:
+        memory.close()
+
+
+def _predict(cfg: PredictConfig, model_file: str, comm: MPI.Comm,
+             memory: MemoryProfile) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    model = _agreed(comm, lambda: load_model_file(model_file))
+    data = _agreed(comm, lambda: open_dataset(cfg.data, cfg.data_input, None))
+    shape = (1, *data.sample_shape)
+    load_checkpoint(cfg.checkpoint, _ModelState(model), None, comm=comm)
+    model.eval()
+    machine = _predict_machine(cfg, comm)
+    pm = _parallel(ModelFileConfig(model=model_file, model_file=model_file,
+                                   memory_per_rank=cfg.memory_per_rank),
+                   model, shape, comm, machine)
+    pm.eval()
+    n = len(data)
+    stack = (n, *pm.output_dist.global_shape[1:])
+    _create_output(cfg, stack, np.dtype(np.float32), comm)
+    dtype = next(pm.parameters()).dtype if any(True for _ in pm.parameters()) \
+        else torch.get_default_dtype()
+    write = to_npy if cfg.out.lower().endswith(".npy") else to_zarr
+    plan: Plan = pm.plan
+    release_free_memory()
+    times, io_times = [], []
+    bar = None
+    if comm.Get_rank() == 0 and cfg.progress:
+        bar = tqdm(total=n, desc=f"{os.path.basename(model_file)} on "
+                   f"{_plural(comm.Get_size(), 'rank')}", unit="sample")
+    with memory.phase("inference"), torch.no_grad():
+        for i in range(n):
+            t0 = time.perf_counter()
+            x = data.inputs([i], pm.input_dist)
+            t1 = time.perf_counter()
+            y = pm(_tensor(x.local, dtype))
+            del x
+            t2 = time.perf_counter()
+            out = DistArray(np.ascontiguousarray(y.local.numpy(), dtype=np.float32), y.dist)
+            write(out, cfg.out, region=(slice(i, i + 1),))
+            del y, out
+            t3 = time.perf_counter()
+            times.append(t3 - t0)
+            io_times.append(t1 - t0 + t3 - t2)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    peaks = comm.allgather(memory.phases["inference"].peak)
+    return {"samples": n, "out": cfg.out, "output_shape": list(stack), "plan": plan.table(),
+            "predicted_peak_memory_bytes": plan.peak_memory,
+            "peak_memory_per_rank_bytes": peaks,
+            "time_per_sample_s": comm.allreduce(float(np.median(times)) if times else 0.0,
+                                                op=MPI.MAX),
+            "io_time_per_sample_s": comm.allreduce(
+                float(np.median(io_times)) if io_times else 0.0, op=MPI.MAX),
+            "predicted_time_per_sample_s": sum(e.fwd for e in plan.entries)}
