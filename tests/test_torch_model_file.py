@@ -196,6 +196,31 @@ def test_model_file_trains_as_plain_torch_in_one_process(layout, optimizer, lr, 
 
 
 @pytest.mark.parallel([1, 2, 3])
+def test_accumulated_micro_batches_are_one_step(capsys):
+    tmp = shared_tmpdir()
+    path = model_file(tmp)
+    data, x, t = npy_data(tmp)
+    ck = os.path.join(tmp, "ck")
+    assert train_main(base(path, "--data", data, "--batch", "2", "--accumulate", "2",
+                           "--steps", "2", "--lr", "0.05", "--checkpoint", ck)) == 0
+    capsys.readouterr()
+    ns: dict = {}
+    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
+    torch.manual_seed(0)
+    model = ns["build"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for epoch in range(2):  # the Loader's order: a permutation per epoch
+        order = np.random.default_rng([0, epoch]).permutation(N)
+        opt.zero_grad()
+        for micro in (order[:2], order[2:]):
+            loss = F.mse_loss(model(torch.from_numpy(x[micro])), torch.from_numpy(t[micro]))
+            (loss / 2).backward()
+        opt.step()
+    assert_close(checkpoint_state(ck), {k: v.detach().numpy()
+                                        for k, v in model.state_dict().items()})
+
+
+@pytest.mark.parallel([1, 2, 3])
 def test_synthetic_data_are_noise_of_the_model_shapes(capsys):
     tmp = shared_tmpdir()
     path = model_file(tmp)

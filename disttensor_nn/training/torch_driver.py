@@ -164,8 +164,9 @@ def _same_weights(model: nn.Module, comm: MPI.Comm) -> None:
         return
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            host = t.detach().numpy()
+            host = np.array(t.detach().numpy(), order="C")  # a copy, whatever the strides
             comm.Bcast(host.reshape(-1).view(np.uint8), root=0)
+            t.copy_(torch.from_numpy(host))
 
 
 def _shapes(cfg: ModelFileConfig) -> tuple[tuple[int, ...], Dataset | None]:
