@@ -38,21 +38,27 @@ class Allreduce:
         layer's input (the communicator
         :func:`~disttensor_nn.module.split_axes_comm` gives for them); ranks
         holding replicas take no part.
-    axes : tuple of int
-        Grid axes of the input's grid that take part too though they split
-        none of the input's dimensions (the replicas over which a
-        filter-parallel layer sums its partial input gradients).
     gradient : bool
         It sums parameter gradients, which nothing needs before the
         optimizer step: the runtime reduces them in buckets while backward
         goes on, and the cost model overlaps them with backward. Statistics
         (batch norm, pooling sums) are needed at once and block.
+    axes : tuple of int
+        Grid axes of the input's grid that take part too though they split
+        none of the input's dimensions (the replicas over which a
+        filter-parallel layer sums its partial input gradients).
+    weights : float, optional
+        Of a gradient sum: bytes per rank of the parameters it belongs to, as
+        they are stored (what the sharded stages all-gather; see
+        :class:`disttensor_nn.plan.CostModel`). Default: ``nbytes`` (a
+        gradient summed in the parameters' own dtype).
     """
 
     nbytes: float
     dims: tuple[int, ...]
     gradient: bool = False
     axes: tuple[int, ...] = ()
+    weights: float | None = None
 
 
 @dataclass(frozen=True)

@@ -597,3 +597,148 @@ def test_sharded_weights_of_split_filters_train_as_unsharded(kind):
         collective_assert(w.piece.size == want_piece, f"piece {w.piece.size} {want_piece}")
     # the Linear layer's gradient is summed over the ranks splitting the samples (axis 0)
     collective_assert(net[5].weight.sharded_weights == (replicas > 1), "Linear")
+
+
+# --------------------------------------------------------------------------- the stages' time
+ALPHA, BETA = 2e-5, 2e-9  # the allreduce's constants of prof()
+
+
+def prof(**kw) -> MachineProfile:
+    return MachineProfile(name="test", p2p_alpha=1e-5, p2p_beta=1e-9, allreduce_alpha=ALPHA,
+                          allreduce_beta=BETA, alltoall_alpha=3e-5, alltoall_beta=3e-9,
+                          peak_flops=1e10, efficiency=0.5, mem_bandwidth=1e10,
+                          memory_per_rank=2**30, cores_per_node=8, **kw)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+def test_the_cost_model_charges_each_stage_the_collectives_it_runs(nprocs):
+    """A layer's communication under each stage, with the samples split over every rank:
+    the allreduce of its gradient (G bytes), a reduce-scatter and all-gathers of its
+    weights (W bytes), priced here from the profile's constants (recursive doubling's
+    latency, a ring's bytes: an allreduce is a reduce-scatter then an all-gather)."""
+    steps, share = np.log2(nprocs), (nprocs - 1) / nprocs
+
+    def half(n):  # a reduce-scatter or an all-gather of n bytes in all
+        return steps * ALPHA + share * n * BETA
+
+    conv = nn.Conv2d(4, 8, 3, padding=1)
+    lin = nn.Linear(16, 5)
+    w_conv = (8 * 4 * 9 + 8) * 4  # float32 weights, gradients summed in float32
+    w_lin = (16 * 5 + 5) * 4  # float32 weights, gradients summed in float64
+    for layer, shape, g, w in ((conv, (8, 4, 6, 6), w_conv, w_conv),
+                               (lin, (8, 16), 2 * w_lin, w_lin)):
+        cand = (nprocs, 1, 1)  # the samples split, the weights replicated on every rank
+        want = {"none": 2 * half(g), "optimizer": 2 * half(g) + half(w),
+                "gradients": half(g) + half(w), "full": half(g) + 2 * half(w)}
+        for stage, t in want.items():
+            cost = CostModel(prof(), nprocs, overlap=False, shard_state=stage).layer(
+                layer, shape, cand)
+            assert cost.comm == pytest.approx(t, rel=1e-12), (type(layer).__name__, stage)
+            assert cost.grad == 0 and cost.hidden == 0
+        # overlapped: the gradient allreduce runs behind backward (in a bucket: its share of
+        # the latency); each pass's all-gather under "full" hides behind the kernels, up
+        # to the pass's time
+        none = CostModel(prof(), nprocs, shard_state="none").layer(layer, shape, cand)
+        assert none.grad == pytest.approx(2 * steps * ALPHA * g / 2**20 + 2 * share * g * BETA)
+        full = CostModel(prof(), nprocs, shard_state="full").layer(layer, shape, cand)
+        assert full.grad == 0 and full.comm == pytest.approx(want["full"])
+        assert full.hidden == pytest.approx(min(half(w), none.fwd) + min(half(w), none.bwd))
+    # one rank: nothing to reduce or gather, whatever the stage
+    for stage in STAGES:
+        assert CostModel(prof(), 1, shard_state=stage).layer(conv, (8, 4, 6, 6),
+                                                              (1, 1, 1)).comm == 0
+
+
+def stage_plans(nprocs, memory=None, slots=2):
+    """mesh-demo planned at each stage separately: {stage: plan, or None if none fits}."""
+    from disttensor_nn.plan import make_plan
+
+    model, shape = build_model("mesh-demo", (64, 64), 4)
+    out = {}
+    for stage in STAGES:
+        try:
+            out[stage] = make_plan(model, shape, nprocs, V100, memory=memory, baseline=1e8,
+                                   shard_state=stage, state_slots=slots)[0]
+        except ValueError:
+            out[stage] = None
+    return model, shape, out
+
+
+def expected_choice(plans: dict) -> str:
+    """The rule, from the stages' own plans: the fastest; on a tie, the least
+    communication; then the first stage."""
+    fits = {s: p for s, p in plans.items() if p is not None}
+    fastest = min(p.time for p in fits.values())
+    tied = [s for s, p in fits.items() if p.time <= fastest * (1 + 1e-9)]
+    return min(tied, key=lambda s: (fits[s].exposed_comm + fits[s].hidden_comm,
+                                    STAGES.index(s)))
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_auto_picks_the_fastest_stage_when_every_one_fits(nprocs):
+    from disttensor_nn.plan import Plan, make_plan
+
+    model, shape, plans = stage_plans(nprocs)
+    assert all(p is not None for p in plans.values())
+    if nprocs > 1:  # the stages price differently: the sharded ones move more
+        assert len({p.time for p in plans.values()}) > 1
+    auto = make_plan(model, shape, nprocs, V100, baseline=1e8, shard_state="auto",
+                     state_slots=2)[0]
+    want = expected_choice(plans)
+    assert auto.shard_state == want and (nprocs > 1 or want == "none")
+    ref = plans[want]
+    assert auto.time == pytest.approx(ref.time, rel=1e-12)
+    assert auto.peak_memory == pytest.approx(ref.peak_memory, rel=1e-12)
+    assert [e.grid for e in auto.entries] == [e.grid for e in ref.entries]
+    assert "shard_state auto" in auto.table()
+    back = Plan.from_json(auto.to_json())
+    assert back.shard_state == auto.shard_state and back.table() == auto.table()
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])  # at 3, another grid fits it unsharded
+def test_auto_shards_when_the_unsharded_plan_does_not_fit(nprocs):
+    """A budget between the unsharded peak and stage "optimizer"'s: a sharded stage, the
+    fastest of those whose own plans fit it, recorded in the plan and its JSON."""
+    from disttensor_nn.plan import Plan, make_plan
+
+    _, _, free = stage_plans(nprocs)
+    budget = (free["none"].peak_memory + free["optimizer"].peak_memory) / 2
+    model, shape, plans = stage_plans(nprocs, memory=budget)
+    assert plans["none"] is None  # the precondition: unsharded, nothing fits
+    auto = make_plan(model, shape, nprocs, V100, memory=budget, baseline=1e8,
+                     shard_state="auto", state_slots=2)[0]
+    want = expected_choice(plans)
+    assert auto.shard_state == want != "none" and auto.peak_memory <= budget
+    assert auto.time == pytest.approx(plans[want].time, rel=1e-12)
+    assert f"sharded over the ranks that replicate it: {want}" in auto.table()
+    assert Plan.from_json(auto.to_json()).shard_state == want
+    # a budget no stage fits: the planner's error, for every stage
+    least = min(p.peak_memory for p in plans.values() if p is not None)
+    with pytest.raises(ValueError, match=r"fits 1 MiB per rank .*under every shard_state"):
+        make_plan(model, shape, nprocs, V100, memory=2**20, baseline=1e8, shard_state="auto")
+    assert least > 2**20
+    with pytest.raises(ValueError, match="unknown shard_state 'zero'"):
+        make_plan(model, shape, nprocs, V100, shard_state="zero")
+
+
+@pytest.mark.parallel([2])
+def test_the_driver_runs_the_stage_the_plan_records_under_auto(capsys):
+    """--shard-state auto with a plan file: the stage the plan was made for is applied,
+    counted in the budget check and named in the summary."""
+    from disttensor_nn.plan import make_plan
+
+    tmp = shared_dir()
+    model, shape = build_model("mesh-demo", (64, 64), 4)
+    path = os.path.join(tmp, "plan.json")
+    if comm.rank == 0:
+        plan = make_plan(model, shape, comm.size, V100, shard_state="full")[0]
+        with open(path, "w") as f:
+            f.write(plan.to_json())
+    comm.Barrier()
+    s = train(TrainConfig(model="mesh-demo", size=(64, 64), batch=4, steps=1, samples=8,
+                          metrics=None, machine=V100, progress=False, layout=path,
+                          kernels="numpy", shard_state="auto"))
+    out = capsys.readouterr().out
+    collective_assert(s["shard_state"] == "full", s["shard_state"])
+    collective_assert(comm.rank > 0 or "parameter state sharded: full (chosen by "
+                      "--shard-state auto" in out, out)

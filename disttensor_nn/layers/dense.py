@@ -155,14 +155,15 @@ class Linear(Layer):
         """A GEMM on the sample block, which is kept for backward.
 
         The weight and bias gradients (float64) are summed over the ranks
-        that split N.
+        that split N (the parameters themselves are in the layer's dtype).
         """
         block = largest_block(dist)
         n = math.prod(block)
         params = sum(math.prod(q.shape) for q in self.own_parameters())
+        weights = params * self.dtype.itemsize
         return CostSpec(block, flops=2.0 * block[0] * self.in_features * self.out_features,
                         nbytes=n * itemsize,
-                        allreduces=(Allreduce(params * 8, (0,), gradient=True),),
+                        allreduces=(Allreduce(params * 8, (0,), gradient=True, weights=weights),),
                         keeps_input=True)
 
     def kernel_signature(self) -> str:

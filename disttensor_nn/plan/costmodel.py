@@ -237,7 +237,21 @@ class CostModel:
     shard_state : {"none", "optimizer", "gradients", "full"}
         The parameters' state sharded over the ranks that replicate them
         (:func:`disttensor_nn.optim.shard_state`), as :meth:`params_memory`
-        counts it.
+        counts it. Each layer's gradient sums over R > 1 ranks are priced as
+        the stage runs them, with the profile's collectives
+        (:meth:`~disttensor_nn.plan.MachineProfile.allreduce_terms`,
+        :meth:`~disttensor_nn.plan.MachineProfile.allgather`,
+        :meth:`~disttensor_nn.plan.MachineProfile.reduce_scatter`), for a
+        gradient of G bytes and weights of W bytes (``nbytes`` and ``weights``
+        of the layer's :class:`~disttensor_nn.costspec.Allreduce`):
+        ``"none"``, the allreduce of G (bucketed, overlapped with backward
+        where ``overlap`` is); ``"optimizer"``, the same and an all-gather of W
+        after the step (blocking); ``"gradients"``, a reduce-scatter of G and
+        that all-gather, both blocking; ``"full"``, the reduce-scatter of G
+        and an all-gather of W before the layer's forward and again before
+        its backward, hidden (with ``overlap``) up to the layer's own kernel
+        time in each pass: the runtime starts it while the layer before runs,
+        taken to run as long.
     state_slots : int
         Arrays of optimizer state per parameter: 1 for SGD with momentum
         (the default), 0 without, 2 for Adam and AdamW, 3 with AMSGrad.
@@ -344,16 +358,28 @@ class CostModel:
         passes = 2 if training else 1  # forward and backward, or forward alone
         if not training:
             cost.bwd = 0.0
+        gathers = 0.0  # stage "full": the weights' all-gathers before forward and backward
         for a in spec.allreduces:
             if a.gradient and not training:
                 continue
-            lat, bw = self.profile.allreduce_terms(a.nbytes,
-                                                   *self._spread(dist, a.dims, a.axes))
+            spread = self._spread(dist, a.dims, a.axes)
+            if a.gradient and spread[0] > 1 and self.shard_state != "none":
+                gathered = self.profile.allgather(a.nbytes if a.weights is None else a.weights,
+                                                  *spread)
+                if self.shard_state != "optimizer":  # reduce-scattered, blocking
+                    cost.comm += self.profile.reduce_scatter(a.nbytes, *spread)
+                    if self.shard_state == "gradients":  # the updated pieces gathered
+                        cost.comm += gathered
+                    else:
+                        gathers += gathered
+                    continue
+                cost.comm += gathered  # "optimizer": after the step, blocking
+            lat, bw = self.profile.allreduce_terms(a.nbytes, *spread)
             if self.overlap and a.gradient:  # in a bucket with others
                 cost.grad += lat * min(1.0, a.nbytes / self.bucket_bytes) + bw
             else:
                 cost.comm += lat + bw
-        cost.comm += cost.grad
+        cost.comm += cost.grad + 2 * gathers
         if spec.halo is not None:  # the exchange forward, its accumulation backward
             halo = self._halo(dist, spec.halo)
             cost.comm += passes * halo
@@ -362,6 +388,9 @@ class CostModel:
                     min(halo, cost.bwd / 2)  # backward: while the weight gradient computes
         for target in spec.redistributions:  # there forward, back backward
             cost.comm += passes * self.redistribution(dist, target)
+        if gathers and self.overlap:  # each started while the layer before runs, taken
+            # to run as long as this one (which hides halo traffic of its own only)
+            cost.hidden += min(gathers, cost.fwd) + min(gathers, cost.bwd)
         return cost
 
     def _spread(self, dist: Distribution, dims: Sequence[int],

@@ -133,6 +133,20 @@ class MachineProfile:
         """Time of an allreduce of ``nbytes`` over ``p`` ranks (:meth:`allreduce_terms`)."""
         return sum(self.allreduce_terms(nbytes, p, local))
 
+    def allgather(self, nbytes: float, p: int, local: int | None = None) -> float:
+        """Time of an allgather over ``p`` ranks of pieces that make ``nbytes`` in all.
+
+        Half of :meth:`allreduce_terms`' allreduce of ``nbytes``, both terms:
+        the allreduce it models is a reduce-scatter followed by this
+        allgather (``log2(p) alpha + (p-1)/p bytes beta`` within a node).
+        """
+        return sum(self.allreduce_terms(nbytes, p, local)) / 2
+
+    def reduce_scatter(self, nbytes: float, p: int, local: int | None = None) -> float:
+        """Time of a reduce-scatter of ``nbytes`` over ``p`` ranks into one piece each:
+        the other half of :meth:`allreduce_terms`' allreduce (:meth:`allgather`)."""
+        return sum(self.allreduce_terms(nbytes, p, local)) / 2
+
     def alltoall(self, max_bytes: float, peers: int, inter: bool = False) -> float:
         """Time of a personalised all-to-all whose busiest rank moves ``max_bytes``.
 

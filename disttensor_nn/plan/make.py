@@ -94,10 +94,17 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         times to choose by). The plan names each layer's choice
         (:attr:`PlanEntry.kernels`) and :func:`apply_plan` sets it. None:
         each layer's own ``kernel_backend``.
-    shard_state : {"none", "optimizer", "gradients", "full"}
+    shard_state : {"none", "optimizer", "gradients", "full", "auto"}
         The parameters' state sharded over the ranks that replicate them
         (:func:`disttensor_nn.optim.shard_state`), counted so in the plan's
-        memory (:meth:`CostModel.params_memory`).
+        memory (:meth:`CostModel.params_memory`) and in its communication
+        (:class:`CostModel`'s ``shard_state``). ``"auto"`` plans each stage
+        and returns the fastest plan that fits the budget; among plans whose
+        predicted times tie (within a relative 1e-9), the one with the least
+        communication (exposed and hidden), then the earliest stage in
+        :data:`~disttensor_nn.optim.STAGES` (``"none"`` first): on one rank,
+        or wherever nothing is replicated, ``"none"``. The plan names the
+        stage (:attr:`Plan.shard_state`) and notes each stage's time and peak.
     state_slots : int
         Arrays of optimizer state per parameter (1: SGD's momentum; 2: Adam's
         moments).
@@ -112,15 +119,16 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     Raises
     ------
     ValueError
-        When nothing fits the memory budget (on every rank of ``comm``), or
-        for an unknown ``kernels`` or ``shard_state``.
+        When nothing fits the memory budget (on every rank of ``comm``; with
+        ``"auto"``, under no stage), or for an unknown ``kernels`` or
+        ``shard_state``.
     ImportError
         For ``kernels="torch"`` without PyTorch (naming the extra).
     """
     backends = kernel_choice(kernels)
-    if shard_state not in STAGES:  # before any work, the same on every rank
+    if shard_state not in (*STAGES, "auto"):  # before any work, the same on every rank
         raise ValueError(f"unknown shard_state {shard_state!r}; the stages are "
-                         f"{', '.join(STAGES)}")
+                         f"{', '.join(STAGES)}, or auto")
     machine_profile = load_profile(machine)
     memory = machine_profile.memory_per_rank if memory is None else memory
     timer = None
@@ -129,20 +137,22 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
     if kernels == "auto" and timer is None:
         backends = None
-    planner = Planner(model, batch_shape,
-                      CostModel(machine_profile, nprocs, timer, itemsize, training=training,
-                                backends=backends, shard_state=shard_state,
-                                state_slots=state_slots),
-                      memory, baseline=baseline, recompute=recompute if training else False,
-                      channels=channels, max_states=max_states)
+    planners = [Planner(model, batch_shape,
+                        CostModel(machine_profile, nprocs, timer, itemsize, training=training,
+                                  backends=backends, shard_state=stage,
+                                  state_slots=state_slots),
+                        memory, baseline=baseline, recompute=recompute if training else False,
+                        channels=channels, max_states=max_states)
+                for stage in (STAGES if shard_state == "auto" else (shard_state,))]
     with _phase(profile, "kernel measurement"):
-        planner.calibrate(comm, progress=True)
+        for planner in planners:  # after the first, the kernels are mostly timed already
+            planner.calibrate(comm, progress=True)
     root = comm is None or comm.Get_rank() == 0
     result: Any = None
     with _phase(profile, "planning"):
         if root:
             try:
-                result = planner.plan()
+                result = _best_stage(planners) if shard_state == "auto" else planners[0].plan()
             except ValueError as exc:
                 result = exc
             finally:
@@ -153,7 +163,35 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
             result = comm.bcast(result, root=0)
     if isinstance(result, Exception):
         raise result
-    return result, planner if root else None
+    if shard_state == "auto":
+        result, chosen = result
+        return result, planners[chosen] if root else None
+    return result, planners[0] if root else None
+
+
+def _best_stage(planners: Sequence[Planner]) -> tuple[Plan, int]:
+    """The plan :func:`make_plan` chooses for ``shard_state="auto"`` among the planners of
+    each stage (in :data:`STAGES` order), and its planner's index; the last stage's
+    error (the least memory) when none fits."""
+    plans: list[tuple[int, Plan]] = []
+    error: ValueError | None = None
+    for i, planner in enumerate(planners):
+        try:
+            plans.append((i, planner.plan()))
+        except ValueError as exc:
+            error = exc
+    if not plans:
+        assert error is not None
+        raise ValueError(f"{error}, under every shard_state") from error
+    fastest = min(p.time for _, p in plans)
+    tied = [(i, p) for i, p in plans if p.time <= fastest * (1 + 1e-9)]
+    i, plan = min(tied, key=lambda ip: (ip[1].exposed_comm + ip[1].hidden_comm, ip[0]))
+    plan.notes.append("shard_state auto: the fastest stage that fits; " + ", ".join(
+        f"{p.shard_state} {1e3 * p.time:.2f} ms {p.peak_memory / 2**20:.1f} MiB"
+        for _, p in plans) + "".join(
+            f", {planners[j].cost.shard_state} does not fit" for j in range(len(planners))
+            if j not in {k for k, _ in plans}))
+    return plan, i
 
 
 def kernel_choice(kernels: str | None) -> tuple[str, ...] | None:

@@ -232,6 +232,9 @@ class Plan:
     hidden_comm: float = 0.0  # communication overlapped with kernels (not in time)
     training: bool = True  # a training step (False: an inference pass, nothing kept)
     inner: str = "space"  # grid axes inside a node: the spatial splits, or "sample" (dist_for)
+    # the parameters' state sharded over the ranks that replicate them (optim.shard_state),
+    # as the plan's time and memory count it
+    shard_state: str = "none"
 
     def table(self) -> str:
         """The plan as a readable text table."""
@@ -279,6 +282,9 @@ class Plan:
             lines.append(f"R recomputed in backward from its segment's input "
                          f"({len({e.recompute for e in self.entries} - {-1})} segments): "
                          "memory kept only at each segment's start, forward run twice")
+        if self.shard_state != "none":
+            lines.append(f"parameter state sharded over the ranks that replicate it: "
+                         f"{self.shard_state} (optim.shard_state; time and peak count it)")
         if self.inner != "space":
             lines.append("ranks placed so that the sample split stays inside a node and the "
                          "spatial splits span nodes (grids laid out (C.., S.., N))")
@@ -1197,7 +1203,7 @@ class Planner:
         step = self.assignment_step(assign)
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
                     self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden,
-                    self.cost.training, self.cost.inner)
+                    self.cost.training, self.cost.inner, self.cost.shard_state)
 
     def uniform_plan(self, cand: Candidate) -> Plan:
         """Every layer in the same distribution (for comparisons); under a grid over

@@ -9,7 +9,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -120,7 +120,9 @@ class TrainConfig:
     kernels: str = "auto"  # "numpy", "torch" or "auto" (each layer's faster; make_plan)
     threads: int | None = None  # kernel threads per rank (None: the cores / ranks per node)
     prefetch: int = 1  # batches prepared ahead by a thread while a step runs (0: none)
-    shard_state: str = "none"  # "none", "optimizer", "gradients" or "full" (optim.shard_state)
+    # "none", "optimizer", "gradients", "full" (optim.shard_state) or "auto" (the planner's
+    # choice: the fastest stage whose plan fits the budget; make_plan)
+    shard_state: str = "none"
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -244,6 +246,13 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
     return plan
 
 
+def _applied_stage(cfg: TrainConfig, plan: Plan) -> str:
+    """The sharding stage training runs: ``cfg.shard_state``, or under ``"auto"`` the
+    stage the plan was made for (:attr:`Plan.shard_state`: the planner's choice, or what
+    a plan read from a file records)."""
+    return plan.shard_state if cfg.shard_state == "auto" else cfg.shard_state
+
+
 def _check_config(cfg: TrainConfig) -> None:
     """Refuse, on every rank alike and before any work, options that cannot run.
 
@@ -310,8 +319,9 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         * np.dtype(np.float32).itemsize / comm.Get_size()
     plan = _plan(cfg, model, shape, comm, memory, baseline + ahead, machine)
     apply_plan(model, plan, shape, comm)
-    if cfg.shard_state != "none" and not _replicated(model, comm.Get_size()):
-        _say(comm, f"note: --shard-state {cfg.shard_state} does nothing here: no parameter of "
+    stage = _applied_stage(cfg, plan)
+    if stage != "none" and not _replicated(model, comm.Get_size()):
+        _say(comm, f"note: --shard-state {stage} does nothing here: no parameter of "
                    "this plan is replicated over several ranks, so there is no state to "
                    "shard (training goes on unsharded)")
     if not is_numpy(xp):
@@ -334,7 +344,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
                     target_layout=target_layout, xp=None if is_numpy(xp) else xp)
     lr = cfg.lr if cfg.lr is not None else spec.lr
-    opt = make_optimizer(cfg, model.parameters(), lr)
+    opt = make_optimizer(replace(cfg, shard_state=stage), model.parameters(), lr)
     sched = make_scheduler(cfg, opt)
     step = 0
     history: list[dict[str, float]] = []
@@ -351,7 +361,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         history = [dict(h) for h in state["extra"].get("history", [])]
         _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
     release_free_memory()  # what planning freed, before the step's peak is measured
-    _check_budget(plan, model, comm, cfg.shard_state if cfg.layout == "auto" else "none")
+    _check_budget(plan, model, comm, plan.shard_state)
     return model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history
 
 
@@ -537,8 +547,8 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     plain = iter(loader) if it is None else None
     times, data_times = [], []
     warmup = [0.0] * len(clocks)
-    cache_limit = _cache_limit(plan, model, comm, cfg.shard_state if cfg.layout == "auto"
-                               else "none") if cfg.block_cache else None
+    cache_limit = _cache_limit(plan, model, comm, plan.shard_state) \
+        if cfg.block_cache else None
     try:
         with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
                 as cache:
@@ -565,7 +575,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
                                    if n in memory.phases), default=0), op=MPI.MAX)
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
-        "steps": step, "shard_state": cfg.shard_state,
+        "steps": step, "shard_state": _applied_stage(cfg, plan),
         "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
         "history": [h["loss"] for h in history],
@@ -749,11 +759,14 @@ def prediction_warning(summary: dict, tolerance: float = 0.25, top: int = 3) -> 
 
 def _print_summary(s: dict) -> None:
     k = s["config"].get("accumulate", 1)
+    auto = s["config"].get("shard_state") == "auto"
     micro = f" x {k} micro-batches" if k > 1 else ""
     print(f"\n{s['model']} {tuple(s['batch_shape'])}{micro} on {_plural(s['ranks'], 'rank')}: "
           f"{_plural(s['steps'], 'step')}"
           + (f"; parameter state sharded: {s['shard_state']}"
-             if s.get("shard_state", "none") != "none" else ""))
+             if s.get("shard_state", "none") != "none" else
+             "; parameter state not sharded" if auto else "")
+          + (" (chosen by --shard-state auto: the fastest plan that fits)" if auto else ""))
     if s["first_loss"] is not None:
         print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     if s["time_per_iteration_s"]:

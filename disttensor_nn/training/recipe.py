@@ -104,10 +104,12 @@ def recipe_problem(cfg: Any, lr: float | None = None) -> str | None:
         return f"unknown --optimizer {cfg.optimizer!r}: choose {_choices(OPTIMIZERS)}"
     if cfg.schedule not in SCHEDULES:
         return f"unknown --schedule {cfg.schedule!r}: choose {_choices(SCHEDULES)}"
+    stage = getattr(cfg, "shard_state", "none")
     try:
-        check_stage(getattr(cfg, "shard_state", "none"))
+        if stage != "auto":  # the planner's choice, made later
+            check_stage(stage)
     except ValueError as exc:
-        return "--" + str(exc).replace("_", "-", 1)
+        return "--" + str(exc).replace("_", "-", 1) + ", or auto"
     if lr is not None and (not _real(lr) or lr < 0 or (cfg.optimizer == "sgd" and lr == 0)):
         return f"--lr must be {'> 0' if cfg.optimizer == 'sgd' else '>= 0'}, got {lr!r}"
     for flag, value in (("--momentum", cfg.momentum), ("--weight-decay", cfg.weight_decay),
@@ -153,7 +155,7 @@ def make_optimizer(cfg: Any, params: Iterable[Parameter], lr: float) -> Optimize
         opt: Optimizer = SGD(params, lr=lr, momentum=cfg.momentum, **kw)
     else:
         opt = cls(params, lr=lr, **kw)
-    stage = getattr(cfg, "shard_state", "none")
+    stage = getattr(cfg, "shard_state", "none")  # "auto": the driver passes the plan's
     return opt if stage == "none" else shard_state(opt, stage)
 
 
