@@ -59,6 +59,24 @@ def build():
     return SkipNet()
 
 
+class Volume(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 3, 3, padding=1)
+        self.norm = nn.GroupNorm(1, 3)
+        self.pool = nn.AvgPool3d(2)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.out = nn.Conv3d(6, 1, 1)
+
+    def forward(self, x):
+        e = torch.relu(self.norm(self.conv(x)))
+        return self.out(torch.cat([e, self.up(self.pool(e))], 1))
+
+
+def build_3d():
+    return Volume()
+
+
 def not_a_module():
     return "a string"
 
@@ -142,21 +160,22 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Non
                       f" (names {sorted(set(got) ^ set(want))} differ)")
 
 
-def mixed_plan_file(directory: str, path: str, batch: int, capsys) -> str:
+def mixed_plan_file(directory: str, path: str, batch: int, capsys, fn: str = "build",
+                    channels: int = C, size: str = f"{H}x{W}") -> str:
     """disttensor-plan's plan for the model, its layers' grids changed to cycle through
     every split of one dimension (N, H, W: uneven blocks at 3 ranks), as a JSON file."""
     auto = os.path.join(directory, "auto.json")
-    assert plan_main(["--model-file", f"{path}:build", "--in-channels", str(C), "--size",
-                      f"{H}x{W}", "--batch", str(batch), "--machine", V100, "--json",
+    assert plan_main(["--model-file", f"{path}:{fn}", "--in-channels", str(channels),
+                      "--size", size, "--batch", str(batch), "--machine", V100, "--json",
                       auto]) == 0
     capsys.readouterr()
     comm.Barrier()  # rank 0 writes the file
     with open(auto) as f:
         plan = Plan.from_json(f.read())
-    p = comm.Get_size()
-    grids = [(1, p, 1), (1, 1, p), (p, 1, 1)]
-    plan = dataclasses.replace(plan, entries=[dataclasses.replace(e, grid=grids[i % 3])
-                                              for i, e in enumerate(plan.entries)])
+    p, ndim = comm.Get_size(), len(plan.entries[0].grid)
+    grids = [tuple(p if k == d else 1 for k in range(ndim)) for d in range(ndim)]
+    plan = dataclasses.replace(plan, entries=[
+        dataclasses.replace(e, grid=grids[(i + 1) % ndim]) for i, e in enumerate(plan.entries)])
     mixed = os.path.join(directory, "mixed.json")
     if comm.Get_rank() == 0:
         with open(mixed, "w") as f:
@@ -267,6 +286,36 @@ def test_resume_continues_the_run_exactly(capsys):
             assert words in err, err
 
 
+@pytest.mark.parallel([1, 2, 3])
+def test_a_3d_model_on_synthetic_volumes(capsys):
+    """Conv3d, GroupNorm, AvgPool3d, nearest upsampling and a cat skip on (N, 1, D, H, W)
+    volumes, with a plan whose layers split N, D, H and W in turn."""
+    tmp = shared_tmpdir()
+    path = model_file(tmp)
+    shape = (1, 6, 8, 4)
+    size = "x".join(map(str, shape[1:]))
+    plan = mixed_plan_file(tmp, path, 2, capsys, "build_3d", 1, size)
+    ck = os.path.join(tmp, "ck")
+    assert train_main(["--model-file", f"{path}:build_3d", "--machine", V100,
+                       "--no-progress", "--metrics", "", "--in-channels", "1", "--size", size,
+                       "--batch", "2", "--samples", "2", "--steps", "2", "--lr", "0.05",
+                       "--ranks-layout", plan, "--checkpoint", ck]) == 0
+    capsys.readouterr()
+    data = NoiseDataset(2, shape, shape, seed=0)
+    x, t = (np.stack(a) for a in zip(*(data.sample(i) for i in range(2))))
+    ns: dict = {}
+    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
+    torch.manual_seed(0)
+    model = ns["build_3d"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(t)).backward()
+        opt.step()
+    assert_close(checkpoint_state(ck), {k: v.detach().numpy()
+                                        for k, v in model.state_dict().items()})
+
+
 # ------------------------------------------------------------------ planning
 @pytest.mark.parallel([1, 2, 3])
 def test_plan_prints_the_table_and_its_json_trains(capsys):
@@ -352,7 +401,8 @@ def usage_error(capsys, argv, main=train_main) -> str:
 @pytest.mark.parametrize("spec,extra,words", [
     ("/no/such/model.py:build", [], "/no/such/model.py is not a file"),
     ("{path}", [], "takes PATH.py:FUNCTION"),
-    ("{path}:nothere", [], "defines no 'nothere' (its functions and classes: SkipNet, build,"),
+    ("{path}:nothere", [],
+     "defines no 'nothere' (its functions and classes: SkipNet, Volume, build,"),
     ("{path}:not_a_module", [], "not_a_module() returned a str, not a torch.nn.Module"),
     ("{path}:NOT_CALLABLE", [], "is not a function (its type is int)"),
     ("{path}:raises", [], "raises() raised RuntimeError: no weights here"),
