@@ -326,12 +326,18 @@ def test_shard_state_without_replicated_parameters_trains_on_with_one_note(capsy
     out = got[2]
     assert out.count("note: --shard-state optimizer does nothing here") == 1, out
     assert_same_training(got, ref, "1 rank", rtol=0)
+    # auto: on one rank every stage prices alike, so the plan keeps "none" and says why
+    auto = cli_run(capsys, tmp, "auto", "--steps", "2", "--shard-state", "auto")
+    assert auto[0]["shard_state"] == "none" and "does nothing here" not in auto[2], auto[2]
+    assert "parameter state not sharded (chosen by --shard-state auto" in auto[2], auto[2]
+    assert_same_training(auto, ref, "auto", rtol=0)
 
 
 @pytest.mark.parametrize("argv,words", [
     (["--shard-state", "zero3"], "invalid choice: 'zero3'"),
     (["--shard-state", ""], "invalid choice: ''"),
     (["--shard-state", "Full"], "invalid choice: 'Full'"),
+    (["--shard-state", "Auto"], "invalid choice: 'Auto'"),
 ])
 def test_the_command_line_refuses_bad_stages_with_one_usage_message(capsys, argv, words):
     from disttensor_nn.training.cli import train_main

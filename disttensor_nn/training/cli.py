@@ -431,11 +431,12 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         metavar="X", help="scale the gradients so that the norm of the whole "
                         "model's gradient (sharded parameters counted once) is at most X "
                         "(None: no clipping)")
-    parser.add_argument("--shard-state", choices=STAGES, default=d.shard_state,
+    parser.add_argument("--shard-state", choices=(*STAGES, "auto"), default=d.shard_state,
                         help="parameter state sharded over the ranks that replicate it (ZeRO "
                         "stages): each keeps 1/R of the optimizer state (optimizer), also of "
-                        "the reduced gradients (gradients), also of the weights (full); "
-                        "checkpoints stay whole")
+                        "the reduced gradients (gradients), also of the weights (full); auto: "
+                        "the planner's choice, the fastest stage whose plan fits the memory "
+                        "budget; checkpoints stay whole")
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
     parser.add_argument("--data", metavar="PATH",
