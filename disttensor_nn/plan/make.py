@@ -147,6 +147,10 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     with _phase(profile, "kernel measurement"):
         for planner in planners:  # after the first, the kernels are mostly timed already
             planner.calibrate(comm, progress=True)
+    if len(planners) > 1:  # what calibration did, under whichever stage's plan is chosen
+        notes = [n for planner in planners for n in planner.notes]
+        for planner in planners:
+            planner.notes = list(notes)
     root = comm is None or comm.Get_rank() == 0
     result: Any = None
     with _phase(profile, "planning"):
