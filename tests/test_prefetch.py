@@ -110,6 +110,19 @@ def test_training_with_prefetching_gives_the_same_losses_as_without():
     collective_assert(c == a, f"resumed {c} vs {a}")
 
 
+@pytest.mark.parallel([1, 2, 3])
+def test_the_default_prefetches_only_where_each_rank_has_a_core_for_the_thread():
+    from disttensor_nn.training.driver import prefetch_depth
+
+    comm = MPI.COMM_WORLD
+    local, cores = dt.node_share(comm)  # every rank of the test job is on one node
+    collective_assert(local == comm.Get_size())
+    for threads, want in ((1, int(2 * local <= cores)), (cores, 0)):
+        got = prefetch_depth(TrainConfig(threads=threads), comm)
+        collective_assert(got == want, f"threads {threads}: {got}, want {want}")
+    collective_assert(prefetch_depth(TrainConfig(threads=cores, prefetch=2), comm) == 2)
+
+
 @pytest.mark.parallel([1])
 def test_bad_kernel_thread_and_prefetch_options_are_refused_before_any_work():
     from disttensor_nn.training.driver import SetupError

@@ -43,7 +43,7 @@ from . import array_api_kernels, cupy_kernels, numpy_kernels, torch_kernels, xp_
 
 __all__ = ["kernels_for", "synchronize", "set_num_threads", "get_num_threads", "BACKENDS",
            "available_backends", "check_backend", "with_backend", "use_kernels",
-           "backend_supports", "limit_threads"]
+           "backend_supports", "limit_threads", "threads_now"]
 
 BACKENDS = ("numpy", "torch")
 """Names of the kernel backends a layer may name (``layer.kernel_backend``)."""
@@ -74,7 +74,18 @@ def limit_threads(threads: int | None = None, comm: Any = None) -> int:
     """
     n = limit_blas_threads(threads, comm)
     torch_kernels.set_num_threads(n)
+    _limited[0] = n
     return n
+
+
+_limited = [0]  # the threads limit_threads gave BLAS and PyTorch (0: never called)
+
+
+def threads_now() -> tuple[int, int]:
+    """(the NumPy kernels' pool threads, BLAS's and PyTorch's threads as
+    :func:`limit_threads` last set them, 0 if it was never called): what a kernel
+    time depends on besides its shape (the kernel timer keys its times by it)."""
+    return get_num_threads(), _limited[0]
 
 
 def available_backends() -> tuple[str, ...]:

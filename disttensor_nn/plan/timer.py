@@ -37,7 +37,7 @@ from disttensor import DistArray, Distribution, ProcessGrid, block_cache
 from disttensor.backend import is_numpy
 
 from ..costspec import CostSpec
-from ..kernels import kernels_for, synchronize, with_backend
+from ..kernels import kernels_for, synchronize, threads_now, with_backend
 from ..memory import release_free_memory
 from ..module import Layer
 from ..window import WindowSpec
@@ -45,7 +45,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 so that times measured with older kernels are not reused (they live in another file)."""
 
@@ -102,8 +102,11 @@ class KernelTimer:
 
     def key(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
             corun: int = 0) -> str:
-        """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks."""
-        where = f"seq{corun}" if corun else "alone"
+        """Cache key of a measurement: alone (``corun=0``) or in sequence on ``corun`` ranks,
+        with this rank's kernel threads now (:func:`~disttensor_nn.kernels.threads_now`): a
+        time taken on two threads says nothing of one."""
+        pool, blas = threads_now()
+        where = (f"seq{corun}" if corun else "alone") + f"|t{pool}.{blas}"
         nodx = "" if layer.input_grad else "|nodx"  # backward without the input gradient
         kernels = layer.kernel_backend if layer.kernel_backend not in (None, "numpy") else ""
         return (f"{layer.kernel_signature()}{nodx}|{tuple(local_in)}|{np.dtype(dtype).str}|"

@@ -483,7 +483,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         "the GPU calibration this-gpu)")
     _kernel_options(parser, d.kernels)
     parser.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=d.prefetch,
-                        help="batches a thread reads or synthesises ahead while a step runs")
+                        help="batches a thread reads or synthesises ahead while a step runs "
+                        "(default: 1 where each rank of the node has a core for it besides "
+                        "its kernel threads, else 0)")
     _model_file_options(parser)
     a = parser.parse_args(argv)
     _model_or_file(parser, a, d.model)

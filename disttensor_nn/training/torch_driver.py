@@ -61,6 +61,7 @@ from .driver import (
     _say,
     _threads,
     _write_metrics,
+    prefetch_depth,
 )
 from .inference import PredictConfig, _create_output
 from .inference import _machine as _predict_machine
@@ -204,8 +205,8 @@ def _check(cfg: ModelFileConfig) -> None:
     if cfg.kernels not in ("auto", "torch"):
         raise ValueError(f"--kernels {cfg.kernels}: a --model-file model runs PyTorch's own "
                          "kernels")
-    if cfg.prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch must be 0, 1 or 2 batches, got {cfg.prefetch!r}")
+    if cfg.prefetch not in (None, 0, 1, 2):
+        raise ValueError(f"prefetch must be 0, 1 or 2 batches or None, got {cfg.prefetch!r}")
     if isinstance(cfg.accumulate, bool) or not isinstance(cfg.accumulate, int) or \
             cfg.accumulate < 1:
         raise ValueError(f"accumulate must be a positive integer, got {cfg.accumulate!r}")
@@ -626,6 +627,8 @@ def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict
     comm = MPI.COMM_WORLD if comm is None else comm
     map_large_allocations(2**20 if cfg.memory_per_rank is not None else 2**22)
     memory = MemoryProfile()
+    if cfg.prefetch in (None, 0, 1, 2):  # else refused with the other options
+        cfg = replace(cfg, prefetch=prefetch_depth(cfg, comm))
     try:
         return _train(cfg, comm, memory)
     except SetupError:
