@@ -127,3 +127,22 @@ def test_training_on_the_cache_reuses_blocks_within_its_limit_and_trains_alike()
     collective_assert(bc["peak_held_bytes"] <= bc["limit_bytes"] and bc["hits"] > 0)
     collective_assert(bc["misses_after_first_step"] <= bc["misses"] // 4, str(bc))
     collective_assert(cached["history"] == fresh["history"])  # the losses
+
+
+def test_allocator_settings_refuse_bad_sizes_and_keep_scratch_warm():
+    """keep_heap_top lets freed scratch at the heap's top serve the next allocation without
+    faulting its pages in again (glibc); bad sizes are refused."""
+    from disttensor_nn.memory import keep_heap_top, map_large_allocations, resident_bytes
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="number of bytes"):
+            keep_heap_top(bad)
+        with pytest.raises(ValueError, match="number of bytes"):
+            map_large_allocations(bad if bad != 1.5 else 0)
+    if not (map_large_allocations(2**22) and keep_heap_top(2**26)):
+        pytest.skip("the C allocator has no mallopt")
+    a = np.ones(3 * MiB // 8)  # 3 MiB: from the heap, below the 4 MiB mapping threshold
+    del a
+    before = resident_bytes()
+    b = np.ones(3 * MiB // 8)  # the same pages again: resident already
+    assert resident_bytes() - before < MiB, "the freed heap top was given back"
+    del b

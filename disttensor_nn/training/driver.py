@@ -25,6 +25,7 @@ from ..kernels import limit_threads, synchronize
 from ..memory import (
     MemoryProfile,
     available_bytes,
+    keep_heap_top,
     map_large_allocations,
     release_free_memory,
     resident_bytes,
@@ -506,6 +507,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, *,
     # at the price of page faults on each new one; otherwise from 4 MiB on (fewer arrays,
     # so fewer faults)
     map_large_allocations(2**20 if cfg.memory_per_rank is not None else 2**22)
+    keep_heap_top()  # scratch of a few MiB reused warm between the per-step trims
     memory = MemoryProfile(top=8 if cfg.profile_memory else 0)
     previous = _on_sigterm()
     try:

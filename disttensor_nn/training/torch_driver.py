@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from disttensor import DistArray, Distribution, to_npy, to_zarr
 
-from ..memory import MemoryProfile, map_large_allocations, release_free_memory
+from ..memory import MemoryProfile, keep_heap_top, map_large_allocations, release_free_memory
 from ..module import Layout, no_sync, split_axes_comm
 from ..plan import Plan
 from ..torch import ParallelModule, all_reduce, parallelize
@@ -626,6 +626,7 @@ def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     map_large_allocations(2**20 if cfg.memory_per_rank is not None else 2**22)
+    keep_heap_top()  # scratch of a few MiB reused warm between the per-step trims
     memory = MemoryProfile()
     if cfg.prefetch in (None, 0, 1, 2):  # else refused with the other options
         cfg = replace(cfg, prefetch=prefetch_depth(cfg, comm))
