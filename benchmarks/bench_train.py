@@ -79,7 +79,8 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "bn_s": bn_measured,
         "bn_predicted_s": bn_predicted,
         "peak_mib": summary["training_peak_memory_per_rank_bytes"] / 2**20,
-        "predicted_peak_mib": summary["predicted_peak_memory_bytes"] / 2**20,
+        "predicted_peak_mib": (summary["predicted_peak_memory_bytes"]
+                               + (summary.get("predicted_cache_slack_bytes") or 0)) / 2**20,
         "mapped_after_first_step": float(bc.get("misses_after_first_step", float("nan"))),
     }
 

@@ -401,7 +401,7 @@ a step asks for another."""
 def _planned_params(model: Layer, stage: str, nprocs: int) -> float:
     """Bytes of the weights and gradients as a plan made for ``stage`` counts them: the
     gradients (``"gradients"``), and the weights too (``"full"``), at 1/nprocs."""
-    params = sum(nbytes(p.data) for p in model.parameters())
+    params = sum(p.local_size * np.dtype(p.dtype).itemsize for p in model.parameters())
     grads = params / nprocs if stage in ("gradients", "full") else params
     return grads + (params / nprocs if stage == "full" else params)
 
@@ -416,6 +416,17 @@ def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") 
         now = comm.allreduce(resident_bytes(), op=MPI.MAX)
         extra = min(extra, plan.memory_budget - now)
     return max(int(extra), 0)
+
+
+def _cache_slack(plan: Plan, model: Layer, comm: MPI.Comm, stage: str,
+                 limit: int | None) -> int:
+    """Bytes a block cache of ``limit`` may hold beyond the blocks the plan predicts (free
+    buffers of other size classes, the size classes' rounding): 0 without a cache."""
+    if limit is None:
+        return 0
+    blocks = plan.peak_memory - plan.baseline_memory - _planned_params(model, stage,
+                                                                        comm.Get_size())
+    return max(int(limit - blocks), 0)
 
 
 def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> None:
@@ -618,6 +629,10 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         # the plan is for one micro-batch, its gradient reduction included: an upper bound
         "predicted_time_per_iteration_s": cfg.accumulate * plan.time,
         "peak_memory_per_rank_bytes": peak, "predicted_peak_memory_bytes": plan.peak_memory,
+        # the cache holds free buffers besides the live ones, up to its limit: the part of
+        # the limit above the blocks the plan counts comes on top of the plan's peak
+        "predicted_cache_slack_bytes": _cache_slack(plan, model, comm, plan.shard_state,
+                                                    cache_limit),
         "predicted_baseline_memory_bytes": plan.baseline_memory,
         "training_peak_memory_per_rank_bytes": phase_peak("forward", "backward", "optimizer"),
         "planning_peak_memory_per_rank_bytes": phase_peak("calibration", "kernel measurement",
@@ -809,9 +824,12 @@ def _print_summary(s: dict) -> None:
     if warning:
         print(warning)
     budget = s.get("memory_budget_bytes")
+    slack = s.get("predicted_cache_slack_bytes") or 0
     print(f"peak memory per rank (resident): training step "
           f"{s['training_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (predicted "
-          f"{s['predicted_peak_memory_bytes'] / 2**20:.0f} MiB), planning "
+          f"{(s['predicted_peak_memory_bytes'] + slack) / 2**20:.0f} MiB"
+          + (f", the block cache's slack of {slack / 2**20:.0f} MiB included" if slack else "")
+          + "), planning "
           f"{s['planning_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB, whole run "
           f"{s['peak_memory_per_rank_bytes'] / 2**20:.0f} MiB"
           + (f"; budget {budget / 2**20:.0f} MiB" if budget else ""))
