@@ -51,7 +51,7 @@ from .recipe import (
 from .registry import build_model, check_size, model_spec
 
 __all__ = ["TrainConfig", "train", "plan_mismatch", "prediction_warning", "prefetch_depth",
-           "SetupError",
+           "next_batch", "SetupError",
            "MemoryBudgetError"]
 
 RECOMPUTE = {"auto": "auto", "always": True, "never": False}
@@ -653,6 +653,21 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     return summary
 
 
+def next_batch(loader: Loader, it: Prefetcher | None, plain: Any) -> tuple[Any, Any, Any]:
+    """The next ``(input, target)`` batch: from the prefetching thread ``it`` if there is
+    one, else from the loader's iterator ``plain``, started again at the end of an epoch;
+    returns the batch and the iterator to use next."""
+    if it is not None:
+        x, y = it.next()
+        return x, y, plain
+    try:
+        x, y = next(plain)
+    except StopIteration:
+        plain = iter(loader)
+        x, y = next(plain)
+    return x, y, plain
+
+
 def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, model: Layer,
           loss_fn: Any, opt: Any, loader: Loader, it: Prefetcher | None, plain: Any,
           step: int, history: list[dict], clocks: list[list[float]], times: list[float],
@@ -674,14 +689,7 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
         opt.zero_grad()
         for micro in range(cfg.accumulate):
             t_data = time.perf_counter()
-            if it is not None:
-                x, y = it.next()
-            else:
-                try:
-                    x, y = next(plain)
-                except StopIteration:
-                    plain = iter(loader)
-                    x, y = next(plain)
+            x, y, plain = next_batch(loader, it, plain)
             # the loader's scratch and the last step's arrays, freed, leave the process
             # before this step's peak (the C allocator would keep them resident)
             release_free_memory()

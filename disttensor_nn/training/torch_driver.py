@@ -61,6 +61,7 @@ from .driver import (
     _say,
     _threads,
     _write_metrics,
+    next_batch,
     prefetch_depth,
 )
 from .inference import PredictConfig, _create_output
@@ -499,14 +500,7 @@ def _loop(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile, pm: Paral
         opt.zero_grad()
         for micro in range(cfg.accumulate):
             t_data = time.perf_counter()
-            if it is not None:
-                x, y = it.next()
-            else:
-                try:
-                    x, y = next(plain)
-                except StopIteration:
-                    plain = iter(loader)
-                    x, y = next(plain)
+            x, y, plain = next_batch(loader, it, plain)
             release_free_memory()
             dt_data += time.perf_counter() - t_data
             with memory.phase("forward"):
