@@ -20,6 +20,7 @@ import disttensor_nn as nn
 import disttensor_nn.plan
 from disttensor import DistArray, Distribution
 from disttensor_nn.costspec import Allreduce, CostSpec, largest_block
+from disttensor_nn.kernels import threads_now
 from disttensor_nn.models import DepthToSpace
 from disttensor_nn.plan import CostModel, KernelTimer, MachineProfile, Planner
 
@@ -158,8 +159,9 @@ def test_kernel_signatures_are_the_cache_keys():
     assert nn.ReLU().kernel_signature() == "ReLU"
     assert DepthToSpace(2).kernel_signature() == "DepthToSpace"
     timer = KernelTimer("t", cache_dir="/nonexistent", measure=False)
-    assert timer.key(nn.Linear(12, 5), (2, 12), F4) == "linear:12>5|(2, 12)|<f4|alone"
-    assert timer.key(nn.ReLU(), (1, 2), F4, 3) == "ReLU|(1, 2)|<f4|seq3"
+    t = "|t{}.{}".format(*threads_now())  # the threads the kernels run on now
+    assert timer.key(nn.Linear(12, 5), (2, 12), F4) == "linear:12>5|(2, 12)|<f4|alone" + t
+    assert timer.key(nn.ReLU(), (1, 2), F4, 3) == "ReLU|(1, 2)|<f4|seq3" + t
 
 
 def test_twins_own_their_state_and_drop_padding():
@@ -232,7 +234,8 @@ def test_custom_layer_kernel_time_comes_from_its_signature(tmp_path):
     p = profile(measured=True, cores_per_node=2)
     timer = KernelTimer("t", cache_dir=str(tmp_path), measure=False)
     layer = Stencil()
-    timer.table["stencil:5x3|(4, 3, 8, 8)|<f4|alone"] = [1e-3, 3e-3, 0.0]
+    timer.table["stencil:5x3|(4, 3, 8, 8)|<f4|alone|t{}.{}".format(*threads_now())] = [
+        1e-3, 3e-3, 0.0]
     c = CostModel(p, 2, timer).layer(layer, (4, 3, 8, 6), (1, 2, 1))  # the halo-extended block
     assert (c.fwd, c.bwd, c.estimated) == (1e-3, 3e-3, False)
 
@@ -244,7 +247,7 @@ def test_custom_layer_twin_is_measured_under_its_signature(tmp_path):
                       CostModel(profile(measured=True), 1, timer), allowed=[(1, 1, 1)])
     assert planner.calibrate(reps=1) == 1
     (key,) = timer.table
-    assert key == "stencil:5x3|(4, 3, 12, 8)|<f4|seq1"
+    assert key == "stencil:5x3|(4, 3, 12, 8)|<f4|seq1|t{}.{}".format(*threads_now())
     assert all(t > 0 for t in timer.table[key][:2])
     assert timer.table[key][2] == 15.0 * 4 * 3 * 8 * 6
 

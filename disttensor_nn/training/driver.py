@@ -17,7 +17,7 @@ from mpi4py import MPI
 from tqdm import tqdm
 
 from disttensor import node_share, use_device
-from disttensor.backend import is_numpy, nbytes
+from disttensor.backend import is_numpy, nbytes, numpy_dtype
 from disttensor.blockcache import active_block_cache, block_cache
 
 from ..container import Sequential
@@ -401,7 +401,7 @@ a step asks for another."""
 def _planned_params(model: Layer, stage: str, nprocs: int) -> float:
     """Bytes of the weights and gradients as a plan made for ``stage`` counts them: the
     gradients (``"gradients"``), and the weights too (``"full"``), at 1/nprocs."""
-    params = sum(p.local_size * np.dtype(p.dtype).itemsize for p in model.parameters())
+    params = sum(p.local_size * numpy_dtype(p.dtype).itemsize for p in model.parameters())
     grads = params / nprocs if stage in ("gradients", "full") else params
     return grads + (params / nprocs if stage == "full" else params)
 
