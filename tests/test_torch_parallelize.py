@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -489,3 +494,21 @@ def test_a_term_every_rank_computes_alike_keeps_its_own_gradient():
     bad = [name for (name, a), b in zip(pm.named_parameters(), ref.parameters())
            if rel(a.grad, b.grad) > 1e-10]
     collective_assert(not bad, str(bad))
+
+
+def test_the_example_trains_an_unchanged_unet_split_over_space():
+    """examples/torch_unet.py (plain torch, under 40 lines of user code) on 2 ranks: the
+    planner splits the image's height or width, and the loss falls."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = root / "examples" / "torch_unet.py"
+    code = [line for line in script.read_text().split('"""', 2)[2].splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    assert len(code) < 40, len(code)
+    mpiexec = pathlib.Path(sys.executable).parent / "mpiexec"
+    out = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"^down\.0 Conv2d\s+\(1, (2, 1|1, 2)\)", out.stdout, re.M), out.stdout
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
+    assert last < 0.7 * first, (first, last)
