@@ -158,11 +158,10 @@ def empty(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None
 
 def zeros(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:
     """As :func:`empty`, filled with zeros."""
-    if active_block_cache() is not None and xp is np and device in (None, "cpu"):
-        out = empty(xp, shape, dtype, device)
-        out.fill(0)
-        return out
     dt = namespace_dtype(xp, dtype)
+    cache = active_block_cache()
+    if cache is not None and xp is np and device in (None, "cpu"):
+        return cache.zeros(shape, dt)  # a newly mapped buffer is not written
     return xp.zeros(shape, dtype=dt) if device is None else xp.zeros(shape, dtype=dt, device=device)
 
 

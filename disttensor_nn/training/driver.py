@@ -406,12 +406,17 @@ def _planned_params(model: Layer, stage: str, nprocs: int) -> float:
     return grads + (params / nprocs if stage == "full" else params)
 
 
+def _planned_blocks(plan: Plan, model: Layer, comm: MPI.Comm, stage: str) -> float:
+    """Bytes the plan (made for the sharding ``stage``) predicts the step adds to the
+    process besides its parameters and their gradients: the step's blocks."""
+    return plan.peak_memory - plan.baseline_memory - _planned_params(model, stage,
+                                                                     comm.Get_size())
+
+
 def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> int:
-    """Bytes the step's block cache may hold: what the plan (made for the sharding
-    ``stage``) predicts the step adds to the process besides its parameters and their
-    gradients, and :data:`CACHE_SLACK` more (within the budget, if there is one)."""
-    params = _planned_params(model, stage, comm.Get_size())
-    extra = (plan.peak_memory - plan.baseline_memory - params) * (1 + CACHE_SLACK)
+    """Bytes the step's block cache may hold: the step's blocks (:func:`_planned_blocks`)
+    and :data:`CACHE_SLACK` more (within the budget, if there is one)."""
+    extra = _planned_blocks(plan, model, comm, stage) * (1 + CACHE_SLACK)
     if plan.memory_budget:
         now = comm.allreduce(resident_bytes(), op=MPI.MAX)
         extra = min(extra, plan.memory_budget - now)
@@ -424,9 +429,7 @@ def _cache_slack(plan: Plan, model: Layer, comm: MPI.Comm, stage: str,
     buffers of other size classes, the size classes' rounding): 0 without a cache."""
     if limit is None:
         return 0
-    blocks = plan.peak_memory - plan.baseline_memory - _planned_params(model, stage,
-                                                                        comm.Get_size())
-    return max(int(limit - blocks), 0)
+    return max(int(limit - _planned_blocks(plan, model, comm, stage)), 0)
 
 
 def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> None:
@@ -567,7 +570,7 @@ def _phase_line(memory: MemoryProfile) -> str:
 def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
            ) -> dict[str, Any]:
     rank = comm.Get_rank()
-    if cfg.prefetch in (None, 0, 1, 2):  # else refused by _setup's checks
+    if cfg.prefetch is None:
         cfg = replace(cfg, prefetch=prefetch_depth(cfg, comm))
     try:
         state = _setup(cfg, comm, memory, xp)

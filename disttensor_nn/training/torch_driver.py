@@ -622,7 +622,7 @@ def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict
     map_large_allocations(2**20 if cfg.memory_per_rank is not None else 2**22)
     keep_heap_top()  # scratch of a few MiB reused warm between the per-step trims
     memory = MemoryProfile()
-    if cfg.prefetch in (None, 0, 1, 2):  # else refused with the other options
+    if cfg.prefetch is None:
         cfg = replace(cfg, prefetch=prefetch_depth(cfg, comm))
     try:
         return _train(cfg, comm, memory)
