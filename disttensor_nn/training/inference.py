@@ -39,7 +39,7 @@ from .checkpoint import load_checkpoint
 from .data import open_dataset
 from .registry import build_model, model_spec
 
-__all__ = ["PredictConfig", "predict"]
+__all__ = ["PredictConfig", "predict", "predict_summary"]
 
 UNCALIBRATED = "v100-nvlink-edr"  # planning profile of a 1-rank job (nothing to calibrate)
 
@@ -206,12 +206,20 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
                 bar.update(1)
     if bar is not None:
         bar.close()
-    peaks = comm.allgather(memory.phases["inference"].peak)
-    return {"samples": n, "out": cfg.out, "output_shape": list(stack), "plan": plan.table(),
-            "predicted_peak_memory_bytes": plan.peak_memory,
-            "peak_memory_per_rank_bytes": peaks,
-            "time_per_sample_s": comm.allreduce(float(np.median(times)) if times else 0.0,
-                                                op=MPI.MAX),
-            "io_time_per_sample_s": comm.allreduce(
-                float(np.median(io_times)) if io_times else 0.0, op=MPI.MAX),
-            "predicted_time_per_sample_s": plan.time}
+    return predict_summary(cfg, stack, plan, memory, comm, times, io_times, plan.time)
+
+
+def predict_summary(cfg: Any, stack: tuple[int, ...], plan: Plan, memory: MemoryProfile,
+                    comm: MPI.Comm, times: list[float], io_times: list[float],
+                    predicted_s: float) -> dict[str, Any]:
+    """What a prediction run returns (collective): the samples and where they went, the
+    plan, the peaks of every rank, and the slowest rank's median time per sample (and of
+    it the time reading and writing) beside ``predicted_s``."""
+    def slowest(ts: list[float]) -> float:
+        return comm.allreduce(float(np.median(ts)) if ts else 0.0, op=MPI.MAX)
+
+    return {"samples": stack[0], "out": cfg.out, "output_shape": list(stack),
+            "plan": plan.table(), "predicted_peak_memory_bytes": plan.peak_memory,
+            "peak_memory_per_rank_bytes": comm.allgather(memory.phases["inference"].peak),
+            "time_per_sample_s": slowest(times), "io_time_per_sample_s": slowest(io_times),
+            "predicted_time_per_sample_s": predicted_s}

@@ -64,7 +64,7 @@ from .driver import (
     next_batch,
     prefetch_depth,
 )
-from .inference import PredictConfig, _create_output
+from .inference import PredictConfig, _create_output, predict_summary
 from .inference import _machine as _predict_machine
 from .recipe import recipe_problem, resume_problem
 
@@ -743,12 +743,5 @@ def _predict(cfg: PredictConfig, model_file: str, comm: MPI.Comm,
                 bar.update(1)
     if bar is not None:
         bar.close()
-    peaks = comm.allgather(memory.phases["inference"].peak)
-    return {"samples": n, "out": cfg.out, "output_shape": list(stack), "plan": plan.table(),
-            "predicted_peak_memory_bytes": plan.peak_memory,
-            "peak_memory_per_rank_bytes": peaks,
-            "time_per_sample_s": comm.allreduce(float(np.median(times)) if times else 0.0,
-                                                op=MPI.MAX),
-            "io_time_per_sample_s": comm.allreduce(
-                float(np.median(io_times)) if io_times else 0.0, op=MPI.MAX),
-            "predicted_time_per_sample_s": sum(e.fwd for e in plan.entries)}
+    return predict_summary(cfg, stack, plan, memory, comm, times, io_times,
+                           sum(e.fwd for e in plan.entries))
