@@ -17,7 +17,8 @@ from ..memory import MemoryProfile
 from ..optim.optimizer import STAGES
 from .costmodel import CostModel
 from .machine import load_profile
-from .planner import Plan, Planner
+from .planner import Planner
+from .result import Plan
 from .timer import KernelTimer, machine_id
 
 __all__ = ["make_plan", "predict_scaling", "wait_for_root", "kernel_choice"]
@@ -251,7 +252,7 @@ def predict_scaling(model: Any, batch_shape: tuple[int, ...], ranks: Sequence[in
         ``inner`` (the grid axes it keeps inside a node: ``"space"`` or
         ``"sample"``, see ``Plan.inner``), ``modes`` (how many convolutions
         the plan runs in each channel/filter mode,
-        :data:`~disttensor_nn.plan.planner.MODES`) and
+        :data:`~disttensor_nn.plan.result.MODES`) and
         ``sample_parallel_ms`` (the plan that splits only the samples,
         None when the batch cannot be split so) with ``sample_parallel_split``
         (its compute, exposed and hidden ms; with more ranks than samples

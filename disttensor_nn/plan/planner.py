@@ -1,15 +1,20 @@
 """The planner: choose every layer's distribution by dynamic programming over the layer graph.
 
-The network is traced into a chain of layers and residual blocks. With ``C``
-candidate distributions, each step of the chain is a ``C x C`` matrix of
-costs (input arriving in distribution ``a``, layer run in ``c``: the shuffle
-``a -> c`` plus the layer's cost in ``c``); a residual block's matrix is its
-branch's chain matrix plus the shortcut's (whose output must meet the
-branch's in one distribution, or pay the shuffle). Chaining is a min-plus
-matrix product, so the cheapest plan is exact for a step whose costs add
-up. A per-rank memory budget is met by minimising ``time + lambda * memory``
-with the smallest ``lambda`` (found by bisection) whose plan fits; layers'
-candidates that cannot fit even alone are dropped.
+The network is traced into a chain of layers and residual blocks
+(:mod:`~disttensor_nn.plan.tracing`). With ``C`` candidate distributions,
+each step of the chain is a ``C x C`` matrix of costs (input arriving in
+distribution ``a``, layer run in ``c``: the shuffle ``a -> c`` plus the
+layer's cost in ``c``); a residual block's matrix is its branch's chain
+matrix plus the shortcut's (whose output must meet the branch's in one
+distribution, or pay the shuffle). Chaining is a min-plus matrix product
+(:mod:`~disttensor_nn.plan.search`), so the cheapest plan is exact for a
+step whose costs add up. A per-rank memory budget is met by minimising
+``time + lambda * memory`` with the smallest ``lambda`` (found by bisection,
+:mod:`~disttensor_nn.plan.budget`) whose plan fits; layers' candidates that
+cannot fit even alone are dropped. :class:`Planner` prices the layers and
+shuffles, runs those searches and prices their assignments exactly; the
+result is a :class:`~disttensor_nn.plan.result.Plan`, which
+:func:`~disttensor_nn.plan.apply.apply_plan` lays a model out by.
 
 When gradient reductions overlap backward (``CostModel.overlap``), a step's
 time is a critical path (:func:`~disttensor_nn.plan.costmodel.step_time`), a
@@ -20,26 +25,26 @@ from "hidden entirely" to "fully exposed"), prices each solution on the
 critical path, and keeps the fastest. Every plan it returns is priced
 exactly; only its optimality is approximate (the test suite measures the
 gap to brute force on small networks).
+
+The names this module had before its parts moved out (:class:`Node`,
+:class:`Block`, :func:`trace`, :func:`leaf_nodes`, :class:`Plan`,
+:class:`PlanEntry`, :data:`MODES`, :func:`apply_plan`) are importable from it still.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from disttensor import ProcessGrid
-
-from ..container import Residual, Sequential
 from ..costspec import largest_block
-from ..kernels import check_backend
-from ..module import Layer, Layout
+from ..module import Layer
+from .apply import apply_plan
+from .budget import fit_budget
 from .costmodel import (
     NODE_INNER,
     Candidate,
@@ -49,9 +54,12 @@ from .costmodel import (
     candidates,
     dist_for,
     same_placement,
-    step_time,
 )
+from .evaluate import io_states, segments, walk_assignment
+from .result import MODES, Plan, PlanEntry
+from .search import ChainSearch, lower_bounds, solve_pruned
 from .timer import KernelTimer, QueryRecorder
+from .tracing import Block, Node, leaf_nodes, spine, trace
 
 __all__ = ["Node", "Block", "trace", "leaf_nodes", "Planner", "Plan", "PlanEntry",
            "apply_plan", "GRADIENT_WEIGHTS", "MODES"]
@@ -59,126 +67,8 @@ __all__ = ["Node", "Block", "trace", "leaf_nodes", "Planner", "Plan", "PlanEntry
 #: Shares of a layer's gradient reduction the DP charges when reductions overlap backward.
 GRADIENT_WEIGHTS = (1.0, 0.5, 0.25, 0.125, 0.0)
 
-#: A convolution's modes under a grid over (N, C, S..) (``PlanEntry.mode``).
-MODES = {
-    "gathered": "filter-parallel on the input gathered along C",
-    "channel": "channel-parallel, partial outputs allreduced",
-    "filter": "filter-parallel, partial input gradients allreduced",
-    "replicated": "the whole layer on each replica",
-    "grouped": "grouped, each rank's whole groups, no message",
-}
-_MODE_LABEL = {"gathered": "C>F", "channel": "C>-", "filter": "->F", "replicated": "->-",
-               "grouped": "C>F g"}
-
-
-def _split_label(e: PlanEntry) -> str:
-    """The C/F column of a plan's table."""
-    if len(e.in_shape) != len(e.grid) or e.grid[1] == 1:
-        return ""
-    return _MODE_LABEL.get(e.mode, "C" if e.split_channels else "-")
-
-
-@dataclass
-class Node:
-    """One layer of the traced network."""
-
-    name: str
-    layer: Layer
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-
-
-@dataclass
-class Block:
-    """A residual block: ``post(branch(x) + shortcut(x))``."""
-
-    name: str
-    branch: list
-    shortcut: list | None
-    post: list
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-
-
-def trace(model: Layer, in_shape: tuple[int, ...], prefix: str = "") -> list:
-    """Flatten ``model`` into a chain of :class:`Node` and :class:`Block` items."""
-    items: list = []
-    if isinstance(model, Sequential):
-        for i, layer in enumerate(model):
-            sub = trace(layer, in_shape, f"{prefix}{i}.")
-            items += sub
-            in_shape = (sub[-1].out_shape if sub else in_shape)
-        return items
-    if isinstance(model, Residual):
-        branch = trace(model.branch, in_shape, prefix + "branch.")
-        mid = model.merged_shape(in_shape)
-        shortcut = trace(model.shortcut, in_shape, prefix + "shortcut.") \
-            if model.shortcut is not None else None
-        post = trace(model.post, mid, prefix + "post.") if model.post is not None else []
-        return [Block(prefix.rstrip("."), branch, shortcut, post, tuple(in_shape),
-                      model.output_shape(in_shape))]
-    out = model.output_shape(in_shape)
-    return [Node(prefix.rstrip(".") or type(model).__name__, model, tuple(in_shape), out)]
-
-
-def leaf_nodes(items: list) -> list[Node]:
-    """The :class:`Node` s of a traced chain (:func:`trace`) in network order, blocks opened."""
-    out = []
-    for it in items:
-        if isinstance(it, Node):
-            out.append(it)
-        else:
-            out += leaf_nodes(it.branch) + (leaf_nodes(it.shortcut) if it.shortcut else []) + \
-                leaf_nodes(it.post)
-    return out
-
-
-def _io(value: int | tuple[int, int]) -> tuple[int, int]:
-    """(input state, output state) of an assignment's value for one layer."""
-    return (value, value) if isinstance(value, (int, np.integer)) else \
-        (int(value[0]), int(value[1]))
-
-
-def _minplus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Min-plus product ``a (x) b`` and, per entry, the first middle index attaining it."""
-    if a.shape[0] * a.shape[1] * b.shape[1] <= _MINPLUS_CUBE:
-        s = a[:, :, None] + b[None, :, :]
-        k = s.argmin(axis=1)
-        return np.take_along_axis(s, k[:, None, :], axis=1)[:, 0, :], k
-    best = a[:, :1] + b[:1, :]  # one middle index at a time: faster on large matrices
-    arg = np.zeros(best.shape, dtype=np.intp)
-    for m in range(1, a.shape[1]):
-        s = a[:, m:m + 1] + b[m:m + 1, :]
-        better = s < best  # strictly: the first index wins ties, as argmin's
-        np.copyto(best, s, where=better)
-        arg[better] = m
-    return best, arg
-
-
-#: Largest ``rows x middle x columns`` a min-plus product broadcasts at once.
-_MINPLUS_CUBE = 2**17
-#: States of smallest lower bound whose DP gives the pruning bound (Planner._solve).
-_FIRST_STATES = 16
 #: Ranks whose receipts bound a shuffle's cost from below (Planner._shuffle_bounds).
 _BOUND_RANKS = 32
-#: Relative slack of the pruning test, far above the rounding of summing layer prices.
-_SLACK = 1e-9
-
-
-def _spine(items: list) -> tuple[list[Node], list[Node]]:
-    """The nodes from a chain's input to its output through every block's branch and
-    post-chain (in order), and the others (those of the shortcuts)."""
-    spine: list[Node] = []
-    side: list[Node] = []
-    for it in items:
-        if isinstance(it, Node):
-            spine.append(it)
-            continue
-        for part, on in ((it.branch, True), (it.shortcut or [], False), (it.post, True)):
-            sp, sd = _spine(part)
-            (spine if on else side).extend(sp)
-            side.extend(sd)
-    return spine, side
 
 
 def _fields(costs: list[LayerCost]) -> np.ndarray:
@@ -189,120 +79,6 @@ def _fields(costs: list[LayerCost]) -> np.ndarray:
                      [c.transient for c in costs], [c.keeps_input for c in costs]],
                     dtype=float).reshape(6, len(costs))
 
-
-@dataclass
-class PlanEntry:
-    """One layer of a plan."""
-
-    name: str
-    layer: str
-    grid: tuple[int, ...]
-    in_shape: tuple[int, ...]
-    fwd: float
-    bwd: float
-    comm: float
-    shuffle_in: float
-    memory: float
-    estimated: bool
-    tiled: bool = False
-    transient: float = 0.0
-    recompute: int = -1  # recompute segment (activation checkpointing); -1: kept
-    # under a grid over (N, C, S..): the input's channels split along the channel axis (or
-    # whole, replicated along it), and a convolution's mode (MODES; "" for other layers)
-    split_channels: bool = True
-    mode: str = ""
-    kernels: str = ""  # the kernel backend chosen ("" for a layer without a choice)
-
-
-@dataclass
-class Plan:
-    """Per-layer distributions with predicted times (seconds) and memory (bytes per rank)."""
-
-    nprocs: int
-    batch_shape: tuple[int, ...]
-    machine: str
-    entries: list[PlanEntry]
-    time: float
-    peak_memory: float
-    memory_budget: float | None = None
-    notes: list[str] = field(default_factory=list)
-    baseline_memory: float = 0.0
-    compute: float = 0.0  # of time: kernels
-    exposed_comm: float = 0.0  # of time: communication on the critical path
-    hidden_comm: float = 0.0  # communication overlapped with kernels (not in time)
-    training: bool = True  # a training step (False: an inference pass, nothing kept)
-    inner: str = "space"  # grid axes inside a node: the spatial splits, or "sample" (dist_for)
-    # the parameters' state sharded over the ranks that replicate them (optim.shard_state),
-    # as the plan's time and memory count it
-    shard_state: str = "none"
-
-    def table(self) -> str:
-        """The plan as a readable text table."""
-        dims = "(N,C,S..)" if any(len(e.grid) == len(self.batch_shape) for e in self.entries) \
-            else "(N,S..)"
-        cf = dims == "(N,C,S..)"
-        kern = len({e.kernels for e in self.entries} - {""}) > 1 or \
-            any(e.kernels not in ("", "numpy") for e in self.entries)
-        head = f"{'layer':<28} {'grid ' + dims:<16} " + (f"{'C/F':<8} " if cf else "") + \
-            (f"{'kernels':<8} " if kern else "") + \
-            f"{'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
-        lines = [head, "-" * len(head)]
-        for e in self.entries:
-            mark = ("*" if e.estimated else "~" if e.tiled else " ") + \
-                ("R" if e.recompute >= 0 else "")
-            lines.append(
-                f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<16} "
-                + (f"{_split_label(e):<8} " if cf else "")
-                + (f"{e.kernels or '-':<8} " if kern else "") + f"{1e3 * e.fwd:8.2f} "
-                f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
-                f"{e.memory / 2**20:7.1f}{mark}")
-        lines.append("-" * len(head))
-        what = "iteration" if self.training else "inference pass (nothing kept for backward)"
-        lines.append(f"predicted time per {what}: {1e3 * self.time:.2f} ms on "
-                     f"{self.nprocs} rank{'' if self.nprocs == 1 else 's'} ({self.machine}); "
-                     "peak memory per rank "
-                     f"{self.peak_memory / 2**20:.1f} MiB"
-                     + (f" of {self.memory_budget / 2**20:.0f} MiB" if self.memory_budget
-                        else "")
-                     + (f" (process baseline {self.baseline_memory / 2**20:.0f} MiB)"
-                        if self.baseline_memory else ""))
-        if self.compute:
-            lines.append(f"of which compute {1e3 * self.compute:.2f} ms, exposed communication "
-                         f"{1e3 * self.exposed_comm:.2f} ms; hidden communication "
-                         f"{1e3 * self.hidden_comm:.2f} ms")
-        if any(e.estimated for e in self.entries):
-            lines.append("* compute estimated from a rate model, not measured")
-        if any(e.tiled for e in self.entries):
-            lines.append("~ compute measured on a tile of the local block, scaled by FLOPs")
-        if cf:
-            lines.append("C/F: the input's channels split over the grid's C axis (C) or whole "
-                         "(-), and a convolution's output after '>': " + "; ".join(
-                             f"{_MODE_LABEL[k]} {v}" for k, v in MODES.items()))
-        if any(e.recompute >= 0 for e in self.entries):
-            lines.append(f"R recomputed in backward from its segment's input "
-                         f"({len({e.recompute for e in self.entries} - {-1})} segments): "
-                         "memory kept only at each segment's start, forward run twice")
-        if self.shard_state != "none":
-            lines.append(f"parameter state sharded over the ranks that replicate it: "
-                         f"{self.shard_state} (optim.shard_state; time and peak count it)")
-        if self.inner != "space":
-            lines.append("ranks placed so that the sample split stays inside a node and the "
-                         "spatial splits span nodes (grids laid out (C.., S.., N))")
-        lines += self.notes
-        return "\n".join(lines)
-
-    def to_json(self) -> str:
-        """Serialise (the training driver loads it with :meth:`from_json`)."""
-        return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """Inverse of :meth:`to_json`."""
-        d = json.loads(text)
-        d["entries"] = [PlanEntry(**{**e, "grid": tuple(e["grid"]),
-                                     "in_shape": tuple(e["in_shape"])}) for e in d["entries"]]
-        d["batch_shape"] = tuple(d["batch_shape"])
-        return cls(**d)
 
 
 class Planner:
@@ -403,7 +179,7 @@ class Planner:
         self._shuffle_low: dict[tuple[int, ...], np.ndarray] = {}
         # the layers on the path from the input to the output through every residual
         # block's branch (a lower bound of every assignment follows it), and the others
-        self._spine, self._side = _spine(self.items)
+        self._spine, self._side = spine(self.items)
         self._place(cost.inner)
         self.notes: list[str] = []  # what calibration did, shown under the plan table
         self._weight = 1.0  # share of gradient reductions the DP charges
@@ -568,23 +344,6 @@ class Planner:
             out[id(node)] = (stay, swap)
         return out
 
-    def _modal_step(self, sh: np.ndarray, node: Node, st: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """A convolution's step matrix: the shuffle to its input state ``c`` (``sh``), then
-        the layer from ``c`` to its output state ``o`` (one of the two states of ``o``'s
-        grid); and the chosen ``c`` for each (arriving state, ``o``). Over the layer's
-        states ``st`` (local indices into it)."""
-        stay, swap = (v[st] for v in self._prices[id(node)])
-        own = np.arange(len(st))
-        local = np.full(len(self.states), -1, dtype=np.intp)
-        local[st] = own
-        peer = local[self._peer[st]]
-        swap = np.where(peer >= 0, swap, np.inf)  # the other state is not searched
-        peer = np.where(peer >= 0, peer, own)
-        t1 = sh + stay[None, :]
-        t2 = sh[:, peer] + swap[None, :]
-        return np.minimum(t1, t2), np.where(t2 < t1, peer[None, :], own[None, :])
-
     def _time(self, lc: LayerCost) -> float:
         """The DP's additive price of a layer: its gradient reduction at the current weight."""
         if not self.cost.overlap:
@@ -666,180 +425,25 @@ class Planner:
         return news
 
     # ------------------------------------------------------------ DP
-    def _chain(self, items: list, rows: np.ndarray | None, pin: bool = False):
-        """Matrix M[a, c] of a chain (input in state ``rows[a]``, output in ``cols[c]``),
-        its backtracking record, ``rows`` and ``cols``. Each layer's states are its
-        set in :attr:`_sets`.
-
-        With ``pin`` the input arrives in the layout of the chain's first layer
-        (as the data loader provides it): ``a`` is that layout, at no cost, and
-        ``rows`` (None) is the first layer's states.
-        """
-        steps = []
-        acc = None
-        cur = rows
-        for k, it in enumerate(items):
-            if isinstance(it, Node):
-                st = self._sets[id(it)]
-                if pin and k == 0:
-                    rows = cur = st
-                    sh = np.where(np.eye(len(st), dtype=bool), 0.0, np.inf)
-                else:
-                    sh = self._shuffles(it.in_shape, cur, st)
-                if self.modal(it):  # input moved to c, the layer from c to its output's state
-                    t, sub = self._modal_step(sh, it, st)
-                else:
-                    t, sub = sh + self._prices[id(it)][0][st][None, :], None
-                cur = st
-            else:
-                t, sub, first, cur = self._block(it, cur, pin and k == 0)
-                if pin and k == 0:
-                    rows = first
-                st = cur
-            if acc is None:
-                acc, arg = t, None
-            else:
-                acc, arg = _minplus(acc, t)
-            steps.append((it, arg, sub, st))
-        if acc is None:  # empty chain: identity, moving costs nothing
-            acc = np.where(np.eye(len(rows), dtype=bool), 0.0, np.inf)
-            cur = rows
-        return acc, steps, rows, cur
-
-    def _block(self, blk: Block, rows: np.ndarray | None, pin: bool = False):
-        b, bsteps, rows, bcols = self._chain(blk.branch, rows, pin)
-        if blk.shortcut is None:
-            s, ssteps = self._shuffles(blk.in_shape, rows, bcols), None
-            sarg = None
-        else:
-            sm, ssteps, _, scols = self._chain(blk.shortcut, rows)
-            s, sarg = _minplus(sm, self._shuffles(blk.shortcut[-1].out_shape, scols, bcols))
-        pre = b + s
-        cols = bcols
-        if blk.post:
-            p, psteps, _, cols = self._chain(blk.post, bcols)
-            t, parg = _minplus(pre, p)
-        else:
-            t, parg, psteps = pre, None, []
-        return t, (bsteps, ssteps, sarg, psteps, parg), rows, cols
-
-    def _backtrack(self, steps: list, a: int, c: int, out: dict) -> None:
-        """Fill ``out[id(node)]`` (a state, or (input state, output state) where they differ)
-        for a chain whose input is in its ``a``-th row state, output in its ``c``-th
-        column state."""
-        for it, arg, sub, st in reversed(steps):
-            prev = arg[a, c] if arg is not None else a
-            if isinstance(it, Node):
-                i = int(sub[prev, c]) if sub is not None else c
-                o = int(st[c])
-                out[id(it)] = o if i == c else (int(st[i]), o)
-            else:
-                bsteps, ssteps, sarg, psteps, parg = sub
-                mid = parg[prev, c] if parg is not None else c
-                if psteps:
-                    self._backtrack(psteps, mid, c, out)
-                self._backtrack(bsteps, prev, mid, out)
-                if ssteps is not None:
-                    self._backtrack(ssteps, prev, sarg[prev, mid], out)
-            c = prev
-
     def _solve(self, lam: float) -> dict[int, int] | None:
         """The DP's cheapest assignment at memory weight ``lam`` (None: nothing fits).
 
         The DP runs, for each layer, over the states in which it can be in a
-        cheapest assignment (exact pruning): an assignment that runs layer
-        ``l`` with its input or output in state ``s`` costs at least
-        ``LB_l(s)`` (:meth:`_lower_bounds`); the DP over each layer's few
-        states of smallest ``LB_l`` gives an assignment of cost ``U``, which
-        the optimum cannot exceed, so a layer is not run in a state with
-        ``LB_l(s) > U`` in any cheapest assignment, and the DP over the other
-        states finds the assignment the DP over all states finds (its ties
-        broken the same way: leaving out options it does not take leaves
-        every choice it takes unchanged).
+        cheapest assignment (exact pruning,
+        :func:`~disttensor_nn.plan.search.solve_pruned`): an assignment that
+        runs layer ``l`` with its input or output in state ``s`` costs at
+        least ``LB_l(s)`` (:func:`~disttensor_nn.plan.search.lower_bounds`,
+        along the spine, :func:`~disttensor_nn.plan.tracing.spine`).
         """
         self._prices = self._node_prices(lam)
         try:
-            bounds = self._lower_bounds()
+            bounds = lower_bounds(self._spine, self._side, self._prices, self._peer,
+                                  self._shuffle_bounds)
             if bounds is None:
                 return None
-            finite = min(int(np.count_nonzero(np.isfinite(b))) for b in bounds.values())
-            k = min(finite, _FIRST_STATES)
-            while True:
-                first = {i: np.sort(np.argsort(b, kind="stable")[:k])
-                         for i, b in bounds.items()}
-                assign, value = self._solve_on(first)
-                if assign is not None or k >= len(self.states):
-                    break
-                k = min(len(self.states), 2 * k)
-            if assign is None:
-                return None
-            keep = {i: np.flatnonzero(b <= value + _SLACK * abs(value))
-                    for i, b in bounds.items()}
-            if self.max_states is not None:  # the most promising states only: not exact
-                keep = {i: np.intersect1d(v, np.argsort(bounds[i], kind="stable")[
-                    :max(self.max_states, _FIRST_STATES)]) for i, v in keep.items()}
-            if any(not np.array_equal(keep[i], first[i]) for i in keep):
-                assign = self._solve_on(keep)[0] or assign  # (fewer states: no worse)
-            return assign
+            return solve_pruned(bounds, len(self.states), self._solve_on, self.max_states)
         finally:
             self._prices, self._sets = {}, {}
-
-    def _lower_bounds(self) -> dict[int, np.ndarray] | None:
-        """``LB_l(s)`` of :meth:`_solve` for every layer ``l`` (by ``id``) and state ``s``,
-        infinite where the layer cannot run so; None where some layer runs in no state.
-
-        Every price and shuffle is at least zero and each layer is priced once,
-        so an assignment costs at least its price along the spine (the layers
-        from the input to the output through every residual block's branch
-        and post-chain, :func:`_spine`), with each shuffle between them
-        priced at a lower bound (:meth:`CostModel.redistribution_bounds`),
-        plus the cheapest price of every other layer (the shortcuts'). A
-        forward and a backward pass along the spine give, for each of its
-        layers and each state, the least such bound of the assignments that
-        run the layer with its input or output in that state; a shortcut's
-        layer in a state adds its excess over its cheapest price to the
-        least bound of all.
-        """
-        n = len(self.states)
-        peer = self._peer
-        side = 0.0
-        for node in self._side:
-            least = self._touching(node).min()
-            if not np.isfinite(least):
-                return None
-            side += least
-        # forward: the least bound of the chain up to each spine layer's output state
-        arrive, leave = [], None
-        for node in self._spine:
-            a = np.zeros(n) if leave is None else \
-                (leave[:, None] + self._shuffle_bounds(node.in_shape)).min(axis=0)
-            stay, swap = self._prices[id(node)]
-            leave = a + stay if swap is None else np.minimum(a + stay, a[peer] + swap)
-            arrive.append(a)
-        if leave is None or not np.isfinite(leave.min()):
-            return None
-        best = side + leave.min()
-        bounds = {}
-        for node in self._side:
-            touch = self._touching(node)
-            bounds[id(node)] = best + (touch - touch.min())
-        after = np.zeros(n)  # backward: the least bound from each output state on
-        for node, a in zip(reversed(self._spine), reversed(arrive)):
-            stay, swap = self._prices[id(node)]
-            via = a + stay + after
-            if swap is not None:  # in the other state of the grid, out in s; in s, out there
-                via = np.minimum(via, np.minimum(a[peer] + swap + after,
-                                                 a + swap[peer] + after[peer]))
-            bounds[id(node)] = side + via
-            into = stay + after if swap is None else \
-                np.minimum(stay + after, (swap + after)[peer])
-            after = (self._shuffle_bounds(node.in_shape) + into[None, :]).min(axis=1)
-        return bounds
-
-    def _touching(self, node: Node) -> np.ndarray:
-        """The cheapest price of ``node`` with its input or output in each state."""
-        stay, swap = self._prices[id(node)]
-        return stay if swap is None else np.minimum(stay, np.minimum(swap, swap[self._peer]))
 
     def _shuffle_bounds(self, shape: tuple[int, ...]) -> np.ndarray:
         """Lower bounds of :meth:`shuffle_matrix` (what a few spread ranks receive)."""
@@ -854,16 +458,11 @@ class Planner:
 
     def _solve_on(self, sets: dict[int, np.ndarray]) -> tuple[dict[int, int] | None, float]:
         """The DP with each layer's states in ``sets`` (by ``id``, ascending): the
-        assignment and its price."""
+        assignment and its price (:class:`~disttensor_nn.plan.search.ChainSearch`)."""
         self._sets = sets
         self.searched = float(np.mean([len(v) for v in sets.values()]))
-        m, steps, _, _ = self._chain(self.items, None, pin=True)
-        a, c = np.unravel_index(np.argmin(m), m.shape)
-        if not np.isfinite(m[a, c]):
-            return None, np.inf
-        out: dict[int, int] = {}
-        self._backtrack(steps, int(a), int(c), out)
-        return out, float(m[a, c])
+        return ChainSearch(self._prices, sets, self._peer, self._shuffles,
+                           self.modal).solve(self.items)
 
     # ------------------------------------------------------------ evaluation
     def assignment_cost(self, assign: dict[int, int]) -> tuple[float, float]:
@@ -884,90 +483,20 @@ class Planner:
         return self._walk(assign)[0]
 
     def _walk(self, assign: dict[int, int]) -> tuple[StepTime, float]:
-        costs: list[LayerCost] = []  # layers and shuffles in network order
-        memory = self.base_memory
-        transient = 0.0
-        prev: list[Any] = [None]  # the layer that produced the current activation, unmoved
-        groups = self.segments(assign) if self._recomputing else {}
-        held: dict[int, list[float]] = {}  # segment -> [memory when kept, largest transient]
-        # inference: arrays that callers hold while later layers run (the network's input,
-        # the input of each residual block being run, the merged array its post-chain reads)
-        pending = [0.0]
-        inference = not self.cost.training
+        """(step time, peak memory) of an assignment (:func:`walk_assignment`)."""
+        return walk_assignment(self.items, assign, self.layer_cost, self._shuffle_cost,
+                               self._nbytes, self.base_memory, self.cost.training,
+                               self.cost.overlap,
+                               self.segments(assign) if self._recomputing else {})
 
-        def nbytes(shape: tuple[int, ...], c: int) -> float:
-            return self.cost.itemsize * math.prod(largest_block(
-                dist_for(shape, *self.states[c], inner=self.cost.inner)))
-
-        def walk(items: list, current: int | None, own: float = 0.0) -> int | None:
-            # own: bytes of the chain's input counted in pending (the first layer's input,
-            # unless it is redistributed first)
-            nonlocal memory, transient
-            for it in items:
-                if isinstance(it, Node):
-                    c, o = _io(assign[id(it)])
-                    moved = current is not None and current != c
-                    if moved:
-                        costs.append(LayerCost(comm=self._shuffle_cost(it.in_shape, current, c)))
-                    lc = self.layer_cost(it, c, o)
-                    g = groups.get(id(it), -1)
-                    if g >= 0:  # recomputed: forward again in backward; kept at the start only
-                        costs.append(replace(lc, bwd=lc.bwd + lc.fwd))
-                        first = g not in held
-                        h = held.setdefault(g, [0.0, 0.0])
-                        h[0] += lc.memory
-                        h[1] = max(h[1], lc.transient)
-                        memory += lc.memory if first else 0.0  # the input, grown halo
-                        prev[0] = None
-                        current = o
-                        own = 0.0
-                        continue
-                    costs.append(lc)
-                    memory += lc.memory
-                    if prev[0] is not None and not moved:  # one array, kept by both
-                        memory -= min(prev[0].keeps_output, lc.keeps_input)
-                    transient = max(transient, lc.transient + pending[0] -
-                                    (0.0 if moved else own))
-                    prev[0] = lc
-                    current = o
-                else:
-                    prev[0] = None
-                    start = current if current is not None else \
-                        _io(assign[id(leaf_nodes([it])[0])])[0]
-                    # the block's input stays alive until the block returns (its caller holds
-                    # it), unless it is the chain's input, counted already
-                    held_in = nbytes(it.in_shape, start) if inference and not own else 0.0
-                    pending[0] += held_in
-                    out = walk(it.branch, start, held_in or own)
-                    prev[0] = None
-                    if it.shortcut is None:
-                        s = start
-                        shape = it.in_shape
-                    else:
-                        s = walk(it.shortcut, start, held_in or own)
-                        shape = it.shortcut[-1].out_shape
-                    if s != out:
-                        costs.append(LayerCost(comm=self._shuffle_cost(shape, s, out)))
-                    prev[0] = None
-                    # the merged array is held by the post-chain's call until it returns
-                    merged = nbytes(it.post[0].in_shape, out) if inference and it.post else 0.0
-                    pending[0] += merged
-                    current = walk(it.post, out, merged)
-                    pending[0] -= merged + held_in
-                own = 0.0
-            return current
-
-        # inference: the network's input is held by the caller until the pass returns
-        first_in = nbytes(self.items[0].in_shape, _io(assign[id(self.nodes[0])])[0]) \
-            if inference and self.items else 0.0
-        pending[0] += first_in
-        walk(self.items, None, first_in)
-        for kept, most in held.values():  # a segment's backward holds it all again
-            transient = max(transient, kept + most)
-        return step_time(costs, self.cost.overlap), memory + transient
+    def _nbytes(self, shape: tuple[int, ...], c: int) -> float:
+        """Bytes of the largest block of an activation of ``shape`` in state ``c``."""
+        return self.cost.itemsize * math.prod(largest_block(
+            dist_for(shape, *self.states[c], inner=self.cost.inner)))
 
     def segments(self, assign: dict[int, int]) -> dict[int, int]:
-        """Recompute segments of an assignment: ``{id(node): segment number}``.
+        """Recompute segments of an assignment: ``{id(node): segment number}``
+        (:func:`~disttensor_nn.plan.evaluate.segments`).
 
         A segment is a run of two or more consecutive layers of one chain in
         one candidate, starting at a layer that keeps its input (so keeping
@@ -976,49 +505,7 @@ class Planner:
         its input but would stand alone (the next layer starts a segment too)
         joins the segment before it, whose recomputation then gives its input.
         """
-        out: dict[int, int] = {}
-        count = 0
-
-        def close(runs: list[list[Node]]) -> None:
-            # runs of one chain; an empty run separates layers in no segment
-            nonlocal count
-            merged: list[list[Node]] = []
-            for run in runs:
-                if len(run) == 1 and merged and merged[-1] and \
-                        assign[id(merged[-1][-1])] == assign[id(run[0])]:
-                    merged[-1].append(run[0])
-                else:
-                    merged.append(run)
-            for run in merged:
-                if len(run) >= 2:
-                    for n in run:
-                        out[id(n)] = count
-                    count += 1
-
-        def walk(items: list) -> None:
-            runs: list[list[Node]] = []
-            for it in items:
-                if isinstance(it, Node):
-                    c = assign[id(it)]
-                    starts = self.layer_cost(it, *_io(c)).keeps_input > 0
-                    last = runs[-1] if runs else []
-                    if starts:
-                        runs.append([it])
-                    elif last and assign[id(last[-1])] == c:
-                        last.append(it)
-                    elif last:
-                        runs.append([])  # this layer is in no segment
-                else:
-                    close(runs)
-                    runs = []
-                    walk(it.branch)
-                    if it.shortcut:
-                        walk(it.shortcut)
-                    walk(it.post)
-            close(runs)
-
-        walk(self.items)
-        return out
+        return segments(self.items, assign, self.layer_cost)
 
     def _place(self, inner: str) -> None:
         """Price layers and shuffles with the grids laid on the nodes as ``inner`` says."""
@@ -1133,7 +620,7 @@ class Planner:
                 t2, mem2 = self.assignment_cost(trial)
                 if t2 <= t and mem2 <= mem:
                     assign, t, mem, value = trial, t2, mem2, prev
-            prev = _io(value)[1]
+            prev = io_states(value)[1]
         return assign, t, mem, notes
 
     def _plan_at_weight(self) -> tuple[dict[int, int], float, float, list[str]]:
@@ -1144,25 +631,10 @@ class Planner:
             raise ValueError(self._nothing_fits())
         t, mem = self.assignment_cost(assign)
         if self.budget is not None and mem > self.budget:
-            hi = 1e-6
-            best = None
-            for _ in range(60):  # grow lambda until the plan fits
-                cand = self._solve(hi)
-                if cand is not None and self.assignment_cost(cand)[1] <= self.budget:
-                    best = cand
-                    break
-                hi *= 4
-            if best is None:
+            assign = fit_budget(self._solve, lambda a: self.assignment_cost(a)[1],
+                                self.budget)
+            if assign is None:
                 raise ValueError(self._nothing_fits())
-            lo = 0.0
-            for _ in range(30):  # then shrink it to the cheapest plan that still fits
-                mid = (lo + hi) / 2
-                cand = self._solve(mid)
-                if cand is not None and self.assignment_cost(cand)[1] <= self.budget:
-                    best, hi = cand, mid
-                else:
-                    lo = mid
-            assign = best
             notes.append("memory budget active: the fastest plan did not fit")
             t, mem = self.assignment_cost(assign)
         return assign, t, mem, notes
@@ -1185,7 +657,7 @@ class Planner:
         groups = self.segments(assign) if self._recomputing else {}
         seen: set[int] = set()
         for node in self.nodes:
-            c, o = _io(assign[id(node)])
+            c, o = io_states(assign[id(node)])
             lc = self.layer_cost(node, c, o)
             sh = self._shuffle_cost(node.in_shape, prev, c) if prev is not None else 0.0
             g = groups.get(id(node), -1)
@@ -1222,49 +694,3 @@ class Planner:
         """
         t, mem = self.assignment_cost(assign)
         return self._make_plan(assign, t, mem, list(notes or []))
-
-
-def apply_plan(model: Layer, plan: Plan, batch_shape: tuple[int, ...], comm: Any = None) -> None:
-    """Set every layer's ``layout`` from ``plan`` (grids built over ``comm``).
-
-    Layers are matched in traversal order; their input shapes must match the
-    plan's, so a plan is only applied to the model and batch shape it was made for.
-    Each layer's ``kernel_backend`` is set to the plan's choice
-    (:attr:`PlanEntry.kernels`), which raises ImportError, before any layer
-    changes, for a plan that chose the torch kernels in a process without PyTorch.
-    Under a grid over (N, C, S..) a layer's input has its channels split
-    along the channel axis or whole (``PlanEntry.split_channels``), and a
-    layer with ``filter_axes`` (a convolution) splits its filters over that
-    axis in the modes that do ("gathered", "filter", "grouped"; :data:`MODES`); a plan
-    without modes (an older plan file) splits them wherever it splits the
-    channels.
-    """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if comm.Get_size() != plan.nprocs:
-        raise ValueError(f"the plan is for {plan.nprocs} rank{'' if plan.nprocs == 1 else 's'}, "
-                         f"the job has {comm.Get_size()}")
-    nodes = leaf_nodes(trace(model, tuple(batch_shape)))
-    if len(nodes) != len(plan.entries) or any(
-        tuple(n.in_shape) != tuple(e.in_shape) for n, e in zip(nodes, plan.entries)
-    ):
-        raise ValueError("the plan does not match this model and batch shape")
-    for entry in plan.entries:
-        check_backend(entry.kernels or None)
-    grids: dict[tuple[int, ...], ProcessGrid] = {}
-    for node, entry in zip(nodes, plan.entries):
-        g = tuple(entry.grid)
-        dist = dist_for(tuple(node.in_shape), g, entry.split_channels, inner=plan.inner)
-        if dist.grid_shape not in grids:
-            grids[dist.grid_shape] = ProcessGrid(dist.grid_shape, comm)
-        ndim = len(node.in_shape)
-        node.layer.layout = Layout(grids[dist.grid_shape], dist.axes)
-        if entry.kernels:  # a plan that chose the layer's kernels (older plans did not)
-            node.layer.kernel_backend = entry.kernels
-        if hasattr(node.layer, "filter_axes") and ndim > 2:
-            split = entry.mode in ("gathered", "filter", "grouped") if entry.mode else \
-                len(g) == ndim
-            # the grid axis of the channel factor (second in the candidate, first with
-            # the sample split laid out last)
-            channel_axis = dist_for(tuple(node.in_shape), g, inner=plan.inner).dim_axes[1] \
-                if len(g) == ndim else ()
-            node.layer.filter_axes = channel_axis if split else ()

@@ -61,7 +61,7 @@ from ..layers.upsample import Upsample
 from ..module import Layer, Parameter
 from ..plan import Plan, load_profile, make_plan
 from ..plan.costmodel import dist_for
-from ..plan.planner import leaf_nodes, trace
+from ..plan.tracing import leaf_nodes, trace
 from ..window import WindowSpec
 
 __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout"]

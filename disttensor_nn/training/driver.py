@@ -36,8 +36,8 @@ from ..optim.lr_scheduler import LRScheduler
 from ..plan import Plan, apply_plan, kernel_choice, make_plan
 from ..plan.calibrate import calibrate, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
-from ..plan.planner import leaf_nodes, trace
 from ..plan.timer import warm_up
+from ..plan.tracing import leaf_nodes, trace
 from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint, save_checkpoint
 from .data import Loader, Prefetcher, open_dataset

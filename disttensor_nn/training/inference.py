@@ -34,7 +34,7 @@ from ..kernels import kernels_for, synchronize
 from ..memory import MemoryProfile, map_large_allocations, release_free_memory, resident_bytes
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate_if_stale
-from ..plan.planner import leaf_nodes, trace
+from ..plan.tracing import leaf_nodes, trace
 from .checkpoint import load_checkpoint
 from .data import open_dataset
 from .registry import build_model, model_spec
