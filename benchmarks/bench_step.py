@@ -59,7 +59,7 @@ from disttensor_nn.layers.norm import BatchNorm2d
 from disttensor_nn.layers.pool import GlobalAvgPool, MaxPool2d
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.models.mesh import DepthToSpace
-from disttensor_nn.module import DEFAULT_BUCKET_BYTES, GradientBuckets
+from disttensor_nn.reduction import DEFAULT_BUCKET_BYTES, GradientBuckets
 
 try:
     import torch

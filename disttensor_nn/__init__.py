@@ -27,9 +27,12 @@ from .layers.segloss import CrossEntropyLoss, DiceLoss
 from .layers.softmax import Softmax
 from .layers.transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, ConvTransposeNd
 from .layers.upsample import Upsample
-from .module import Layer, Layout, Parameter, no_sync
+from .layout import Layout
+from .module import Layer
 from .optim import SGD
+from .parameter import Parameter
 from .placement import to_array_module
+from .reduction import no_sync
 
 __all__ = [
     "Add", "AvgPool1d", "AvgPool2d", "AvgPool3d", "BCEWithLogitsLoss", "BatchNorm1d",

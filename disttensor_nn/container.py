@@ -8,7 +8,8 @@ from disttensor import DistArray
 
 from .layers.elementwise import Add
 from .layers.merge import Concat
-from .module import Layer, Layout, prefetch_weights
+from .layout import Layout
+from .module import Layer, prefetch_weights
 
 __all__ = ["Sequential", "Residual", "Skip"]
 

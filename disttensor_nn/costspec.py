@@ -36,7 +36,7 @@ class Allreduce:
     dims : tuple of int
         The sum runs over the ranks that split these dimensions of the
         layer's input (the communicator
-        :func:`~disttensor_nn.module.split_axes_comm` gives for them); ranks
+        :func:`~disttensor_nn.reduction.split_axes_comm` gives for them); ranks
         holding replicas take no part.
     gradient : bool
         It sums parameter gradients, which nothing needs before the

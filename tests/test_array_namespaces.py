@@ -268,7 +268,7 @@ def test_halo_accumulate_adjoint(place, mode):
 # ------------------------------------------------------------------------ allreduce
 @pytest.mark.parallel(SIZES)
 def test_allreduce(place):
-    from disttensor_nn.module import allreduce_
+    from disttensor_nn.reduction import allreduce_
 
     base = np.arange(12.0).reshape(3, 4)
     local = base * (comm.Get_rank() + 1)

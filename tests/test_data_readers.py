@@ -22,7 +22,7 @@ from test_io import CountingFile  # h5py reads through it; its reads are counted
 
 import disttensor as dt
 from disttensor.testing import assert_equal, collective_assert, collective_outcome
-from disttensor_nn.module import Layout
+from disttensor_nn.layout import Layout
 from disttensor_nn.training import ImageNetSynthetic, MeshSynthetic, save_npy_dataset
 from disttensor_nn.training.cli import data_main
 from disttensor_nn.training.data import (

@@ -123,7 +123,7 @@ def test_exchange_halo(gpu, mode):
 
 @pytest.mark.parallel(SIZES)
 def test_allreduce(gpu):
-    from disttensor_nn.module import allreduce_
+    from disttensor_nn.reduction import allreduce_
 
     base = np.arange(12.0).reshape(3, 4)
     total = base * sum(range(1, comm.Get_size() + 1))

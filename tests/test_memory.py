@@ -27,7 +27,6 @@ from disttensor.testing import collective_assert
 from disttensor_nn.kernels import numpy_kernels
 from disttensor_nn.memory import MemoryProfile, peak_resident_bytes, resident_bytes
 from disttensor_nn.models import DepthToSpace
-from disttensor_nn.module import GradientBuckets
 from disttensor_nn.plan import (
     CostModel,
     KernelTimer,
@@ -38,6 +37,7 @@ from disttensor_nn.plan import (
 )
 from disttensor_nn.plan.planner import leaf_nodes, trace
 from disttensor_nn.recompute import recompute_segments
+from disttensor_nn.reduction import GradientBuckets
 from disttensor_nn.training import TrainConfig, build_model, driver, train
 from disttensor_nn.training.driver import MemoryBudgetError, SetupError
 

@@ -24,7 +24,7 @@ from nn_reference import Checks, grid, layouts
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import collective_assert
-from disttensor_nn.module import GradientBuckets, reduce_gradients_
+from disttensor_nn.reduction import GradientBuckets, reduce_gradients_
 
 SIZES = [1, 2, 3, 4]
 SHAPE = (4, 3, 12, 10)

@@ -33,8 +33,8 @@ from nn_reference import (
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor_nn.models import DepthToSpace
-from disttensor_nn.module import GradientBuckets
 from disttensor_nn.plan import CostModel, Planner, apply_plan, load_profile
+from disttensor_nn.reduction import GradientBuckets
 from disttensor_nn.training.checkpoint import load_checkpoint, save_checkpoint
 
 SIZES = [1, 2, 3, 4]

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import disttensor as dt
 from disttensor.testing import collective_assert
-from disttensor_nn.module import Layout
+from disttensor_nn.layout import Layout
 from disttensor_nn.training import TrainConfig, train
 from disttensor_nn.training.data import Loader, MeshSynthetic, Prefetcher
 from disttensor_nn.training.driver import prediction_warning

@@ -29,7 +29,6 @@ from mpi4py import MPI
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import collective_assert, collective_outcome
-from disttensor_nn.module import reduce_gradients_, shard_counts, shard_range
 from disttensor_nn.optim import (
     BUILT_STAGES,
     SGD,
@@ -40,6 +39,8 @@ from disttensor_nn.optim import (
     shard_state,
 )
 from disttensor_nn.plan import CostModel, MachineProfile
+from disttensor_nn.reduction import reduce_gradients_
+from disttensor_nn.shards import shard_counts, shard_range
 from disttensor_nn.training import TrainConfig, build_model, load_checkpoint, train
 from disttensor_nn.training.driver import SetupError
 

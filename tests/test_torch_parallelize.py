@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402, N812  (after the skip)
 from torch import nn  # noqa: E402
 
-from disttensor_nn.module import no_sync  # noqa: E402
+from disttensor_nn.reduction import no_sync  # noqa: E402
 from disttensor_nn.torch import ParallelModule, gather, parallelize  # noqa: E402
 
 SIZES = [1, 2, 3, 4]

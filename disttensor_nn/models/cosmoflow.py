@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..container import Sequential
 from ..layers.conv import Conv3d
 from ..layers.dense import Flatten, Linear
 from ..layers.dropout import Dropout
 from ..layers.elementwise import LeakyReLU
 from ..layers.pool import MaxPool3d
-from ..module import Layer, check_int
+from ..module import Layer
 from ._seeds import SeedStream
 
 __all__ = ["cosmoflow"]

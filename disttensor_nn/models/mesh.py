@@ -18,12 +18,13 @@ import numpy as np
 from disttensor import DistArray, Distribution
 from disttensor.backend import contiguous, permute_dims
 
+from ..checks import check_input
 from ..container import Sequential
 from ..costspec import CostSpec, largest_block
 from ..layers.conv import Conv2d
 from ..layers.elementwise import ReLU, Sigmoid
 from ..layers.norm import BatchNorm2d
-from ..module import Layer, check_input
+from ..module import Layer
 from ._seeds import SeedStream
 
 __all__ = ["DepthToSpace", "mesh_fcn"]

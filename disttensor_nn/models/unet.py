@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..container import Sequential, Skip
 from ..layers.conv import Conv1d, Conv2d, Conv3d
 from ..layers.elementwise import ReLU
@@ -25,7 +26,7 @@ from ..layers.groupnorm import GroupNorm, InstanceNorm
 from ..layers.norm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ..layers.pool import MaxPool1d, MaxPool2d, MaxPool3d
 from ..layers.transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
-from ..module import Layer, check_int
+from ..module import Layer
 from ._seeds import SeedStream
 
 __all__ = ["unet", "NORMS"]

@@ -7,7 +7,7 @@ from typing import Any
 
 from disttensor.backend import array_namespace, astype
 
-from ..module import Parameter
+from ..parameter import Parameter
 from .optimizer import Optimizer, check_number
 
 __all__ = ["Adam", "AdamW"]

@@ -12,7 +12,7 @@ from mpi4py import MPI
 from disttensor import ProcessGrid
 from disttensor.backend import array_namespace, to_numpy
 
-from ..module import Parameter
+from ..parameter import Parameter
 from .optimizer import check_number
 
 __all__ = ["clip_grad_norm_"]

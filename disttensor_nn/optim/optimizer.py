@@ -19,7 +19,9 @@ from disttensor.backend import (
     to_numpy,
 )
 
-from ..module import Parameter, full_array, gather_shards, local_block, shard_range
+from ..layout import full_array, local_block
+from ..parameter import Parameter
+from ..shards import gather_shards, shard_range
 
 __all__ = ["Optimizer", "STAGES"]
 

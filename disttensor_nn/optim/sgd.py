@@ -7,7 +7,7 @@ from typing import Any
 
 from disttensor.backend import array_namespace, astype, contiguous
 
-from ..module import Parameter
+from ..parameter import Parameter
 from .optimizer import Optimizer, _like, check_number
 
 __all__ = ["SGD"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ..module import Parameter
+from ..parameter import Parameter
 from .optimizer import STAGES, Optimizer
 
 __all__ = ["STAGES", "BUILT_STAGES", "check_stage", "shard_state"]
@@ -37,7 +37,7 @@ def shard_state(optimizer: Optimizer, stage: str = "optimizer",
     as ``Parameter.grad_comm``: the ranks splitting the samples and space,
     which hold the same weights or the same block of sharded weights), each
     rank keeps the optimizer's state (SGD's momentum, Adam's moments) for
-    :func:`~disttensor_nn.module.shard_range` of the parameter's flattened
+    :func:`~disttensor_nn.shards.shard_range` of the parameter's flattened
     (local) elements, about 1/R of them (uneven when R does not divide the
     size, empty when the parameter has fewer than R elements), updates only
     those, and the updated pieces are all-gathered (one ``Allgatherv`` per

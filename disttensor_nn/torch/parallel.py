@@ -23,8 +23,8 @@ block:
 Every decision is metadata (the library's first principle), so an error is
 raised on every rank alike before any message. Parameter gradients are summed
 over the ranks that split each parameter's input by the library's one
-mechanism for it, :func:`disttensor_nn.module.reduce_gradients_`, inside a
-:class:`~disttensor_nn.module.GradientBuckets` context that a backward pass
+mechanism for it, :func:`disttensor_nn.reduction.reduce_gradients_`, inside a
+:class:`~disttensor_nn.reduction.GradientBuckets` context that a backward pass
 opens when it reaches the output and closes when it ends (fused,
 non-blocking allreduces overlapped with the rest of backward). A forward
 pass uses each parameter through one autograd function whose backward hands
@@ -55,7 +55,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from disttensor import DistArray, Distribution, ProcessGrid
-from disttensor_nn.module import GradientBuckets, reduce_gradients_, split_axes_comm
+from disttensor_nn.reduction import GradientBuckets, reduce_gradients_, split_axes_comm
 from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
 
 from .autoplan import LAYOUT_KEY, is_plan_layout, plan_layouts, relayout

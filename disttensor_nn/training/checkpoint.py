@@ -58,7 +58,8 @@ from mpi4py import MPI
 from disttensor import DistArray, Distribution
 from disttensor.backend import numpy_dtype, to_numpy
 
-from ..module import Layer, Parameter
+from ..module import Layer
+from ..parameter import Parameter
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "checkpoint_manifest",
            "FORMAT", "VERSION"]

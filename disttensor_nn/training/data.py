@@ -40,7 +40,7 @@ from disttensor.backend import as_module
 from disttensor.io import optional_module
 from disttensor.random import splitmix64 as _mix
 
-from ..module import Layout
+from ..layout import Layout
 
 __all__ = [
     "ArrayDataset",

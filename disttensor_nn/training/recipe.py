@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from ..module import Parameter
 from ..optim import SGD, Adam, AdamW, Optimizer, check_stage, shard_state
 from ..optim.lr_scheduler import (
     CosineAnnealingLR,
@@ -47,6 +46,7 @@ from ..optim.lr_scheduler import (
     SequentialLR,
     StepLR,
 )
+from ..parameter import Parameter
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "recipe_problem", "make_optimizer", "make_scheduler",
            "scheduler_class", "resume_problem", "state_slots"]

@@ -44,9 +44,10 @@ from tqdm import tqdm
 
 from disttensor import DistArray, Distribution, to_npy, to_zarr
 
+from ..layout import Layout
 from ..memory import MemoryProfile, keep_heap_top, map_large_allocations, release_free_memory
-from ..module import Layout, no_sync, split_axes_comm
 from ..plan import Plan
+from ..reduction import no_sync, split_axes_comm
 from ..torch import ParallelModule, all_reduce, parallelize
 from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint, save_checkpoint
 from .data import Dataset, Loader, NoiseDataset, Prefetcher, open_dataset

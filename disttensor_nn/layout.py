@@ -1,0 +1,77 @@
+"""How arrays lie on process grids: a layer's :class:`Layout` (grid axes for arrays of any
+shape), and full arrays to and from a rank's block under a Distribution
+(:func:`full_array`, :func:`local_block`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor.backend import contiguous
+
+__all__ = ["Layout", "full_array", "local_block"]
+
+
+def full_array(local: Any, dist: Distribution | None) -> Any:
+    """The full array whose block ``local`` is under ``dist`` (``local`` itself for None).
+
+    Collective over ``dist``'s grid (an allgather by redistribution).
+    """
+    if dist is None:
+        return local
+    return DistArray.from_local(local, dist).redistribute(dist.replicated()).local
+
+
+def local_block(full: Any, dist: Distribution | None) -> Any:
+    """A contiguous copy of this rank's block of ``full`` under ``dist`` (all of it for None)."""
+    if dist is None:
+        return contiguous(full, copy=True)
+    return contiguous(full[dist.local_slices()], copy=True)
+
+
+class Layout:
+    """Which grid axes split which array dimensions, for arrays of any shape.
+
+    A Layout turns into a :class:`~disttensor.Distribution` once the shape is
+    known (``layout.distribution(shape)``), so a layer can be told how its
+    input is to be split before the batch size or image size is fixed.
+
+    Parameters
+    ----------
+    grid : ProcessGrid
+    axes : sequence
+        As ``Distribution(axes=...)``: per dimension a grid axis, a tuple of
+        them, or None.
+    """
+
+    def __init__(self, grid: ProcessGrid, axes: Sequence[Any]):
+        self.grid = grid
+        self.axes = tuple(axes)
+        # validates, and gives the axes in the form Distribution.axes reports them
+        self._normal_axes = Distribution((0,) * len(self.axes), grid.shape, self.axes).axes
+
+    def distribution(self, shape: Sequence[int]) -> Distribution:
+        """The Distribution of an array of ``shape`` under this layout."""
+        if len(shape) != len(self.axes):
+            raise ValueError(f"layout {self.axes} is for {len(self.axes)}-D arrays, got {shape}")
+        return Distribution(tuple(shape), self.grid, self.axes)
+
+    def matches(self, dist: Distribution) -> bool:
+        """Whether ``dist`` is split as this layout says (``Layout.of(dist) == self``)."""
+        return dist.grid == self.grid and dist.axes == self._normal_axes
+
+    @classmethod
+    def of(cls, dist: Distribution) -> Layout:
+        """The layout of an existing distribution (its explicit splits are dropped)."""
+        return cls(dist.grid, dist.axes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and \
+            (self.grid, self._normal_axes) == (other.grid, other._normal_axes)
+
+    def __hash__(self) -> int:
+        return hash((self.grid, self._normal_axes))
+
+    def __repr__(self) -> str:
+        return f"Layout(grid={self.grid.shape}, axes={self.axes})"
