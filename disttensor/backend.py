@@ -107,9 +107,14 @@ def numpy_dtype(dtype: Any) -> np.dtype:
         # array API dtypes of other libraries print as "<module>.<name>" (or just "<name>")
         name = str(dtype).rpartition(".")[2]
         try:
-            return np.dtype(name)
+            found = np.dtype(name)
         except TypeError:
+            found = None
+        # a name that NumPy knows only through an extension (ml_dtypes' "bfloat16") is not
+        # the other library's dtype: their arrays do not share NumPy's view of it
+        if found is None or found.kind == "V":
             raise TypeError(f"{dtype!r} is not a dtype that NumPy knows") from None
+        return found
 
 
 def namespace_dtype(xp: ModuleType, dtype: Any) -> Any:

@@ -32,6 +32,7 @@ from .module import Layer
 from .optim import SGD
 from .parameter import Parameter
 from .placement import to_array_module
+from .precision import GradScaler, set_precision
 from .reduction import no_sync
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "InstanceNorm", "Layer", "Layout", "LeakyReLU", "Linear", "MSELoss", "MaxPool1d",
     "MaxPool2d", "MaxPool3d", "Parameter", "ReLU", "Residual", "SGD", "Sequential", "Sigmoid",
     "Skip", "Softmax", "SoftmaxCrossEntropy", "Upsample", "no_sync", "to_array_module",
+    "set_precision", "GradScaler",
 ]

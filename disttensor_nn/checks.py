@@ -13,7 +13,7 @@ import numpy as np
 from disttensor import DistArray, Distribution, backend
 from disttensor.backend import numpy_dtype
 
-from .kernels import backend_supports, check_backend
+from .kernels import check_backend, layer_supports
 
 __all__ = ["check_input", "check_grad", "check_int", "check_kernels"]
 
@@ -34,7 +34,7 @@ def check_input(x: Any, ndim: int, name: str, channels: int | None = None,
     if ndim >= 2 and x.dist.nblocks[1] > 1 and not split_channels:
         raise ValueError(f"{name}: the channel dimension must not be split, got {x.dist}")
     if dtype is not None and x.dtype != np.dtype(dtype):
-        raise TypeError(f"{name} has {np.dtype(dtype)} parameters but the input is {x.dtype}")
+        raise TypeError(f"{name} takes {np.dtype(dtype)} inputs but the input is {x.dtype}")
 
 
 def check_grad(dy: Any, out: tuple[Distribution, Any] | None, name: str) -> DistArray:
@@ -123,6 +123,8 @@ def check_kernels(layer: Any, x: DistArray) -> None:
     """
     name = check_backend(layer.kernel_backend)
     device = "cpu" if backend.is_numpy(x.xp) else "gpu"
-    if not backend_supports(name, x.dtype, device):
+    # 16-bit activations run in float32 on converted blocks where the kernels have no
+    # 16-bit version (Layer.compute_dtype): the dtype the kernels see is checked
+    if not layer_supports(layer, name, x.dtype, device):
         raise TypeError(f"{type(layer).__name__}: the {name} kernels do not run {x.dtype} "
                         f"arrays on the {device}; use kernel_backend='numpy' for this layer")

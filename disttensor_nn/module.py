@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from disttensor import DistArray, Distribution
 from disttensor.backend import (
     array_namespace,
@@ -245,6 +247,10 @@ class Layer:
     :func:`disttensor_nn.kernels.kernels_for`); ``kernel_backends`` lists
     the backends a layer has kernels in (empty: its arithmetic is the
     array module's whatever the backend). A plan sets it per layer.
+
+    ``activation_dtype`` (None: the parameters' dtype) is the dtype of the
+    layer's inputs and outputs when they differ from its parameters' (16-bit
+    activations with float32 weights: :func:`disttensor_nn.set_precision`).
     """
 
     training: bool = True
@@ -252,8 +258,21 @@ class Layer:
     input_grad: bool = True
     kernel_backend: str | None = None
     kernel_backends: tuple[str, ...] = ()
+    activation_dtype: Any = None
     saved_for_backward: tuple[str, ...] = ()
     """Attributes that ``forward`` sets for ``backward`` (see :meth:`release_saved`)."""
+
+    def compute_dtype(self, dtype: Any, backend: str | None = None,
+                      device: str = "cpu") -> np.dtype:
+        """The dtype this layer computes blocks of ``dtype`` in, with ``backend``'s kernels.
+
+        ``dtype`` itself here (element-wise layers, pooling, merges run 16-bit
+        blocks as they are); convolutions run them in 16 bits where the
+        backend has such kernels, else in float32 on converted blocks
+        (:func:`disttensor_nn.precision.compute_dtype`), and normalisations
+        and ``Linear`` always in their parameters' dtype.
+        """
+        return numpy_dtype(dtype)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -230,7 +230,7 @@ def test_nothing_imports_the_former_paths_and_only_tools_import_the_cli():
                          "tests/test_unet_models.py",
                          "tests/test_data_readers.py", "tests/test_optim.py",
                          "tests/test_kernel_backends.py", "tests/test_torch_model_file.py",
-                         "tests/test_shard_state.py",
+                         "tests/test_shard_state.py", "tests/test_precision.py",
                          "disttensor_nn/cli.py",
                          "benchmarks/validate_planner.py", "disttensor_nn/train.py",
                          "disttensor_nn/plan/__main__.py"}, cli_users

@@ -43,7 +43,7 @@ from . import array_api_kernels, cupy_kernels, numpy_kernels, torch_kernels, xp_
 
 __all__ = ["kernels_for", "synchronize", "set_num_threads", "get_num_threads", "BACKENDS",
            "available_backends", "check_backend", "with_backend", "use_kernels",
-           "backend_supports", "limit_threads", "threads_now"]
+           "backend_supports", "layer_supports", "limit_threads", "threads_now"]
 
 BACKENDS = ("numpy", "torch")
 """Names of the kernel backends a layer may name (``layer.kernel_backend``)."""
@@ -113,6 +113,18 @@ def check_backend(name: str | None) -> str | None:
 def backend_supports(name: str | None, dtype: Any, device: str = "cpu") -> bool:
     """Whether backend ``name`` runs arrays of ``dtype`` on ``device`` (``"cpu"``/``"gpu"``)."""
     return name != "torch" or torch_kernels.supports(dtype, device)
+
+
+def layer_supports(layer: Any, name: str | None, dtype: Any, device: str = "cpu") -> bool:
+    """Whether ``layer``'s kernels in backend ``name`` run its blocks of ``dtype``.
+
+    Under 16-bit activations (``layer.activation_dtype``) the kernels see
+    the dtype the layer computes in (``Layer.compute_dtype``: float32 on
+    converted blocks where the backend has no 16-bit kernel), else ``dtype``.
+    """
+    if getattr(layer, "activation_dtype", None) is not None:
+        dtype = layer.compute_dtype(dtype, name, device)
+    return backend_supports(name, dtype, device)
 
 
 _variants: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -65,7 +65,7 @@ INSTALL_HINT = 'the torch kernels need PyTorch: pip install "disttensor[torch]"'
 """What the ImportError raised without PyTorch says."""
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-"""Dtypes the kernels run on a CPU (half precision convolutions are GPU kernels)."""
+"""Dtypes the kernels run on a CPU besides bfloat16 (float16 convolutions are GPU kernels)."""
 
 _state: dict[str, Any] = {"torch": None, "threads": None}
 
@@ -104,7 +104,8 @@ def require() -> ModuleType:
 def supports(dtype: Any, device: str = "cpu") -> bool:
     """Whether the kernels run arrays of ``dtype`` on ``device`` (``"cpu"`` or ``"gpu"``)."""
     dtype = np.dtype(dtype)
-    return dtype in SUPPORTED_DTYPES or (device == "gpu" and dtype == np.float16)
+    return (dtype in SUPPORTED_DTYPES or dtype.name == "bfloat16"
+            or (device == "gpu" and dtype == np.float16))
 
 
 def set_num_threads(n: int) -> None:
@@ -125,6 +126,8 @@ def _t(a: Any) -> Any:
     """``a`` as a tensor sharing its memory (NumPy: ``from_numpy``; others: DLPack)."""
     torch = require()
     if isinstance(a, np.ndarray):
+        if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: the same bits, viewed
+            return _t(a.view(np.int16)).view(torch.bfloat16)
         if not a.flags.writeable:  # read-only views (broadcasts) are only read here
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
@@ -137,14 +140,19 @@ def _t(a: Any) -> Any:
 
 def _back(t: Any, like: Any) -> Any:
     """The tensor ``t`` as an array of ``like``'s module, sharing its memory."""
-    if isinstance(like, np.ndarray):
+    if isinstance(like, np.ndarray) or is_numpy(array_namespace(like)):
+        if t.dtype == _state["torch"].bfloat16:  # as ml_dtypes' bfloat16, the same bits
+            return t.view(_state["torch"].int16).numpy().view(_bfloat16())
         return t.numpy()
     xp = array_namespace(like)
-    if is_numpy(xp):
-        return t.numpy()
     if type(like) is type(t):
         return t
     return xp.from_dlpack(t)
+
+
+def _bfloat16() -> np.dtype:
+    """NumPy's bfloat16 (the ``ml_dtypes`` package, which a bfloat16 block came with)."""
+    return np.dtype(sys.modules["ml_dtypes"].bfloat16)
 
 
 def _out(like: Any, t: Any) -> dict[str, Any]:

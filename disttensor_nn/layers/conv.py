@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import array_namespace
+from disttensor.backend import array_namespace, namespace_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
 from ..module import Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
+from ..precision import compute_dtype, io_dtype, kernel_dtype, to_dtype
 from ..window import WindowSpec
 from .sharding import (
     channel_split_axes,
@@ -87,6 +88,12 @@ class ConvNd(WindowLayer):
     nd = 0
     kernel_backends = ("numpy", "torch")
     _pending: tuple[Any, Any] | None = None  # weight and bias gradients from the dx call
+
+    def compute_dtype(self, dtype: Any, backend: str | None = None,
+                      device: str = "cpu") -> np.dtype:
+        """16-bit blocks in 16 bits where ``backend`` has such kernels, else in float32
+        (:func:`disttensor_nn.precision.compute_dtype`)."""
+        return compute_dtype(dtype, backend, device)
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
                  padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
@@ -181,7 +188,7 @@ class ConvNd(WindowLayer):
             channels // (self.in_channels // self.groups)
 
     def _check(self, x: DistArray) -> None:
-        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype,
+        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, io_dtype(self),
                     split_channels=True)
         self.weight_splits(x.dist)
 
@@ -214,8 +221,11 @@ class ConvNd(WindowLayer):
 
     # ------------------------------------------------------------ kernels
     def _kernel_forward(self, xwin: Any) -> Any:
+        # 16-bit blocks: the kernels run in kernel_dtype (16 bits where the backend has the
+        # kernel, else float32 on converted blocks) with the weights cast to it
+        rd = kernel_dtype(self, xwin)
         b = self.bias.data if self.bias is not None and not self._splits[1] else None
-        w = self.weight.data
+        w, b = to_dtype(self.weight.data, rd), to_dtype(b, rd)
         s = self.spec
         kernels = kernels_for(xwin, self.kernel_backend)
         pads = self._kernel_pads()
@@ -224,10 +234,11 @@ class ConvNd(WindowLayer):
                                     s.kernel, s.stride, s.dilation)
             y = array_namespace(xwin).zeros((xwin.shape[0], w.shape[0], *out), dtype=xwin.dtype)
             if b is not None:
-                y += b.reshape((-1,) + (1,) * self.nd)
+                y += to_dtype(b, xwin.dtype).reshape((-1,) + (1,) * self.nd)
             return y
-        return kernels.conv_forward(xwin, w, b, s.stride, s.dilation,
-                                    self._local_groups(xwin.shape[1]), **self._padding_kw())
+        y = kernels.conv_forward(to_dtype(xwin, rd), w, b, s.stride, s.dilation,
+                                 self._local_groups(xwin.shape[1]), **self._padding_kw())
+        return to_dtype(y, xwin.dtype)
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
         if self.weight.data.size == 0:
@@ -235,12 +246,13 @@ class ConvNd(WindowLayer):
         # the torch kernels give the weight gradient in the same call at little extra cost
         # (one convolution_backward, as torch's autograd makes); _param_backward takes it
         both = self.kernel_backend == "torch"
+        rd = kernel_dtype(self, xwin)
         dx, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
-            dy, xwin, self.weight.data, self.spec.stride, self.spec.dilation,
-            self._local_groups(xwin.shape[1]),
+            to_dtype(dy, rd), to_dtype(xwin, rd), to_dtype(self.weight.data, rd),
+            self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
             need_dx=True, need_dw=both, **self._padding_kw())
         self._pending = (dw, db) if both else None
-        return dx
+        return to_dtype(dx, dy.dtype)
 
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
         xp = dy.xp
@@ -249,16 +261,20 @@ class ConvNd(WindowLayer):
         pending, self._pending = self._pending, None
         if xwin is None or w.size == 0:
             dw = xp.zeros_like(w)
-            db = xp.sum(dy.local, axis=sum_axes) if self.bias is not None else None
+            db = xp.sum(dy.local, axis=sum_axes, dtype=namespace_dtype(xp, self.dtype)) \
+                if self.bias is not None else None
         elif pending is not None:  # computed with the input gradient
             dw, db = pending
         else:
+            rd = kernel_dtype(self, xwin)
             _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
-                dy.local, xwin, w, self.spec.stride, self.spec.dilation,
-                self._local_groups(xwin.shape[1]), need_dx=False, need_dw=True,
-                **self._padding_kw())
-        # The ranks that split N or space hold parts of the sums of the same shard.
-        reduce_gradients_([(self.weight, dw), (self.bias, db)],
+                to_dtype(dy.local, rd), to_dtype(xwin, rd), to_dtype(w, rd),
+                self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
+                need_dx=False, need_dw=True, **self._padding_kw())
+        # The ranks that split N or space hold parts of the sums of the same shard; the
+        # parameters' gradients in their own dtype (float32 under 16-bit activations).
+        reduce_gradients_([(self.weight, to_dtype(dw, self.dtype)),
+                           (self.bias, to_dtype(db, self.dtype))],
                           split_axes_comm(dy.dist, sum_axes))
 
     def __repr__(self) -> str:
@@ -325,7 +341,8 @@ class ConvNd(WindowLayer):
         out_bytes = math.prod(out_block) * itemsize
         base = super().cost_spec(kin, itemsize)
         kept = math.prod(largest_block(whole)) * itemsize if gathered_mode else 0
-        sums = [Allreduce(params * itemsize * share, tuple(
+        # the parameters' gradients in their own dtype (float32 under 16-bit activations)
+        sums = [Allreduce(params * self.dtype.itemsize * share, tuple(
             d for d in range(dist.ndim) if d != 1 or not a_c), gradient=True)]
         if a_w:  # channel-parallel: the partial outputs summed forward
             sums.append(Allreduce(out_bytes, (1,)))
@@ -335,10 +352,18 @@ class ConvNd(WindowLayer):
         if (c_loc, f_loc) != (self.in_channels, self.out_channels):
             s = self.spec
             twin = _sliced_twin(type(self), c_loc, f_loc, s.kernel, s.stride, s.dilation,
-                                g_loc, self.bias is not None, self.dtype.str, self.input_grad)
+                                g_loc, self.bias is not None, self.dtype.str, self.input_grad,
+                                self.activation_dtype)
+        # 16-bit blocks on kernels without a 16-bit version: their float32 copies (forward
+        # the input and output; backward the output gradient, the input and its gradient)
+        act = io_dtype(self)
+        run = compute_dtype(act, self.kernel_backend)
+        cvt = run.itemsize if run != act else 0
+        cvt_fwd = cvt * (math.prod(ext) + math.prod(out_block))
+        cvt_bwd = cvt * (2 * math.prod(ext) + math.prod(out_block))
         # forward: a tile of columns (and with overlap, the boxes' outputs before they are
         # copied into the block)
-        forward = tile + (out_bytes if self.overlap else 0)
+        forward = tile + (out_bytes if self.overlap else 0) + cvt_fwd
         return dataclasses.replace(
             base,
             flops=2.0 * math.prod(out_block) * ck,
@@ -346,7 +371,7 @@ class ConvNd(WindowLayer):
             allreduces=tuple(sums),
             redistributions=(whole,) if gathered_mode else (),
             saved=base.saved + kept, twin=twin,
-            workspace=max(forward, grad_ext + tile * (
+            workspace=max(forward, grad_ext + cvt_bwd + tile * (
                 2 if any(t != 1 for t in self.spec.stride) else 1)),
             forward_workspace=forward)
 
@@ -363,10 +388,12 @@ class ConvNd(WindowLayer):
 
 @functools.lru_cache(maxsize=256)
 def _sliced_twin(cls: type, c: int, f: int, kernel: tuple, stride: tuple, dilation: tuple,
-                 groups: int, bias: bool, dtype: str, input_grad: bool) -> ConvNd:
+                 groups: int, bias: bool, dtype: str, input_grad: bool,
+                 activation_dtype: Any = None) -> ConvNd:
     """The convolution one rank runs on a slice of ``c`` channels into ``f`` filters."""
     twin = cls(c, f, kernel, stride, 0, dilation, groups, bias, dtype=np.dtype(dtype))
     twin.input_grad = input_grad
+    twin.activation_dtype = activation_dtype
     return twin
 
 

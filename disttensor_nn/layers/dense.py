@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import astype, contiguous, namespace_dtype
+from disttensor.backend import astype, contiguous, namespace_dtype, numpy_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import Layer, Parameter, check_int, reduce_gradients_, split_axes_comm
+from ..precision import io_dtype, is_half, to_dtype
 from .sharding import (
     gather_channels,
     normalize_axes,
@@ -121,19 +122,27 @@ class Linear(Layer):
             raise ValueError(f"Linear expects (N, {self.in_features}) inputs, got {in_shape}")
         return (in_shape[0], self.out_features)
 
+    def compute_dtype(self, dtype: Any, backend: str | None = None,
+                      device: str = "cpu") -> np.dtype:
+        """16-bit blocks are computed in the parameters' dtype (converted); others as they are."""
+        return self.dtype if is_half(dtype) else numpy_dtype(dtype)
+
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"Linear expects an (N, {self.in_features}) DistArray, "
                              f"got {getattr(x, 'shape', type(x))}")
-        if x.dtype != self.dtype:
-            raise TypeError(f"Linear has {self.dtype} parameters but the input is {x.dtype}")
+        if x.dtype != io_dtype(self):
+            raise TypeError(f"Linear takes {io_dtype(self)} inputs (its parameters are "
+                            f"{self.dtype}), but the input is {x.dtype}")
         a_f, a_c = weight_splits("Linear", x.dist, self.out_axes)
         shard_parameters(self.weight, self.bias, x, a_f, a_c)
         xin, x = x, gather_channels(x, a_c)
         self._x, self._splits = (xin, x), (a_f, a_c)
-        y = x.local @ self.weight.data.T
+        # 16-bit activations: the product in the parameters' dtype, the output in 16 bits
+        y = to_dtype(x.local, self.dtype) @ self.weight.data.T
         if self.bias is not None and not a_c:
             y = y + self.bias.data
+        y = to_dtype(y, x.dtype)
         out = Distribution((x.shape[0], self.out_features), x.grid,
                            (x.dist.axes[0], a_f or None), [x.dist.splits[0], None])
         out = DistArray(contiguous(y), out)
@@ -143,12 +152,13 @@ class Linear(Layer):
     def backward(self, dy: DistArray) -> DistArray:
         xin, x = self._x
         xp = x.xp
-        g = dy.local
+        g = to_dtype(dy.local, self.dtype)
         # summed in float64 over the ranks that split N (each rank's shard)
-        reduce_gradients_([(self.weight, astype(g.T @ x.local, np.float64)),
+        reduce_gradients_([(self.weight, astype(g.T @ to_dtype(x.local, self.dtype),
+                                                np.float64)),
                            (self.bias, xp.sum(g, axis=0, dtype=namespace_dtype(xp, np.float64)))],
                           split_axes_comm(x.dist, (0,)))
-        dx = DistArray(contiguous(g @ self.weight.data), x.dist)
+        dx = DistArray(contiguous(to_dtype(g @ self.weight.data, dy.dtype)), x.dist)
         return sum_input_grad(dx, xin, self._splits[0])
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:

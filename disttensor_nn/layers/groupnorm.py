@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import astype, contiguous, namespace_dtype
+from disttensor.backend import astype, contiguous, namespace_dtype, numpy_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..module import (
@@ -20,6 +20,7 @@ from ..module import (
     reduce_gradients_,
     split_axes_comm,
 )
+from ..precision import io_dtype, is_half, to_dtype
 
 __all__ = ["GroupNorm", "InstanceNorm"]
 
@@ -67,11 +68,17 @@ class GroupNorm(Layer):
     def _shape(self, x: Any) -> tuple[int, ...]:
         return (x.shape[0], self.num_groups, math.prod(x.shape[1:]) // self.num_groups)
 
+    def compute_dtype(self, dtype: Any, backend: str | None = None,
+                      device: str = "cpu") -> np.dtype:
+        """16-bit blocks are computed in the parameters' dtype (converted); others as they are."""
+        return self.dtype if is_half(dtype) else numpy_dtype(dtype)
+
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray) or x.ndim < 3:
             raise TypeError(f"{type(self).__name__} expects an (N, C, *S) DistArray")
-        check_input(x, x.ndim, type(self).__name__, self.num_channels, self.dtype)
-        xp, xl = x.xp, x.local
+        check_input(x, x.ndim, type(self).__name__, self.num_channels, io_dtype(self))
+        # 16-bit activations: normalised in the parameters' dtype, kept and given in 16 bits
+        xp, xl = x.xp, to_dtype(x.local, self.dtype)
         comm = split_axes_comm(x.dist, range(2, x.ndim))
         count = self.num_channels // self.num_groups * math.prod(x.shape[2:])
         f64 = namespace_dtype(xp, np.float64)
@@ -85,12 +92,13 @@ class GroupNorm(Layer):
         if self.affine:
             bshape = (1, -1) + (1,) * (x.ndim - 2)
             y = y * xp.reshape(self.weight.data, bshape) + xp.reshape(self.bias.data, bshape)
-        self._saved = (xhat, rstd, count, comm, x.dist)
-        return DistArray(contiguous(y), x.dist)
+        self._saved = (to_dtype(xhat, x.dtype), rstd, count, comm, x.dist)
+        return DistArray(contiguous(to_dtype(y, x.dtype)), x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:
         xhat, rstd, count, comm, dist = self._saved
-        xp, g = dy.xp, dy.local
+        xp, g = dy.xp, to_dtype(dy.local, self.dtype)
+        xhat = to_dtype(xhat, self.dtype)
         nd = g.ndim - 2
         own = namespace_dtype(xp, self.dtype)
         if self.affine:
@@ -108,7 +116,7 @@ class GroupNorm(Layer):
         dx = rstd[..., None] * (gr - a[..., None] - xhat * b[..., None])
         if self.affine:
             reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(dist))
-        return DistArray(contiguous(xp.reshape(dx, dy.local.shape)), dist)
+        return DistArray(contiguous(to_dtype(xp.reshape(dx, dy.local.shape), dy.dtype)), dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """A few passes over the block; the normalised input is kept for backward.
@@ -120,7 +128,7 @@ class GroupNorm(Layer):
         block = largest_block(dist)
         n = math.prod(block)
         stats = Allreduce(block[0] * self.num_groups * 8, tuple(range(2, dist.ndim)))
-        grads = (Allreduce(2 * self.num_channels * itemsize, tuple(range(dist.ndim)),
+        grads = (Allreduce(2 * self.num_channels * self.dtype.itemsize, tuple(range(dist.ndim)),
                            gradient=True),) if self.affine else ()
         return CostSpec(block, flops=8.0 * n, nbytes=4 * n * itemsize, timed=False,
                         allreduces=(stats, stats, Allreduce(2 * stats.nbytes, stats.dims))

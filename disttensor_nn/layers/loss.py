@@ -107,11 +107,15 @@ class SoftmaxCrossEntropy:
 
     __call__ = forward
 
-    def backward(self) -> DistArray:
-        """Gradient of the mean loss with respect to the logits."""
+    def backward(self, scale: float = 1.0) -> DistArray:
+        """Gradient of the mean loss with respect to the logits, times ``scale``.
+
+        ``scale`` multiplies the gradient before it is rounded to the logits'
+        dtype (a loss scale for float16 activations: :class:`~disttensor_nn.GradScaler`).
+        """
         logits, p, hot, n = _saved_state(self)
         g = p - astype(hot, p.dtype)
-        return DistArray(astype(g / n, logits.dtype), logits.dist)
+        return DistArray(astype(g * (scale / n), logits.dtype), logits.dist)
 
 
 class _Pointwise:
@@ -132,10 +136,14 @@ class _Pointwise:
 
     __call__ = forward
 
-    def backward(self) -> DistArray:
-        """Gradient of the mean loss with respect to the prediction."""
+    def backward(self, scale: float = 1.0) -> DistArray:
+        """Gradient of the mean loss with respect to the prediction, times ``scale``.
+
+        ``scale`` multiplies the gradient before it is rounded to the logits'
+        dtype (a loss scale for float16 activations: :class:`~disttensor_nn.GradScaler`).
+        """
         pred, grad = _saved_state(self)
-        return DistArray(astype(grad, pred.dtype), pred.dist)
+        return DistArray(astype(grad * scale if scale != 1.0 else grad, pred.dtype), pred.dist)
 
 
 class MSELoss(_Pointwise):

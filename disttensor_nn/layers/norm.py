@@ -19,12 +19,14 @@ from disttensor.backend import (
     device_of,
     empty,
     namespace_dtype,
+    numpy_dtype,
     writes_in_place,
 )
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
 from ..module import Layer, Parameter, allreduce_, check_input, check_int, split_axes_comm
+from ..precision import io_dtype, is_half, to_dtype
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
 
@@ -125,13 +127,21 @@ class BatchNormNd(Layer):
         self.register_buffer("running_mean", np.zeros(num_features, np.float64))
         self.register_buffer("running_var", np.ones(num_features, np.float64))
 
+    def compute_dtype(self, dtype: Any, backend: str | None = None,
+                      device: str = "cpu") -> np.dtype:
+        """16-bit blocks are computed in the parameters' dtype (converted); others as they are."""
+        return self.dtype if is_half(dtype) else numpy_dtype(dtype)
+
     def forward(self, x: DistArray) -> DistArray:
-        check_input(x, self.nd + 2, type(self).__name__, self.num_features, self.dtype,
+        check_input(x, self.nd + 2, type(self).__name__, self.num_features, io_dtype(self),
                     split_channels=True)
         self._check_batch(x)
         axes = (0, *range(2, x.ndim))
         chans = x.dist.local_slices()[1]
-        xl = x.local
+        # 16-bit activations: normalised in the parameters' dtype on a converted block; the
+        # 16-bit input is what backward keeps
+        kept = x.local
+        xl = to_dtype(kept, self.dtype)
         xp = x.xp
         f64 = namespace_dtype(xp, np.float64)
         n, c = xl.shape[:2]
@@ -179,8 +189,8 @@ class BatchNormNd(Layer):
         else:
             y3 = _into(xp, "multiply", y3, astype(scale, xl.dtype)[:, None], y3)
             y3 = _into(xp, "add", y3, astype(shift, xl.dtype)[:, None], y3)
-        y = xp.reshape(y3, xl.shape)
-        self._saved = (x.dist, xl, mean, inv, count, batch_stats, centre)
+        y = to_dtype(xp.reshape(y3, xl.shape), kept.dtype)
+        self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
 
     def _whole(self, xp: Any, dist: Distribution, *parts: Any) -> Any:
@@ -238,10 +248,10 @@ class BatchNormNd(Layer):
         self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
 
     def backward(self, dy: DistArray) -> DistArray:
-        dist, xl, mean, inv, count, batch_stats, centre = self._saved
+        dist, kept, mean, inv, count, batch_stats, centre = self._saved
         axes = (0, *range(2, dy.ndim))
         chans = dist.local_slices()[1]
-        g = dy.local
+        xl, g = to_dtype(kept, self.dtype), to_dtype(dy.local, self.dtype)
         xp = dy.xp
         f64 = namespace_dtype(xp, np.float64)
         n, c = xl.shape[:2]
@@ -301,7 +311,7 @@ class BatchNormNd(Layer):
             dx3 = kernels.scale_shift(g3, zero, scale, zero)
         else:
             dx3 = _into(xp, "multiply", g3, sc, dx3)
-        return DistArray(xp.reshape(dx3, xl.shape), dist)
+        return DistArray(to_dtype(xp.reshape(dx3, xl.shape), dy.dtype), dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """Eight FLOPs per element; the input is kept for backward (not the normalised input).
@@ -323,9 +333,11 @@ class BatchNormNd(Layer):
         twin = (block[0], self.num_features, *block[2:])
         share = block[1] / self.num_features if chans else 1.0
         whole = math.prod(twin) if chans else n
+        # 16-bit activations: normalised on a float32 copy of the block into a float32 one
+        cvt = 2 * n * self.dtype.itemsize if io_dtype(self) != self.dtype else 0
         return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
                         allreduces=(sums, sums), keeps_input=True,
-                        workspace=n // max(block[0], 1) * itemsize, share=share)
+                        workspace=n // max(block[0], 1) * itemsize + cvt, share=share)
 
     def kernel_signature(self) -> str:
         return f"bn:{self.num_features}:{self.stats}"

@@ -118,10 +118,14 @@ class CrossEntropyLoss:
 
     __call__ = forward
 
-    def backward(self) -> DistArray:
-        """Gradient of the mean loss with respect to the logits."""
+    def backward(self, scale: float = 1.0) -> DistArray:
+        """Gradient of the mean loss with respect to the logits, times ``scale``.
+
+        ``scale`` multiplies the gradient before it is rounded to the logits'
+        dtype (a loss scale for float16 activations: :class:`~disttensor_nn.GradScaler`).
+        """
         logits, p, onehot, count = _saved(self)
-        return DistArray(astype((p - onehot) / count, logits.dtype), logits.dist)
+        return DistArray(astype((p - onehot) * (scale / count), logits.dtype), logits.dist)
 
 
 class DiceLoss:
@@ -167,8 +171,13 @@ class DiceLoss:
 
     __call__ = forward
 
-    def backward(self) -> DistArray:
-        """Gradient of the loss with respect to the logits (through the softmax)."""
+    def backward(self, scale: float = 1.0) -> DistArray:
+        """Gradient of the loss with respect to the logits (through the softmax), times
+        ``scale``.
+
+        ``scale`` multiplies the gradient before it is rounded to the logits'
+        dtype (a loss scale for float16 activations: :class:`~disttensor_nn.GradScaler`).
+        """
         logits, p, t, inter, union, count = _saved(self)
         if not math.prod(p.shape):
             return DistArray(astype(p, logits.dtype), logits.dist)
@@ -176,6 +185,6 @@ class DiceLoss:
         shape = inter.shape + (1,) * (p.ndim - 2)
         u = as_module(np.ascontiguousarray(union).reshape(shape), xp, device_of(p))
         i = as_module(np.ascontiguousarray(inter).reshape(shape), xp, device_of(p))
-        g = -(2 * t * u - (2 * i + self.smooth)) / (u * u) / count  # d loss / d p
+        g = -(2 * t * u - (2 * i + self.smooth)) / (u * u) * (scale / count)  # d loss / d p
         dz = p * (g - xp.sum(g * p, axis=1, keepdims=True))
         return DistArray(astype(dz, logits.dtype), logits.dist)

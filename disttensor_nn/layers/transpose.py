@@ -13,6 +13,7 @@ from disttensor.backend import device_kw, namespace_dtype
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
 from ..module import Layer, Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
+from ..precision import compute_dtype, io_dtype, kernel_dtype, to_dtype
 from ..window import WindowSpec, normalize_tuple, transposed_geometry, transposed_layout
 
 __all__ = ["ConvTransposeNd", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
@@ -63,6 +64,12 @@ class ConvTransposeNd(Layer):
     nd = 0
     kernel_backends = ("numpy", "torch")
 
+    def compute_dtype(self, dtype: Any, backend: str | None = None,
+                      device: str = "cpu") -> np.dtype:
+        """16-bit blocks in 16 bits where ``backend`` has such kernels, else in float32
+        (:func:`disttensor_nn.precision.compute_dtype`)."""
+        return compute_dtype(dtype, backend, device)
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
                  padding: Any = 0, output_padding: Any = 0, groups: int = 1, bias: bool = True,
                  dilation: Any = 1, *, dtype: Any = np.float32, seed: int = 0):
@@ -110,7 +117,7 @@ class ConvTransposeNd(Layer):
 
     # ------------------------------------------------------------ passes
     def forward(self, x: DistArray) -> DistArray:
-        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, self.dtype)
+        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, io_dtype(self))
         self.output_shape(x.shape)
         geo = transposed_geometry(self.spec, self.output_padding, x.dist)
         ext = halo_plan(x.dist, geo.in_widths, "constant").exchange(x, 0.0)
@@ -120,10 +127,14 @@ class ConvTransposeNd(Layer):
         if y.size and ext.size:
             wshape = ext.shape[:1] + (self.out_channels,) + tuple(
                 geo.spread_length(i, n) for i, n in enumerate(ext.shape[2:]))
-            like = x.xp.broadcast_to(x.xp.zeros((), dtype=ext.dtype, **device_kw(ext)), wshape)
+            # 16-bit blocks: the kernels in kernel_dtype (float32 on converted blocks where
+            # the backend has no 16-bit kernel)
+            rd = kernel_dtype(self, ext)
+            like = x.xp.broadcast_to(x.xp.zeros((), dtype=namespace_dtype(x.xp, rd),
+                                                **device_kw(ext)), wshape)
             win, _, _ = kernels_for(ext, self.kernel_backend).conv_backward(
-                ext, like, self.weight.data, self.spec.stride, self.spec.dilation,
-                self.groups, need_dx=True, need_dw=False)
+                to_dtype(ext, rd), like, to_dtype(self.weight.data, rd), self.spec.stride,
+                self.spec.dilation, self.groups, need_dx=True, need_dw=False)
             dst, src = [slice(None)] * 2, [slice(None)] * 2
             start = out.dist.local_start()
             for i in range(self.nd):
@@ -137,7 +148,7 @@ class ConvTransposeNd(Layer):
             else:
                 y[tuple(dst)] = win[tuple(src)]
         if self.bias is not None and y.size:
-            y += x.xp.reshape(self.bias.data, (1, -1) + (1,) * self.nd)
+            y += x.xp.reshape(to_dtype(self.bias.data, y.dtype), (1, -1) + (1,) * self.nd)
         self._saved = (x, geo)
         return out
 
@@ -155,16 +166,21 @@ class ConvTransposeNd(Layer):
                 sl.append(slice(a, a + geo.spread_length(i, xl.shape[2 + i])))
             window = dext[tuple(sl)]
         k = kernels_for(xl, self.kernel_backend)
+        rd = kernel_dtype(self, xl)
+        w = to_dtype(self.weight.data, rd)
+        if window is not None:
+            window = to_dtype(window, rd)
         if self.input_grad:
             if window is not None:
-                dx = k.conv_forward(window, self.weight.data, None, self.spec.stride,
-                                    self.spec.dilation, self.groups)
+                dx = to_dtype(k.conv_forward(window, w, None, self.spec.stride,
+                                             self.spec.dilation, self.groups), xl.dtype)
             else:
                 dx = x.xp.zeros(xl.shape, dtype=xl.dtype, **device_kw(xl))
         if window is not None:
-            _, dw, _ = k.conv_backward(xl, window, self.weight.data, self.spec.stride,
+            _, dw, _ = k.conv_backward(to_dtype(xl, rd), window, w, self.spec.stride,
                                        self.spec.dilation, self.groups, need_dx=False,
                                        need_dw=True)
+            dw = to_dtype(dw, self.dtype)
         else:
             dw = x.xp.zeros_like(self.weight.data)
         db = dy.xp.sum(dy.local, axis=(0, *range(2, 2 + self.nd)),
@@ -195,7 +211,7 @@ class ConvTransposeNd(Layer):
             math.prod(self.spec.kernel)
         return CostSpec(ext, flops=flops,
                         nbytes=(math.prod(ext) + math.prod(out_block)) * itemsize, halo=in_w,
-                        allreduces=(Allreduce(params * itemsize, tuple(range(dist.ndim)),
+                        allreduces=(Allreduce(params * self.dtype.itemsize, tuple(range(dist.ndim)),
                                               gradient=True),),
                         saved=(math.prod(ext) - math.prod(block)) * itemsize,
                         workspace=max(math.prod(win), math.prod(oext)) * itemsize,

@@ -32,13 +32,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from disttensor import Distribution, factorizations
 
 from ..costspec import CostSpec, largest_block
-from ..kernels import BACKENDS, backend_supports, with_backend
+from ..kernels import BACKENDS, layer_supports, with_backend
 from ..module import Layer
 from ..optim.optimizer import STAGES
 from .machine import MachineProfile
@@ -209,7 +210,7 @@ class CostModel:
         Measured kernel times (for the machine the profile describes); without
         it compute comes from the profile's peak rates.
     itemsize : int
-        Bytes per activation element.
+        Bytes per activation element (float32's 4 by default; ignored with ``dtype``).
     overlap : bool, optional
         Gradient reductions run in buckets of ``bucket_bytes`` that overlap
         the rest of backward (:func:`step_time`); a layer's share of a
@@ -255,13 +256,21 @@ class CostModel:
     state_slots : int
         Arrays of optimizer state per parameter: 1 for SGD with momentum
         (the default), 0 without, 2 for Adam and AdamW, 3 with AMSGrad.
+    dtype : dtype, optional
+        The activations' dtype, which the kernels are timed in and whose
+        itemsize the activations, halos and messages count (bfloat16 or
+        float16 under :func:`disttensor_nn.set_precision`); default the
+        floating dtype of ``itemsize`` bytes. Parameters and their gradients
+        count their own dtype's bytes.
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
                  itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20,
                  training: bool = True, backends: Sequence[str] | None = None,
-                 shard_state: str = "none", state_slots: int = 1):
-        self.profile, self.nprocs, self.timer, self.itemsize = profile, nprocs, timer, itemsize
+                 shard_state: str = "none", state_slots: int = 1, dtype: Any = None):
+        self.dtype = np.dtype(f"f{itemsize}" if dtype is None else dtype)
+        self.profile, self.nprocs, self.timer = profile, nprocs, timer
+        self.itemsize = self.dtype.itemsize
         if shard_state not in STAGES:
             raise ValueError(f"unknown shard_state {shard_state!r}; the stages are "
                              f"{', '.join(STAGES)}")
@@ -293,7 +302,7 @@ class CostModel:
                  nbytes: float, share: float = 1.0) -> tuple[float, float, bool, bool]:
         if any(n == 0 for n in local_in):
             return 0.0, 0.0, False, False
-        dtype = np.dtype(f"f{self.itemsize}")
+        dtype = self.dtype
         if self.timer is not None:
             f, b, est, co = self.timer.times(layer, local_in, dtype, flops, self.corun)
             scale = (1.0 if co >= self.corun else self.contention) * share
@@ -308,9 +317,11 @@ class CostModel:
         if self.backends is None or not layer.kernel_backends:
             return [layer]
         device = "gpu" if self.profile.device == "gpu" else "cpu"
-        dtype = np.dtype(f"f{self.itemsize}")
+        dtype = self.dtype
+        # 16-bit blocks: the dtype each backend computes them in (float32 where it has no
+        # 16-bit kernel)
         names = [b for b in self.backends if b in layer.kernel_backends and
-                 backend_supports(b, dtype, device)]
+                 layer_supports(layer, b, dtype, device)]
         return [with_backend(layer, b) for b in names] or [layer]
 
     def layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate,

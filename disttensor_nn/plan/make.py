@@ -15,6 +15,7 @@ from disttensor.device import use_device
 from ..kernels import BACKENDS, available_backends, check_backend
 from ..memory import MemoryProfile
 from ..optim.optimizer import STAGES
+from ..precision import activation_dtype, is_half
 from .costmodel import CostModel
 from .machine import load_profile
 from .planner import Planner
@@ -62,7 +63,10 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     measure : bool
         Measure kernel times missing from the cache (else estimate them).
     itemsize : int
-        Bytes per array element.
+        Bytes per activation element, for a model without an activation dtype
+        of its own; a model given one by :func:`disttensor_nn.set_precision`
+        (16-bit activations) is planned in it: its blocks, halos and messages
+        count 2 bytes and its kernels are timed in 16 bits.
     comm : mpi4py.MPI.Comm, optional
         Plan on all ranks of ``comm`` (collective); None plans in this process.
     baseline : float
@@ -132,6 +136,7 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
                          f"{', '.join(STAGES)}, or auto")
     machine_profile = load_profile(machine)
     memory = machine_profile.memory_per_rank if memory is None else memory
+    dtype = activation_dtype(model) if is_half(activation_dtype(model)) else None
     timer = None
     if machine_profile.measured:  # kernels are timed where the ranks compute (CPU or GPU)
         xp = use_device(machine_profile.device, MPI.COMM_SELF if comm is None else comm)
@@ -141,7 +146,7 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     planners = [Planner(model, batch_shape,
                         CostModel(machine_profile, nprocs, timer, itemsize, training=training,
                                   backends=backends, shard_state=stage,
-                                  state_slots=state_slots),
+                                  state_slots=state_slots, dtype=dtype),
                         memory, baseline=baseline, recompute=recompute if training else False,
                         channels=channels, max_states=max_states)
                 for stage in (STAGES if shard_state == "auto" else (shard_state,))]

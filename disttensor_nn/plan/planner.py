@@ -43,6 +43,7 @@ from mpi4py import MPI
 
 from ..costspec import largest_block
 from ..module import Layer
+from ..precision import is_half, precision_of
 from .apply import apply_plan
 from .budget import fit_budget
 from .costmodel import (
@@ -217,7 +218,8 @@ class Planner:
             if self.budget is not None:
                 alone = priced if priced is not None else CostModel(
                     self.cost.profile, self.cost.nprocs, QueryRecorder(), self.cost.itemsize,
-                    training=self.cost.training, backends=self.cost.backends).layer(
+                    training=self.cost.training, backends=self.cost.backends,
+                    dtype=self.cost.dtype).layer(
                         layer, node.in_shape, cand, split, out_split)
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
@@ -363,7 +365,8 @@ class Planner:
         """
         rec = QueryRecorder()
         model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize,
-                          training=self.cost.training, backends=self.cost.backends)
+                          training=self.cost.training, backends=self.cost.backends,
+                          dtype=self.cost.dtype)
         c = self.states.index((tuple(cand), split_channels)) \
             if (tuple(cand), split_channels) in self.states else None
         for node in self.nodes:
@@ -403,7 +406,7 @@ class Planner:
             return 0
         comm = MPI.COMM_SELF if comm is None else comm
         corun = comm.Get_size()
-        dtype = np.dtype(f"f{self.cost.itemsize}")
+        dtype = self.cost.dtype
         queries, news = [], 0
         for cand, split in self.states:
             cand_queries = self.kernel_queries(cand, split)
@@ -670,12 +673,23 @@ class Planner:
             entries.append(PlanEntry(node.name, type(node.layer).__name__, cand,
                                      node.in_shape, lc.fwd, bwd, lc.comm, float(sh),
                                      kept, lc.estimated, lc.tiled, lc.transient, g,
-                                     split, self.mode(node, c, o), lc.kernels))
+                                     split, self.mode(node, c, o), lc.kernels,
+                                     self._kernel_dtype(node.layer, lc.kernels)))
             prev = o
         step = self.assignment_step(assign)
         return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
                     self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden,
-                    self.cost.training, self.cost.inner, self.cost.shard_state)
+                    self.cost.training, self.cost.inner, self.cost.shard_state,
+                    precision_of(self.cost.dtype))
+
+    def _kernel_dtype(self, layer: Layer, kernels: str) -> str:
+        """``"float32"`` where ``layer``'s kernels run 16-bit blocks in float32, else ""."""
+        act = self.cost.dtype
+        if not is_half(act):
+            return ""
+        device = "gpu" if self.cost.profile.device == "gpu" else "cpu"
+        run = layer.compute_dtype(act, kernels or layer.kernel_backend, device)
+        return "" if run == act else run.name
 
     def uniform_plan(self, cand: Candidate) -> Plan:
         """Every layer in the same distribution (for comparisons); under a grid over

@@ -53,6 +53,9 @@ class PlanEntry:
     split_channels: bool = True
     mode: str = ""
     kernels: str = ""  # the kernel backend chosen ("" for a layer without a choice)
+    # under 16-bit activations, the dtype the layer's kernels compute in when it is another
+    # ("float32": on converted blocks, where the backend has no 16-bit kernel)
+    kernel_dtype: str = ""
 
 
 @dataclass
@@ -76,6 +79,9 @@ class Plan:
     # the parameters' state sharded over the ranks that replicate them (optim.shard_state),
     # as the plan's time and memory count it
     shard_state: str = "none"
+    # the activations' dtype the plan is for (precision.PRECISIONS): 16-bit blocks count 2
+    # bytes in its memory and communication
+    precision: str = "fp32"
 
     def table(self) -> str:
         """The plan as a readable text table."""
@@ -83,7 +89,8 @@ class Plan:
             else "(N,S..)"
         cf = dims == "(N,C,S..)"
         kern = len({e.kernels for e in self.entries} - {""}) > 1 or \
-            any(e.kernels not in ("", "numpy") for e in self.entries)
+            any(e.kernels not in ("", "numpy") for e in self.entries) or \
+            any(e.kernel_dtype for e in self.entries)
         head = f"{'layer':<28} {'grid ' + dims:<16} " + (f"{'C/F':<8} " if cf else "") + \
             (f"{'kernels':<8} " if kern else "") + \
             f"{'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
@@ -94,7 +101,8 @@ class Plan:
             lines.append(
                 f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<16} "
                 + (f"{_split_label(e):<8} " if cf else "")
-                + (f"{e.kernels or '-':<8} " if kern else "") + f"{1e3 * e.fwd:8.2f} "
+                + (f"{(e.kernels or '-') + ('/f32' if e.kernel_dtype else ''):<8} "
+                   if kern else "") + f"{1e3 * e.fwd:8.2f} "
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
                 f"{e.memory / 2**20:7.1f}{mark}")
         lines.append("-" * len(head))
@@ -123,6 +131,12 @@ class Plan:
             lines.append(f"R recomputed in backward from its segment's input "
                          f"({len({e.recompute for e in self.entries} - {-1})} segments): "
                          "memory kept only at each segment's start, forward run twice")
+        if self.precision != "fp32":
+            lines.append(f"activations, halos and messages in {self.precision} (2 bytes), "
+                         "parameters and optimizer state in float32"
+                         + ("; kernels marked /f32 run in float32 on converted blocks (no "
+                            "16-bit kernel in that backend)"
+                            if any(e.kernel_dtype for e in self.entries) else ""))
         if self.shard_state != "none":
             lines.append(f"parameter state sharded over the ranks that replicate it: "
                          f"{self.shard_state} (optim.shard_state; time and peak count it)")

@@ -37,7 +37,7 @@ from disttensor import DistArray, Distribution, ProcessGrid, block_cache
 from disttensor.backend import is_numpy
 
 from ..costspec import CostSpec
-from ..kernels import kernels_for, synchronize, threads_now, with_backend
+from ..kernels import kernels_for, layer_supports, synchronize, threads_now, with_backend
 from ..memory import release_free_memory
 from ..module import Layer
 from ..window import WindowSpec
@@ -150,6 +150,7 @@ class KernelTimer:
         twin = layer.local_twin()
         twin.input_grad = layer.input_grad  # a first layer's backward skips the input gradient
         twin.kernel_backend = layer.kernel_backend  # the kernels it is timed with
+        twin.activation_dtype = layer.activation_dtype  # 16-bit blocks, float32 weights
         return twin if is_numpy(self.xp) else twin.to(self.xp)
 
     def _clock(self) -> float:
@@ -416,8 +417,10 @@ def warm_up(layers: Sequence[tuple[Layer, tuple[int, ...]]], dtype: Any = np.flo
     each, so that every library a plan may choose is loaded too.
     """
     queries = []
-    variants = [with_backend(layer, b) if b in layer.kernel_backends else layer
-                for layer, _ in layers for b in backends]
+    # (a backend that cannot run the layer's blocks of ``dtype`` is left out: never chosen)
+    variants = [with_backend(layer, b) if b in layer.kernel_backends and layer_supports(
+        layer, b, dtype) else layer
+        for layer, _ in layers for b in backends]
     shapes = [shape for _, shape in layers for _ in backends]
     seen: set[int] = set()
     for layer, shape in zip(variants, shapes):

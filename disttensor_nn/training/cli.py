@@ -23,6 +23,7 @@ from ..optim import STAGES
 from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
 from ..plan.machine import builtin_profiles
+from ..precision import PRECISIONS, set_precision
 from .checkpoint import CheckpointError
 from .data import data_problem, save_dataset
 from .driver import RECOMPUTE, SetupError, TrainConfig, plan_mismatch, train
@@ -235,6 +236,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--channel-splits", action="store_true",
                         help="also split channels and filters (grids over (N, C, S..))")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="the activations' dtype the plan is for (disttensor-train "
+                        "--precision): bf16 and fp16 blocks count 2 bytes and their kernels "
+                        "are timed in 16 bits")
     _model_file_options(parser)
     _kernel_options(parser)
     args = parser.parse_args(argv)
@@ -278,6 +283,7 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     """Plan and print on rank 0 of ``comm`` (collective), or in this process alone."""
     batch = args.batch or model_spec(args.model).batch
     model, shape = build_model(args.model, args.size, batch)
+    set_precision(model, args.precision)
     if args.scaling:
         return _scaling(args, model, shape)
     nprocs = args.ranks or MPI.COMM_WORLD.Get_size()
@@ -306,6 +312,7 @@ def _plan_model_file(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     this job's ranks and print the plan (collective)."""
     for flag, given in (("--scaling", args.scaling), ("--calibrate", args.calibrate),
                         ("--channel-splits", args.channel_splits),
+                        ("--precision", args.precision != "fp32"),
                         ("--recompute", args.recompute != "auto")):
         if given:
             parser.error(f"{flag} is for the registered models, not --model-file")
@@ -437,6 +444,12 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         "the reduced gradients (gradients), also of the weights (full); auto: "
                         "the planner's choice, the fastest stage whose plan fits the memory "
                         "budget; checkpoints stay whole")
+    parser.add_argument("--precision", choices=PRECISIONS, default=d.precision,
+                        help="the activations' dtype: activations, saved tensors, halos and "
+                        "redistributed blocks in 16 bits with bf16 or fp16 (parameters, "
+                        "optimizer state, batch-norm statistics and reductions stay float32; "
+                        "fp16 with dynamic loss scaling); kernels without a 16-bit version run "
+                        "in float32 on converted blocks, as the plan table says")
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
     parser.add_argument("--data", metavar="PATH",
@@ -527,7 +540,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       schedule=a.schedule, warmup_steps=a.warmup_steps,
                       warmup_start_factor=a.warmup_start_factor, step_size=a.step_size,
                       gamma=a.gamma, min_lr=a.min_lr, schedule_steps=a.schedule_steps,
-                      clip_grad_norm=a.clip_grad_norm, shard_state=a.shard_state)
+                      clip_grad_norm=a.clip_grad_norm, shard_state=a.shard_state,
+                      precision=a.precision)
     if a.model_file is not None:
         return _train_model_file(parser, a, cfg)
     problem = recipe_problem(cfg, a.lr if a.lr is not None else model_spec(a.model).lr)

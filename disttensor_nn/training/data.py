@@ -36,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import as_module
+from disttensor.backend import as_module, astype
 from disttensor.io import optional_module
 from disttensor.random import splitmix64 as _mix
 
@@ -956,17 +956,22 @@ class Loader:
         batch, after the host has read them (default: they stay NumPy).
     device : optional
         With ``xp`` an array API namespace, the device to put them on.
+    dtype : dtype, optional
+        The dtype of the input batches (e.g. bfloat16 for a model with 16-bit
+        activations: :func:`disttensor_nn.set_precision`), converted from the
+        data set's as each batch is loaded; default: the data set's.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, layout: Layout, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = True, *, target_layout: Layout | None = None,
-                 xp: ModuleType | None = None, device: Any = None):
+                 xp: ModuleType | None = None, device: Any = None, dtype: Any = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.dataset, self.batch_size, self.layout = dataset, int(batch_size), layout
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.target_layout = target_layout
         self.xp, self.device = xp, device
+        self.dtype = None if dtype is None else np.dtype(dtype)
         self.epoch = 0
         self.position = 0  # batches of the current epoch already yielded
 
@@ -996,6 +1001,8 @@ class Loader:
             tshape = (len(indices), *self.dataset.target_shape)
             dist_y = self.target_layout.distribution(tshape)
         x, y = self.dataset.batch(indices, dist_x, dist_y)
+        if self.dtype is not None and x.dtype != self.dtype:
+            x = DistArray(astype(x.local, self.dtype), x.dist)
         if self.xp is None:
             return x, y
         return self._moved(x), self._moved(y) if isinstance(y, DistArray) else y

@@ -38,6 +38,13 @@ from ..plan.calibrate import calibrate, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.timer import warm_up
 from ..plan.tracing import leaf_nodes, trace
+from ..precision import (
+    GradScaler,
+    activation_dtype,
+    precision_dtype,
+    precision_of,
+    set_precision,
+)
 from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint, save_checkpoint
 from .data import Loader, Prefetcher, open_dataset
@@ -127,6 +134,9 @@ class TrainConfig:
     # "none", "optimizer", "gradients", "full" (optim.shard_state) or "auto" (the planner's
     # choice: the fastest stage whose plan fits the budget; make_plan)
     shard_state: str = "none"
+    # "fp32", "bf16" or "fp16" (precision.PRECISIONS): activations, halos and messages in 16
+    # bits, parameters and optimizer state in float32; fp16 with dynamic loss scaling
+    precision: str = "fp32"
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -159,8 +169,9 @@ def plan_mismatch(plan: Plan, model: Layer, shape: tuple[int, ...], nprocs: int)
 
     Returns None when the plan fits (:func:`~disttensor_nn.plan.apply_plan`
     accepts it), otherwise a sentence naming the first difference: the
-    number of ranks, the batch shape, or the first layer whose kind or input
-    shape differs (a plan made for another model).
+    number of ranks, the batch shape, the first layer whose kind or input
+    shape differs (a plan made for another model), or the activations'
+    precision.
     """
     if plan.nprocs != nprocs:
         return f"the plan is for {_plural(plan.nprocs, 'rank')}, this job has {nprocs}"
@@ -177,6 +188,10 @@ def plan_mismatch(plan: Plan, model: Layer, shape: tuple[int, ...], nprocs: int)
     if len(nodes) != len(plan.entries):
         return (f"the plan has {len(plan.entries)} layers, the model {len(nodes)}: it was made "
                 "for another model")
+    mine = precision_of(activation_dtype(model))
+    if plan.precision != mine:
+        return (f"the plan is for {plan.precision} activations, this run's are {mine} "
+                "(--precision): its memory and times count other block sizes")
     return None
 
 
@@ -270,7 +285,8 @@ def _check_config(cfg: TrainConfig) -> None:
     ------
     SetupError
         For an unknown kernel backend, torch kernels without PyTorch (naming the
-        extra), a thread count below one or a prefetch depth other than 0, 1 or 2.
+        extra), a thread count below one, a prefetch depth other than 0, 1 or 2, or an
+        unknown precision (or bf16 without the ml_dtypes package).
     """
     try:
         kernel_choice(cfg.kernels)
@@ -281,6 +297,10 @@ def _check_config(cfg: TrainConfig) -> None:
         raise SetupError(f"--threads must be a positive integer, got {cfg.threads!r}")
     if cfg.prefetch not in (None, 0, 1, 2):
         raise SetupError(f"prefetch must be 0, 1 or 2 batches or None, got {cfg.prefetch!r}")
+    try:
+        precision_dtype(cfg.precision)
+    except (ValueError, ImportError) as exc:
+        raise SetupError(f"--precision {cfg.precision}: {exc}") from exc
 
 
 def prefetch_depth(cfg: TrainConfig, comm: MPI.Comm) -> int:
@@ -335,7 +355,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     # NumPy, MPI, the data set, the code a step runs and the buffers of the libraries
     # under it, a calibration's included): the process baseline of the predicted peak
     warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))],
-            backends=kernel_choice(cfg.kernels) or (None,))
+            backends=kernel_choice(cfg.kernels) or (None,), dtype=activation_dtype(model))
     machine = _machine(cfg, comm, memory)
     release_free_memory()
     params = sum(nbytes(p.data) for p in model.parameters())
@@ -369,10 +389,13 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     if data.has_spatial_target:
         target_layout = Layout(first.grid, first.axes)
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
-                    target_layout=target_layout, xp=None if is_numpy(xp) else xp)
+                    target_layout=target_layout, xp=None if is_numpy(xp) else xp,
+                    dtype=activation_dtype(model))
     lr = cfg.lr if cfg.lr is not None else spec.lr
     opt = make_optimizer(replace(cfg, shard_state=stage), model.parameters(), lr)
     sched = make_scheduler(cfg, opt)
+    # float16 activations: the loss gradient scaled so that small gradients do not underflow
+    scaler = GradScaler(enabled=cfg.precision == "fp16", comm=comm)
     step = 0
     history: list[dict[str, float]] = []
     if cfg.resume:
@@ -386,10 +409,12 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
                              f"for more than {_plural(step, 'step')})")
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
+        if scaler.is_enabled() and state["extra"].get("grad_scaler"):
+            scaler.load_state_dict(state["extra"]["grad_scaler"])
         _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
     release_free_memory()  # what planning freed, before the step's peak is measured
     _check_budget(plan, model, comm, plan.shard_state)
-    return model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history
+    return model, shape, plan, nodes, loss_fn, loader, (opt, sched, scaler), step, history
 
 
 CACHE_SLACK = 0.25
@@ -482,6 +507,7 @@ def _model_and_data(cfg: TrainConfig) -> tuple:
         check_size(cfg.model, size)
     model, shape = build_model(cfg.model, size, cfg.batch, seed=cfg.seed)
     check_size(cfg.model, size, model)
+    set_precision(model, cfg.precision)  # before planning: 16-bit blocks are priced
     if isinstance(model, Sequential) and len(model):
         # it is fed data: no input gradient to compute (set before planning, so that the
         # kernels are timed and priced without it too)
@@ -578,7 +604,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         if isinstance(exc, SetupError):
             raise
         raise SetupError(str(exc)) from exc
-    model, shape, plan, nodes, loss_fn, loader, (opt, sched), step, history = state
+    model, shape, plan, nodes, loss_fn, loader, (opt, sched, scaler), step, history = state
     clocks, _ = _timed(nodes)
     if cfg.profile_memory:
         memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
@@ -598,7 +624,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
                 as cache:
             step, warmup, warm_misses = _loop(cfg, comm, memory, xp, model, loss_fn, opt,
                                               loader, it, plain, step, history, clocks, times,
-                                              data_times, bar, sched)
+                                              data_times, bar, sched, scaler)
             cached = None if cache is None else {
                 **asdict(cache.stats),
                 "misses_after_first_step": cache.stats.misses - warm_misses}
@@ -620,6 +646,9 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
         "steps": step, "shard_state": _applied_stage(cfg, plan),
+        "precision": cfg.precision,
+        "skipped_steps": scaler.skipped_steps if scaler.is_enabled() else 0,
+        "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
         "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
         "history": [h["loss"] for h in history],
@@ -674,15 +703,18 @@ def next_batch(loader: Loader, it: Prefetcher | None, plain: Any) -> tuple[Any, 
 def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, model: Layer,
           loss_fn: Any, opt: Any, loader: Loader, it: Prefetcher | None, plain: Any,
           step: int, history: list[dict], clocks: list[list[float]], times: list[float],
-          data_times: list[float], bar: Any, sched: LRScheduler | None = None
-          ) -> tuple[int, list[float], int]:
+          data_times: list[float], bar: Any, sched: LRScheduler | None = None,
+          scaler: GradScaler | None = None) -> tuple[int, list[float], int]:
     """The training steps from ``step`` on; returns the last step, the layers' clocks
     after the first step and the active block cache's misses then (``times``,
     ``data_times`` and ``history`` grow in place).
 
     A step's time is its wall time; of it, ``data_s`` is the time it waited for its
-    batches (with prefetching, only what the thread had not prepared yet).
+    batches (with prefetching, only what the thread had not prepared yet). With an
+    enabled ``scaler`` (float16), the loss gradient is scaled and a step whose gradients
+    are not finite is skipped (``skipped`` in its history entry).
     """
+    scaler = scaler if scaler is not None else GradScaler(enabled=False)
     warmup = [0.0] * len(clocks)
     warm_misses = 0
     while step < cfg.steps:
@@ -705,8 +737,9 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
             last = micro == cfg.accumulate - 1
             with memory.phase("backward"), GradientBuckets(), \
                     (contextlib.nullcontext() if last else no_sync()):
-                dy = loss_fn.backward()
-                model.call_backward(dy if cfg.accumulate == 1 else dy * (1 / cfg.accumulate))
+                # the gradient scaled (fp16: loss scaling) before it is rounded to the
+                # activations' dtype
+                model.call_backward(loss_fn.backward(scale=scaler.get_scale() / cfg.accumulate))
             # what forward kept for backward goes now, not when the next forward replaces
             # it: the optimizer and the next batch run without it, and the next step's
             # blocks reuse its buffers
@@ -715,9 +748,11 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
         loss = float(np.mean(losses))
         lr = opt.lr  # this step's learning rate
         with memory.phase("optimizer"):
+            scaler.unscale_(opt)  # fp16: the true gradients, and whether all are finite
             if cfg.clip_grad_norm is not None:  # by the norm of the whole model's gradient
                 clip_grad_norm_(opt.params, cfg.clip_grad_norm)
-            opt.step()
+            took = scaler.step(opt)
+            scaler.update()
             if sched is not None:
                 sched.step()
         synchronize(xp)  # the step's device work, inside its clock
@@ -735,7 +770,8 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
         total = wall
         history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
                         "data_s": dt_data, "samples_per_s": cfg.batch * cfg.accumulate / total,
-                        "lr": lr})
+                        "lr": lr, **({} if not scaler.is_enabled() else
+                                     {"skipped": not took, "loss_scale": scaler.get_scale()})})
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", compute_ms=f"{1e3 * dt_step:.0f}",
                             data_ms=f"{1e3 * dt_data:.0f}")
@@ -744,7 +780,7 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
                                                      step % cfg.checkpoint_every == 0)):
             save_checkpoint(cfg.checkpoint, model, opt, step,
                             extra={"loader": (it or loader).state_dict(),
-                                   "history": history},
+                                   "history": history, "grad_scaler": scaler.state_dict()},
                             comm=comm, scheduler=sched)
     return step, warmup, warm_misses
 
@@ -824,7 +860,11 @@ def _print_summary(s: dict) -> None:
              "; parameter state not sharded" if auto else "")
           + (" (chosen by --shard-state auto: the fastest plan that fits)" if auto else ""))
     if s["first_loss"] is not None:
-        print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+        print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+              + (f"; activations in {s['precision']}" if s.get("precision", "fp32") != "fp32"
+                 else "")
+              + (f"; {_plural(s['skipped_steps'], 'step')} skipped for non-finite gradients "
+                 f"(loss scale now {s['loss_scale']:g})" if s.get("loss_scale") else ""))
     if s["time_per_iteration_s"]:
         print(f"time per iteration {1e3 * s['time_per_iteration_s']:.1f} ms: compute "
               f"{1e3 * s['compute_time_per_iteration_s']:.1f} ms (predicted "

@@ -202,6 +202,9 @@ def _check(cfg: ModelFileConfig) -> None:
     if cfg.recompute == "always":
         raise ValueError("--recompute always is for the built-in models; a --model-file "
                          "model keeps its activations")
+    if cfg.precision != "fp32":
+        raise ValueError(f"--precision {cfg.precision} is for the built-in models; a "
+                         "--model-file model runs in its own dtype (float32)")
     if cfg.profile_memory:
         raise ValueError("--profile-memory is for the built-in models")
     if cfg.kernels not in ("auto", "torch"):
