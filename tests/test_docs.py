@@ -36,6 +36,7 @@ CHECK_LINES = {
     "stencil_layer.py": "stencil layer tutorial: OK on {n} ranks",
     "property_testing.py": "property testing tutorial: OK on {n} ranks",
     "train_mesh.py": "training tutorial: OK on {n} ranks",
+    "train_bf16.py": "bf16 training tutorial: OK on {n} ranks",
     "torch_custom_layer.py": "torch custom layer tutorial: OK on {n} ranks",
     "torch_parallelize.py": "torch parallelize tutorial: OK on {n} ranks",
 }
