@@ -91,8 +91,9 @@ class Plan:
         kern = len({e.kernels for e in self.entries} - {""}) > 1 or \
             any(e.kernels not in ("", "numpy") for e in self.entries) or \
             any(e.kernel_dtype for e in self.entries)
+        kw = 9 if any(e.kernel_dtype for e in self.entries) else 8  # "numpy/f32"
         head = f"{'layer':<28} {'grid ' + dims:<16} " + (f"{'C/F':<8} " if cf else "") + \
-            (f"{'kernels':<8} " if kern else "") + \
+            (f"{'kernels':<{kw}} " if kern else "") + \
             f"{'fwd ms':>8} {'bwd ms':>8} {'comm ms':>8} {'shuffle ms':>10} {'mem MiB':>8}"
         lines = [head, "-" * len(head)]
         for e in self.entries:
@@ -101,7 +102,7 @@ class Plan:
             lines.append(
                 f"{(e.name + ' ' + e.layer)[:28]:<28} {str(e.grid):<16} "
                 + (f"{_split_label(e):<8} " if cf else "")
-                + (f"{(e.kernels or '-') + ('/f32' if e.kernel_dtype else ''):<8} "
+                + (f"{(e.kernels or '-') + ('/f32' if e.kernel_dtype else ''):<{kw}} "
                    if kern else "") + f"{1e3 * e.fwd:8.2f} "
                 f"{1e3 * e.bwd:8.2f} {1e3 * e.comm:8.2f} {1e3 * e.shuffle_in:10.2f} "
                 f"{e.memory / 2**20:7.1f}{mark}")
