@@ -1,6 +1,9 @@
 """What ``disttensor-train`` prints, measured: time per iteration, compute against the
 plan's prediction, the wait for data, the batch norms, and the peak memory against its
-prediction, for several commands, each with the block cache and without it.
+prediction, for several commands, each with the block cache and without it (or, with
+``--configs fp32,bf16``, in float32 and with 16-bit activations: then the final loss
+and the activation memory, the training peak above the process baseline and the
+parameter state, compare too).
 
 Each case is a ``disttensor-train`` command line run under ``mpiexec -n P``; the
 configurations of a case run in alternation, ``--rounds`` times each, so a change in the
@@ -14,6 +17,7 @@ Examples
     python benchmarks/bench_train.py                       # the default cases, 3 rounds
     python benchmarks/bench_train.py --case "2:mesh-demo --steps 12" --rounds 2
     python benchmarks/bench_train.py --case "2:mesh --size 1024x1024 --batch 1 --steps 4"
+    python benchmarks/bench_train.py --case "2:mesh-demo --steps 100" --configs fp32,bf16
 
 On this machine, for timing only: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE``.
 """
@@ -36,7 +40,11 @@ DEFAULT_CASES = [
     "1:mesh-demo --steps 12",
     "2:mesh-demo --steps 12",
 ]
-CONFIGS = {"cache": [], "no-cache": ["--no-block-cache"]}
+CONFIGS = {"cache": [], "no-cache": ["--no-block-cache"],
+           # 16-bit activations against float32 (with the block cache, as "cache" runs)
+           "fp32": ["--precision", "fp32"], "bf16": ["--precision", "bf16"],
+           "fp16": ["--precision", "fp16"]}
+DEFAULT_CONFIGS = ("cache", "no-cache")
 
 
 def _mpiexec() -> str:
@@ -82,6 +90,12 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "predicted_peak_mib": (summary["predicted_peak_memory_bytes"]
                                + (summary.get("predicted_cache_slack_bytes") or 0)) / 2**20,
         "mapped_after_first_step": float(bc.get("misses_after_first_step", float("nan"))),
+        "final_loss": summary["final_loss"],
+        # what scales with the sample: the step's peak above what the plan holds fixed (the
+        # process baseline it measured, and the parameters with their state)
+        "activation_mib": (summary["training_peak_memory_per_rank_bytes"]
+                           - summary["predicted_baseline_memory_bytes"]
+                           - summary.get("parameter_state_bytes", 0)) / 2**20,
     }
 
 
@@ -96,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ranks and disttensor-train arguments (repeatable; default: "
                    + "; ".join(DEFAULT_CASES) + ")")
     p.add_argument("--rounds", type=int, default=3, help="runs of each configuration")
-    p.add_argument("--configs", default=",".join(CONFIGS),
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"configurations to compare, of {', '.join(CONFIGS)}")
     p.add_argument("--json", default="bench_train.json", help="where to write the results")
     a = p.parse_args(argv)
@@ -128,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     head = (f"{'P':>2} {'command':<40} {'config':<9} {'iter ms':>16} {'compute ms':>11} "
             f"{'pred ms':>8} {'c/p':>5} {'data %':>6} {'bn ms':>7} {'bn pred':>7} "
-            f"{'peak MiB':>9} {'pred MiB':>8} {'mapped':>6}")
+            f"{'peak MiB':>9} {'pred MiB':>8} {'act MiB':>8} {'mapped':>6} {'loss':>8}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -140,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{med['compute_s'] / med['predicted_s']:5.2f} "
               f"{100 * med['data_s'] / med['iteration_s']:6.1f} {1e3 * med['bn_s']:7.1f} "
               f"{1e3 * med['bn_predicted_s']:7.1f} {med['peak_mib']:9.0f} "
-              f"{med['predicted_peak_mib']:8.0f} {med['mapped_after_first_step']:6.0f}")
+              f"{med['predicted_peak_mib']:8.0f} {med['activation_mib']:8.0f} "
+              f"{med['mapped_after_first_step']:6.0f} {med['final_loss']:8.4f}")
     with open(a.json, "w") as f:
         json.dump({"rounds": a.rounds, "results": results}, f, indent=1)
     print(f"\nwritten to {a.json}")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from disttensor.backend import array_namespace, astype, is_cupy, numpy_dtype, to_numpy
+from disttensor.backend import array_namespace, astype, empty, is_cupy, numpy_dtype, to_numpy
 
 try:  # bfloat16 as a NumPy dtype: the ``ml_dtypes`` package (the torch and test extras)
     import ml_dtypes
@@ -142,9 +142,18 @@ def kernel_dtype(layer: Any, like: Any) -> np.dtype:
 
 
 def to_dtype(a: Any, dtype: Any) -> Any:
-    """``a`` in ``dtype``: ``a`` itself when it has it, else a converted copy."""
+    """``a`` in ``dtype``: ``a`` itself when it has it, else a converted copy.
+
+    A NumPy copy is a block of the active block cache (:func:`disttensor.backend.empty`),
+    so that a layer converting large blocks each step reuses their memory (a fresh
+    allocation would fault in its pages every time).
+    """
     if a is None or numpy_dtype(a.dtype) == numpy_dtype(dtype):
         return a
+    if isinstance(a, np.ndarray):
+        out = empty(np, a.shape, numpy_dtype(dtype))
+        np.copyto(out, a, casting="unsafe")
+        return out
     return astype(a, dtype)
 
 
