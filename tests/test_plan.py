@@ -504,3 +504,21 @@ def test_scaling_command_line_splits_the_step(tmp_path, capsys):
         c, e, _ = r["sample_parallel_split"]
         assert c + e == pytest.approx(r["sample_parallel_ms"])
     assert rows[0]["exposed_ms"] == 0 and rows[0]["hidden_ms"] == 0  # one rank: nothing to send
+
+
+@pytest.mark.parametrize("ranks", [3, 4, 16])
+def test_a_model_whose_small_tensors_lie_on_fewer_ranks_plans(ranks, capsys):
+    """CosmoFlow's head (1x1x1 volumes) has layouts over grids of fewer processes than
+    the job (the other ranks hold replicas); pricing a redistribution between such a
+    layout and one over every rank failed with an IndexError."""
+    assert plan_main(["cosmoflow", "--ranks", str(ranks), "--machine", "v100-nvlink-edr"]) == 0
+    out = capsys.readouterr().out
+    assert f"on {ranks} ranks (v100-nvlink-edr)" in out, out
+    # every rank of a 4-rank grid receives the whole block a 1-process layout (held by
+    # every rank) asks for, less what it holds: three quarters of it, from three peers
+    from disttensor_nn.plan.costmodel import _received, dist_for
+
+    shape = (4, 8, 1, 1, 4)
+    split, whole = dist_for(shape, (1, 1, 1, 4)), dist_for(shape, (1, 1, 1, 1))
+    assert _received(split, whole) == (96, 3)
+    assert _received(whole, split) == (0, 0)  # each rank holds its quarter already

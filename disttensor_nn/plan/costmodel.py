@@ -586,12 +586,25 @@ def _all_boxes(dist: Distribution) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
+def _over(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` with its last (ranks) axis repeated cyclically to ``n`` ranks."""
+    m = a.shape[-1]
+    return a if m == n else np.take(a, np.arange(n) % m, axis=-1)
+
+
 def _received_many(src: Distribution, dlo: np.ndarray, dhi: np.ndarray, size: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_received` from ``src`` to each destination whose blocks start at ``dlo``
     and stop at ``dhi`` (``(destinations, ndim, ranks)``, :func:`_all_boxes`), of
-    ``size`` elements (``(destinations, ranks)``), all over the same ranks."""
+    ``size`` elements (``(destinations, ranks)``), all over the same ranks (or one
+    side over a grid of one process: a block every rank holds)."""
     slo, shi = _all_boxes(src)
+    # a layout over a grid of fewer processes (the small tensors' layouts over part of
+    # the ranks, the others holding replicas; one process: every rank holds it whole) is
+    # priced with its boxes repeated over the ranks
+    n = max(dlo.shape[2], slo.shape[1])
+    dlo, dhi, size = (_over(a, n) for a in (dlo, dhi, size))
+    slo, shi = _over(slo, n), _over(shi, n)
     kept = np.prod(np.clip(np.minimum(dhi, shi[None]) - np.maximum(dlo, slo[None]), 0, None),
                    axis=1)
     need = size - kept
