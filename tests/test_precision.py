@@ -417,3 +417,35 @@ def test_bf16_without_ml_dtypes_raises_the_import_error_naming_the_extra(monkeyp
     assert model[0].activation_dtype is None
     with pytest.raises(SetupError, match="--precision bf16: bfloat16 arrays need the ml_dtypes"):
         _train(precision="bf16")
+
+
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_16_bit_batch_norm_in_slices_of_channels_gives_the_whole_blocks_result(kernels,
+                                                                                  monkeypatch):
+    """A 16-bit batch norm converts a slice of channels at a time (PART_BYTES); one channel
+    per slice gives the same bits as the whole block at once, training and evaluating."""
+    import disttensor_nn.layers.norm as norm
+
+    shape = (3, 5, 6, 7)
+    x = rounded(1.5 + np.random.default_rng(4).standard_normal(shape), "bf16")
+    dy = rounded(_dy(shape), "bf16")
+    dist = dict(layouts(shape))["HxW"]
+    got = {}
+    for part in (norm.PART_BYTES, 1):
+        monkeypatch.setattr(norm, "PART_BYTES", part)
+        for training in (True, False):
+            bn = nn.BatchNorm2d(5)
+            bn.weight.data[:] = np.linspace(0.5, 2.0, 5)
+            bn.kernel_backend = kernels
+            if not training:
+                bn.running_mean[:] = np.linspace(-1, 1, 5)
+                bn.running_var[:] = np.linspace(0.5, 3, 5)
+                bn.train(False)
+            y, dx, grads = _run(bn, x, lambda s: dy, dist, "bf16")
+            got[part, training] = [f64(y.local), f64(dx.local)] + [f64(g) for g in grads]
+    check = Checks()
+    for training in (True, False):
+        for a, b in zip(got[norm.PART_BYTES, training], got[1, training]):
+            check.equal(a, b, f"training={training}: one channel per slice")
+    check.finish()

@@ -43,6 +43,17 @@ def _into(xp: ModuleType, op: str, a: Any, b: Any, out: Any | None) -> Any:
     return getattr(xp, op)(a, b)
 
 
+PART_BYTES = 32 * 2**20
+"""Bytes of float32 a 16-bit batch norm converts at once (whole channels; at least one)."""
+
+
+def _channel_parts(a3: Any) -> list[slice]:
+    """Slices of the channels of ``(N, C, M)`` whose float32 copies hold ``PART_BYTES``."""
+    n, c, m = a3.shape
+    step = max(1, PART_BYTES // max(4 * n * m, 1))
+    return [slice(c0, min(c, c0 + step)) for c0 in range(0, max(c, 1), step)]
+
+
 def _channel_sums(xp: ModuleType, a3: Any, f64: Any) -> Any:
     """Per-channel sums of ``(N, C, M)``: rows in ``a3``'s dtype, then float64 over N."""
     return xp.sum(xp.sum(a3, axis=2), axis=0, dtype=f64)
@@ -138,16 +149,20 @@ class BatchNormNd(Layer):
         self._check_batch(x)
         axes = (0, *range(2, x.ndim))
         chans = x.dist.local_slices()[1]
-        # 16-bit activations: normalised in the parameters' dtype on a converted block; the
-        # 16-bit input is what backward keeps
+        # 16-bit activations: normalised in the parameters' dtype, one slice of channels
+        # at a time converted (so that one slice, not the block, is in float32 at once);
+        # the 16-bit input is what backward keeps
         kept = x.local
-        xl = to_dtype(kept, self.dtype)
         xp = x.xp
         f64 = namespace_dtype(xp, np.float64)
-        n, c = xl.shape[:2]
-        x3 = xp.reshape(xl, (n, c, math.prod(xl.shape[2:])))
+        n, c = kept.shape[:2]
+        kept3 = xp.reshape(kept, (n, c, math.prod(kept.shape[2:])))
+        converted = numpy_dtype(kept.dtype) != self.dtype
+        parts = _channel_parts(kept3) if converted else [slice(None)]
+        x3 = kept3 if not converted else None
         fused = self.kernel_backend == "torch"  # the torch kernels' fused passes
-        y3 = None if fused else _scratch(xp, x3.shape, xl.dtype)
+        kernels = kernels_for(kept, "torch") if fused else None
+        y3 = None if fused or converted else _scratch(xp, kept3.shape, kept.dtype)
         batch_stats = self.training or not self.track_running_stats
         if batch_stats:
             spatial = tuple(range(2, x.ndim))
@@ -158,11 +173,18 @@ class BatchNormNd(Layer):
             # d = x - centre, sum(x) = m * centre + sum(d) and sum(x^2) = sum(d^2) +
             # 2 centre sum(d) + m centre^2 (m values here), rows pairwise in the input's
             # dtype, the rest in float64; y holds d, then becomes the output
-            m = n * x3.shape[2]
-            if fused:
-                centre, sum_d, sum_d2 = kernels_for(xl, "torch").channel_moments(x3)
-            else:
-                centre, sum_d, sum_d2, y3 = _moments(xp, x3, y3, f64)
+            m = n * kept3.shape[2]
+            moments = []
+            for cs in parts:
+                p3 = x3 if not converted else to_dtype(kept3[:, cs], self.dtype)
+                if fused:
+                    moments.append(kernels.channel_moments(p3))
+                else:  # a converted slice is this layer's own: d is written over it
+                    *moms, d = _moments(xp, p3, p3 if converted else y3, f64)
+                    moments.append(moms)
+                    y3 = None if converted else d
+            centre, sum_d, sum_d2 = (moments[0][i] if len(moments) == 1 else
+                                     concat([mo[i] for mo in moments]) for i in range(3))
             c64 = astype(centre, np.float64)
             sums = allreduce_(self._whole(xp, x.dist, m * c64 + sum_d,
                                           sum_d2 + 2 * c64 * sum_d + m * c64**2), comm)
@@ -172,10 +194,10 @@ class BatchNormNd(Layer):
                 self._update_running(x, mean, var, count)
             mean, var = mean[chans], var[chans]
         else:
-            self._follow(xl)
+            self._follow(kept)
             mean, var, count = self.running_mean[chans], self.running_var[chans], None
-            centre = astype(mean, xl.dtype)
-            if not fused:
+            centre = astype(mean, self.dtype)
+            if not fused and not converted:
                 y3 = _into(xp, "subtract", x3, centre[:, None], y3)
         inv = 1.0 / xp.sqrt(var + self.eps)
         # y = (x - centre) * scale + shift, scale = gamma * inv, shift = beta + (centre -
@@ -184,12 +206,25 @@ class BatchNormNd(Layer):
         shift = (astype(centre, np.float64) - mean) * scale
         if self.affine:
             shift = shift + astype(self.bias.data[chans], np.float64)
-        if fused:
-            y3 = kernels_for(xl, "torch").scale_shift(x3, centre, scale, shift)
+        if converted:  # each slice converted again, normalised, rounded into the output
+            y = empty(xp, kept.shape, kept.dtype, device_of(kept))
+            out3 = xp.reshape(y, kept3.shape)
+            for cs in parts:
+                p3 = to_dtype(kept3[:, cs], self.dtype)
+                if fused:
+                    p3 = kernels.scale_shift(p3, centre[cs], scale[cs], shift[cs])
+                else:
+                    p3 = _into(xp, "subtract", p3, centre[cs][:, None], p3)
+                    p3 = _into(xp, "multiply", p3, astype(scale[cs], p3.dtype)[:, None], p3)
+                    p3 = _into(xp, "add", p3, astype(shift[cs], p3.dtype)[:, None], p3)
+                out3[:, cs] = to_dtype(p3, kept.dtype)
         else:
-            y3 = _into(xp, "multiply", y3, astype(scale, xl.dtype)[:, None], y3)
-            y3 = _into(xp, "add", y3, astype(shift, xl.dtype)[:, None], y3)
-        y = to_dtype(xp.reshape(y3, xl.shape), kept.dtype)
+            if fused:
+                y3 = kernels.scale_shift(x3, centre, scale, shift)
+            else:
+                y3 = _into(xp, "multiply", y3, astype(scale, kept.dtype)[:, None], y3)
+                y3 = _into(xp, "add", y3, astype(shift, kept.dtype)[:, None], y3)
+            y = xp.reshape(y3, kept.shape)
         self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
 
@@ -251,25 +286,36 @@ class BatchNormNd(Layer):
         dist, kept, mean, inv, count, batch_stats, centre = self._saved
         axes = (0, *range(2, dy.ndim))
         chans = dist.local_slices()[1]
-        xl, g = to_dtype(kept, self.dtype), to_dtype(dy.local, self.dtype)
         xp = dy.xp
         f64 = namespace_dtype(xp, np.float64)
-        n, c = xl.shape[:2]
-        x3 = xp.reshape(xl, (n, c, math.prod(xl.shape[2:])))
-        g3 = xp.reshape(g, x3.shape)
-        cc = astype(centre, g.dtype)[:, None]
+        n, c = kept.shape[:2]
+        kept3 = xp.reshape(kept, (n, c, math.prod(kept.shape[2:])))
+        gin3 = xp.reshape(dy.local, kept3.shape)
+        # 16-bit activations: in the parameters' dtype one slice of channels at a time
+        converted = numpy_dtype(kept.dtype) != self.dtype
+        parts = _channel_parts(kept3) if converted else [slice(None)]
         fused = self.kernel_backend == "torch"  # the torch kernels' fused passes
-        if fused:
-            kernels = kernels_for(g, "torch")
-            sum_g, sum_gd = kernels.grad_moments(g3, x3, centre)
-        else:
-            dx3 = _scratch(xp, x3.shape, g.dtype)
-            dx3 = _into(xp, "subtract", x3, cc, dx3)  # dx is the scratch of g * (x - centre)
-            dx3 = _into(xp, "multiply", dx3, g3, dx3)
+        kernels = kernels_for(kept, "torch") if fused else None
+        x3, g3 = (kept3, gin3) if not converted else (None, None)
+        dx3 = None
+        moments = []
+        for cs in parts:
+            px, pg = (x3, g3) if not converted else (
+                to_dtype(kept3[:, cs], self.dtype), to_dtype(gin3[:, cs], self.dtype))
+            if fused:
+                moments.append(kernels.grad_moments(pg, px, centre[cs]))
+                continue
+            cc = astype(centre[cs], pg.dtype)[:, None]
+            # dx is the scratch of g * (x - centre) (a converted slice: over the slice)
+            pd = px if converted else _scratch(xp, px.shape, pg.dtype)
+            pd = _into(xp, "subtract", px, cc, pd)
+            pd = _into(xp, "multiply", pd, pg, pd)
             # sum(g * xhat) = inv * (sum(g * (x - centre)) + (centre - mean) * sum(g)); rows
             # in the input's dtype, the rest in float64
-            sum_g = _channel_sums(xp, g3, f64)
-            sum_gd = _channel_sums(xp, dx3, f64)
+            moments.append((_channel_sums(xp, pg, f64), _channel_sums(xp, pd, f64)))
+            dx3 = None if converted else pd
+        sum_g, sum_gd = (moments[0][i] if len(moments) == 1 else
+                         concat([mo[i] for mo in moments]) for i in range(2))
         sums = self._whole(xp, dist, sum_g,
                            inv * (sum_gd + (astype(centre, np.float64) - mean) * sum_g))
         if self.stats == "group":
@@ -284,34 +330,54 @@ class BatchNormNd(Layer):
             self.weight.grad += astype(param_sums[C:], self.dtype)
         sums = concat([sums[:C][chans], sums[C:][chans]])
         gamma = astype(self.weight.data[chans], np.float64) if self.affine else \
-            xp.ones(c, dtype=f64, **device_kw(g))
+            xp.ones(c, dtype=f64, **device_kw(dy.local))
         scale = gamma * inv
-        sc = astype(scale, g.dtype)[:, None]
+        b = shift = None
         if batch_stats:  # the statistics depend on the input
             # dx = scale * (g - dmean - xhat * dvar) = scale * g + b * (x - centre) + shift
             m = max(count, 1)  # 0 on a rank with no samples in stats="group"
             dmean, dvar = sums[:c] / m, sums[c:] / m
             b = -scale * inv * dvar
             shift = scale * (inv * dvar * (mean - astype(centre, np.float64)) - dmean)
-            bx, bs = astype(b, g.dtype)[:, None], astype(shift, g.dtype)[:, None]
-            if fused:
-                dx3 = kernels.affine_grad(g3, x3, centre, scale, b, shift)
-            elif writes_in_place(xp):
-                tmp = xp.empty(x3.shape[1:], dtype=g.dtype)
-                for i in range(n):  # one sample at a time: the scratch stays in cache
+        if converted:  # each slice converted again, its gradient rounded into the output
+            dx = empty(xp, kept.shape, dy.local.dtype, device_of(kept))
+            out3 = xp.reshape(dx, kept3.shape)
+            for cs in parts:
+                px, pg = to_dtype(kept3[:, cs], self.dtype), to_dtype(gin3[:, cs], self.dtype)
+                out3[:, cs] = to_dtype(self._input_grad(
+                    xp, kernels, px, pg, centre[cs], scale[cs],
+                    None if b is None else b[cs], None if shift is None else shift[cs],
+                    None), dy.local.dtype)
+            return DistArray(dx, dist)
+        dx3 = self._input_grad(xp, kernels, x3, g3, centre, scale, b, shift, dx3)
+        return DistArray(xp.reshape(dx3, kept.shape), dist)
+
+    @staticmethod
+    def _input_grad(xp: Any, kernels: Any, x3: Any, g3: Any, centre: Any, scale: Any,
+                    b: Any, shift: Any, dx3: Any) -> Any:
+        """``scale * g + b * (x - centre) + shift`` (``scale * g`` without batch statistics:
+        ``b`` None) on ``(N, C, M)``, into the scratch ``dx3`` where given."""
+        sc = astype(scale, g3.dtype)[:, None]
+        if b is not None:
+            cc = astype(centre, g3.dtype)[:, None]
+            bx, bs = astype(b, g3.dtype)[:, None], astype(shift, g3.dtype)[:, None]
+            if kernels is not None:
+                return kernels.affine_grad(g3, x3, centre, scale, b, shift)
+            if writes_in_place(xp):
+                dx3 = _scratch(xp, g3.shape, g3.dtype) if dx3 is None else dx3
+                tmp = xp.empty(x3.shape[1:], dtype=g3.dtype)
+                for i in range(x3.shape[0]):  # one sample at a time: the scratch stays in cache
                     xp.multiply(g3[i], sc, out=dx3[i])
                     xp.subtract(x3[i], cc, out=tmp)
                     xp.multiply(tmp, bx, out=tmp)
                     xp.add(dx3[i], tmp, out=dx3[i])
                     xp.add(dx3[i], bs, out=dx3[i])
-            else:
-                dx3 = g3 * sc + (x3 - cc) * bx + bs
-        elif fused:
+                return dx3
+            return g3 * sc + (x3 - cc) * bx + bs
+        if kernels is not None:
             zero = xp.zeros_like(scale)
-            dx3 = kernels.scale_shift(g3, zero, scale, zero)
-        else:
-            dx3 = _into(xp, "multiply", g3, sc, dx3)
-        return DistArray(to_dtype(xp.reshape(dx3, xl.shape), dy.dtype), dist)
+            return kernels.scale_shift(g3, zero, scale, zero)
+        return _into(xp, "multiply", g3, sc, dx3)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """Eight FLOPs per element; the input is kept for backward (not the normalised input).
@@ -333,8 +399,11 @@ class BatchNormNd(Layer):
         twin = (block[0], self.num_features, *block[2:])
         share = block[1] / self.num_features if chans else 1.0
         whole = math.prod(twin) if chans else n
-        # 16-bit activations: normalised on a float32 copy of the block into a float32 one
-        cvt = 2 * n * self.dtype.itemsize if io_dtype(self) != self.dtype else 0
+        # 16-bit activations: normalised on float32 copies of a slice of channels at a time
+        # (backward: the input's, the gradient's and their result's)
+        cvt = 3 * min(n * self.dtype.itemsize, max(PART_BYTES, math.prod(block[2:]) * block[0]
+                                                   * self.dtype.itemsize)) \
+            if io_dtype(self) != self.dtype else 0
         return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
                         allreduces=(sums, sums), keeps_input=True,
                         workspace=n // max(block[0], 1) * itemsize + cvt, share=share)
