@@ -191,6 +191,23 @@ class Pools(nn.Module):
                           self.avg_div(x).flatten(1), u.flatten(1), v.flatten(1)], 1)
 
 
+class Shuffles(nn.Module):
+    """Space into channels and back (module and function forms) on split dimensions: an
+    input whose cuts are odd is unshuffled after moving to even cuts."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.up = nn.PixelShuffle(2)
+        self.conv2 = nn.Conv2d(2, 4, 3, padding=1)
+        self.down = nn.PixelUnshuffle(2)
+
+    def forward(self, x):
+        y = self.up(self.conv(F.pixel_unshuffle(x, 2)))
+        z = self.down(self.conv2(y))
+        return F.pixel_unshuffle(torch.pixel_shuffle(z, 2) * 2, 2) + torch.tanh(z)
+
+
 # ------------------------------------------------------------------ helpers
 def grids(ndim):
     """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
@@ -260,6 +277,7 @@ MODELS = {
     "mesh-fcn": (MeshFCN, (3, 2, 14)),
     "heads": (Heads, (3, 2, 8, 9)),
     "pools": (Pools, (2, 2, 11, 9)),
+    "shuffles": (Shuffles, (2, 2, 10, 6)),
 }
 
 

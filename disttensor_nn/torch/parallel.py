@@ -592,6 +592,10 @@ class _Compiler:
             return self.same(node, m, dist)
         if isinstance(m, nn.Upsample):
             return self.interpolate(node, dist, m.mode, m.align_corners)
+        if isinstance(m, nn.PixelShuffle):
+            return self.pixel_shuffle(node, dist, m.upscale_factor, F.pixel_shuffle)
+        if isinstance(m, nn.PixelUnshuffle):
+            return self.pixel_shuffle(node, dist, m.downscale_factor, F.pixel_unshuffle)
         if type(m) is nn.Dropout:
             return self.dropout(node, dist, lambda args: (m.p, m.training))
         if isinstance(m, nn.Flatten):
@@ -894,6 +898,43 @@ class _Compiler:
 
         return step
 
+    def pixel_shuffle(self, node: Node, dist: Distribution, r: int,
+                      fn: Callable[..., torch.Tensor]) -> Step:
+        """``pixel_shuffle`` (channels into space, r x r) or ``pixel_unshuffle`` (space into
+        channels) of each rank's block: local, the last two dimensions' cuts scaled by
+        ``r`` (unshuffle: divided; an input whose cuts are not multiples of ``r`` is first
+        redistributed to the nearest cuts that are)."""
+        unshuffle = fn is F.pixel_unshuffle
+        c = dist.ndim - 3
+        self.refuse_split(node, dist, [c], "pixel_shuffle moves channels to and from space")
+        shape = _shape_of(node)
+        src, cuts = dist, {}
+        for d in (dist.ndim - 2, dist.ndim - 1):
+            if not _split(dist, d):
+                continue
+            inner = list(dist.boundaries[d][1:-1])
+            if unshuffle:
+                inner = [min(round(b / r) * r, dist.global_shape[d]) for b in inner]
+                cuts[d] = [b // r for b in inner]
+                src = _with_shape(src, src.global_shape, {d: inner})
+            else:
+                cuts[d] = [b * r for b in inner]
+        out = _with_shape(src, shape, cuts)
+        self._check_shape(node, out, shape)
+        move = src != dist
+        local_out = out.local_shape()
+        self.set(node, out)
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            if move:
+                x = redistribute(x, dist, src)
+            if 0 in local_out:  # torch returns an empty block as it is, of the wrong shape
+                return x.new_zeros(local_out) + 0 * x.sum()
+            return fn(x, r)
+
+        return step
+
     def dropout(self, node: Node, dist: Distribution,
                 settings: Callable[[Any], tuple[float, bool]]) -> Step:
         self.set(node, dist)
@@ -981,6 +1022,12 @@ class _Compiler:
             mode = _arg(node, 3, "mode", "nearest")
             return self.interpolate(node, dist, mode, _arg(node, 4, "align_corners", None),
                                     bool(_arg(node, 6, "antialias", False)))
+        if fn in (F.pixel_shuffle, F.pixel_unshuffle, torch.pixel_shuffle,
+                  torch.pixel_unshuffle):
+            unshuffle = fn in (F.pixel_unshuffle, torch.pixel_unshuffle)
+            r = _arg(node, 1, "downscale_factor" if unshuffle else "upscale_factor", None)
+            return self.pixel_shuffle(node, dist, int(r),
+                                      F.pixel_unshuffle if unshuffle else F.pixel_shuffle)
         if fn is torch.flatten:
             return self.reshape(node, dist)
         if fn is F.dropout:
