@@ -498,16 +498,9 @@ class Planner:
             dist_for(shape, *self.states[c], inner=self.cost.inner)))
 
     def segments(self, assign: dict[int, int]) -> dict[int, int]:
-        """Recompute segments of an assignment: ``{id(node): segment number}``
-        (:func:`~disttensor_nn.plan.evaluate.segments`).
-
-        A segment is a run of two or more consecutive layers of one chain in
-        one candidate, starting at a layer that keeps its input (so keeping
-        the segment's input costs nothing more); it ends before the next such
-        layer, a change of candidate or a residual block. A layer that keeps
-        its input but would stand alone (the next layer starts a segment too)
-        joins the segment before it, whose recomputation then gives its input.
-        """
+        """Recompute segments of an assignment: ``{id(node): segment number}``, as
+        :func:`~disttensor_nn.plan.evaluate.segments` finds them with this planner's
+        layer costs."""
         return segments(self.items, assign, self.layer_cost)
 
     def _place(self, inner: str) -> None:
