@@ -38,7 +38,7 @@ from disttensor_nn.optim import (
     clip_grad_norm_,
     shard_state,
 )
-from disttensor_nn.plan import CostModel, MachineProfile
+from disttensor_nn.plan import CostModel, MachineProfile, load_profile
 from disttensor_nn.reduction import reduce_gradients_
 from disttensor_nn.shards import shard_counts, shard_range
 from disttensor_nn.training import TrainConfig, build_model, load_checkpoint, train
@@ -405,7 +405,7 @@ def test_a_checkpoint_saved_sharded_at_two_ranks_resumes_unsharded_at_one_and_th
 def test_the_plan_counts_the_sharded_state_in_its_peak():
     """make_plan's predicted peak shrinks by what each stage leaves on the other ranks:
     figures from the parameters' sizes, the optimizer's slots and R alone."""
-    from disttensor_nn.plan import load_profile, make_plan
+    from disttensor_nn.plan import make_plan
 
     model, shape = build_model("mesh-demo", (64, 64), 4)
     sizes = [int(np.prod(p.shape)) * 4 for p in model.parameters()]
@@ -524,6 +524,10 @@ def test_sharded_weights_train_as_unsharded_for_20_steps(kind, dtype, tol):
         collective_assert(isinstance(err, RuntimeError) and "full()" in str(err), repr(err))
     # batch norm sums its own gradients: no communicator to shard it over, whole
     collective_assert(not any(p.sharded_weights for p in model[2].own_parameters()), "bn")
+    # the memory model prices a model whose weights are sharded (from their dtypes)
+    priced = [CostModel(load_profile(V100), comm.size, shard_state="full").params_memory(m)
+              for m in (model, ref)]
+    collective_assert(priced[0] == priced[1], f"{priced}")
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
     ok = all((np.allclose(a, b, rtol=0, atol=tol * 10) if not isinstance(a, dict) else
               all(np.allclose(a[k], b[k], rtol=10 * tol, atol=10 * tol) for k in a))

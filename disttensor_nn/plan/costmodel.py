@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import Distribution, factorizations
+from disttensor.backend import numpy_dtype
 
 from ..costspec import CostSpec, largest_block
 from ..kernels import BACKENDS, layer_supports, with_backend
@@ -517,7 +518,8 @@ class CostModel:
         samples, space or the channels (a channel-sharded block of ``1 / c``
         is shared by ``nprocs / c`` ranks).
         """
-        sizes = [math.prod(p.shape) * p.data.itemsize for p in model.parameters()]
+        # the dtype's itemsize, not the data's: under sharded weights a rank holds a piece
+        sizes = [math.prod(p.shape) * numpy_dtype(p.dtype).itemsize for p in model.parameters()]
         if not self.training:
             return float(sum(sizes))
         grads = sizes if local_grads is None else list(local_grads)
