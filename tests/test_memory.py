@@ -38,7 +38,7 @@ from disttensor_nn.plan import (
 from disttensor_nn.plan.planner import leaf_nodes, trace
 from disttensor_nn.recompute import recompute_segments
 from disttensor_nn.reduction import GradientBuckets
-from disttensor_nn.training import TrainConfig, build_model, driver, train
+from disttensor_nn.training import TrainConfig, build_model, loop, train
 from disttensor_nn.training.driver import MemoryBudgetError, SetupError
 
 S = (2, 16, 96, 96)  # 1.1 MiB per float32 block: far above Python's own allocations
@@ -525,11 +525,11 @@ def test_memory_released_before_each_step_leaves_the_training_unchanged(monkeypa
     """What the allocator keeps after the loader and the last step is given back before
     every step; the losses (so the gradients) are those of a run that keeps it."""
     calls = []
-    release = driver.release_free_memory
-    monkeypatch.setattr(driver, "release_free_memory", lambda: calls.append(1) or release())
+    release = loop.release_free_memory  # before each batch, in the step loop
+    monkeypatch.setattr(loop, "release_free_memory", lambda: calls.append(1) or release())
     kept = train(_config(steps=2, size=(32, 32)))
     collective_assert(len(calls) >= 2, f"released {len(calls)} times in 2 steps")
-    monkeypatch.setattr(driver, "release_free_memory", lambda: True)
+    monkeypatch.setattr(loop, "release_free_memory", lambda: True)
     not_kept = train(_config(steps=2, size=(32, 32)))
     collective_assert(kept["history"] == not_kept["history"],
                       f"{kept['history']} {not_kept['history']}")

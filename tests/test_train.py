@@ -15,7 +15,7 @@ from mpi4py import MPI
 from disttensor.testing import collective_assert
 from disttensor_nn.plan import CostModel, MachineProfile, Planner, builtin_profiles, machine
 from disttensor_nn.plan import calibrate as calibration
-from disttensor_nn.training import TrainConfig, build_model, driver, train
+from disttensor_nn.training import TrainConfig, build_model, driver, loop, train
 
 V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
 
@@ -325,7 +325,7 @@ def _train_on_cached(monkeypatch, capsys, **profile) -> tuple[str, str]:
     if comm.Get_rank() == 0:
         dataclasses.replace(builtin_profiles()[V100], name="this:test", **profile).save(path)
     comm.Barrier()
-    for module in (machine, driver, calibration):
+    for module in (machine, loop, calibration):
         monkeypatch.setattr(module, "this_machine_path", lambda *a, **k: path)
     train(config(machine="this", steps=1, samples=4, batch=2))
     return path, capsys.readouterr().out

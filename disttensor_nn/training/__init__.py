@@ -3,6 +3,9 @@
 * :mod:`~disttensor_nn.training.driver`: the training driver, :func:`train`
   configured by a :class:`TrainConfig` (plan, load data in the planned
   layout, train, checkpoint, report);
+* :mod:`~disttensor_nn.training.loop`: the parts of a training run every
+  driver shares (the step loop :func:`~disttensor_nn.training.loop.run_steps`
+  with a driver's own step, threads, machine profile, summary, metrics);
 * :mod:`~disttensor_nn.training.registry`: the named models the driver and
   the tools know (:func:`register_model`, :func:`build_model`);
 * :mod:`~disttensor_nn.training.data`: data sets and the :class:`Loader`,

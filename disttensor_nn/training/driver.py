@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import math
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass, replace
@@ -14,14 +11,13 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
-from tqdm import tqdm
 
-from disttensor import node_share, use_device
+from disttensor import use_device
 from disttensor.backend import is_numpy, nbytes, numpy_dtype
 from disttensor.blockcache import active_block_cache, block_cache
 
 from ..container import Sequential
-from ..kernels import limit_threads, synchronize
+from ..kernels import synchronize
 from ..memory import (
     MemoryProfile,
     available_bytes,
@@ -34,8 +30,6 @@ from ..module import GradientBuckets, Layer, Layout, RemovableHandle, no_sync
 from ..optim import clip_grad_norm_
 from ..optim.lr_scheduler import LRScheduler
 from ..plan import Plan, apply_plan, kernel_choice, make_plan
-from ..plan.calibrate import calibrate, stale_calibration
-from ..plan.machine import MachineProfile, this_machine_path
 from ..plan.timer import warm_up
 from ..plan.tracing import leaf_nodes, trace
 from ..precision import (
@@ -46,8 +40,30 @@ from ..precision import (
     set_precision,
 )
 from ..recompute import recompute_segments
-from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint
 from .data import Loader, Prefetcher, open_dataset
+from .loop import (  # noqa: F401 - importable from here as before
+    Batches,
+    StepResult,
+    check_resume_step,
+    machine_profile,
+    memory_summary,
+    next_batch,
+    peak_memory,
+    phase_line,
+    plural,
+    prediction_warning,
+    prefetch_depth,
+    print_summary,
+    progress_bar,
+    run_steps,
+    say,
+    say_peak_memory,
+    set_threads,
+    threads_note,
+    timing_summary,
+    write_metrics,
+)
 from .recipe import (
     make_optimizer,
     make_scheduler,
@@ -57,16 +73,10 @@ from .recipe import (
 )
 from .registry import build_model, check_size, model_spec
 
-__all__ = ["TrainConfig", "train", "plan_mismatch", "prediction_warning", "prefetch_depth",
-           "next_batch", "SetupError",
-           "MemoryBudgetError"]
+__all__ = ["TrainConfig", "train", "plan_mismatch", "SetupError", "MemoryBudgetError"]
 
 RECOMPUTE = {"auto": "auto", "always": True, "never": False}
 """``TrainConfig.recompute`` -> the planner's ``recompute`` option."""
-
-HEAVY_LOAD = 0.5
-"""Load average per core above which a calibration is flagged as measured under load."""
-
 
 class SetupError(ValueError):
     """A configuration that cannot train, found by :func:`train` before its first step.
@@ -174,7 +184,7 @@ def plan_mismatch(plan: Plan, model: Layer, shape: tuple[int, ...], nprocs: int)
     precision.
     """
     if plan.nprocs != nprocs:
-        return f"the plan is for {_plural(plan.nprocs, 'rank')}, this job has {nprocs}"
+        return f"the plan is for {plural(plan.nprocs, 'rank')}, this job has {nprocs}"
     if tuple(plan.batch_shape) != tuple(shape):
         return (f"the plan is for batches of shape {tuple(plan.batch_shape)}, this run's are "
                 f"{tuple(shape)} (--batch and --size)")
@@ -202,55 +212,6 @@ def _replicated(model: Layer, nprocs: int) -> bool:
                               for p in model.parameters())
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def _say(comm: MPI.Comm, text: str) -> None:
-    """Print on rank 0 (progress messages of the long phases)."""
-    if comm.Get_rank() == 0:
-        print(text, flush=True)
-
-
-def _machine(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile) -> str:
-    """The machine profile to plan on; this machine is calibrated first when it has no
-    calibration taken with this job's ranks per node (or when asked to)."""
-    machine = cfg.machine
-    if cfg.layout != "auto":
-        return machine  # the plan is read, not made
-    device = "gpu" if cfg.device == "gpu" else "cpu"
-    if machine == "this" and device == "gpu":
-        machine = "this-gpu"  # the profile calibrated with the ranks on their GPUs
-    if machine in ("this", "this-gpu"):
-        path = this_machine_path(device=device)
-        if comm.Get_size() == 1 and os.path.exists(path):
-            # one rank communicates nothing: the calibration's compute rates serve the
-            # layers not timed, and every kernel is timed here, on this rank alone
-            _say(comm, f"1 rank: kernels timed here, on the cached calibration {path} "
-                       "(its communication figures are not needed)")
-        elif comm.Get_size() == 1:
-            machine = "v100-nvlink-edr"  # nothing to calibrate communication with
-            _say(comm, "1 rank: nothing to calibrate communication with and no calibration "
-                       f"cached (run once on 2 or more ranks); planning for the built-in "
-                       f"profile {machine}")
-        elif cfg.recalibrate or (why := stale_calibration(comm, device)):
-            if not cfg.recalibrate:
-                _say(comm, f"{why}: calibrating again")
-            _say(comm, f"calibrating this machine's communication and compute on "
-                       f"{_plural(comm.Get_size(), 'rank')} (kept in {path} for later runs)...")
-            with memory.phase("calibration"):
-                calibrate(comm, device=device)
-        else:
-            profile = MachineProfile.load(path)
-            _say(comm, f"using the cached calibration {path} ({profile.notes}); "
-                       "--recalibrate measures again")
-            if (profile.load_per_core or 0) > HEAVY_LOAD:
-                _say(comm, f"warning: that calibration was taken under a load of "
-                           f"{profile.load_per_core:.1f} per core; its predictions will be "
-                           "too slow if the machine is quieter now (use --recalibrate)")
-    return machine
-
-
 def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
           memory: MemoryProfile, baseline: float, machine: str) -> Plan:
     if cfg.layout != "auto":
@@ -260,7 +221,7 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
         if problem:
             raise ValueError(f"{cfg.layout}: {problem}")
         return plan
-    _say(comm, f"planning {cfg.model} for {_plural(comm.Get_size(), 'rank')} (kernels not "
+    say(comm, f"planning {cfg.model} for {plural(comm.Get_size(), 'rank')} (kernels not "
                "timed before are measured first)...")
     if cfg.recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {cfg.recompute!r}")
@@ -303,35 +264,6 @@ def _check_config(cfg: TrainConfig) -> None:
         raise SetupError(f"--precision {cfg.precision}: {exc}") from exc
 
 
-def prefetch_depth(cfg: TrainConfig, comm: MPI.Comm) -> int:
-    """The batches a thread prepares ahead: ``cfg.prefetch``, or by default 1 where every
-    rank of the node has a core for the thread besides its kernel threads, else 0.
-
-    Collective (the node's ranks are counted). Where the cores are all busy with
-    kernels, the thread's synthesis and reading take the interpreter's lock from a
-    step's many short passes and the cores from its kernels: on 2 cores a mesh-demo
-    iteration measured 190.6 ms with the thread and 87.7 ms without it (2 ranks),
-    141.7 against 231.2 ms on 4 ranks, 206 against 397 ms on 1 rank of 2 threads.
-    """
-    if cfg.prefetch is not None:
-        return cfg.prefetch
-    local, cores = node_share(comm)
-    threads = cfg.threads if cfg.threads is not None else max(1, cores // local)
-    return 1 if local * (threads + 1) <= cores else 0
-
-
-def _threads(cfg: TrainConfig, comm: MPI.Comm) -> tuple[int, int, int]:
-    """Set each rank's kernel threads (BLAS and PyTorch's); returns (threads, ranks on this
-    node, cores). Collective. By default the cores divided by the ranks of the node."""
-    local, cores = node_share(comm)
-    threads = cfg.threads if cfg.threads is not None else max(1, cores // local)
-    if threads * local > cores and cfg.threads is not None and threads > 1:
-        _say(comm, f"warning: --threads {threads} on {_plural(local, 'rank')} of this node "
-                   f"asks for more threads than its {_plural(cores, 'core')}; kernels compete")
-    limit_threads(threads)
-    return threads, local, cores
-
-
 def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> tuple:
     """Everything before the first step: model, plan, data, optimizer, resumed state.
 
@@ -348,7 +280,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         problem = resume_problem(cfg, checkpoint_manifest(cfg.checkpoint, comm=comm), lr)
         if problem:
             raise SetupError(f"--resume {cfg.checkpoint}: {problem}")
-    threads, local, cores = _threads(cfg, comm)
+    threads, local, cores = set_threads(cfg, comm)
     with memory.phase("data"):
         model, shape, spec, data = _model_and_data(cfg)
     # what a rank holds besides the parameters and their gradients (the interpreter,
@@ -356,7 +288,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     # under it, a calibration's included): the process baseline of the predicted peak
     warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))],
             backends=kernel_choice(cfg.kernels) or (None,), dtype=activation_dtype(model))
-    machine = _machine(cfg, comm, memory)
+    machine = machine_profile(cfg, comm, memory)
     release_free_memory()
     params = sum(nbytes(p.data) for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
@@ -368,20 +300,16 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     apply_plan(model, plan, shape, comm)
     stage = _applied_stage(cfg, plan)
     if stage != "none" and not _replicated(model, comm.Get_size()):
-        _say(comm, f"note: --shard-state {stage} does nothing here: no parameter of "
+        say(comm, f"note: --shard-state {stage} does nothing here: no parameter of "
                    "this plan is replicated over several ranks, so there is no state to "
                    "shard (training goes on unsharded)")
     if not is_numpy(xp):
         model.to(xp)
     nodes = leaf_nodes(trace(model, shape))
     recompute_segments([n.layer for n in nodes], [e.recompute for e in plan.entries])
-    plan.notes.append(
-        f"kernels on {_plural(threads, 'thread')} per rank ({_plural(local, 'rank')} on "
-        f"{_plural(cores, 'core')} of this node; --threads)" + (
-            f"; batches prepared {cfg.prefetch} ahead by a thread while a step runs"
-            if cfg.prefetch else ""))
+    plan.notes.append(threads_note(cfg, threads, local, cores))
     if rank == 0:
-        print(f"{cfg.model}, batch {shape}, {_plural(comm.Get_size(), 'rank')}")
+        print(f"{cfg.model}, batch {shape}, {plural(comm.Get_size(), 'rank')}")
         print(plan.table(), flush=True)
     loss_fn = spec.loss()
     first: Layout = nodes[0].layer.layout
@@ -403,15 +331,12 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
             raise ValueError("--resume needs --checkpoint DIR")
         state = load_checkpoint(cfg.checkpoint, model, opt, comm=comm, scheduler=sched)
         step = int(state["step"])
-        if step >= cfg.steps:
-            raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {step}; --steps "
-                             f"{cfg.steps} is not above it, so there is nothing to train (ask "
-                             f"for more than {_plural(step, 'step')})")
+        check_resume_step(cfg, step)
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
         if scaler.is_enabled() and state["extra"].get("grad_scaler"):
             scaler.load_state_dict(state["extra"]["grad_scaler"])
-        _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
+        say(comm, f"resumed from step {step} ({cfg.checkpoint})")
     release_free_memory()  # what planning freed, before the step's peak is measured
     _check_budget(plan, model, comm, plan.shard_state)
     return model, shape, plan, nodes, loss_fn, loader, (opt, sched, scaler), step, history
@@ -483,7 +408,7 @@ def _check_budget(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none")
     node.Free()
     avail = available_bytes()
     if avail is not None and need > avail:
-        _say(comm, f"warning: the step needs about {need / 2**20:.0f} MiB more on this node, "
+        say(comm, f"warning: the step needs about {need / 2**20:.0f} MiB more on this node, "
                    f"the operating system has {avail / 2**20:.0f} MiB available: the job may "
                    "be killed for lack of memory")
 
@@ -558,14 +483,12 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, *,
                 raise SetupError(f"--device {cfg.device}: {exc}") from exc
         return _train(cfg, comm, memory, xp)
     except SetupError:  # raised on every rank alike: one line from rank 0
-        peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
-        _say(comm, f"peak resident memory per rank {peak / 2**20:.0f} MiB "
-                   f"(rank 0: {_phase_line(memory)})")
+        say_peak_memory(comm, memory)
         raise
     except BaseException:
         # every exit says how much memory this rank held, whichever rank failed
-        print(f"rank {comm.Get_rank()}: peak resident memory {_lifetime(memory) / 2**20:.0f} "
-              f"MiB ({_phase_line(memory)})", flush=True)
+        print(f"rank {comm.Get_rank()}: peak resident memory {peak_memory(memory) / 2**20:.0f} "
+              f"MiB ({phase_line(memory)})", flush=True)
         raise
     finally:
         memory.close()
@@ -583,16 +506,6 @@ def _on_sigterm() -> Any:
         return None
 
 
-def _lifetime(memory: MemoryProfile) -> int:
-    """This process's peak resident bytes so far (the profile restarts the kernel's count)."""
-    return memory.peak()
-
-
-def _phase_line(memory: MemoryProfile) -> str:
-    return ", ".join(f"{p.name} {p.peak / 2**20:.0f}" for p in memory.phases.values()) or \
-        "before setup"
-
-
 def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
            ) -> dict[str, Any]:
     rank = comm.Get_rank()
@@ -608,26 +521,33 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     clocks, _ = _timed(nodes)
     if cfg.profile_memory:
         memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
-    bar = None
-    if rank == 0 and cfg.progress:
-        bar = tqdm(total=cfg.steps, initial=step,
-                   desc=f"{cfg.model} on {_plural(comm.Get_size(), 'rank')}", unit="step")
+    bar = progress_bar(cfg, comm, step, cfg.model)
     # the next batches are read or synthesised by a thread while the step runs
     it = Prefetcher(loader, cfg.prefetch) if cfg.prefetch else None
-    plain = iter(loader) if it is None else None
-    times, data_times = [], []
+    times: list[float] = []
+    data_times: list[float] = []
+    # the first step warms caches and allocator: not in the layer times
     warmup = [0.0] * len(clocks)
+    warm_misses = [0]
+
+    def first_step() -> None:
+        warmup[:] = [c[0] for c in clocks]
+        cache = active_block_cache()
+        warm_misses[0] = cache.stats.misses if cache is not None else 0
     cache_limit = _cache_limit(plan, model, comm, plan.shard_state) \
         if cfg.block_cache else None
     try:
         with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
                 as cache:
-            step, warmup, warm_misses = _loop(cfg, comm, memory, xp, model, loss_fn, opt,
-                                              loader, it, plain, step, history, clocks, times,
-                                              data_times, bar, sched, scaler)
+            step = run_steps(cfg, comm, Batches(loader, it),
+                             _layer_step(cfg, memory, xp, model, loss_fn, opt, sched, scaler),
+                             step, history, times, data_times, bar, model=model,
+                             optimizer=opt, scheduler=sched,
+                             checkpoint_extra=lambda: {"grad_scaler": scaler.state_dict()},
+                             after_first_step=first_step)
             cached = None if cache is None else {
                 **asdict(cache.stats),
-                "misses_after_first_step": cache.stats.misses - warm_misses}
+                "misses_after_first_step": cache.stats.misses - warm_misses[0]}
     finally:
         if it is not None:
             it.close()
@@ -638,37 +558,25 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         measured -= warmup
     comm.Allreduce(MPI.IN_PLACE, measured, op=MPI.MAX)
     measured /= max(len(times) - (len(times) > 1), 1)
-    peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
-
-    def phase_peak(*names: str) -> int:
-        return comm.allreduce(max((memory.phases[n].peak for n in names
-                                   if n in memory.phases), default=0), op=MPI.MAX)
+    peaks = memory_summary(comm, memory)
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
         "steps": step, "shard_state": _applied_stage(cfg, plan),
         "precision": cfg.precision,
         "skipped_steps": scaler.skipped_steps if scaler.is_enabled() else 0,
         "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
-        "final_loss": history[-1]["loss"] if history else None,
-        "first_loss": history[0]["loss"] if history else None,
-        "history": [h["loss"] for h in history],
-        "time_per_iteration_s": float(np.median(np.add(times, data_times))) if times else None,
-        "compute_time_per_iteration_s": float(np.median(times)) if times else None,
-        "data_time_per_iteration_s": float(np.median(data_times)) if times else None,
-        "samples_per_s": cfg.batch * cfg.accumulate /
-        float(np.median(np.add(times, data_times)))
-        if times else None,
+        **timing_summary(cfg, history, times, data_times),
         # the plan is for one micro-batch, its gradient reduction included: an upper bound
         "predicted_time_per_iteration_s": cfg.accumulate * plan.time,
-        "peak_memory_per_rank_bytes": peak, "predicted_peak_memory_bytes": plan.peak_memory,
+        "peak_memory_per_rank_bytes": peaks["peak_memory_per_rank_bytes"],
+        "predicted_peak_memory_bytes": plan.peak_memory,
         # the cache holds free buffers besides the live ones, up to its limit: the part of
         # the limit above the blocks the plan counts comes on top of the plan's peak
         "predicted_cache_slack_bytes": _cache_slack(plan, model, comm, plan.shard_state,
                                                     cache_limit),
         "predicted_baseline_memory_bytes": plan.baseline_memory,
-        "training_peak_memory_per_rank_bytes": phase_peak("forward", "backward", "optimizer"),
-        "planning_peak_memory_per_rank_bytes": phase_peak("calibration", "kernel measurement",
-                                                          "planning"),
+        "training_peak_memory_per_rank_bytes": peaks["training_peak_memory_per_rank_bytes"],
+        "planning_peak_memory_per_rank_bytes": peaks["planning_peak_memory_per_rank_bytes"],
         "memory_budget_bytes": plan.memory_budget,
         "block_cache": None if cached is None else {**cached, "limit_bytes": cache_limit},
         "memory_profile": _gather_profile(memory, comm) if cfg.profile_memory else None,
@@ -680,55 +588,25 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     if rank == 0:
         if cfg.profile_memory:
             _print_profile(summary["memory_profile"])
-        _print_summary(summary)
-        _write_metrics(cfg.metrics, history, summary)
+        print_summary(summary)
+        write_metrics(cfg.metrics, history, summary)
     return summary
 
 
-def next_batch(loader: Loader, it: Prefetcher | None, plain: Any) -> tuple[Any, Any, Any]:
-    """The next ``(input, target)`` batch: from the prefetching thread ``it`` if there is
-    one, else from the loader's iterator ``plain``, started again at the end of an epoch;
-    returns the batch and the iterator to use next."""
-    if it is not None:
-        x, y = it.next()
-        return x, y, plain
-    try:
-        x, y = next(plain)
-    except StopIteration:
-        plain = iter(loader)
-        x, y = next(plain)
-    return x, y, plain
+def _layer_step(cfg: TrainConfig, memory: MemoryProfile, xp: Any, model: Layer,
+                loss_fn: Any, opt: Any, sched: LRScheduler | None,
+                scaler: GradScaler) -> Any:
+    """One training step of a built-in model, for :func:`~.loop.run_steps`: the layers'
+    backward over ``cfg.accumulate`` micro-batches, then the disttensor optimizer.
 
-
-def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, model: Layer,
-          loss_fn: Any, opt: Any, loader: Loader, it: Prefetcher | None, plain: Any,
-          step: int, history: list[dict], clocks: list[list[float]], times: list[float],
-          data_times: list[float], bar: Any, sched: LRScheduler | None = None,
-          scaler: GradScaler | None = None) -> tuple[int, list[float], int]:
-    """The training steps from ``step`` on; returns the last step, the layers' clocks
-    after the first step and the active block cache's misses then (``times``,
-    ``data_times`` and ``history`` grow in place).
-
-    A step's time is its wall time; of it, ``data_s`` is the time it waited for its
-    batches (with prefetching, only what the thread had not prepared yet). With an
-    enabled ``scaler`` (float16), the loss gradient is scaled and a step whose gradients
-    are not finite is skipped (``skipped`` in its history entry).
+    With an enabled ``scaler`` (float16), the loss gradient is scaled and a step whose
+    gradients are not finite is skipped (``skipped`` in its history entry).
     """
-    scaler = scaler if scaler is not None else GradScaler(enabled=False)
-    warmup = [0.0] * len(clocks)
-    warm_misses = 0
-    while step < cfg.steps:
-        comm.Barrier()
-        t0 = time.perf_counter()
-        dt_data, losses = 0.0, []
+    def step(batches: Batches) -> StepResult:
+        losses = []
         opt.zero_grad()
         for micro in range(cfg.accumulate):
-            t_data = time.perf_counter()
-            x, y, plain = next_batch(loader, it, plain)
-            # the loader's scratch and the last step's arrays, freed, leave the process
-            # before this step's peak (the C allocator would keep them resident)
-            release_free_memory()
-            dt_data += time.perf_counter() - t_data
+            x, y = batches.next()
             with memory.phase("forward"):
                 out = model(x)
                 losses.append(loss_fn(out, y))
@@ -756,33 +634,9 @@ def _loop(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any, mode
             if sched is not None:
                 sched.step()
         synchronize(xp)  # the step's device work, inside its clock
-        clocks_now = np.array([time.perf_counter() - t0, dt_data])
-        comm.Allreduce(MPI.IN_PLACE, clocks_now, op=MPI.MAX)
-        wall, dt_data = clocks_now.tolist()
-        dt_step = wall - dt_data
-        step += 1
-        times.append(dt_step)
-        if len(times) == 1:  # the first step warms caches and allocator: not in the layer times
-            warmup = [c[0] for c in clocks]
-            cache = active_block_cache()
-            warm_misses = cache.stats.misses if cache is not None else 0
-        data_times.append(dt_data)
-        total = wall
-        history.append({"step": step, "loss": loss, "time_s": total, "compute_s": dt_step,
-                        "data_s": dt_data, "samples_per_s": cfg.batch * cfg.accumulate / total,
-                        "lr": lr, **({} if not scaler.is_enabled() else
-                                     {"skipped": not took, "loss_scale": scaler.get_scale()})})
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", compute_ms=f"{1e3 * dt_step:.0f}",
-                            data_ms=f"{1e3 * dt_data:.0f}")
-            bar.update(1)
-        if cfg.checkpoint and (step == cfg.steps or (cfg.checkpoint_every and
-                                                     step % cfg.checkpoint_every == 0)):
-            save_checkpoint(cfg.checkpoint, model, opt, step,
-                            extra={"loader": (it or loader).state_dict(),
-                                   "history": history, "grad_scaler": scaler.state_dict()},
-                            comm=comm, scheduler=sched)
-    return step, warmup, warm_misses
+        return StepResult(loss, lr, {} if not scaler.is_enabled() else
+                          {"skipped": not took, "loss_scale": scaler.get_scale()})
+    return step
 
 
 def _gather_profile(memory: MemoryProfile, comm: MPI.Comm) -> dict[str, Any]:
@@ -812,81 +666,3 @@ def _print_profile(prof: dict[str, Any]) -> None:
     for p in prof["layers"]:
         print(f"  {p['name'][:34]:<34} {p['peak_MiB_per_rank'][0]:8.0f} "
               f"{p['end_MiB_per_rank'][0]:8.0f}")
-
-
-def _write_metrics(prefix: str | None, history: list[dict], summary: dict) -> None:
-    if not prefix:
-        return
-    with open(f"{prefix}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["step", "loss", "time_s", "compute_s", "data_s",
-                                          "samples_per_s"], extrasaction="ignore")
-        w.writeheader()
-        w.writerows(history)
-    with open(f"{prefix}.json", "w") as f:
-        json.dump({"history": history, "summary": summary}, f, indent=1)
-    print(f"metrics written to {os.path.abspath(prefix)}.csv and .json (--metrics PREFIX; "
-          "plot them with disttensor-plot)")
-
-
-def prediction_warning(summary: dict, tolerance: float = 0.25, top: int = 3) -> str | None:
-    """A warning when a run's measured step differs from the plan's prediction by more than
-    ``tolerance`` (a share of the prediction), naming the layers that account for most of
-    the difference; None otherwise.
-
-    ``summary`` is what :func:`train` returns: its ``compute_time_per_iteration_s`` and
-    ``predicted_time_per_iteration_s``, and per layer ``predicted_s`` and ``measured_s``
-    (the driver's forward and backward clocks, communication included).
-    """
-    measured = summary.get("compute_time_per_iteration_s")
-    predicted = summary.get("predicted_time_per_iteration_s")
-    if not measured or not predicted or abs(measured - predicted) <= tolerance * predicted:
-        return None
-    layers = summary.get("layers") or []
-    worst = sorted(layers, key=lambda e: -abs(e["measured_s"] - e["predicted_s"]))[:top]
-    named = ", ".join(f"{e['name']} {e['layer']} {1e3 * e['measured_s']:.1f} ms measured / "
-                      f"{1e3 * e['predicted_s']:.1f} ms predicted" for e in worst)
-    return (f"warning: the step took {measured / predicted:.2f}x its predicted time"
-            + (f"; most of the difference is in {named}" if named else ""))
-
-
-def _print_summary(s: dict) -> None:
-    k = s["config"].get("accumulate", 1)
-    auto = s["config"].get("shard_state") == "auto"
-    micro = f" x {k} micro-batches" if k > 1 else ""
-    print(f"\n{s['model']} {tuple(s['batch_shape'])}{micro} on {_plural(s['ranks'], 'rank')}: "
-          f"{_plural(s['steps'], 'step')}"
-          + (f"; parameter state sharded: {s['shard_state']}"
-             if s.get("shard_state", "none") != "none" else
-             "; parameter state not sharded" if auto else "")
-          + (" (chosen by --shard-state auto: the fastest plan that fits)" if auto else ""))
-    if s["first_loss"] is not None:
-        print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
-              + (f"; activations in {s['precision']}" if s.get("precision", "fp32") != "fp32"
-                 else "")
-              + (f"; {_plural(s['skipped_steps'], 'step')} skipped for non-finite gradients "
-                 f"(loss scale now {s['loss_scale']:g})" if s.get("loss_scale") else ""))
-    if s["time_per_iteration_s"]:
-        print(f"time per iteration {1e3 * s['time_per_iteration_s']:.1f} ms: compute "
-              f"{1e3 * s['compute_time_per_iteration_s']:.1f} ms (predicted "
-              f"{1e3 * s['predicted_time_per_iteration_s']:.1f} ms), data loading "
-              f"{1e3 * s['data_time_per_iteration_s']:.1f} ms; "
-              f"{s['samples_per_s']:.1f} samples/s")
-    warning = prediction_warning(s)
-    if warning:
-        print(warning)
-    budget = s.get("memory_budget_bytes")
-    slack = s.get("predicted_cache_slack_bytes") or 0
-    print(f"peak memory per rank (resident): training step "
-          f"{s['training_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (predicted "
-          f"{(s['predicted_peak_memory_bytes'] + slack) / 2**20:.0f} MiB"
-          + (f", the block cache's slack of {slack / 2**20:.0f} MiB included" if slack else "")
-          + "), planning "
-          f"{s['planning_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB, whole run "
-          f"{s['peak_memory_per_rank_bytes'] / 2**20:.0f} MiB"
-          + (f"; budget {budget / 2**20:.0f} MiB" if budget else ""))
-    bc = s.get("block_cache")
-    if bc:
-        print(f"block cache: {bc['held_bytes'] / 2**20:.0f} MiB held (limit "
-              f"{bc['limit_bytes'] / 2**20:.0f} MiB), {bc['hits']} blocks reused, "
-              f"{bc['misses']} mapped, {bc['misses_after_first_step']} of them after the "
-              f"first step; {bc['overflows']} outside the cache")

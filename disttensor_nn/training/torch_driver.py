@@ -3,8 +3,10 @@
 ``disttensor-train --model-file model.py:build`` (and ``disttensor-plan``)
 import ``model.py``, call ``build()`` and take the ``torch.nn.Module`` it
 returns, unchanged, through :func:`disttensor_nn.torch.parallelize` with the
-planner's layout (``--ranks-layout auto``) or a plan file. Training reuses
-the driver's parts: the data sets and the :class:`~disttensor_nn.training.Loader`
+planner's layout (``--ranks-layout auto``) or a plan file. Training runs
+the step loop every driver shares (:func:`~disttensor_nn.training.loop.run_steps`)
+with a step of its own (torch autograd and ``torch.optim``), and reuses the
+driver's other parts: the data sets and the :class:`~disttensor_nn.training.Loader`
 (synthetic :class:`~disttensor_nn.training.data.NoiseDataset` data, or the
 HDF5, Zarr and ``.npy`` readers, every rank reading only its block),
 prefetching, the progress bar, the metrics files, the summary (predicted and
@@ -49,24 +51,29 @@ from ..memory import MemoryProfile, keep_heap_top, map_large_allocations, releas
 from ..plan import Plan
 from ..reduction import no_sync, split_axes_comm
 from ..torch import ParallelModule, all_reduce, parallelize
-from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint
 from .data import Dataset, Loader, NoiseDataset, Prefetcher, open_dataset
-from .driver import (
-    SetupError,
-    TrainConfig,
-    _lifetime,
-    _machine,
-    _phase_line,
-    _plural,
-    _print_summary,
-    _say,
-    _threads,
-    _write_metrics,
-    next_batch,
-    prefetch_depth,
-)
+from .driver import SetupError, TrainConfig
 from .inference import PredictConfig, _create_output, predict_summary
 from .inference import _machine as _predict_machine
+from .loop import (
+    Batches,
+    StepResult,
+    check_resume_step,
+    machine_profile,
+    memory_summary,
+    plural,
+    prefetch_depth,
+    print_summary,
+    progress_bar,
+    run_steps,
+    say,
+    say_peak_memory,
+    set_threads,
+    threads_note,
+    timing_summary,
+    write_metrics,
+)
 from .recipe import recipe_problem, resume_problem
 
 __all__ = ["DEFAULT_LR", "ModelFileConfig", "load_model_file", "mse_loss", "plan_model_file",
@@ -424,9 +431,9 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
     model = _agreed(comm, lambda: load_model_file(cfg.model_file))
     shape, data = _agreed(comm, lambda: _shapes(cfg))
     _same_weights(model, comm)
-    threads, local, cores = _threads(cfg, comm)
-    machine = _machine(cfg, comm, memory)
-    _say(comm, f"planning {cfg.model} for {_plural(comm.Get_size(), 'rank')}...")
+    threads, local, cores = set_threads(cfg, comm)
+    machine = machine_profile(cfg, comm, memory)
+    say(comm, f"planning {cfg.model} for {plural(comm.Get_size(), 'rank')}...")
     with memory.phase("planning"):
         pm = _parallel(cfg, model, shape, comm, machine)
     out_shape = tuple(pm.output_dist.global_shape)
@@ -435,14 +442,10 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
         raise ValueError(f"the data set has {len(dataset)} samples, fewer than --batch "
                          f"{cfg.batch}")
     plan: Plan = pm.plan
-    plan.notes.append(
-        f"kernels: PyTorch's, on {_plural(threads, 'thread')} per rank ({_plural(local, 'rank')} "
-        f"on {_plural(cores, 'core')} of this node; --threads)" + (
-            f"; batches prepared {cfg.prefetch} ahead by a thread while a step runs"
-            if cfg.prefetch else ""))
+    plan.notes.append(threads_note(cfg, threads, local, cores, kernels="kernels: PyTorch's,"))
     if comm.Get_rank() == 0:
         print(f"{cfg.model}, batch {shape} -> output {out_shape}, "
-              f"{_plural(comm.Get_size(), 'rank')}")
+              f"{plural(comm.Get_size(), 'rank')}")
         print(plan.table(), flush=True)
     loader = _ModelLoader(dataset, cfg.batch, pm.input_dist, pm.output_dist, cfg.seed)
     opt = _optimizer(cfg, pm.parameters())
@@ -454,13 +457,10 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
         state = load_checkpoint(cfg.checkpoint, _ModelState(pm),
                                 _STATES[cfg.optimizer](opt), comm=comm, scheduler=sched)
         step = int(state["step"])
-        if step >= cfg.steps:
-            raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {step}; --steps "
-                             f"{cfg.steps} is not above it, so there is nothing to train (ask "
-                             f"for more than {_plural(step, 'step')})")
+        check_resume_step(cfg, step)
         loader.load_state_dict(state["extra"]["loader"])
         history = [dict(h) for h in state["extra"].get("history", [])]
-        _say(comm, f"resumed from step {step} ({cfg.checkpoint})")
+        say(comm, f"resumed from step {step} ({cfg.checkpoint})")
     release_free_memory()
     return pm, shape, plan, loader, opt, sched, step, history
 
@@ -485,28 +485,18 @@ def mse_loss(output: DistArray, target: torch.Tensor) -> torch.Tensor:
     return all_reduce(partial, split_axes_comm(output.dist)) / math.prod(output.dist.global_shape)
 
 
-def _loop(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile, pm: ParallelModule,
-          opt: torch.optim.Optimizer, sched: Any, loader: _ModelLoader,
-          it: Prefetcher | None, step: int, history: list[dict], times: list[float],
-          data_times: list[float], bar: Any) -> int:
-    """The training steps from ``step`` on; returns the last step (``times``,
-    ``data_times`` and ``history`` grow in place)."""
+def _torch_step(cfg: ModelFileConfig, memory: MemoryProfile, pm: ParallelModule,
+                opt: torch.optim.Optimizer, sched: Any) -> Any:
+    """One training step of a parallel torch model, for :func:`~.loop.run_steps`: torch
+    autograd over ``cfg.accumulate`` micro-batches (:func:`mse_loss`), then ``opt``."""
     dtype = next(pm.parameters()).dtype if any(True for _ in pm.parameters()) \
         else torch.get_default_dtype()
-    plain = iter(loader) if it is None else None
-    state = _ModelState(pm)
-    saved_opt = _STATES[cfg.optimizer](opt)
-    pm.train()
-    while step < cfg.steps:
-        comm.Barrier()
-        t0 = time.perf_counter()
-        dt_data, losses = 0.0, []
+
+    def step(batches: Batches) -> StepResult:
+        losses = []
         opt.zero_grad()
         for micro in range(cfg.accumulate):
-            t_data = time.perf_counter()
-            x, y, plain = next_batch(loader, it, plain)
-            release_free_memory()
-            dt_data += time.perf_counter() - t_data
+            x, y = batches.next()
             with memory.phase("forward"):
                 loss = mse_loss(pm(_tensor(x.local, dtype)), _tensor(y.local, dtype))
             last = micro == cfg.accumulate - 1
@@ -520,25 +510,7 @@ def _loop(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile, pm: Paral
             opt.step()
             if sched is not None:
                 sched.step()
-        clocks = np.array([time.perf_counter() - t0, dt_data])
-        comm.Allreduce(MPI.IN_PLACE, clocks, op=MPI.MAX)
-        wall, dt_data = clocks.tolist()
-        step += 1
-        times.append(wall - dt_data)
-        data_times.append(dt_data)
-        loss_value = float(np.mean(losses))
-        history.append({"step": step, "loss": loss_value, "time_s": wall,
-                        "compute_s": wall - dt_data, "data_s": dt_data,
-                        "samples_per_s": cfg.batch * cfg.accumulate / wall, "lr": lr})
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss_value:.4f}", compute_ms=f"{1e3 * (wall - dt_data):.0f}",
-                            data_ms=f"{1e3 * dt_data:.0f}")
-            bar.update(1)
-        if cfg.checkpoint and (step == cfg.steps or (cfg.checkpoint_every and
-                                                     step % cfg.checkpoint_every == 0)):
-            save_checkpoint(cfg.checkpoint, state, saved_opt, step,
-                            extra={"loader": (it or loader).state_dict(), "history": history},
-                            comm=comm, scheduler=sched)
+        return StepResult(float(np.mean(losses)), lr)
     return step
 
 
@@ -549,53 +521,40 @@ def _train(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[
         if isinstance(exc, SetupError):
             raise
         raise SetupError(str(exc)) from exc
-    bar = None
-    if comm.Get_rank() == 0 and cfg.progress:
-        bar = tqdm(total=cfg.steps, initial=step,
-                   desc=f"{os.path.basename(cfg.model)} on {_plural(comm.Get_size(), 'rank')}",
-                   unit="step")
+    bar = progress_bar(cfg, comm, step, os.path.basename(cfg.model))
     it = Prefetcher(loader, cfg.prefetch) if cfg.prefetch else None
     times: list[float] = []
     data_times: list[float] = []
     try:
-        step = _loop(cfg, comm, memory, pm, opt, sched, loader, it, step, history, times,
-                     data_times, bar)
+        pm.train()
+        step = run_steps(cfg, comm, Batches(loader, it), _torch_step(cfg, memory, pm, opt, sched),
+                         step, history, times, data_times, bar, model=_ModelState(pm),
+                         optimizer=_STATES[cfg.optimizer](opt), scheduler=sched)
     finally:
         if it is not None:
             it.close()
     if bar is not None:
         bar.close()
-    peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
-
-    def phase_peak(*names: str) -> int:
-        return comm.allreduce(max((memory.phases[n].peak for n in names
-                                   if n in memory.phases), default=0), op=MPI.MAX)
-    step_s = float(np.median(np.add(times, data_times))) if times else None
+    peaks = memory_summary(comm, memory)
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
         "steps": step, "shard_state": "none",
         "output_shape": list(pm.output_dist.global_shape),
-        "final_loss": history[-1]["loss"] if history else None,
-        "first_loss": history[0]["loss"] if history else None,
-        "history": [h["loss"] for h in history],
-        "time_per_iteration_s": step_s,
-        "compute_time_per_iteration_s": float(np.median(times)) if times else None,
-        "data_time_per_iteration_s": float(np.median(data_times)) if times else None,
-        "samples_per_s": cfg.batch * cfg.accumulate / step_s if times else None,
+        **timing_summary(cfg, history, times, data_times),
         "predicted_time_per_iteration_s": cfg.accumulate * plan.time,
-        "peak_memory_per_rank_bytes": peak, "predicted_peak_memory_bytes": plan.peak_memory,
+        "peak_memory_per_rank_bytes": peaks["peak_memory_per_rank_bytes"],
+        "predicted_peak_memory_bytes": plan.peak_memory,
         "predicted_baseline_memory_bytes": plan.baseline_memory,
-        "training_peak_memory_per_rank_bytes": phase_peak("forward", "backward", "optimizer"),
-        "planning_peak_memory_per_rank_bytes": phase_peak("calibration", "kernel measurement",
-                                                          "planning"),
+        "training_peak_memory_per_rank_bytes": peaks["training_peak_memory_per_rank_bytes"],
+        "planning_peak_memory_per_rank_bytes": peaks["planning_peak_memory_per_rank_bytes"],
         "memory_budget_bytes": plan.memory_budget,
         "block_cache": None, "memory_profile": None,
         "layers": [],  # the layers of a traced model are not timed one by one
         "config": asdict(cfg),
     }
     if comm.Get_rank() == 0:
-        _print_summary(summary)
-        _write_metrics(cfg.metrics, history, summary)
+        print_summary(summary)
+        write_metrics(cfg.metrics, history, summary)
     return summary
 
 
@@ -631,9 +590,7 @@ def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict
     try:
         return _train(cfg, comm, memory)
     except SetupError:
-        peak = comm.allreduce(_lifetime(memory), op=MPI.MAX)
-        _say(comm, f"peak resident memory per rank {peak / 2**20:.0f} MiB "
-                   f"(rank 0: {_phase_line(memory)})")
+        say_peak_memory(comm, memory)
         raise
     finally:
         memory.close()
@@ -728,7 +685,7 @@ def _predict(cfg: PredictConfig, model_file: str, comm: MPI.Comm,
     bar = None
     if comm.Get_rank() == 0 and cfg.progress:
         bar = tqdm(total=n, desc=f"{os.path.basename(model_file)} on "
-                   f"{_plural(comm.Get_size(), 'rank')}", unit="sample")
+                   f"{plural(comm.Get_size(), 'rank')}", unit="sample")
     with memory.phase("inference"), torch.no_grad():
         for i in range(n):
             t0 = time.perf_counter()
