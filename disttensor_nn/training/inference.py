@@ -62,7 +62,7 @@ class PredictConfig:
     kernels: str = "auto"  # "numpy", "torch" or "auto" (each layer's faster; make_plan)
 
 
-def _machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
+def predict_machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
     """The machine profile to plan on; calibrates this machine first when it has no
     calibration taken with this job's ranks per node (with the ranks on their GPUs for
     ``device="gpu"``: the profile ``this-gpu``)."""
@@ -75,7 +75,7 @@ def _machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
     return "this" if device == "cpu" else "this-gpu"
 
 
-def _create_output(cfg: PredictConfig, shape: tuple[int, ...], dtype: np.dtype,
+def create_output(cfg: PredictConfig, shape: tuple[int, ...], dtype: np.dtype,
                    comm: MPI.Comm) -> None:
     """Rank 0 creates the output array (N, C, *S); every rank learns whether it could."""
     error = None
@@ -154,8 +154,8 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
     n = len(data)
     stack = (n, *out_shape[1:])
     # the output store is created (and its library loaded) before the process baseline
-    _create_output(cfg, stack, np.dtype(np.float32), comm)
-    machine = _machine(cfg, comm)  # a calibration first, if one is due: in the baseline
+    create_output(cfg, stack, np.dtype(np.float32), comm)
+    machine = predict_machine(cfg, comm)  # a calibration first, if one is due: in the baseline
     params = sum(p.data.nbytes for p in model.parameters())
     baseline = comm.allreduce(resident_bytes() - params, op=MPI.MAX)
     plan: Plan

@@ -54,8 +54,7 @@ from ..torch import ParallelModule, all_reduce, parallelize
 from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint
 from .data import Dataset, Loader, NoiseDataset, Prefetcher, open_dataset
 from .driver import SetupError, TrainConfig
-from .inference import PredictConfig, _create_output, predict_summary
-from .inference import _machine as _predict_machine
+from .inference import PredictConfig, create_output, predict_machine, predict_summary
 from .loop import (
     Batches,
     StepResult,
@@ -668,14 +667,14 @@ def _predict(cfg: PredictConfig, model_file: str, comm: MPI.Comm,
     shape = (1, *data.sample_shape)
     load_checkpoint(cfg.checkpoint, _ModelState(model), None, comm=comm)
     model.eval()
-    machine = _predict_machine(cfg, comm)
+    machine = predict_machine(cfg, comm)
     pm = _parallel(ModelFileConfig(model=model_file, model_file=model_file,
                                    memory_per_rank=cfg.memory_per_rank),
                    model, shape, comm, machine)
     pm.eval()
     n = len(data)
     stack = (n, *pm.output_dist.global_shape[1:])
-    _create_output(cfg, stack, np.dtype(np.float32), comm)
+    create_output(cfg, stack, np.dtype(np.float32), comm)
     dtype = next(pm.parameters()).dtype if any(True for _ in pm.parameters()) \
         else torch.get_default_dtype()
     write = to_npy if cfg.out.lower().endswith(".npy") else to_zarr
