@@ -32,6 +32,7 @@ __all__ = [
     "array_namespace",
     "as_module",
     "astype",
+    "bfloat16",
     "check_movable",
     "concat",
     "contiguous",
@@ -55,6 +56,7 @@ __all__ = [
     "nbytes",
     "numpy_dtype",
     "permute_dims",
+    "reduces_in_mpi",
     "reshape",
     "synchronize",
     "to_numpy",
@@ -110,11 +112,33 @@ def numpy_dtype(dtype: Any) -> np.dtype:
             found = np.dtype(name)
         except TypeError:
             found = None
+        if str(dtype) == "torch.bfloat16":  # viewed as ml_dtypes' bfloat16 (see host_view)
+            found = bfloat16()
+            if found is None:
+                raise TypeError("torch.bfloat16 blocks are worked on as the bfloat16 of the "
+                                "ml_dtypes package, which is not imported: import ml_dtypes "
+                                "(pip install ml_dtypes, or the 'torch' extra)") from None
+            return found
         # a name that NumPy knows only through an extension (ml_dtypes' "bfloat16") is not
-        # the other library's dtype: their arrays do not share NumPy's view of it
+        # another library's dtype: their arrays do not share NumPy's view of it
         if found is None or found.kind == "V":
             raise TypeError(f"{dtype!r} is not a dtype that NumPy knows") from None
         return found
+
+
+def bfloat16() -> np.dtype | None:
+    """NumPy's bfloat16, where the ``ml_dtypes`` package that defines it is imported (else None).
+
+    Found in ``sys.modules``, never imported here (``disttensor_nn`` imports it
+    where it is installed). PyTorch's bfloat16 tensors are viewed with it.
+    """
+    mod = sys.modules.get("ml_dtypes")
+    return None if mod is None else np.dtype(mod.bfloat16)
+
+
+def reduces_in_mpi(dtype: Any) -> bool:
+    """Whether MPI's reductions take ``dtype``'s elements (bfloat16's it does not take)."""
+    return numpy_dtype(dtype).name != "bfloat16"
 
 
 def namespace_dtype(xp: ModuleType, dtype: Any) -> Any:
@@ -362,7 +386,9 @@ def to_numpy(x: Any) -> np.ndarray:
     if is_cupy(xp):  # pragma: no cover - GPU only
         return x.get()
     if is_torch(xp):  # a view on the CPU, a copy from a GPU
-        return x.detach().resolve_conj().resolve_neg().cpu().numpy()
+        t = x.detach().resolve_conj().resolve_neg().cpu()
+        view = host_view(t)
+        return t.numpy() if view is None else view
     try:
         return np.asarray(x)
     except (TypeError, RuntimeError, ValueError, BufferError):
@@ -388,6 +414,9 @@ def from_numpy(host: np.ndarray, like: Any) -> Any:
         return out
     device = device_of(like)
     kw = {} if device is None else {"device": device}
+    if is_torch(xp) and host.dtype.name == "bfloat16":  # the same bits, as torch's bfloat16
+        bits = xp.from_numpy(np.array(host, copy=True).view(np.int16))
+        return bits.view(xp.bfloat16).to(**kw)
     return xp.asarray(np.array(host, copy=True), **kw)
 
 
@@ -441,10 +470,14 @@ def host_view(a: Any) -> np.ndarray | None:
     """
     if isinstance(a, np.ndarray):
         return a
-    if is_torch(array_namespace(a)) and a.device.type == "cpu":
+    if is_torch(xp := array_namespace(a)) and a.device.type == "cpu":
+        t = a.detach()
+        if t.dtype == xp.bfloat16:  # the same bits, as ml_dtypes' bfloat16 (where imported)
+            bf = bfloat16()
+            return None if bf is None else t.view(xp.int16).numpy().view(bf)
         try:
-            return a.detach().numpy()
-        except (RuntimeError, TypeError):  # a lazy conjugate or negation; bfloat16
+            return t.numpy()
+        except (RuntimeError, TypeError):  # a lazy conjugate or negation
             return None
     return None
 

@@ -44,7 +44,9 @@ from .backend import (
     mpi_buffer,
     nbytes,
     numpy_dtype,
+    reduces_in_mpi,
     synchronize,
+    to_numpy,
 )
 from .device import gpu_aware_mpi, nccl_enabled
 from .nccl import allreduce_sum, exchange, supports
@@ -253,6 +255,13 @@ class Transport:
         """
         if comm.Get_size() == 1 or a.size == 0:
             return a
+        if not reduces_in_mpi(a.dtype):  # bfloat16: combined in float32, rounded back once
+            wide = np.asarray(to_numpy(a), dtype=np.float32)
+            comm.Allreduce(MPI.IN_PLACE, wide, op=op)
+            if isinstance(a, np.ndarray) and a.flags.writeable:
+                a[...] = wide
+                return a
+            return from_numpy(wide.astype(numpy_dtype(a.dtype)), a)
         if self.nccl and op == MPI.SUM:
             if supports(a.dtype):
                 buf = contiguous(a, writeable=True)
@@ -389,12 +398,14 @@ def iallreduce(a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM) -> AllreduceRe
 
     Contiguous NumPy arrays (and host arrays of other modules, through their
     NumPy views) are reduced in place by a non-blocking
-    ``MPI_Iallreduce``; arrays of other modules, through :func:`allreduce`
+    ``MPI_Iallreduce``; arrays of other modules, and bfloat16 arrays (which
+    MPI cannot combine: they are combined in float32), through :func:`allreduce`
     before this returns (the request is then already complete). Collective
     over ``comm``, started in the same order on every rank.
     """
     _, (work,) = transport_for_arrays(array_namespace(a), a)
     if isinstance(work, np.ndarray) and comm.Get_size() > 1 and work.size \
-            and work.flags.c_contiguous and work.flags.writeable:
+            and work.flags.c_contiguous and work.flags.writeable \
+            and reduces_in_mpi(work.dtype):
         return AllreduceRequest(a, comm.Iallreduce(MPI.IN_PLACE, work, op=op))
     return AllreduceRequest(allreduce(a, comm, op))

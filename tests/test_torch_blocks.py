@@ -209,8 +209,74 @@ def test_numpy_style_operations_refuse_torch_blocks_on_every_rank():
 
 
 @pytest.mark.parallel(SIZES)
+def test_bfloat16_blocks_move_bit_for_bit():
+    """bfloat16 tensors (viewed as ml_dtypes' bfloat16) redistribute, exchange halos in every
+    mode and accumulate them, as NumPy on the global array: the same bits, 2 bytes each."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    g = global_array().astype(bf16)  # halves up to 70: exact in bfloat16
+
+    def bits(t):
+        return to_numpy(t).view(np.uint16)
+
+    for src in layouts():
+        x = dt.DistArray.from_global(torch.from_numpy(g.view(np.int16)).view(torch.bfloat16),
+                                     src)
+        collective_assert(is_block(x.local, torch.bfloat16) and x.dtype == bf16)
+        for dst in layouts():
+            y = x.redistribute(dst)
+            collective_assert(is_block(y.local, torch.bfloat16)
+                              and np.array_equal(bits(y.local),
+                                                 g[dst.local_slices()].view(np.uint16)),
+                              f"{src} -> {dst}")
+        widths = ((2, 1), (0, 3), (1, 1))
+        for mode in MODES:
+            ext = x.exchange_halo(widths, mode)
+            ref = np.pad(g, widths, mode)[tuple(
+                slice(s.start, s.stop + lo + hi)
+                for s, (lo, hi) in zip(src.local_slices(), widths))]
+            collective_assert(is_block(ext, torch.bfloat16)
+                              and np.array_equal(bits(ext), ref.view(np.uint16)), f"{mode}")
+        # the adjoint: every halo element added back into the block it came from (small
+        # integers, exact in bfloat16)
+        ones = torch.ones(tuple(n + lo + hi for n, (lo, hi) in zip(src.local_shape(), widths)),
+                          dtype=torch.bfloat16)
+        acc = dt.halo_accumulate(ones, src, widths, "constant")
+        expect = np.pad(np.zeros(SHAPE), widths)  # how many extended blocks cover each
+        for r in range(src.nprocs):
+            sl = src.local_slices(r)
+            if src.ranks_of_block(src.block_index(r))[0] != r:
+                continue  # a replica: the block is counted once
+            expect[tuple(slice(s.start, s.stop + lo + hi)
+                         for s, (lo, hi) in zip(sl, widths))] += 1
+        core = expect[tuple(slice(lo, lo + n) for n, (lo, _) in zip(SHAPE, widths))]
+        collective_assert(is_block(acc.local, torch.bfloat16)
+                          and np.array_equal(to_numpy(acc.local).astype(np.float64),
+                                             core[src.local_slices()]), f"{src}")
+
+
+@pytest.mark.parallel(SIZES)
+def test_a_bfloat16_allreduce_adds_in_float32():
+    """MPI has no bfloat16 sum: it is taken in float32 and rounded once, in place where the
+    tensor allows: 256 and a 1 from each other rank sum to float32's total rounded to
+    bfloat16, where adding in bfloat16 would round each 1 away (256 + 1 ties to 256)."""
+    pytest.importorskip("ml_dtypes")
+    p = comm.Get_size()
+    t = torch.full((5,), 1.0, dtype=torch.bfloat16) + (comm.Get_rank() + 1)
+    out = allreduce(t, comm)
+    total = sum(1.0 + r + 1 for r in range(p))
+    collective_assert(out.dtype == torch.bfloat16 and torch.equal(
+        out, torch.full((5,), total, dtype=torch.float32).to(torch.bfloat16)))
+    u = torch.full((3,), 256.0 if comm.Get_rank() == 0 else 1.0, dtype=torch.bfloat16)
+    req = iallreduce(u, comm)
+    want = torch.tensor(256.0 + (p - 1)).to(torch.bfloat16)
+    collective_assert(torch.equal(req.wait(), torch.full((3,), float(want),
+                                                        dtype=torch.bfloat16)))
+
+
+@pytest.mark.parallel(SIZES)
 def test_a_dtype_that_cannot_move_is_refused_on_every_rank():
     dist = layouts()[0]
     _, exc = collective_outcome(
-        lambda: dt.DistArray.from_global(torch.zeros(SHAPE, dtype=torch.bfloat16), dist))
+        lambda: dt.DistArray.from_global(torch.zeros(SHAPE, dtype=torch.float8_e4m3fn), dist))
     collective_assert(isinstance(exc, TypeError), repr(exc))

@@ -302,6 +302,58 @@ def test_float32_resnet():
         collective_assert(not bad, f"{grid}: {bad}")
 
 
+def autocast_run(model, shape, grid, seed=1):
+    """Forward and backward in bf16 under ``torch.autocast`` (float32 weights), parallel and
+    one process; the parallel output, input gradient and parameter gradients next to the
+    reference's, and the reference's own float32 result for the scale of bf16 rounding."""
+    wide = copy.deepcopy(model)
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, shape, grid)
+    x = global_tensor(shape, seed, torch.float32)
+    xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pm(xl)
+        whole = gather(out.local, out.dist)
+    target = global_tensor(whole.shape, seed + 1, torch.float32)
+    (whole.float() * target).sum().backward()
+    xr = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yr = ref(xr)
+    (yr.float() * target).sum().backward()
+    xw = x.clone().requires_grad_()
+    yw = wide(xw)
+    (yw * target).sum().backward()
+    return pm, ref, wide, (out, xl, whole), (yr, xr), (yw, xw)
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", ["resnet", "unet2d"])
+def test_bf16_autocast_matches_one_process_within_bf16_rounding(name):
+    """Activations, halos and redistributed blocks in bf16 (the block tensors' dtype), batch-norm
+    statistics in float32: the parallel model differs from the one-process autocast run by no
+    more than a few bf16 roundings, and the one-process run from float32 by as much."""
+    cls, shape = MODELS[name]
+    for grid in grids(len(shape))[:3]:
+        torch.manual_seed(0)
+        pm, ref, wide, (out, xl, whole), (yr, xr), (yw, xw) = autocast_run(cls(), shape, grid)
+        bad = []
+        if out.local.dtype != torch.bfloat16 or whole.dtype != yr.dtype:
+            bad.append(f"dtypes {out.local.dtype} {whole.dtype} against {yr.dtype}")
+        # bf16 keeps 8 significant bits: 2**-8 = 0.0039 per rounding
+        scale = max(rel(yr.float(), yw), 2.0 ** -8)
+        pairs = [("output", whole.float(), yr.float()),
+                 ("input gradient", xl.grad, xr.grad[pm.input_dist.local_slices()])]
+        pairs += [(f"grad {n}", a.grad, b.grad)
+                  for (n, a), b in zip(pm.named_parameters(), ref.parameters())]
+        for what, a, b in pairs:
+            if rel(a, b) > 3 * scale + 2e-2:
+                bad.append(f"{what}: {rel(a, b)} (bf16 against float32: {scale})")
+        for (n, a), b in zip(pm.state_dict().items(), ref.state_dict().values()):
+            if a.dtype != b.dtype:
+                bad.append(f"state {n} is {a.dtype}, not {b.dtype}")
+        collective_assert(not bad, f"{name} on {grid}: {bad[:4]}")
+
+
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_training_steps_keep_the_weights_equal(opt):

@@ -107,6 +107,11 @@ _RETIRED: dict[int, weakref.ref] = {}  # id -> the parameter (tensors compare by
 
 
 # ------------------------------------------------------------------ helpers
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 where it is 16-bit: normalization statistics accumulate in float32."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 def _split(dist: Distribution, dim: int) -> bool:
     """Whether ``dim`` of ``dist`` has more than one block."""
     return math.prod(dist.grid_shape[a] for a in dist.dim_axes[dim]) > 1
@@ -690,8 +695,8 @@ class _Compiler:
                 return _empty_like_output(ext, local_out, [weight, bias])
             y = fn(ext, weight, None, m.stride, 0, 0, m.groups, m.dilation)
             y = F.pad(y, pads)
-            if bias is not None:
-                y = y + bias.view((1, -1) + (1,) * nd)
+            if bias is not None:  # added in float32 and rounded once, as autocast's kernel
+                y = (y + bias.view((1, -1) + (1,) * nd)).to(y.dtype)
             return y
 
         return step
@@ -807,7 +812,8 @@ class _Compiler:
         params = self.view
 
         def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
+            x0 = args[0][0]
+            x = _wide(x0)
             training = m.training or (m.running_mean is None and m.running_var is None)
             if training:
                 mean = broadcast(all_reduce(x.sum(dim=dims), comm), comm) / count
@@ -827,7 +833,7 @@ class _Compiler:
             y = xc * torch.rsqrt(var + m.eps).view(view)
             if m.affine:
                 y = y * params(m.weight).view(view) + params(m.bias).view(view)
-            return y
+            return y.to(x0.dtype)
 
         return step
 
@@ -844,7 +850,8 @@ class _Compiler:
         params = self.view
 
         def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
+            x0 = args[0][0]
+            x = _wide(x0)
             xs = x.reshape(x.shape[0], g, x[0].numel() // g if x.shape[0] else 0)
             mean = broadcast(all_reduce(xs.sum(-1), comm), comm) / count
             xc = xs - mean.unsqueeze(-1)
@@ -852,7 +859,7 @@ class _Compiler:
             y = (xc * torch.rsqrt(var + m.eps).unsqueeze(-1)).reshape(x.shape)
             if m.affine:
                 y = y * params(m.weight).view(view) + params(m.bias).view(view)
-            return y
+            return y.to(x0.dtype)
 
         return step
 
@@ -1231,7 +1238,9 @@ def _empty_like_output(ext: torch.Tensor, shape: tuple[int, ...],
     for p in params:
         if p is not None:
             zero = zero + 0 * p.sum()
-    return ext.new_zeros(shape) + zero
+    kind = ext.device.type  # under autocast, the dtype the other ranks' convolutions give
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else zero.dtype
+    return (ext.new_zeros(shape) + zero).to(dtype)
 
 
 def _avg_divisor(spec: WindowSpec, m: nn.Module, shape: Sequence[int],
