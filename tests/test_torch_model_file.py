@@ -215,6 +215,64 @@ def test_model_file_trains_as_plain_torch_in_one_process(layout, optimizer, lr, 
 
 
 @pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_precision_trains_as_torch_autocast_does(precision, capsys):
+    """--precision bf16|fp16: the forward under torch.autocast, float32 weights; fp16's loss
+    scaled by torch's GradScaler, the same steps skipped as in one process (targets of 1e3:
+    the scaled output gradient overflows float16 until the scale has come down)."""
+    tmp = shared_tmpdir()
+    path = model_file(tmp)
+    data, x, t = npy_data(tmp)
+    if precision == "fp16":
+        t = t * 1000
+        if comm.Get_rank() == 0:
+            np.save(os.path.join(data, "target.npy"), t)
+        comm.Barrier()
+    ck, metrics = os.path.join(tmp, "ck"), os.path.join(tmp, "run")
+    assert train_main(base(path, "--data", data, "--batch", str(N), "--steps", "4",
+                           "--lr", "0.05", "--precision", precision, "--checkpoint", ck,
+                           "--metrics", metrics)) == 0
+    out = capsys.readouterr().out
+    if comm.Get_rank() == 0:
+        assert f"precision {precision}: the forward under torch.autocast" in out, out
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    ns: dict = {}
+    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
+    torch.manual_seed(0)
+    model = ns["build"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    skipped = 0
+    for _ in range(4):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            y = model(torch.from_numpy(x))
+        scaler.scale(F.mse_loss(y.float(), torch.from_numpy(t))).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += precision == "fp16" and scaler.get_scale() < before
+    with open(metrics + ".json") as f:
+        summary = json.load(f)["summary"]
+    collective_assert((skipped > 0) == (precision == "fp16"), f"{skipped} skipped")
+    collective_assert(summary["precision"] == precision
+                      and summary["skipped_steps"] == skipped
+                      and summary["loss_scale"] == (scaler.get_scale() if precision == "fp16"
+                                                    else None), str(summary))
+    got = checkpoint_state(ck)
+    want = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    bad = []
+    for name, ref in want.items():
+        value, ref = np.asarray(got[name], np.float64), np.asarray(ref, np.float64)
+        err = np.linalg.norm(value - ref) / max(np.linalg.norm(ref), 1e-30)
+        if got[name].dtype != np.dtype(np.float32) and name in dict(model.named_parameters()):
+            bad.append(f"{name} saved as {got[name].dtype}")
+        if err > 5e-3:  # 16-bit activations: gradients within a few roundings of 2**-8
+            bad.append(f"{name}: {err:.2e}")
+    collective_assert(not bad, "; ".join(bad))
+
+
+@pytest.mark.parallel([1, 2, 3])
 def test_accumulated_micro_batches_are_one_step(capsys):
     tmp = shared_tmpdir()
     path = model_file(tmp)

@@ -208,9 +208,9 @@ def _check(cfg: ModelFileConfig) -> None:
     if cfg.recompute == "always":
         raise ValueError("--recompute always is for the built-in models; a --model-file "
                          "model keeps its activations")
-    if cfg.precision != "fp32":
-        raise ValueError(f"--precision {cfg.precision} is for the built-in models; a "
-                         "--model-file model runs in its own dtype (float32)")
+    if cfg.precision not in _AUTOCAST:
+        raise ValueError(f"unknown precision {cfg.precision!r}: use one of "
+                         f"{', '.join(_AUTOCAST)}")
     if cfg.profile_memory:
         raise ValueError("--profile-memory is for the built-in models")
     if cfg.kernels not in ("auto", "torch"):
@@ -224,6 +224,13 @@ def _check(cfg: ModelFileConfig) -> None:
     problem = recipe_problem(cfg, _lr(cfg))
     if problem:
         raise ValueError(problem)
+
+
+#: ``--precision``: the dtype the forward runs in under ``torch.autocast`` (None: the model's
+#: own). Parameters, their gradients and the optimizer's state stay float32; autocast runs
+#: convolutions and matrix products in 16 bits, whose blocks (halos, redistributions) then
+#: move 2 bytes an element, and normalizations take their statistics in float32.
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _lr(cfg: TrainConfig) -> float:
@@ -442,6 +449,14 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
                          f"{cfg.batch}")
     plan: Plan = pm.plan
     plan.notes.append(threads_note(cfg, threads, local, cores, kernels="kernels: PyTorch's,"))
+    if _AUTOCAST[cfg.precision] is not None:
+        plan.notes.append(
+            f"precision {cfg.precision}: the forward under torch.autocast (convolutions and "
+            f"matrix products in {str(_AUTOCAST[cfg.precision])[6:]}, their blocks moving 2 "
+            "bytes an element; weights, gradients and optimizer state float32"
+            + ("; the loss scaled, steps with non-finite gradients skipped"
+               if cfg.precision == "fp16" else "")
+            + "); the plan's times and memory are float32's, an upper bound")
     if comm.Get_rank() == 0:
         print(f"{cfg.model}, batch {shape} -> output {out_shape}, "
               f"{plural(comm.Get_size(), 'rank')}")
@@ -449,6 +464,7 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
     loader = _ModelLoader(dataset, cfg.batch, pm.input_dist, pm.output_dist, cfg.seed)
     opt = _optimizer(cfg, pm.parameters())
     sched = _scheduler(cfg, opt)
+    scaler = torch.amp.GradScaler("cpu", enabled=cfg.precision == "fp16")
     step, history = 0, []
     if cfg.resume:
         if not cfg.checkpoint:
@@ -458,10 +474,12 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
         step = int(state["step"])
         check_resume_step(cfg, step)
         loader.load_state_dict(state["extra"]["loader"])
+        if scaler.is_enabled() and state["extra"].get("grad_scaler"):
+            scaler.load_state_dict(state["extra"]["grad_scaler"])
         history = [dict(h) for h in state["extra"].get("history", [])]
         say(comm, f"resumed from step {step} ({cfg.checkpoint})")
     release_free_memory()
-    return pm, shape, plan, loader, opt, sched, step, history
+    return pm, shape, plan, loader, opt, sched, scaler, step, history
 
 
 def _tensor(block: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -480,14 +498,28 @@ def mse_loss(output: DistArray, target: torch.Tensor) -> torch.Tensor:
     target : torch.Tensor
         This rank's block of the target, ``output.dist.local_shape()``.
     """
-    partial = ((output.local - target) ** 2).sum()
+    wide = torch.promote_types(output.local.dtype, torch.float32)  # 16-bit outputs: in float32
+    partial = ((output.local.to(wide) - target.to(wide)) ** 2).sum()
     return all_reduce(partial, split_axes_comm(output.dist)) / math.prod(output.dist.global_shape)
 
 
+def _autocast(cfg: TrainConfig) -> Any:
+    """The forward's context: ``torch.autocast`` in ``cfg.precision``'s 16 bits, or none."""
+    dtype = _AUTOCAST[cfg.precision]
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
 def _torch_step(cfg: ModelFileConfig, memory: MemoryProfile, pm: ParallelModule,
-                opt: torch.optim.Optimizer, sched: Any) -> Any:
+                opt: torch.optim.Optimizer, sched: Any, scaler: Any) -> Any:
     """One training step of a parallel torch model, for :func:`~.loop.run_steps`: torch
-    autograd over ``cfg.accumulate`` micro-batches (:func:`mse_loss`), then ``opt``."""
+    autograd over ``cfg.accumulate`` micro-batches (:func:`mse_loss`), then ``opt``.
+
+    The forward runs under ``torch.autocast`` for ``--precision bf16|fp16``. With an enabled
+    ``scaler`` (``torch.amp.GradScaler``, fp16) the loss is scaled before its backward and a
+    step whose gradients are not finite is skipped (``skipped`` in its history entry): the
+    gradients are whole and alike on every rank when backward returns, so every rank skips
+    the same steps.
+    """
     dtype = next(pm.parameters()).dtype if any(True for _ in pm.parameters()) \
         else torch.get_default_dtype()
 
@@ -496,26 +528,32 @@ def _torch_step(cfg: ModelFileConfig, memory: MemoryProfile, pm: ParallelModule,
         opt.zero_grad()
         for micro in range(cfg.accumulate):
             x, y = batches.next()
-            with memory.phase("forward"):
+            with memory.phase("forward"), _autocast(cfg):
                 loss = mse_loss(pm(_tensor(x.local, dtype)), _tensor(y.local, dtype))
             last = micro == cfg.accumulate - 1
             with memory.phase("backward"), (contextlib.nullcontext() if last else no_sync()):
-                (loss if cfg.accumulate == 1 else loss / cfg.accumulate).backward()
+                scaler.scale(loss if cfg.accumulate == 1 else loss / cfg.accumulate).backward()
             losses.append(float(loss.detach()))
         lr = opt.param_groups[0]["lr"]
         with memory.phase("optimizer"):
+            scaler.unscale_(opt)  # fp16: the true gradients, and whether all are finite
             if cfg.clip_grad_norm is not None:  # the gradients are whole on every rank
                 torch.nn.utils.clip_grad_norm_(pm.parameters(), cfg.clip_grad_norm)
-            opt.step()
+            before = scaler.get_scale() if scaler.is_enabled() else None
+            scaler.step(opt)
+            scaler.update()
+            # torch's scaler lowers its scale exactly when it skipped the step
+            skipped = scaler.is_enabled() and scaler.get_scale() < before
             if sched is not None:
                 sched.step()
-        return StepResult(float(np.mean(losses)), lr)
+        return StepResult(float(np.mean(losses)), lr, {} if not scaler.is_enabled() else
+                          {"skipped": bool(skipped), "loss_scale": scaler.get_scale()})
     return step
 
 
 def _train(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[str, Any]:
     try:
-        pm, shape, plan, loader, opt, sched, step, history = _setup(cfg, comm, memory)
+        pm, shape, plan, loader, opt, sched, scaler, step, history = _setup(cfg, comm, memory)
     except (ValueError, FileNotFoundError, CheckpointError) as exc:
         if isinstance(exc, SetupError):
             raise
@@ -526,9 +564,11 @@ def _train(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[
     data_times: list[float] = []
     try:
         pm.train()
-        step = run_steps(cfg, comm, Batches(loader, it), _torch_step(cfg, memory, pm, opt, sched),
+        step = run_steps(cfg, comm, Batches(loader, it),
+                         _torch_step(cfg, memory, pm, opt, sched, scaler),
                          step, history, times, data_times, bar, model=_ModelState(pm),
-                         optimizer=_STATES[cfg.optimizer](opt), scheduler=sched)
+                         optimizer=_STATES[cfg.optimizer](opt), scheduler=sched,
+                         checkpoint_extra=lambda: {"grad_scaler": scaler.state_dict()})
     finally:
         if it is not None:
             it.close()
@@ -537,7 +577,9 @@ def _train(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[
     peaks = memory_summary(comm, memory)
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),
-        "steps": step, "shard_state": "none",
+        "steps": step, "shard_state": "none", "precision": cfg.precision,
+        "skipped_steps": sum(bool(h.get("skipped")) for h in history),
+        "loss_scale": scaler.get_scale() if scaler.is_enabled() else None,
         "output_shape": list(pm.output_dist.global_shape),
         **timing_summary(cfg, history, times, data_times),
         "predicted_time_per_iteration_s": cfg.accumulate * plan.time,
