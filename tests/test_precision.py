@@ -6,10 +6,10 @@ in each kernel backend, on every layout of :func:`nn_reference.layouts`
 (empty and 1-element blocks included); its output and input gradient are
 16-bit, its parameters' gradients float32, and all three match the serial
 reference (scipy/NumPy in float64 on the same rounded input) within the
-16-bit rounding. The halo bytes a 16-bit convolution moves are counted (half
-of float32's); GradScaler skips a step with an infinite gradient on one rank
-on every rank; training in bf16 follows float32's losses; bad names raise
-on every rank.
+16-bit rounding. The halo bytes a 16-bit convolution moves, and the bytes a
+model's redistributions send, are counted (half of float32's); GradScaler
+skips a step with an infinite gradient on one rank on every rank; training
+in bf16 follows float32's losses; bad names raise on every rank.
 """
 
 from __future__ import annotations
@@ -246,6 +246,57 @@ def test_a_16_bit_convolution_moves_half_the_halo_bytes(p, monkeypatch):
         counted.clear()
         _run(conv, x, _dy, dist, prec)
         moved[prec] = comm.allreduce(sum(counted))
+    collective_assert(moved["fp32"] > 0 and 2 * moved[p] == moved["fp32"], str(moved))
+
+
+@pytest.mark.parallel([2, 3, 4])
+@pytest.mark.parametrize("p", HALF)
+@pytest.mark.parametrize("method", ["pack", "datatype"])
+def test_16_bit_redistributions_of_a_model_move_half_the_bytes(p, method, monkeypatch):
+    """A model whose layers change layout (height-split, then width-split, then whole
+    samples for Linear): the bytes every redistribution of its forward and backward sends,
+    counted at the two ways a plan sends (packed Alltoallv, datatype Alltoallw), halve."""
+    from disttensor.redistribute import RedistributionPlan, redistribution_plan
+
+    counted = []
+    packed, typed = RedistributionPlan._packed, RedistributionPlan._alltoallw
+
+    def counting_packed(self, t, xl, ol, keep):
+        counted.append(self._send_layout[2] * xl.dtype.itemsize)
+        return packed(self, t, xl, ol, keep)
+
+    def counting_typed(self, sbase, sends, rbase, recvs):
+        counted.append(sum(view.nbytes for _, view in sends))
+        return typed(self, sbase, sends, rbase, recvs)
+
+    real_init = RedistributionPlan.__init__
+
+    def forced(self, src, dst, method_="auto"):
+        real_init(self, src, dst, method)
+
+    monkeypatch.setattr(RedistributionPlan, "_packed", counting_packed)
+    monkeypatch.setattr(RedistributionPlan, "_alltoallw", counting_typed)
+    monkeypatch.setattr(RedistributionPlan, "__init__", forced)
+    redistribution_plan.cache_clear()
+    try:
+        shape = (3, 2, 9, 10)
+        grid = dt.ProcessGrid((comm.size,))
+        x = np.random.default_rng(0).standard_normal(shape)
+        dist = dt.Distribution(shape, grid, (None, None, 0, None))
+        moved = {}
+        for prec in ("fp32", p):
+            model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(3, 3, 3, padding=1), nn.Flatten(),
+                                  nn.Linear(3 * 9 * 10, 4))
+            model.set_layouts([None, None, nn.Layout(grid, (None, None, None, 0)), None, None])
+            counted.clear()
+            y, dx, grads = _run(model, x, _dy, dist, prec)
+            check = Checks()
+            check.true(dx.dist == dist and y.dtype == precision_dtype(prec), f"{prec}")
+            check.finish()
+            moved[prec] = comm.allreduce(sum(counted))
+    finally:
+        redistribution_plan.cache_clear()
     collective_assert(moved["fp32"] > 0 and 2 * moved[p] == moved["fp32"], str(moved))
 
 
