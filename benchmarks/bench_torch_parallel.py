@@ -11,6 +11,9 @@ interleaved in ``--rounds`` blocks; medians and ranges of the slowest rank.
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mpiexec -n 2 python \\
         benchmarks/bench_torch_parallel.py --batch 4 --split N
 
+``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
+weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
+
 The model is the mesh FCN of ``bench_step.py``'s ``mesh-demo``, converted layer
 by layer to plain ``torch.nn``, up to its last convolution (:func:`trunk`).
 """
@@ -18,6 +21,7 @@ by layer to plain ``torch.nn``, up to its last convolution (:func:`trunk`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=("N", "H"), default="N")
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--json", default="bench_torch_parallel.json")
     a = p.parse_args(argv)
     comm = MPI.COMM_WORLD
@@ -77,18 +82,25 @@ def main(argv: list[str] | None = None) -> int:
 
     popt = torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9)
 
-    def ours() -> None:
+    def cast(on: bool = True) -> contextlib.AbstractContextManager:
+        return torch.autocast("cpu", dtype=torch.bfloat16) \
+            if on and a.precision == "bf16" else contextlib.nullcontext()
+
+    def ours(half: bool = True) -> None:
         nonlocal y_dist
         popt.zero_grad()
-        y = pm(x)
+        with cast(half):
+            y = pm(x)
         y_dist = y.dist
         t = t_all[y.dist.local_slices()]
         # the global mean: each rank's sum over its block, divided by every element
-        loss = ((y.local - t) ** 2).sum() / t_all.numel()
+        loss = ((y.local.float() - t) ** 2).sum() / t_all.numel()
         loss.backward()
         popt.step()
 
     steps = {"parallelize": ours}
+    if a.precision == "bf16":
+        steps["parallelize-fp32"] = lambda: ours(False)
     if size == 1:
         ref = plain
     else:
@@ -102,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def theirs() -> None:
         ropt.zero_grad()
-        loss = ((ref(rx) - rt) ** 2).mean()
+        with cast():
+            out = ref(rx)
+        loss = ((out.float() - rt) ** 2).mean()
         loss.backward()
         ropt.step()
 
@@ -119,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 samples[k].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     if rank == 0:
         med = {k: statistics.median(v) for k, v in samples.items()}
-        base = [k for k in steps if k != "parallelize"][0]
+        base = "torch" if size == 1 else "ddp"
+        print(f"{a.precision}: the ratio is parallelize against {base} in the same precision")
         print(f"{'ranks':>5} {'batch':>5} {'split':>5} "
               + " ".join(f"{k + ' ms':>22}" for k in steps) + f" {'ratio':>6}")
         print(f"{size:>5} {a.batch:>5} {a.split:>5} " + " ".join(
@@ -128,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"output blocks: {y_dist}")
         with open(a.json, "w") as f:
             json.dump({"ranks": size, "batch": a.batch, "split": a.split, "size": a.size,
+                       "precision": a.precision,
                        "samples_s": samples,
                        "ratio": med["parallelize"] / med[base]}, f, indent=1)
     return 0

@@ -344,7 +344,7 @@ def test_bad_arguments_raise_alike_before_any_message():
         (TypeError, lambda: halo_exchange(x, SHAPE, 1)),
         (ValueError, lambda: halo_exchange(x, dt.Distribution(SHAPE, (1,)), 1)),
         (TypeError, lambda: halo_exchange(x.numpy(), dist, 1)),
-        (TypeError, lambda: halo_exchange(x.to(torch.bfloat16), dist, 1)),
+        (TypeError, lambda: halo_exchange(x.to(torch.float8_e4m3fn), dist, 1)),
         (ValueError, lambda: halo_exchange(x, dist, 1, "nearest")),
         (ValueError, lambda: halo_exchange(x, dist, -1)),
         (ValueError, lambda: redistribute(x, dist, distribution("W", (2, 1, 4, 4)))),
