@@ -184,7 +184,10 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.plan.accumulate(grad).local, None, None
+        # the interior of the extended gradient, a strided view: made contiguous, as the
+        # gradient PyTorch's kernels give and expect (strided, batch norm's backward and the
+        # element-wise ones run several times slower)
+        return ctx.plan.accumulate(grad).local.contiguous(), None, None
 
 
 class _Redistribute(torch.autograd.Function):

@@ -639,12 +639,22 @@ class _Compiler:
         shape = _shape_of(node)
         out = _with_shape(geo.out_dist, shape)
         self._check_shape(node, out, shape)
-        slices = geo.input_slices(geo.out_box)
-        fn, widths = _CONV[type(m)], geo.widths
+        slices = list(geo.input_slices(geo.out_box))
+        fn, widths = _CONV[type(m)], list(geo.widths)
         empty = any(b <= a for a, b in geo.out_box) or 0 in dist.local_shape()
         self.set(node, out)
         self.use_params(node, node.target, dist)
         local_out = out.local_shape()
+        # a dimension no rank splits is padded by the kernel itself (zeros, as PyTorch pads):
+        # no extended copy of the block, and the convolution PyTorch runs on the whole model
+        pads = [0] * nd
+        for i in range(nd):
+            lo, hi = spec.padding[i]
+            n, k = dist.global_shape[2 + i], spec.dilation[i] * (spec.kernel[i] - 1) + 1
+            if mode == "constant" and not _split(dist, 2 + i) and lo == hi and \
+                    (n + 2 * lo - k) // spec.stride[i] + 1 == local_out[2 + i]:
+                pads[i], widths[2 + i], slices[2 + i] = lo, (0, 0), slice(None)
+        slices, pads = tuple(slices), tuple(pads)
 
         view = self.view
 
@@ -654,7 +664,7 @@ class _Compiler:
             weight, bias = view(m.weight), view(m.bias)
             if empty:
                 return _empty_like_output(ext, local_out, [weight, bias])
-            return fn(ext[slices], weight, bias, m.stride, 0, m.dilation, m.groups)
+            return fn(ext[slices], weight, bias, m.stride, pads, m.dilation, m.groups)
 
         return step
 
@@ -804,6 +814,7 @@ class _Compiler:
         self.refuse_split(node, dist, [1], f"{type(m).__name__} normalizes per channel")
         dims = [0] + list(range(2, dist.ndim))
         comm = split_axes_comm(dist, dims)
+        alone = comm.Get_size() == 1
         count = math.prod(dist.global_shape[d] for d in dims)
         view = (1, -1) + (1,) * (dist.ndim - 2)
         self.set(node, dist)
@@ -813,8 +824,18 @@ class _Compiler:
 
         def step(args: Any) -> torch.Tensor:
             x0 = args[0][0]
-            x = _wide(x0)
             training = m.training or (m.running_mean is None and m.running_var is None)
+            if alone:  # no rank shares the statistics: PyTorch's own kernel, as nn.BatchNorm
+                f = 0.0
+                if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+                    m.num_batches_tracked.add_(1)
+                    f = 1.0 / float(m.num_batches_tracked) if m.momentum is None \
+                        else m.momentum
+                keep = not m.training or m.track_running_stats
+                return F.batch_norm(x0, m.running_mean if keep else None,
+                                    m.running_var if keep else None, params(m.weight),
+                                    params(m.bias), training, f, m.eps)
+            x = _wide(x0)
             if training:
                 mean = broadcast(all_reduce(x.sum(dim=dims), comm), comm) / count
                 xc = x - mean.view(view)
