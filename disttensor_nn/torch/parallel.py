@@ -645,16 +645,22 @@ class _Compiler:
         self.set(node, out)
         self.use_params(node, node.target, dist)
         local_out = out.local_shape()
-        # a dimension no rank splits is padded by the kernel itself (zeros, as PyTorch pads):
-        # no extended copy of the block, and the convolution PyTorch runs on the whole model
-        pads = [0] * nd
+        # where no rank splits a spatial dimension, the halo is only zero padding: the kernel
+        # pads itself (as PyTorch's own model does), and no extended copy of the block is
+        # made. (With a split dimension the extended block is kept whole: padding the other
+        # dimensions in the kernel measured slower there.)
+        native = mode == "constant"
         for i in range(nd):
             lo, hi = spec.padding[i]
             n, k = dist.global_shape[2 + i], spec.dilation[i] * (spec.kernel[i] - 1) + 1
-            if mode == "constant" and not _split(dist, 2 + i) and lo == hi and \
-                    (n + 2 * lo - k) // spec.stride[i] + 1 == local_out[2 + i]:
-                pads[i], widths[2 + i], slices[2 + i] = lo, (0, 0), slice(None)
-        slices, pads = tuple(slices), tuple(pads)
+            native = native and not _split(dist, 2 + i) and lo == hi and \
+                (n + 2 * lo - k) // spec.stride[i] + 1 == local_out[2 + i]
+        pads: Any = 0
+        if native:
+            pads = tuple(lo for lo, _ in spec.padding)
+            widths = [(0, 0)] * len(widths)
+            slices = [slice(None)] * len(slices)
+        slices = tuple(slices)
 
         view = self.view
 
