@@ -208,6 +208,23 @@ class Shuffles(nn.Module):
         return F.pixel_unshuffle(torch.pixel_shuffle(z, 2) * 2, 2) + torch.tanh(z)
 
 
+class Norms(nn.Module):
+    """Batch norms of every kind: no affine map, no running statistics, a cumulative
+    average (momentum None), between convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1, bias=False)  # a bias here has no gradient
+        self.bn1 = nn.BatchNorm2d(3, affine=False)
+        self.bn2 = nn.BatchNorm2d(3, track_running_stats=False)
+        self.bn3 = nn.BatchNorm2d(3, momentum=None, eps=1e-3)
+        self.conv2 = nn.Conv2d(3, 2, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        y = torch.relu(self.bn2(torch.relu(self.bn1(self.conv(x))) * 2))
+        return self.conv2(self.bn3(y + 5))
+
+
 # ------------------------------------------------------------------ helpers
 def grids(ndim):
     """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
@@ -278,6 +295,7 @@ MODELS = {
     "heads": (Heads, (3, 2, 8, 9)),
     "pools": (Pools, (2, 2, 11, 9)),
     "shuffles": (Shuffles, (2, 2, 10, 6)),
+    "norms": (Norms, (3, 2, 7, 9)),
 }
 
 

@@ -60,6 +60,7 @@ from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
 
 from .autoplan import LAYOUT_KEY, is_plan_layout, plan_layouts, relayout
 from .functional import all_reduce, broadcast, halo_exchange, redistribute
+from .norm import split_batch_norm
 
 __all__ = ["ParallelModule", "parallelize"]
 
@@ -822,45 +823,32 @@ class _Compiler:
         comm = split_axes_comm(dist, dims)
         alone = comm.Get_size() == 1
         count = math.prod(dist.global_shape[d] for d in dims)
-        view = (1, -1) + (1,) * (dist.ndim - 2)
         self.set(node, dist)
         self.use_params(node, node.target, dist)
 
         params = self.view
 
         def step(args: Any) -> torch.Tensor:
-            x0 = args[0][0]
+            x = args[0][0]
             training = m.training or (m.running_mean is None and m.running_var is None)
-            if alone:  # no rank shares the statistics: PyTorch's own kernel, as nn.BatchNorm
-                f = 0.0
-                if m.training and m.track_running_stats and m.num_batches_tracked is not None:
-                    m.num_batches_tracked.add_(1)
-                    f = 1.0 / float(m.num_batches_tracked) if m.momentum is None \
-                        else m.momentum
+            track = m.training and m.track_running_stats and m.running_mean is not None
+            f = 0.0
+            if track and m.num_batches_tracked is not None:
+                m.num_batches_tracked.add_(1)
+                f = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+            if alone or not training:  # statistics of this block alone, or the running ones
                 keep = not m.training or m.track_running_stats
-                return F.batch_norm(x0, m.running_mean if keep else None,
+                return F.batch_norm(x, m.running_mean if keep else None,
                                     m.running_var if keep else None, params(m.weight),
                                     params(m.bias), training, f, m.eps)
-            x = _wide(x0)
-            if training:
-                mean = broadcast(all_reduce(x.sum(dim=dims), comm), comm) / count
-                xc = x - mean.view(view)
-                var = broadcast(all_reduce((xc * xc).sum(dim=dims), comm), comm) / count
-                if m.training and m.track_running_stats and m.running_mean is not None:
-                    with torch.no_grad():
-                        m.num_batches_tracked.add_(1)
-                        f = (1.0 / float(m.num_batches_tracked) if m.momentum is None
-                             else m.momentum)
-                        unbiased = var.detach() * (count / max(count - 1, 1))
-                        m.running_mean.mul_(1 - f).add_(mean.detach() * f)
-                        m.running_var.mul_(1 - f).add_(unbiased * f)
-            else:
-                mean, var = m.running_mean, m.running_var
-                xc = x - mean.view(view)
-            y = xc * torch.rsqrt(var + m.eps).view(view)
-            if m.affine:
-                y = y * params(m.weight).view(view) + params(m.bias).view(view)
-            return y.to(x0.dtype)
+            y, mean, var = split_batch_norm(x, params(m.weight), params(m.bias), comm, count,
+                                            m.eps)
+            if track:
+                with torch.no_grad():
+                    unbiased = var * (count / max(count - 1, 1))
+                    m.running_mean.mul_(1 - f).add_(mean.to(m.running_mean.dtype) * f)
+                    m.running_var.mul_(1 - f).add_(unbiased.to(m.running_var.dtype) * f)
+            return y
 
         return step
 
