@@ -32,65 +32,91 @@ def _allreduce(t: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
     return allreduce(contiguous(t, copy=True), comm)
 
 
+def _affine(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``x * scale + shift`` per channel, in one pass: the evaluation-mode batch-norm kernel
+    with a mean of 0, a variance of 1 and no epsilon."""
+    zero, one = torch.zeros_like(scale), torch.ones_like(scale)
+    return torch.batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0, False)
+
+
+def _dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per channel, the sum of ``a * b`` over the samples and space of two ``(n, C, *s)``
+    blocks: a dot product per sample, no temporary block."""
+    a3, b3 = a.reshape(a.shape[0], a.shape[1], -1), b.reshape(b.shape[0], b.shape[1], -1)
+    return sum(torch.linalg.vecdot(a3[i], b3[i]) for i in range(a.shape[0]))
+
+
 class _SplitBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, comm: MPI.Intracomm, count: int,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dims = [0, *range(2, x.ndim)]
+        # the sums in their own dtype: autocast would run the dot products in 16 bits
+        with torch.autocast(x.device.type, enabled=False):
+            return _SplitBatchNorm._forward(ctx, x, weight, bias, comm, count, eps)
+
+    @staticmethod
+    def _forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None, comm: MPI.Intracomm, count: int,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = _sums_dtype(x)
-        local = x.shape[0] * (x[0, 0].numel() if x.shape[0] and x.shape[1] else 0)
         c = x.shape[1]
-        if local:
-            var_l, mean_l = torch.var_mean(x.to(acc), dims, correction=0)
+        local = x.numel() // max(c, 1)
+        dims = [0, *range(2, x.ndim)]
+        w = torch.ones(c, dtype=acc) if weight is None else weight.to(acc)
+        b = torch.zeros(c, dtype=acc) if bias is None else bias.to(acc)
+        if local:  # the deviations from this block's mean, and their squares
+            xs = x.to(acc)
+            mean_l = xs.sum(dims) / local
+            d = _affine(xs, torch.ones_like(mean_l), -mean_l)
+            var_l = _dots(d, d) / local
         else:
             var_l = mean_l = torch.zeros(c, dtype=acc)
         mean = _allreduce(mean_l * local, comm) / max(count, 1)
         # the squares about the global mean: each rank's about its own, moved (Chan et al.)
-        m2 = _allreduce(local * (var_l + (mean_l - mean) ** 2), comm)
-        var = m2 / max(count, 1)
+        var = _allreduce(local * (var_l + (mean_l - mean) ** 2), comm) / max(count, 1)
         invstd = torch.rsqrt(var + eps)
-        w = torch.ones(c, dtype=acc) if weight is None else weight
-        b = torch.zeros(c, dtype=acc) if bias is None else bias
-        if local:  # PyTorch's kernel with the global statistics
-            y = torch.batch_norm(x, w, b, mean.to(w.dtype), var.to(w.dtype), False, 0.0, eps,
-                                 False)
+        if local:  # y = (x - mean) * scale + bias = d * scale + shift, over d's memory
+            scale = w * invstd
+            shift = b + (mean_l - mean) * scale
+            view = (1, -1) + (1,) * (x.ndim - 2)
+            y = d.mul_(scale.view(view)).add_(shift.view(view)).to(x.dtype)
         else:
             y = torch.empty_like(x)
-        ctx.save_for_backward(x, w, mean, var, invstd)
-        ctx.comm, ctx.count, ctx.eps = comm, count, eps
-        ctx.affine = (weight is not None, bias is not None)
+        ctx.save_for_backward(x, w, mean, invstd)
+        ctx.comm, ctx.count = comm, count
+        ctx.dtypes = (None if weight is None else weight.dtype,
+                      None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, _dmean: Any, _dvar: Any) -> tuple[Any, ...]:
-        x, w, mean, var, invstd = ctx.saved_tensors
-        count = max(ctx.count, 1)
+        x, w, mean, invstd = ctx.saved_tensors
+        count, c = max(ctx.count, 1), x.shape[1]
+        acc = mean.dtype
         if x.numel():
-            # evaluation mode: dy * w * invstd, and this rank's sum(dy * xhat) and sum(dy)
-            dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-                contiguous(dy), x, w, mean.to(w.dtype), var.to(w.dtype), None, None, False,
-                ctx.eps, [True, True, True])
+            # this rank's sum(dy) and sum(dy * xhat) = invstd (sum(dy x) - mean sum(dy))
+            g, xs = dy.to(acc), x.to(acc)
+            db = g.sum([0, *range(2, x.ndim)])
+            dw = invstd * (_dots(g, xs) - mean * db)
+        else:
+            db = dw = torch.zeros(c, dtype=acc)
+        sums = _allreduce(torch.cat([db, dw]), ctx.comm)
+        sum_dy, sum_dy_xhat = sums[:c], sums[c:]
+        if x.numel():
+            # dx = w invstd (dy - (sum(dy) + xhat sum(dy xhat)) / M) = s dy + a x + b
+            s = w * invstd
+            a = -s * invstd * sum_dy_xhat / count
+            b = -s * sum_dy / count - a * mean
+            # in the sums' dtype (the terms cancel: a 16-bit sum of them would not hold it)
+            dx = _affine(xs, a, b)
+            dx = dx.addcmul_(g, s.view((1, -1) + (1,) * (x.ndim - 2))).to(x.dtype)
         else:
             dx = torch.empty_like(x)
-            dw = db = torch.zeros_like(w)
-        acc = mean.dtype
-        sums = _allreduce(torch.cat([db.to(acc), dw.to(acc)]), ctx.comm)
-        sum_dy, sum_dy_xhat = sums[:x.shape[1]], sums[x.shape[1]:]
-        if x.numel():
-            # the statistics' part: - w invstd / M (sum(dy) + xhat sum(dy xhat)), an affine map
-            # of x per channel, applied by the same kernel
-            scale = w.to(acc) * invstd / count
-            a = -scale * invstd * sum_dy_xhat
-            c = -scale * sum_dy - a * mean
-            one = torch.ones_like(a)
-            dx = dx + torch.batch_norm(x, a.to(w.dtype), c.to(w.dtype),
-                                       torch.zeros_like(one).to(w.dtype),
-                                       (one - ctx.eps).to(w.dtype), False, 0.0, ctx.eps, False)
-        dw_out = dw if ctx.affine[0] else None
-        db_out = db if ctx.affine[1] else None
-        return dx, dw_out, db_out, None, None, None
+        wt, bt = ctx.dtypes
+        return (dx, None if wt is None else dw.to(wt), None if bt is None else db.to(bt),
+                None, None, None)
 
 
 def split_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
