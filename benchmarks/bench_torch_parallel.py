@@ -11,6 +11,12 @@ interleaved in ``--rounds`` blocks; medians and ranges of the slowest rank.
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mpiexec -n 2 python \\
         benchmarks/bench_torch_parallel.py --batch 4 --split N
 
+``--model mesh-small`` takes the registry's mesh-small instead. ``--ceiling`` (several
+ranks, ``--split H``) also times the plain model on the whole batch on rank 0 alone (the
+others idle) and the two-process ceiling: every rank training the plain model on its
+own H-slice at once, with no message and no halo; it prints the speedup of the
+parallelized model over one rank and its share of the ceiling's.
+
 ``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
 weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
 
@@ -36,6 +42,7 @@ from torch import nn
 
 import disttensor as dt
 from disttensor_nn.torch import parallelize
+from disttensor_nn.training import build_model
 
 
 def trunk(model) -> nn.Module:
@@ -55,21 +62,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--model", choices=("mesh-demo", "mesh-small"), default="mesh-demo")
+    p.add_argument("--ceiling", action="store_true")
     p.add_argument("--json", default="bench_torch_parallel.json")
     a = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
-    if min(a.batch, a.size, a.reps, a.rounds) < 1 or (a.split == "N" and a.batch % size):
+    if min(a.batch, a.size, a.reps, a.rounds) < 1 or (a.split == "N" and a.batch % size) \
+            or (a.ceiling and (size < 2 or a.split != "H")):
         if rank == 0:
-            print("counts must be >= 1 and --split N needs a batch divisible by the ranks",
-                  file=sys.stderr)
+            print("counts must be >= 1, --split N needs a batch divisible by the ranks, and "
+                  "--ceiling several ranks and --split H", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     dt.limit_blas_threads(1)
-    build = MODELS["mesh-demo"][0]
+    if a.model == "mesh-demo":
+        build = MODELS["mesh-demo"][0]
+        channels = 18
+    else:
+        def build():
+            return build_model(a.model, (a.size, a.size), a.batch)[0]
+        channels = build_model(a.model, (a.size, a.size), a.batch)[1][1]
     torch.manual_seed(0)
     plain = trunk(build())
-    shape = (a.batch, 18, a.size, a.size)
+    solo = trunk(build())  # the plain model outside DDP, for --ceiling
+    solo.load_state_dict(plain.state_dict())
+    shape = (a.batch, channels, a.size, a.size)
     x_all = torch.rand(shape)
     grid = (size, 1, 1, 1) if a.split == "N" else (1, 1, size, 1)
     par = trunk(build())
@@ -131,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 fn()
                 samples[k].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    ceiling = None
+    if a.ceiling:
+        ceiling = _ceiling(a, comm, solo, x_all, t_all, cast)
     if rank == 0:
         med = {k: statistics.median(v) for k, v in samples.items()}
         base = "torch" if size == 1 else "ddp"
@@ -141,12 +162,66 @@ def main(argv: list[str] | None = None) -> int:
             f"{1e3 * med[k]:8.1f} ({1e3 * min(v):.0f}-{1e3 * max(v):.0f})".rjust(22)
             for k, v in samples.items()) + f" {med['parallelize'] / med[base]:6.3f}")
         print(f"output blocks: {y_dist}")
+        if ceiling is not None:
+            one, half = ceiling
+            speedup, best = one / med["parallelize"], one / half
+            print(f"1 rank, plain model: {1e3 * one:.1f} ms; each rank its H-slice alone, at "
+                  f"once: {1e3 * half:.1f} ms; speedup {speedup:.2f} of a ceiling of "
+                  f"{best:.2f}: {speedup / best:.0%}")
         with open(a.json, "w") as f:
             json.dump({"ranks": size, "batch": a.batch, "split": a.split, "size": a.size,
-                       "precision": a.precision,
+                       "precision": a.precision, "model": a.model,
+                       "ceiling_s": ceiling,
                        "samples_s": samples,
                        "ratio": med["parallelize"] / med[base]}, f, indent=1)
     return 0
+
+
+def _idle(comm: MPI.Comm) -> None:
+    """Wait for the others' barrier without spinning on a core."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def _ceiling(a: argparse.Namespace, comm: MPI.Comm, model: nn.Module, x_all: torch.Tensor,
+             t_all: torch.Tensor, cast) -> tuple[float, float]:
+    """Seconds per step (medians) of the plain model on the whole batch on rank 0 alone, and
+    of every rank training it on its own H-slice at once (the slowest rank)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    h, oh = x_all.shape[2], t_all.shape[2]
+    lo, hi = h * rank // size, h * (rank + 1) // size
+    olo, ohi = oh * rank // size, oh * (rank + 1) // size
+
+    def step(x: torch.Tensor, t: torch.Tensor) -> None:
+        opt.zero_grad()
+        with cast():
+            out = model(x)
+        ((out.float() - t) ** 2).mean().backward()
+        opt.step()
+
+    ones, halves = [], []
+    for _ in range(a.rounds):
+        comm.Barrier()
+        if rank == 0:
+            step(x_all, t_all)
+            for _ in range(max(1, a.reps // a.rounds)):
+                t0 = time.perf_counter()
+                step(x_all, t_all)
+                ones.append(time.perf_counter() - t0)
+            comm.Ibarrier().Wait()
+        else:
+            _idle(comm)
+        xs, ts = x_all[:, :, lo:hi].contiguous(), t_all[:, :, olo:ohi].contiguous()
+        step(xs, ts)
+        for _ in range(max(1, a.reps // a.rounds)):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            step(xs, ts)
+            halves.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    one = comm.bcast(statistics.median(ones) if rank == 0 else None)
+    return one, statistics.median(halves)
 
 
 if __name__ == "__main__":
