@@ -1,16 +1,16 @@
-"""Batch normalization whose statistics span ranks, on PyTorch's own kernels.
+"""Batch normalization whose statistics span ranks, on PyTorch's kernels.
 
 :func:`split_batch_norm` normalizes a block of ``(N, C, *S)`` whose batch or
 spatial dimensions are split over the ranks of ``comm`` by the statistics of
-the global array, as ``torch.nn.BatchNorm`` does on the whole of it. The
-per-element work is PyTorch's fused batch-norm kernels (the evaluation-mode
-forward, which applies given statistics, and its backward, which also gives
-the parameters' sums); what the ranks share are per-channel sums, summed in
-float32 for 16-bit blocks (float64 blocks in float64): two all-reduces of
-``C`` values forward (the mean, then the squares about it, so no sum
-cancels), one of ``2 C`` values backward.
+the global array, as ``torch.nn.BatchNorm`` does on the whole of it. Each
+pass over the block is one PyTorch kernel: the evaluation-mode batch-norm
+kernel as a per-channel affine map (the deviations from the mean forward,
+the input gradient backward), in-place products, and per-sample dot products
+for the sums of squares and of ``dy * x`` (no temporary block). The ranks
+share per-channel sums, taken in float32 for 16-bit blocks (float64 for
+float64 ones): two all-reduces of ``C`` values forward (the mean, then the
+squares about it, so that no sum cancels), one of ``2 C`` values backward.
 """
-
 from __future__ import annotations
 
 from typing import Any
@@ -63,15 +63,16 @@ class _SplitBatchNorm(torch.autograd.Function):
         c = x.shape[1]
         local = x.numel() // max(c, 1)
         dims = [0, *range(2, x.ndim)]
-        w = torch.ones(c, dtype=acc) if weight is None else weight.to(acc)
-        b = torch.zeros(c, dtype=acc) if bias is None else bias.to(acc)
+        kw = {"dtype": acc, "device": x.device}
+        w = torch.ones(c, **kw) if weight is None else weight.to(acc)
+        b = torch.zeros(c, **kw) if bias is None else bias.to(acc)
         if local:  # the deviations from this block's mean, and their squares
             xs = x.to(acc)
             mean_l = xs.sum(dims) / local
             d = _affine(xs, torch.ones_like(mean_l), -mean_l)
             var_l = _dots(d, d) / local
         else:
-            var_l = mean_l = torch.zeros(c, dtype=acc)
+            var_l = mean_l = torch.zeros(c, **kw)
         mean = _allreduce(mean_l * local, comm) / max(count, 1)
         # the squares about the global mean: each rank's about its own, moved (Chan et al.)
         var = _allreduce(local * (var_l + (mean_l - mean) ** 2), comm) / max(count, 1)
@@ -101,7 +102,7 @@ class _SplitBatchNorm(torch.autograd.Function):
             db = g.sum([0, *range(2, x.ndim)])
             dw = invstd * (_dots(g, xs) - mean * db)
         else:
-            db = dw = torch.zeros(c, dtype=acc)
+            db = dw = torch.zeros(c, dtype=acc, device=x.device)
         sums = _allreduce(torch.cat([db, dw]), ctx.comm)
         sum_dy, sum_dy_xhat = sums[:c], sums[c:]
         if x.numel():
