@@ -22,6 +22,7 @@ from nn_reference import KERNELS, Checks, bn_ref, conv_ref, conv_ref_backward, l
 import disttensor as dt
 import disttensor.transport as transport
 import disttensor_nn as nn
+from disttensor.redistribute import RedistributionPlan, redistribution_plan
 from disttensor.testing import collective_assert, collective_outcome
 from disttensor_nn.precision import (
     PRECISIONS,
@@ -256,8 +257,6 @@ def test_16_bit_redistributions_of_a_model_move_half_the_bytes(p, method, monkey
     """A model whose layers change layout (height-split, then width-split, then whole
     samples for Linear): the bytes every redistribution of its forward and backward sends,
     counted at the two ways a plan sends (packed Alltoallv, datatype Alltoallw), halve."""
-    from disttensor.redistribute import RedistributionPlan, redistribution_plan
-
     counted = []
     packed, typed = RedistributionPlan._packed, RedistributionPlan._alltoallw
 
