@@ -22,8 +22,10 @@ import disttensor as dt
 from disttensor.testing import collective_assert, collective_outcome
 
 torch = pytest.importorskip("torch")
-from torch.autograd.gradcheck import GradcheckError  # noqa: E402  (after the skip)
+import torch.nn.functional as F  # noqa: E402, N812  (after the skip)
+from torch.autograd.gradcheck import GradcheckError  # noqa: E402
 
+from disttensor_nn.reduction import split_axes_comm  # noqa: E402
 from disttensor_nn.torch import (  # noqa: E402
     all_reduce,
     broadcast,
@@ -33,6 +35,7 @@ from disttensor_nn.torch import (  # noqa: E402
     redistribute,
     scatter,
 )
+from disttensor_nn.torch.norm import split_batch_norm  # noqa: E402
 
 SIZES = [1, 2, 3, 4]
 MODES = ("constant", "wrap", "reflect", "symmetric", "edge")
@@ -333,6 +336,65 @@ def test_broadcast_of_an_all_reduce_is_the_sum_over_replicas():
     a = x.detach().numpy()
     close(f(x), a - a.mean(axis=0, keepdims=True), "forward")
     gradcheck(f, x)
+
+
+# ------------------------------------------------------------------------ batch norm
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_split_batch_norm_is_torchs_on_the_global_array(dtype):
+    """Output, statistics, input gradient and the parameters' gradient sums against
+    ``F.batch_norm`` on the whole array in one process (float64: 1e-12; bfloat16 within its
+    rounding), on every split of N and space, uneven and empty blocks included."""
+    shape = (3, 4, 7, 5)
+    rng = np.random.default_rng(3)
+    x64 = torch.tensor(rng.standard_normal(shape) * 2 + 3)
+    g64 = torch.tensor(rng.standard_normal(shape))
+    w64, b64 = torch.tensor(rng.random(4) + 0.5), torch.tensor(rng.standard_normal(4))
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    xr = x64.to(dtype).double().requires_grad_()  # the reference on the rounded input
+    wr, br = w64.clone().requires_grad_(), b64.clone().requires_grad_()
+    yr = F.batch_norm(xr, None, None, wr, br, True, 0.0, 1e-5)
+    yr.backward(g64.to(dtype).double())
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    bad = []
+    for name in ("N", "H", "W", "HW", "NW", "H-uneven-empty"):
+        dist = distribution(name, shape)
+        sl = dist.local_slices()
+        group = split_axes_comm(dist, [0, 2, 3])
+        x = x64.to(dtype)[sl].detach().clone().requires_grad_()
+        w = w64.to(pdt).detach().clone().requires_grad_()
+        b = b64.to(pdt).detach().clone().requires_grad_()
+        y, mean, var = split_batch_norm(x, w, b, group, 3 * 7 * 5)
+        y.backward(g64.to(dtype)[sl])
+        # the parameters' gradients are this rank's parts: summed over the ranks
+        dw = comm.allreduce(w.grad.double().numpy()) / dist.nreplicas
+        db = comm.allreduce(b.grad.double().numpy()) / dist.nreplicas
+        pairs = [("y", y.double(), yr[sl]), ("dx", x.grad.double(), xr.grad[sl]),
+                 ("mean", mean.double(), xr.mean((0, 2, 3))),
+                 ("var", var.double(), xr.var((0, 2, 3), unbiased=False)),
+                 ("dw", torch.tensor(dw), wr.grad), ("db", torch.tensor(db), br.grad)]
+        for what, a, ref in pairs:
+            a, ref = a.detach(), ref.detach()
+            err = float((a - ref).abs().max() / ref.abs().max()) if a.numel() else 0.0
+            if not err <= tol or a.dtype != torch.float64:
+                bad.append(f"{name} {what}: {err:.2e}")
+        if y.dtype != dtype:
+            bad.append(f"{name}: y is {y.dtype}")
+    collective_assert(not bad, "; ".join(bad))
+
+
+@pytest.mark.parallel([1, 3])
+def test_split_batch_norm_refuses_bad_arguments_on_every_rank():
+    x = torch.zeros(2, 3, 4, 4)
+    cases = [(TypeError, lambda: split_batch_norm(x.numpy(), None, None, comm, 32)),
+             (TypeError, lambda: split_batch_norm(x.long(), None, None, comm, 32)),
+             (ValueError, lambda: split_batch_norm(x, torch.ones(4), None, comm, 32)),
+             (TypeError, lambda: split_batch_norm(x, None, None, "world", 32)),
+             (ValueError, lambda: split_batch_norm(x, None, None, comm, -1)),
+             (ValueError, lambda: split_batch_norm(x, None, None, comm, 32, eps=-1.0))]
+    for error, call in cases:
+        _, exc = collective_outcome(call)
+        collective_assert(isinstance(exc, error), repr(exc))
 
 
 # ------------------------------------------------------------------------ errors

@@ -19,6 +19,7 @@ import torch
 from mpi4py import MPI
 
 from disttensor.backend import contiguous
+from disttensor.settings import validating
 from disttensor.transport import allreduce
 
 __all__ = ["split_batch_norm"]
@@ -147,5 +148,31 @@ def split_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     y, mean, var : torch.Tensor
         The normalized block (``x``'s dtype) and the biased batch statistics
         (float32, float64 for float64 blocks; not differentiable).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Before any message, alike on every rank (what is checked is the same
+        there): ``x`` not a floating tensor of at least 2 dimensions, a
+        weight or bias not of shape ``(C,)``, ``comm`` not an intracommunicator,
+        ``count`` not a non-negative integer, ``eps`` negative.
     """
+    name = "split_batch_norm"
+    arguments = {"count": count, "eps": eps, "ndim": getattr(x, "ndim", None),
+                 "channels": x.shape[1] if getattr(x, "ndim", 0) >= 2 else None}
+    with validating(name, arguments, comm if isinstance(comm, MPI.Intracomm) else None):
+        if not isinstance(x, torch.Tensor) or x.ndim < 2 or not x.dtype.is_floating_point:
+            raise TypeError(f"{name}: x must be a floating torch.Tensor (N, C, ...), got "
+                            f"{type(x).__name__}")
+        for what, p in (("weight", weight), ("bias", bias)):
+            if p is not None and (not isinstance(p, torch.Tensor)
+                                  or tuple(p.shape) != (x.shape[1],)):
+                raise ValueError(f"{name}: {what} must be a tensor of shape ({x.shape[1]},), "
+                                 f"got {getattr(p, 'shape', type(p).__name__)}")
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"{name}: comm must be an MPI.Intracomm, got {type(comm).__name__}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"{name}: count must be a non-negative integer, got {count!r}")
+        if not eps >= 0:
+            raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
     return _SplitBatchNorm.apply(x, weight, bias, comm, count, eps)
