@@ -138,6 +138,38 @@ def test_conv_in_16_bits_matches_the_reference_on_every_layout(p, kernels):
     check.finish()
 
 
+@pytest.mark.skipif(not nn.kernels.torch_kernels.available(), reason="needs PyTorch")
+@pytest.mark.parametrize("nd", [2, 3])
+def test_bf16_torch_convolution_with_one_strided_output_column_matches_the_reference(nd):
+    """One output element along the last dimension, strided there: the case oneDNN 3.12's
+    bfloat16 kernels get wrong on CPUs with AMX (the kernels run it unstrided)."""
+    tk = nn.kernels.torch_kernels
+    bf = precision_dtype("bf16")
+    rng = np.random.default_rng(8)
+    checked = 0
+    for width in range(1, 7):
+        for k, s, pad, dil in [(3, 2, 0, 1), (3, 3, 1, 1), (5, 2, 2, 1), (3, 2, 1, 2),
+                               (1, 2, 0, 1), (5, 3, 0, 1)]:
+            extent = dil * (k - 1) + 1
+            if width + 2 * pad < extent:
+                continue
+            shape = (2, 3) + (9,) * (nd - 1) + (width,)
+            x = rounded(rng.standard_normal(shape), "bf16")
+            w = rounded(rng.standard_normal((4, 3) + (3,) * (nd - 1) + (k,)), "bf16")
+            b = rounded(rng.standard_normal(4), "bf16")
+            stride, dilation = (1,) * (nd - 1) + (s,), (1,) * (nd - 1) + (dil,)
+            pads = (0,) * (nd - 1) + (pad,)
+            want = conv_ref(x, w, b, stride, [(q, q) for q in pads], dilation)
+            got = tk.conv_forward(x.astype(bf), w.astype(bf), b.astype(bf), stride, dilation,
+                                  padding=pads)
+            assert got.shape == want.shape, (width, k, s, pad, dil)
+            np.testing.assert_allclose(f64(got), want, **tol("bf16", np.abs(want).max()),
+                                       err_msg=f"width {width}, kernel {k}, stride {s}, "
+                                               f"padding {pad}, dilation {dil}")
+            checked += 1
+    assert checked > 20
+
+
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("p", HALF)

@@ -182,9 +182,38 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
     nd = w.ndim - 2
     xt, wt = _t(x), _t(w)
     bt = None if b is None else _t(b)
-    y = torch.ops.aten.convolution(xt, wt, bt, list(stride), _pads(padding, nd), list(dilation),
+    pads, stride = _pads(padding, nd), list(stride)
+    if xt.dtype == torch.bfloat16 and xt.device.type == "cpu" and nd > 1 and stride[-1] > 1 \
+            and (xt.shape[-1] + 2 * pads[-1] - _extent(w.shape[-1], dilation[-1])) \
+            < stride[-1]:
+        return _back(_one_window(torch, xt, wt, bt, stride, pads, dilation, groups), x)
+    y = torch.ops.aten.convolution(xt, wt, bt, stride, pads, list(dilation),
                                    False, [0] * nd, int(groups))
     return _back(y, x)
+
+
+def _extent(kernel: int, dilation: int) -> int:
+    return int(dilation) * (int(kernel) - 1) + 1
+
+
+def _one_window(torch: ModuleType, xt: Any, wt: Any, bt: Any | None, stride: list[int],
+                pads: list[int], dilation: Sequence[int], groups: int) -> Any:
+    """The convolution whose output has one element along the last dimension, there with a
+    unit stride.
+
+    oneDNN 3.12's bfloat16 convolutions on CPUs with AMX return wrong values
+    (or garbage) when the last spatial dimension of the output has one
+    element and a stride above 1 (measured with PyTorch 2.13: 2-D and 3-D,
+    forward only). One window does not depend on the stride: the input is
+    cut to what the first window reads and convolved with a unit stride
+    there, and the first output element kept.
+    """
+    nd = wt.ndim - 2
+    reach = _extent(wt.shape[-1], dilation[-1]) - pads[-1]  # the first window ends here
+    cut = xt[..., :max(1, min(xt.shape[-1], reach))]
+    y = torch.ops.aten.convolution(cut, wt, bt, stride[:-1] + [1], pads, list(dilation),
+                                   False, [0] * nd, int(groups))
+    return y[..., :1].contiguous()
 
 
 def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequence[int],
