@@ -8,9 +8,10 @@ block, and the results come back the same way, so a layer sees the array
 module it gave. The kernels are ATen's: ``aten.convolution`` and
 ``aten.convolution_backward`` (oneDNN's direct convolutions on a CPU with it,
 cuDNN's on a GPU), ``max_pool*_with_indices`` and their backward, the
-average pools, ``relu``, and batch normalisation's per-channel moments
-(``batch_norm_update_stats``, ``native_batch_norm_backward``'s reduction) and
-per-channel affine passes.
+average pools, ``relu``, ``sigmoid``, and batch normalisation's per-channel
+moments (a sum, then ``native_batch_norm_backward``'s fused reduction over
+the deviations from it) and per-channel affine passes (the evaluation-mode
+batch-norm kernel).
 
 PyTorch is optional (the ``torch`` extra: ``pip install "disttensor[torch]"``);
 this module imports it on first use, so importing :mod:`disttensor_nn` never
@@ -53,10 +54,13 @@ __all__ = [
     "pool_backward",
     "relu_forward",
     "relu_backward",
+    "sigmoid_forward",
+    "sigmoid_backward",
     "channel_moments",
     "scale_shift",
     "grad_moments",
     "affine_grad",
+    "affine",
     "release_workspace",
     "INSTALL_HINT",
 ]
@@ -343,16 +347,36 @@ def relu_backward(dy: Any, saved: Any, negative_slope: float = 0.0) -> Any:
     return _back(dx, dy)
 
 
-def channel_moments(x3: Any) -> tuple[Any, Any, Any]:
-    """``(centre, sum_d, sum_d2)`` per channel of an ``(N, C, M)`` array.
+def sigmoid_forward(x: Any) -> Any:
+    """The logistic function of ``x`` (what its backward keeps: the output)."""
+    torch = require()
+    xt = _t(x)
+    return _back(torch.sigmoid(xt, **_out(x, xt)), x)
 
-    ``centre`` is the channels' mean in the array's dtype; ``sum_d`` and
-    ``sum_d2`` are the sums of ``d = x - centre`` and of ``d**2`` in float64,
-    so that sums over several ranks combine without cancellation (batch
-    normalisation's statistics). The mean and variance come from ATen's
-    one-pass batch-norm statistics (``batch_norm_update_stats``); the sum
-    of ``x - centre``, exact where a channel is far from zero, from a second
-    pass.
+
+def sigmoid_backward(dy: Any, y: Any) -> Any:
+    """Gradient of :func:`sigmoid_forward` from its output ``y``: ``dy * y * (1 - y)``."""
+    torch = require()
+    gt, yt = _t(dy), _t(y)
+    out = _out(dy, gt)
+    dx = torch.ops.aten.sigmoid_backward.grad_input(gt, yt, grad_input=out["out"]) if out \
+        else torch.ops.aten.sigmoid_backward(gt, yt)
+    return _back(dx, dy)
+
+
+def channel_moments(x3: Any) -> tuple[Any, Any, Any, Any]:
+    """``(centre, sum_d, sum_d2, d)`` per channel of an ``(N, C, M)`` array.
+
+    ``centre`` is the channels' mean in the array's dtype (a sum and a
+    division, rounded); ``d = x - centre`` is a new array (a block of the
+    active block cache, where there is one); ``sum_d`` and ``sum_d2`` are
+    the sums of ``d`` and of ``d**2`` in float64, so that sums over several
+    ranks combine without cancellation (batch normalisation's statistics)
+    and ``sum_d`` keeps what rounding the centre lost. Three passes: the
+    sum, the subtraction, and one fused reduction over ``d`` (ATen's
+    batch-norm backward reduction, ``d`` as both the gradient and the input
+    about a zero mean), where ATen's one-pass statistics (Welford's) cost
+    more than the three together.
     """
     torch = require()
     t = _t(x3)
@@ -360,16 +384,55 @@ def channel_moments(x3: Any) -> tuple[Any, Any, Any]:
     m = t.shape[0] * t.shape[2]
     if m == 0:
         zero = torch.zeros(c, dtype=torch.float64, device=t.device)
-        return _back(zero.to(t.dtype), x3), _back(zero, x3), _back(zero.clone(), x3)
-    mean, var = torch.batch_norm_update_stats(t, None, None, 0.0)
-    centre = mean.to(t.dtype)
-    sum_d = torch.sum(torch.sub(t, centre[:, None], **_out(x3, t)), dim=(0, 2)).to(torch.float64)
-    sum_d2 = var.to(torch.float64) * m + sum_d * sum_d / m
-    return _back(centre, x3), _back(sum_d, x3), _back(sum_d2, x3)
+        return _back(zero.to(t.dtype), x3), _back(zero, x3), _back(zero.clone(), x3), x3
+    centre = torch.sum(t, dim=(0, 2)).div_(m)
+    d = torch.sub(t, centre[:, None], **_out(x3, t))
+    sum_d, sum_d2 = _sums(torch, d, d, None)
+    return _back(centre, x3), _back(sum_d, x3), _back(sum_d2, x3), _back(d, x3)
+
+
+def _sums(torch: ModuleType, g: Any, x: Any, centre: Any | None) -> tuple[Any, Any]:
+    """``(sum(g), sum(g * (x - centre)))`` per channel of ``(N, C, M)`` tensors, in float64
+    (``centre`` None: zero), in one pass: ATen's batch-norm backward reduction with the
+    centre as the mean and a unit inverse deviation."""
+    c = g.shape[1]
+    if g.numel() == 0:
+        zero = torch.zeros(c, dtype=torch.float64, device=g.device)
+        return zero, zero.clone()
+    one = torch.ones(c, dtype=g.dtype, device=g.device)
+    mean = torch.zeros(c, dtype=g.dtype, device=g.device) if centre is None else \
+        _t(centre).to(g.dtype)
+    _, sum_gd, sum_g = torch.ops.aten.native_batch_norm_backward(
+        g, x, one, None, None, mean, one, True, 0.0, [False, True, True])
+    return sum_g.to(torch.float64), sum_gd.to(torch.float64)
+
 
 def _per_channel(v: Any, like: Any) -> Any:
     """A per-channel vector as a ``(C, 1)`` tensor of ``like``'s dtype."""
     return _t(v).to(like.dtype)[:, None]
+
+
+def affine(x3: Any, scale: Any, shift: Any) -> Any:
+    """``x3 * scale + shift`` per channel of an ``(N, C, M)`` array, in one pass.
+
+    The evaluation-mode batch-norm kernel with a zero mean, a unit variance
+    and no epsilon, written into a block of the active block cache where
+    there is one. Batch normalisation applies it to the deviations from the
+    centre (:func:`channel_moments`' ``d``), so that nothing large cancels.
+    """
+    torch = require()
+    t = _t(x3)
+    c = t.shape[1]
+    w, b = _t(scale).to(t.dtype), _t(shift).to(t.dtype)
+    zero = torch.zeros(c, dtype=t.dtype, device=t.device)
+    one = torch.ones(c, dtype=t.dtype, device=t.device)
+    out = _out(x3, t)
+    if not out or t.numel() == 0:
+        return _back(torch.batch_norm(t, w, b, zero, one, False, 0.0, 0.0, False), x3)
+    nothing = torch.empty(0, dtype=t.dtype, device=t.device)
+    torch.ops.aten.native_batch_norm.out(t, w, b, zero, one, False, 0.0, 0.0, out=out["out"],
+                                         save_mean=nothing, save_invstd=nothing.clone())
+    return _back(out["out"], x3)
 
 
 def scale_shift(x3: Any, centre: Any, scale: Any, shift: Any) -> Any:
@@ -385,28 +448,33 @@ def scale_shift(x3: Any, centre: Any, scale: Any, shift: Any) -> Any:
     return _back(y, x3)
 
 
-def grad_moments(g3: Any, x3: Any, centre: Any) -> tuple[Any, Any]:
+def grad_moments(g3: Any, x3: Any, centre: Any | None) -> tuple[Any, Any]:
     """``(sum(g), sum(g * (x - centre)))`` per channel of ``(N, C, M)`` arrays, in float64.
 
     One fused pass: ATen's batch-norm backward reduction with the centre as
-    the mean and a unit inverse deviation.
+    the mean and a unit inverse deviation. ``centre`` None: ``x3`` holds
+    the deviations from it already.
     """
     torch = require()
-    g, x = _t(g3), _t(x3)
-    c = g.shape[1]
-    if g.numel() == 0:
-        zero = torch.zeros(c, dtype=torch.float64, device=g.device)
-        return _back(zero, g3), _back(zero.clone(), g3)
-    one = torch.ones(c, dtype=g.dtype, device=g.device)
-    _, sum_gd, sum_g = torch.ops.aten.native_batch_norm_backward(
-        g, x, one, None, None, _t(centre).to(g.dtype), one, True, 0.0, [False, True, True])
-    return _back(sum_g.to(torch.float64), g3), _back(sum_gd.to(torch.float64), g3)
+    sum_g, sum_gd = _sums(torch, _t(g3), _t(x3), centre)
+    return _back(sum_g, g3), _back(sum_gd, g3)
 
-def affine_grad(g3: Any, x3: Any, centre: Any, a: Any, b: Any, c: Any) -> Any:
+
+def affine_grad(g3: Any, x3: Any, centre: Any | None, a: Any, b: Any, c: Any) -> Any:
     """``g3 * a + (x3 - centre) * b + c`` per channel of ``(N, C, M)`` arrays (batch
-    normalisation's input gradient); one new array, updated in place."""
+    normalisation's input gradient); one new array, updated in place.
+
+    ``centre`` None: ``x3`` holds the deviations from it, and the gradient
+    takes two passes (:func:`affine` of the deviations, then the product
+    with ``g3`` added); otherwise the centre is subtracted first.
+    """
     torch = require()
-    g, x = _t(g3), _t(x3)
-    dx = torch.sub(x, _per_channel(centre, x), **_out(g3, g))
-    dx.mul_(_per_channel(b, g)).add_(_per_channel(c, g)).addcmul_(g, _per_channel(a, g))
+    g = _t(g3)
+    if centre is None:
+        dx = _t(affine(x3, b, c))
+    else:
+        x = _t(x3)
+        dx = torch.sub(x, _per_channel(centre, x), **_out(g3, g))
+        dx.mul_(_per_channel(b, g)).add_(_per_channel(c, g))
+    dx.addcmul_(g, _per_channel(a, g))
     return _back(dx, g3)

@@ -102,9 +102,11 @@ class BatchNormNd(Layer):
     without the channel split).
 
     All arithmetic uses the input's array module (NumPy or CuPy), or with
-    ``kernel_backend="torch"`` PyTorch's: ATen's one-pass batch-norm statistics
-    and fused backward reduction, the centred normalisation updated in place;
-    the running
+    ``kernel_backend="torch"`` PyTorch's: a sum for the centre, the deviations
+    from it (kept for backward in place of the input), ATen's fused
+    batch-norm reduction over them and its evaluation-mode kernel as the
+    per-channel affine map (two passes over the block and two reductions
+    forward, one reduction and two passes backward); the running
     statistics (float64 buffers ``running_mean`` and ``running_var``, in the
     :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
 
@@ -177,8 +179,10 @@ class BatchNormNd(Layer):
             moments = []
             for cs in parts:
                 p3 = x3 if not converted else to_dtype(kept3[:, cs], self.dtype)
-                if fused:
-                    moments.append(kernels.channel_moments(p3))
+                if fused:  # the deviations d from the centre, a block of their own
+                    *moms, d = kernels.channel_moments(p3)
+                    moments.append(moms)
+                    y3 = None if converted else d
                 else:  # a converted slice is this layer's own: d is written over it
                     *moms, d = _moments(xp, p3, p3 if converted else y3, f64)
                     moments.append(moms)
@@ -219,13 +223,21 @@ class BatchNormNd(Layer):
                     p3 = _into(xp, "add", p3, astype(shift[cs], p3.dtype)[:, None], p3)
                 out3[:, cs] = to_dtype(p3, kept.dtype)
         else:
-            if fused:
-                y3 = kernels.scale_shift(x3, centre, scale, shift)
+            if fused:  # with batch statistics y3 holds the deviations, kept for backward
+                d3 = y3
+                y3 = kernels.affine(d3, scale, shift) if batch_stats else \
+                    kernels.scale_shift(x3, centre, scale, shift)
             else:
                 y3 = _into(xp, "multiply", y3, astype(scale, kept.dtype)[:, None], y3)
                 y3 = _into(xp, "add", y3, astype(shift, kept.dtype)[:, None], y3)
             y = xp.reshape(y3, kept.shape)
-        self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
+        if fused and batch_stats and not converted:
+            # backward reads x only as x - centre: the deviations are kept in its place (the
+            # same memory), their centre None, the mean about the centre
+            self._saved = (x.dist, xp.reshape(d3, kept.shape), mean - astype(centre, np.float64),
+                           inv, count, True, None)
+        else:
+            self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
 
     def _whole(self, xp: Any, dist: Distribution, *parts: Any) -> Any:
@@ -303,7 +315,8 @@ class BatchNormNd(Layer):
             px, pg = (x3, g3) if not converted else (
                 to_dtype(kept3[:, cs], self.dtype), to_dtype(gin3[:, cs], self.dtype))
             if fused:
-                moments.append(kernels.grad_moments(pg, px, centre[cs]))
+                moments.append(kernels.grad_moments(pg, px,
+                                                None if centre is None else centre[cs]))
                 continue
             cc = astype(centre[cs], pg.dtype)[:, None]
             # dx is the scratch of g * (x - centre) (a converted slice: over the slice)
@@ -316,8 +329,9 @@ class BatchNormNd(Layer):
             dx3 = None if converted else pd
         sum_g, sum_gd = (moments[0][i] if len(moments) == 1 else
                          concat([mo[i] for mo in moments]) for i in range(2))
-        sums = self._whole(xp, dist, sum_g,
-                           inv * (sum_gd + (astype(centre, np.float64) - mean) * sum_g))
+        # the mean about the centre (the centre is zero where kept holds the deviations)
+        offset = mean if centre is None else mean - astype(centre, np.float64)
+        sums = self._whole(xp, dist, sum_g, inv * (sum_gd - offset * sum_g))
         if self.stats == "group":
             sums = allreduce_(sums, split_axes_comm(dist, (1, *range(2, dy.ndim))))
             param_sums = allreduce_(contiguous(sums, copy=True), split_axes_comm(dist, (0,)))
@@ -338,7 +352,7 @@ class BatchNormNd(Layer):
             m = max(count, 1)  # 0 on a rank with no samples in stats="group"
             dmean, dvar = sums[:c] / m, sums[c:] / m
             b = -scale * inv * dvar
-            shift = scale * (inv * dvar * (mean - astype(centre, np.float64)) - dmean)
+            shift = scale * (inv * dvar * offset - dmean)
         if converted:  # each slice converted again, its gradient rounded into the output
             dx = empty(xp, kept.shape, dy.local.dtype, device_of(kept))
             out3 = xp.reshape(dx, kept3.shape)
@@ -357,12 +371,12 @@ class BatchNormNd(Layer):
                     b: Any, shift: Any, dx3: Any) -> Any:
         """``scale * g + b * (x - centre) + shift`` (``scale * g`` without batch statistics:
         ``b`` None) on ``(N, C, M)``, into the scratch ``dx3`` where given."""
+        if b is not None and kernels is not None:  # centre None: x3 holds the deviations
+            return kernels.affine_grad(g3, x3, centre, scale, b, shift)
         sc = astype(scale, g3.dtype)[:, None]
         if b is not None:
             cc = astype(centre, g3.dtype)[:, None]
             bx, bs = astype(b, g3.dtype)[:, None], astype(shift, g3.dtype)[:, None]
-            if kernels is not None:
-                return kernels.affine_grad(g3, x3, centre, scale, b, shift)
             if writes_in_place(xp):
                 dx3 = _scratch(xp, g3.shape, g3.dtype) if dx3 is None else dx3
                 tmp = xp.empty(x3.shape[1:], dtype=g3.dtype)
@@ -375,12 +389,12 @@ class BatchNormNd(Layer):
                 return dx3
             return g3 * sc + (x3 - cc) * bx + bs
         if kernels is not None:
-            zero = xp.zeros_like(scale)
-            return kernels.scale_shift(g3, zero, scale, zero)
+            return kernels.affine(g3, scale, xp.zeros_like(scale))
         return _into(xp, "multiply", g3, sc, dx3)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """Eight FLOPs per element; the input is kept for backward (not the normalised input).
+        """Eight FLOPs per element; the input is kept for backward (not the normalised input;
+        with the torch kernels, its deviations from the centre, a block of the same size).
 
         Two allreduces of ``2 C`` float64 sums (statistics forward, the
         input gradient's sums backward) over the ranks that share the
@@ -404,8 +418,11 @@ class BatchNormNd(Layer):
         cvt = 3 * min(n * self.dtype.itemsize, max(PART_BYTES, math.prod(block[2:]) * block[0]
                                                    * self.dtype.itemsize)) \
             if io_dtype(self) != self.dtype else 0
+        # the torch kernels keep the deviations from the centre instead (a block of their own)
+        deviations = self.kernel_backend == "torch" and not cvt
         return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
-                        allreduces=(sums, sums), keeps_input=True,
+                        allreduces=(sums, sums), keeps_input=not deviations,
+                        saved=n * itemsize if deviations else 0,
                         workspace=n // max(block[0], 1) * itemsize + cvt, share=share)
 
     def kernel_signature(self) -> str:
