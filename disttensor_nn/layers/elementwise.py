@@ -80,13 +80,18 @@ class ReLU(LeakyReLU):
 
 
 class Sigmoid(Layer):
-    """``1 / (1 + exp(-x))`` element-wise (computed without overflow)."""
+    """``1 / (1 + exp(-x))`` element-wise (computed without overflow); backward keeps the
+    output."""
 
     saved_for_backward = ("_y",)
+    kernel_backends = ("numpy", "torch")
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):
             raise TypeError("Sigmoid expects a DistArray")
+        if self.kernel_backend == "torch":
+            self._y = y = kernels_for(x.local, "torch").sigmoid_forward(x.local)
+            return DistArray(y, x.dist)
         xp = x.xp
         z = xp.exp(-xp.abs(x.local))
         y = xp.where(x.local >= 0, 1 / (1 + z), z / (1 + z))
@@ -94,14 +99,19 @@ class Sigmoid(Layer):
         return DistArray(y, x.dist)
 
     def backward(self, dy: DistArray) -> DistArray:
+        if self.kernel_backend == "torch":
+            return DistArray(kernels_for(dy.local, "torch").sigmoid_backward(dy.local, self._y),
+                             dy.dist)
         return DistArray(dy.local * self._y * (1 - self._y), dy.dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """A few FLOPs per element; the output is kept for backward."""
+        """A few FLOPs per element; the output is kept for backward (the NumPy kernels' four
+        temporaries as workspace, none with the torch kernels)."""
         block = largest_block(dist)
         n = math.prod(block)
+        temporaries = 0 if self.kernel_backend == "torch" else 4
         return CostSpec(block, flops=4.0 * n, nbytes=2 * n * itemsize, keeps_output=True,
-                        workspace=4 * n * itemsize)
+                        workspace=temporaries * n * itemsize)
 
 
 class Add:
