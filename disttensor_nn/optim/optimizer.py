@@ -23,7 +23,7 @@ from ..layout import full_array, local_block
 from ..parameter import Parameter
 from ..shards import gather_shards, shard_range
 
-__all__ = ["Optimizer", "STAGES"]
+__all__ = ["Optimizer", "STAGES", "add_scaled_", "by_chunks"]
 
 STAGES = ("none", "optimizer", "gradients", "full")
 """The stages of sharded parameter state (:func:`disttensor_nn.optim.shard_state`)."""
@@ -73,6 +73,46 @@ def _like(ref: Any, buf: Any) -> Any:
     """A copy of ``buf`` in the array module and on the device of ``ref``."""
     moved = as_module(buf, array_namespace(ref), device_of(ref))
     return contiguous(moved, copy=True) if moved is buf else moved
+
+
+CHUNK = 2**15
+"""Elements per piece in which :func:`by_chunks` runs NumPy arrays (a few pieces fit a cache)."""
+
+
+def by_chunks(fn: Callable[..., None], *arrays: Any) -> None:
+    """``fn(*pieces, scratch)`` over matching flat pieces of ``arrays``, updated in place.
+
+    For NumPy arrays, contiguous and of one shape and dtype, the pieces are
+    ``CHUNK`` elements long and ``scratch`` a buffer of a piece's size, so
+    that an update of several passes reads and writes each array once while
+    a piece is in cache, and makes no temporary of the arrays' size (one is
+    mapped afresh and faulted in at every step). Otherwise ``fn`` runs once
+    on the whole arrays with ``scratch`` None.
+    """
+    first = arrays[0]
+    if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.shape == first.shape
+               and a.dtype == first.dtype for a in arrays) or first.size <= CHUNK:
+        fn(*arrays, None)
+        return
+    flat = [a.reshape(-1) for a in arrays]
+    scratch = np.empty(CHUNK, first.dtype)
+    for i in range(0, first.size, CHUNK):
+        n = min(CHUNK, first.size - i)
+        fn(*(a[i:i + n] for a in flat), scratch[:n])
+
+
+def _scaled(scratch: Any | None, x: Any, alpha: float) -> Any:
+    """``alpha * x``, written into ``scratch`` where there is one."""
+    return alpha * x if scratch is None else np.multiply(x, alpha, out=scratch)
+
+
+def add_scaled_(y: Any, x: Any, alpha: float) -> Any:
+    """``y += alpha * x`` in place (:func:`by_chunks`), and ``y``."""
+    def axpy(y: Any, x: Any, scratch: Any | None) -> None:
+        y += _scaled(scratch, x, alpha)
+
+    by_chunks(axpy, y, x)
+    return y
 
 
 def _is_array(x: Any) -> bool:

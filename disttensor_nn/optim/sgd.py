@@ -8,7 +8,7 @@ from typing import Any
 from disttensor.backend import array_namespace, astype, contiguous
 
 from ..parameter import Parameter
-from .optimizer import Optimizer, _like, check_number
+from .optimizer import Optimizer, _like, _scaled, add_scaled_, by_chunks, check_number
 
 __all__ = ["SGD"]
 
@@ -63,18 +63,33 @@ class SGD(Optimizer):
     def _update(self, i: int, p: Parameter) -> None:
         g = p.grad
         if self.weight_decay:
-            g = g + self.weight_decay * p.data
-        if self.momentum:
+            g = add_scaled_(g + 0, p.data, self.weight_decay)
+        lr, momentum, dampening = self.lr, self.momentum, self.dampening
+        if momentum:
             buf = self.state[i]
             if buf is None:
                 buf = self.state[i] = contiguous(g, copy=True)
+                fresh = True
             else:
                 if array_namespace(buf) is not array_namespace(g):  # the gradient moved
                     buf = self.state[i] = _like(g, buf)
-                buf *= self.momentum
-                buf += (1 - self.dampening) * g
-            g = g + self.momentum * buf if self.nesterov else buf
-        update = self.lr * g
-        if update.dtype != p.data.dtype:
-            update = astype(update, p.data.dtype)
-        p.data -= update
+                fresh = False
+            if not self.nesterov and g.dtype == p.data.dtype:
+                # buf = momentum * buf + (1 - dampening) * g; p -= lr * buf: one sweep
+                def step(data: Any, grad: Any, buf: Any, scratch: Any) -> None:
+                    if not fresh:
+                        buf *= momentum
+                        buf += grad if dampening == 0 else \
+                            _scaled(scratch, grad, 1 - dampening)
+                    data -= _scaled(scratch, buf, lr)
+
+                by_chunks(step, p.data, g, buf)
+                return
+            if not fresh:
+                buf *= momentum
+                add_scaled_(buf, g, 1 - dampening)
+            g = add_scaled_(g + 0, buf, momentum) if self.nesterov else buf
+        if g.dtype != p.data.dtype:
+            p.data -= astype(lr * g, p.data.dtype)
+        else:
+            add_scaled_(p.data, g, -lr)
