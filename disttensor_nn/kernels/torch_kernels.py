@@ -61,6 +61,7 @@ __all__ = [
     "grad_moments",
     "affine_grad",
     "affine",
+    "batch_norm_backward",
     "release_workspace",
     "INSTALL_HINT",
 ]
@@ -458,6 +459,34 @@ def grad_moments(g3: Any, x3: Any, centre: Any | None) -> tuple[Any, Any]:
     torch = require()
     sum_g, sum_gd = _sums(torch, _t(g3), _t(x3), centre)
     return _back(sum_g, g3), _back(sum_gd, g3)
+
+
+def batch_norm_backward(g3: Any, d3: Any, weight: Any | None, mean: Any, invstd: Any
+                        ) -> tuple[Any, Any, Any]:
+    """``(dx, sum(g), sum(g * xhat))`` of batch normalisation whose statistics are those
+    of this ``(N, C, M)`` block alone, ``xhat = (d3 - mean) * invstd``.
+
+    ATen's batch-norm backward in training mode, one call: ``d3`` holds the
+    deviations from the centre (:func:`channel_moments`), ``mean`` the mean
+    about it, ``weight`` the scale (None: ones); the sums in float64.
+    """
+    torch = require()
+    g, d = _t(g3), _t(d3)
+    c = g.shape[1]
+    kw = {"dtype": g.dtype, "device": g.device}
+    w = torch.ones(c, **kw) if weight is None else _t(weight).to(g.dtype)
+    out = _out(g3, g)
+    if out:
+        dx, dw, db = torch.ops.aten.native_batch_norm_backward.out(
+            g, d, w, None, None, _t(mean).to(g.dtype), _t(invstd).to(g.dtype), True, 0.0,
+            [True, True, True], out0=out["out"], out1=torch.empty(c, **kw),
+            out2=torch.empty(c, **kw))
+    else:
+        dx, dw, db = torch.ops.aten.native_batch_norm_backward(
+            g, d, w, None, None, _t(mean).to(g.dtype), _t(invstd).to(g.dtype), True, 0.0,
+            [True, True, True])
+    # ATen's weight gradient is sum(g * xhat) (the scale does not enter it)
+    return _back(dx, g3), _back(db.to(torch.float64), g3), _back(dw.to(torch.float64), g3)
 
 
 def affine_grad(g3: Any, x3: Any, centre: Any | None, a: Any, b: Any, c: Any) -> Any:

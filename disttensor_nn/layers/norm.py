@@ -309,6 +309,14 @@ class BatchNormNd(Layer):
         fused = self.kernel_backend == "torch"  # the torch kernels' fused passes
         kernels = kernels_for(kept, "torch") if fused else None
         x3, g3 = (kept3, gin3) if not converted else (None, None)
+        shared = (1, *(axes if self.stats == "global" else range(2, dy.ndim)))
+        if fused and centre is None and kept.size and \
+                split_axes_comm(dist, shared).Get_size() == 1:
+            # no other rank shares the statistics: ATen's batch-norm backward in one call
+            gamma = self.weight.data[chans] if self.affine else None
+            dx3, *moms = kernels.batch_norm_backward(g3, x3, gamma, mean, inv)
+            self._parameter_grads(xp, dist, self._whole(xp, dist, *moms))
+            return DistArray(xp.reshape(dx3, kept.shape), dist)
         dx3 = None
         moments = []
         for cs in parts:
@@ -332,16 +340,9 @@ class BatchNormNd(Layer):
         # the mean about the centre (the centre is zero where kept holds the deviations)
         offset = mean if centre is None else mean - astype(centre, np.float64)
         sums = self._whole(xp, dist, sum_g, inv * (sum_gd - offset * sum_g))
-        if self.stats == "group":
-            sums = allreduce_(sums, split_axes_comm(dist, (1, *range(2, dy.ndim))))
-            param_sums = allreduce_(contiguous(sums, copy=True), split_axes_comm(dist, (0,)))
-        else:
-            sums = allreduce_(sums, split_axes_comm(dist, (1, *axes)))
-            param_sums = sums
+        sums = allreduce_(sums, split_axes_comm(dist, shared))
+        self._parameter_grads(xp, dist, sums)
         C = self.num_features
-        if self.affine:
-            self.bias.grad += astype(param_sums[:C], self.dtype)
-            self.weight.grad += astype(param_sums[C:], self.dtype)
         sums = concat([sums[:C][chans], sums[C:][chans]])
         gamma = astype(self.weight.data[chans], np.float64) if self.affine else \
             xp.ones(c, dtype=f64, **device_kw(dy.local))
@@ -365,6 +366,18 @@ class BatchNormNd(Layer):
             return DistArray(dx, dist)
         dx3 = self._input_grad(xp, kernels, x3, g3, centre, scale, b, shift, dx3)
         return DistArray(xp.reshape(dx3, kept.shape), dist)
+
+    def _parameter_grads(self, xp: Any, dist: Distribution, sums: Any) -> None:
+        """Add the whole-C ``(sum(dy), sum(dy * xhat))`` of the ranks that share the
+        statistics to the parameters' gradients (``stats="group"``: summed over the sample
+        groups first)."""
+        if not self.affine:
+            return
+        if self.stats == "group":
+            sums = allreduce_(contiguous(sums, copy=True), split_axes_comm(dist, (0,)))
+        C = self.num_features
+        self.bias.grad += astype(sums[:C], self.dtype)
+        self.weight.grad += astype(sums[C:], self.dtype)
 
     @staticmethod
     def _input_grad(xp: Any, kernels: Any, x3: Any, g3: Any, centre: Any, scale: Any,
