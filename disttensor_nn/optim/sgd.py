@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from disttensor.backend import array_namespace, astype, contiguous
+from disttensor.backend import array_namespace, astype
 
 from ..parameter import Parameter
 from .optimizer import Optimizer, _like, _scaled, add_scaled_, by_chunks, check_number
@@ -62,30 +62,43 @@ class SGD(Optimizer):
 
     def _update(self, i: int, p: Parameter) -> None:
         g = p.grad
-        if self.weight_decay:
-            g = add_scaled_(g + 0, p.data, self.weight_decay)
-        lr, momentum, dampening = self.lr, self.momentum, self.dampening
+        lr, momentum, dampening, decay = self.lr, self.momentum, self.dampening, \
+            self.weight_decay
+        buf, fresh = None, False
         if momentum:
             buf = self.state[i]
-            if buf is None:
-                buf = self.state[i] = contiguous(g, copy=True)
+            if buf is not None and array_namespace(buf) is not array_namespace(g):
+                buf = self.state[i] = _like(g, buf)  # the gradient moved
+            elif buf is None:
+                buf = self.state[i] = array_namespace(g).empty_like(g)
                 fresh = True
-            else:
-                if array_namespace(buf) is not array_namespace(g):  # the gradient moved
-                    buf = self.state[i] = _like(g, buf)
-                fresh = False
-            if not self.nesterov and g.dtype == p.data.dtype:
-                # buf = momentum * buf + (1 - dampening) * g; p -= lr * buf: one sweep
-                def step(data: Any, grad: Any, buf: Any, scratch: Any) -> None:
-                    if not fresh:
+        if not self.nesterov and g.dtype == p.data.dtype:
+            # d = g + decay * p; buf = momentum * buf + (1 - dampening) * d; p -= lr * buf,
+            # in one sweep over cache-sized pieces (no temporary of the parameter's size)
+            def step(data: Any, grad: Any, *rest: Any) -> None:
+                *state, scratch = rest
+                d = grad
+                if decay:
+                    d = _scaled(scratch, data, decay)
+                    d += grad
+                if state:
+                    (buf,) = state
+                    if fresh:
+                        buf[...] = d
+                    else:
                         buf *= momentum
-                        buf += grad if dampening == 0 else \
-                            _scaled(scratch, grad, 1 - dampening)
-                    data -= _scaled(scratch, buf, lr)
+                        buf += d if dampening == 0 else (1 - dampening) * d
+                    d = buf
+                data -= _scaled(scratch, d, lr)
 
-                by_chunks(step, p.data, g, buf)
-                return
-            if not fresh:
+            by_chunks(step, p.data, g, *(() if buf is None else (buf,)))
+            return
+        if decay:
+            g = add_scaled_(g + 0, p.data, decay)
+        if momentum:
+            if fresh:
+                buf[...] = g
+            else:
                 buf *= momentum
                 add_scaled_(buf, g, 1 - dampening)
             g = add_scaled_(g + 0, buf, momentum) if self.nesterov else buf

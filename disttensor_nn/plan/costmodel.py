@@ -42,7 +42,7 @@ from disttensor.backend import numpy_dtype
 from ..costspec import CostSpec, largest_block
 from ..kernels import BACKENDS, layer_supports, with_backend
 from ..module import Layer
-from ..optim.optimizer import STAGES
+from ..optim.optimizer import CHUNK, STAGES
 from .machine import MachineProfile
 from .timer import KernelTimer, QueryRecorder, machine_id  # noqa: F401 (also importable here)
 
@@ -503,7 +503,8 @@ class CostModel:
         (:attr:`MachineProfile.reduce_scratch` per byte); ``local_grads`` gives
         their sizes (the layers' gradient allreduces, some summed in float64;
         default: the parameters' own sizes). The optimizer's
-        update of one parameter makes a temporary of its size. Whole parameters:
+        update of one parameter makes a temporary of its size (Adam) or of a
+        piece of it (SGD, :func:`disttensor_nn.optim.by_chunks`). Whole parameters:
         an upper bound where a plan shards some of them.
 
         With :attr:`shard_state` (:func:`disttensor_nn.optim.shard_state`) the
@@ -538,7 +539,28 @@ class CostModel:
         if stage >= 3:  # 1/P of the weights; a layer's gathered for its pass, and the
             # next one's gathered meanwhile: at most the two largest whole
             weights = weights * share + sum(sorted(sizes)[-2:])
-        return float(weights + held + state + max(pending, max(sizes, default=0) * share))
+        # the update's temporaries: SGD's sweep over pieces needs a piece's scratch, Adam's
+        # a temporary of the parameter's size
+        temp = max(sizes, default=0) * share
+        if self.state_slots < 2:
+            temp = min(temp, CHUNK * max((numpy_dtype(p.dtype).itemsize
+                                          for p in model.parameters()), default=4))
+        return float(weights + held + state + max(pending, temp))
+
+    def update_time(self, model: Layer) -> float:
+        """Seconds per training step of the optimizer's update of ``model``'s parameters
+        (and their gradients zeroed for the next step), as the kernel timer measures it
+        (:meth:`KernelTimer.update_time`: the optimizer that keeps ``state_slots`` arrays
+        per parameter, this rank's pieces under sharded state); 0 in inference and
+        without a timer that measures it (rate profiles)."""
+        update = getattr(self.timer, "update_time", None)
+        if not self.training or update is None:
+            return 0.0
+        params = list(model.parameters())
+        share = 1.0 / self.nprocs if STAGES.index(self.shard_state) >= 1 else 1.0
+        elements = sum(math.prod(p.shape) for p in params) * share
+        dtype = numpy_dtype(params[0].dtype) if params else np.dtype(np.float32)
+        return update(self.state_slots, len(params), int(elements), dtype, self.corun)
 
     def local_gradient_bytes(self, layer: Layer, in_shape: tuple[int, ...]) -> list[float]:
         """Bytes of the local gradients ``layer`` hands to the reduction (its gradient
