@@ -15,7 +15,15 @@ from mpi4py import MPI
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import assert_allclose, collective_assert
-from disttensor_nn.plan import CostModel, MachineProfile, Plan, Planner, apply_plan, candidates
+from disttensor_nn.plan import (
+    CostModel,
+    KernelTimer,
+    MachineProfile,
+    Plan,
+    Planner,
+    apply_plan,
+    candidates,
+)
 from disttensor_nn.training.cli import parse_bytes, plan_main
 
 F64 = np.float64
@@ -239,8 +247,6 @@ def _small_net() -> nn.Sequential:
 
 def test_contention_applies_only_to_times_taken_on_fewer_ranks(tmp_path):
     """A time measured with all ranks running is used as is; one taken alone is scaled."""
-    from disttensor_nn.plan import KernelTimer
-
     layer = nn.ReLU()
     prof = profile(measured=True, cores_per_node=2)
     timer = KernelTimer("t", cache_dir=str(tmp_path), measure=False)
@@ -266,7 +272,6 @@ def test_first_layer_is_timed_without_its_input_gradient(tmp_path, monkeypatch):
     Training runs its backward without the input gradient, so its time must
     not be shared with (or taken from) the same layer that computes one.
     """
-    from disttensor_nn.plan import KernelTimer
 
     f4 = np.dtype(np.float32)
     shape = (1, 3, 10, 10)
@@ -331,6 +336,46 @@ def test_warm_up_runs_every_layer_and_leaves_the_model_alone(monkeypatch):
     assert all(getattr(layer, "_saved", None) is None for layer in model)
 
 
+
+@pytest.mark.parallel([1, 2, 3])
+def test_the_optimizer_update_is_timed_on_every_rank_and_in_the_plan(tmp_path_factory):
+    """Planner.calibrate times the optimizer's update on all ranks at once (the same costs
+    on every rank, once); the plan's time and compute hold it beside the layers' (a note
+    says so), in proportion to this rank's parameters; inference plans and rate profiles
+    have none."""
+    comm = MPI.COMM_WORLD
+    p = comm.Get_size()
+    cache = comm.bcast(str(tmp_path_factory.mktemp("update")) if comm.rank == 0 else None)
+    model = _small_net()
+    shape = (4, 3, 12, 10)
+    timer = KernelTimer("u", cache_dir=cache)
+    timer.update_elements = 2**16
+    cost = CostModel(profile(measured=True, cores_per_node=2), p, timer, state_slots=2)
+    planner = Planner(model, shape, cost)
+    planner.calibrate(comm, reps=2)
+    entry = timer.table.get(timer.update_key(2, np.float32, p))
+    collective_assert(entry is not None and entry[0] > 0 and entry[1] > 0, f"{entry}")
+    assert_allclose(np.array(entry), comm.bcast(np.array(entry)), rtol=0, atol=0)
+    collective_assert(not timer.measure_update(2, np.float32, comm), "timed again")
+    params = list(model.parameters())
+    n = sum(q.data.size for q in params)
+    update = entry[0] * len(params) + entry[1] * n
+    collective_assert(cost.update_time(model) == pytest.approx(update, rel=1e-12))
+    plan = planner.plan()
+    layers = sum(e.fwd + e.bwd for e in plan.entries)
+    collective_assert(plan.compute == pytest.approx(layers + update, rel=1e-9),
+                      f"{plan.compute} {layers} {update}")
+    collective_assert(any("optimizer update" in note for note in plan.notes), f"{plan.notes}")
+    # sharded optimizer state: this rank's pieces
+    sharded = CostModel(profile(measured=True, cores_per_node=2), p, timer, state_slots=2,
+                        shard_state="optimizer")
+    collective_assert(sharded.update_time(model) == pytest.approx(
+        entry[0] * len(params) + entry[1] * int(n / p), rel=1e-12))
+    inference = CostModel(profile(measured=True, cores_per_node=2), p, timer, training=False)
+    collective_assert(inference.update_time(model) == 0.0)
+    collective_assert(CostModel(profile(), p).update_time(model) == 0.0)
+
+
 @pytest.mark.parallel([1, 2, 3, 4])
 def test_calibration_in_network_order(tmp_path_factory):
     """Planner.calibrate measures every layer under every candidate on all ranks at once.
@@ -340,7 +385,6 @@ def test_calibration_in_network_order(tmp_path_factory):
     nothing; the model's parameters and batch-norm statistics are untouched;
     a candidate whose uniform plan exceeds the budget is skipped.
     """
-    from disttensor_nn.plan import KernelTimer
 
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
@@ -410,7 +454,6 @@ def _cupy_with_gpu():
 @pytest.mark.skipif(_cupy_with_gpu() is None, reason="needs CuPy and a GPU")
 def test_kernel_timer_measures_gpu_twins(tmp_path):
     """With xp=cupy the twins run on the GPU (synchronised timing), under their own keys."""
-    from disttensor_nn.plan import KernelTimer
 
     cupy = _cupy_with_gpu()
     timer = KernelTimer("gpu", cache_dir=str(tmp_path), xp=cupy)

@@ -407,6 +407,15 @@ class Planner:
         comm = MPI.COMM_SELF if comm is None else comm
         corun = comm.Get_size()
         dtype = self.cost.dtype
+        params = list(self.model.parameters())
+        slots = self.cost.state_slots
+        # the optimizer's update, on every rank at once, where its arrays fit the budget too
+        if self.cost.training and params and (
+                self.budget is None or self.budget >= self.base_memory +
+                timer.update_bytes(slots, params[0].dtype)):
+            if timer.measure_update(slots, params[0].dtype, comm):
+                self.notes.append(f"optimizer update timed on {corun} "
+                                  f"rank{'' if corun == 1 else 's'} at once")
         queries, news = [], 0
         for cand, split in self.states:
             cand_queries = self.kernel_queries(cand, split)
@@ -670,8 +679,14 @@ class Planner:
                                      self._kernel_dtype(node.layer, lc.kernels)))
             prev = o
         step = self.assignment_step(assign)
-        return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries, t, mem,
-                    self.budget, notes, self.baseline, step.compute, step.exposed, step.hidden,
+        # the optimizer's update: the same under every assignment, so not in the search
+        update = self.cost.update_time(self.model)
+        if update:
+            notes = [*notes, f"optimizer update {1e3 * update:.2f} ms per step (timed), in "
+                             "the time and the compute"]
+        return Plan(self.cost.nprocs, self.batch_shape, self.cost.profile.name, entries,
+                    t + update, mem, self.budget, notes, self.baseline, step.compute + update,
+                    step.exposed, step.hidden,
                     self.cost.training, self.cost.inner, self.cost.shard_state,
                     precision_of(self.cost.dtype))
 

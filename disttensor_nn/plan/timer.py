@@ -40,6 +40,8 @@ from ..costspec import CostSpec
 from ..kernels import kernels_for, layer_supports, synchronize, threads_now, with_backend
 from ..memory import release_free_memory
 from ..module import Layer
+from ..optim import SGD, Adam
+from ..parameter import Parameter
 from ..window import WindowSpec
 from .machine import MachineProfile, default_cache_dir
 
@@ -140,6 +142,89 @@ class KernelTimer:
             return fwd * factor, bwd * factor, False, 1
         rate = self._rate(layer.kernel_signature().split(":")[0])
         return flops / rate, 2 * flops / rate, True, 1
+
+    update_elements: int = 2**22
+    """Elements of the one parameter on which :meth:`update_time` times the per-element cost."""
+    update_params: int = 64
+    """Small parameters on which :meth:`update_time` times the per-parameter cost."""
+
+    def update_key(self, slots: int, dtype: Any, corun: int = 0) -> str:
+        """Cache key of an optimizer update's costs (:meth:`update_time`): alone
+        (``corun=0``) or on ``corun`` ranks at once, with this rank's threads now."""
+        pool, blas = threads_now()
+        where = (f"seq{corun}" if corun else "alone") + f"|t{pool}.{blas}"
+        return f"update:{int(slots)}|{np.dtype(dtype).str}|{where}{self._where}"
+
+    def update_time(self, slots: int, params: int, elements: int, dtype: Any = np.float32,
+                    corun: int = 1) -> float:
+        """Seconds of one optimizer step (and the gradients zeroed for the next) over
+        ``params`` parameters of ``elements`` elements in all, of ``dtype``.
+
+        ``slots`` arrays of state per parameter name the optimizer:
+        :class:`~disttensor_nn.optim.SGD` without (0) and with momentum (1),
+        :class:`~disttensor_nn.optim.Adam` (2), with AMSGrad (3). The cost is
+        one per parameter plus one per element, timed on ``update_params``
+        small parameters and on one of ``update_elements``: on ``corun`` ranks
+        at once where :meth:`measure_update` took it, else on one, else alone
+        now (kept in the cache with the kernels; with ``measure`` off, 0).
+        """
+        for co in dict.fromkeys((corun, 1, 0)):
+            entry = self.table.get(self.update_key(slots, dtype, co))
+            if entry is not None:
+                break
+        else:
+            if not self.measure:
+                return 0.0
+            entry = self.table[self.update_key(slots, dtype)] = self._update_costs(slots, dtype)
+            self._dirty = True
+        per_param, per_element = entry[:2]
+        return params * per_param + elements * per_element
+
+    def update_bytes(self, slots: int, dtype: Any) -> float:
+        """Bytes :meth:`measure_update` allocates: the parameter, its gradient and state."""
+        return float((2 + slots) * self.update_elements * np.dtype(dtype).itemsize)
+
+    def measure_update(self, slots: int, dtype: Any, comm: Any) -> bool:
+        """Time the update costs of :meth:`update_time` on every rank of ``comm`` at once
+        (the slowest rank's), unless every rank has them for this many ranks already.
+        Collective; whether anything was timed."""
+        key = self.update_key(slots, dtype, comm.Get_size())
+        if not comm.allreduce(key not in self.table, op=MPI.LOR):
+            return False
+        comm.Barrier()
+        costs = np.array(self._update_costs(slots, dtype))
+        comm.Allreduce(MPI.IN_PLACE, costs, op=MPI.MAX)
+        self.table[key] = [float(c) for c in costs]
+        self._dirty = True
+        return True
+
+    def _update_costs(self, slots: int, dtype: Any) -> list[float]:
+        """``[seconds per parameter, seconds per element]`` of the optimizer of ``slots``."""
+        big = self._time_update(slots, [self.update_elements], dtype)
+        small = self._time_update(slots, [16] * self.update_params, dtype)
+        per_param = small / self.update_params
+        return [per_param, max(big - per_param, 0.0) / self.update_elements]
+
+    def _time_update(self, slots: int, sizes: Sequence[int], dtype: Any) -> float:
+        """Median seconds of ``step()`` and ``zero_grad()`` of the optimizer of ``slots``
+        over parameters of ``sizes`` (their gradients filled, the state made first)."""
+        xp = self.xp
+        params = [Parameter(xp.zeros(n, dtype=dtype)) for n in sizes]
+        for q in params:
+            q.grad[...] = 1e-3
+        opt = SGD(params, lr=1e-3, momentum=0.9 if slots else 0.0) if slots < 2 else \
+            Adam(params, lr=1e-3, amsgrad=slots > 2)
+        runs = []
+        for r in range(self.reps + 1):
+            t0 = self._clock()
+            opt.step()
+            opt.zero_grad()
+            t1 = self._clock()
+            for q in params:
+                q.grad[...] = 1e-3
+            if r:  # the first makes the state
+                runs.append(t1 - t0)
+        return float(np.median(runs))
 
     def _rate(self, kind: str) -> float:
         rates = [v[2] / max(v[0], 1e-9) for k, v in self.table.items()
