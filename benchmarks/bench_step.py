@@ -33,7 +33,8 @@ module hooks), so it includes the hooks' small overhead and is not used for
 the totals. PyTorch's full backward hook on the first layer, whose input
 needs no gradient, fires before that layer's weight gradient is computed:
 that gradient's time is in none of PyTorch's per-layer clocks (the first
-convolution's backward reads near 0 there), only in the totals. JSON goes to ``benchmarks/results/bench_step_MODELS_pN_tM.json``.
+convolution's backward reads near 0 there), only in the totals. JSON goes to
+``benchmarks/results/bench_step_MODELS_pN_tM.json``.
 """
 
 from __future__ import annotations

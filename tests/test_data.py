@@ -102,6 +102,62 @@ def test_blocks_equal_the_single_rank_batch(name):
 
 
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_kept_blocks_equal_the_made_ones_are_made_once_and_stay_within_their_bytes(
+        name, monkeypatch):
+    """Dataset.keep: later epochs copy this rank's kept blocks (each made once, the first
+    time the rank is given its sample), equal to the single-rank batch; no more than the
+    bytes given are kept; Loader.keep_bytes is what keeping every sample's blocks holds."""
+    ds = DATASETS[name]()
+    made = []
+    for method in ("_input_block", "_target_block"):
+        if hasattr(type(ds), method):
+            real = getattr(type(ds), method)
+            monkeypatch.setattr(type(ds), method, lambda self, i, where, real=real, m=method:
+                                (made.append((m, i)), real(self, i, where))[1])
+    layout = layouts()["sample x H"]
+    target = Layout(layout.grid, layout.axes) if ds.has_spatial_target else None
+    loader = Loader(ds, 4, layout, shuffle=True, seed=3, target_layout=target)
+    ds.keep(loader.keep_bytes())
+    ref = DATASETS[name]()  # the same data, keeping nothing
+    loaded = []  # the blocks the loader had made (not the reference's)
+    for epoch in range(3):
+        for idx in loader.batches(epoch):
+            before = len(made)
+            x, y = loader.load(idx)
+            loaded += made[before:]
+            xw, yw = whole(ref, idx)
+            ok = np.array_equal(x.local, xw[x.dist.local_slices()]) and (
+                np.array_equal(y.local, yw[y.dist.local_slices()])
+                if isinstance(y, dt.DistArray) else np.array_equal(y, yw))
+            collective_assert(ok, f"epoch {epoch}: batch {idx}")
+    # each block made once, the first time this rank was given its sample
+    collective_assert(len(loaded) == len(set(loaded)), f"made twice: {loaded}")
+    # all that was made is kept (the samples this rank was given so far)
+    collective_assert(0 < ds.kept_bytes <= loader.keep_bytes() == ds.keep_limit,
+                      f"{ds.kept_bytes} {loader.keep_bytes()}")
+    # a smaller allowance keeps fewer blocks, never more bytes than allowed
+    ds.keep(loader.keep_bytes() // 3)
+    for idx in loader.batches(0):
+        loader.load(idx)
+    third = loader.keep_bytes() // 3
+    collective_assert(ds.keep_limit == third and 0 < ds.kept_bytes <= third or third == 0,
+                      f"{ds.kept_bytes} of {third}")
+    ds.keep(0)
+    collective_assert(ds.kept_bytes == 0 and ds.keep_limit == 0)
+
+
+@pytest.mark.parallel([1])
+def test_only_generated_data_sets_keep_blocks(tmp_path):
+    mesh = MeshSynthetic(4, size=(8, 8), channels=2)
+    with pytest.raises(ValueError, match=">= 0"):
+        mesh.keep(-1)
+    save_npy_dataset(tmp_path / "npy", mesh)
+    with pytest.raises(ValueError, match="only generated data sets"):
+        NpyDataset(tmp_path / "npy").keep(2**20)
+
+
+@pytest.mark.parallel(SIZES)
 def test_labels_as_distarray():
     ds = DATASETS["imagenet"]()
     _, labels = whole(ds, INDICES)

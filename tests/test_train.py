@@ -86,6 +86,21 @@ def _history(summary: dict) -> list[float]:
 
 
 @pytest.mark.parallel(3)
+def test_kept_synthetic_data_trains_the_same_and_is_counted():
+    """A synthetic data set keeps its blocks after the first epoch (16 samples in batches
+    of 4: epochs 2 and 3 copy them): the same losses bit for bit as making them again, and
+    the kept bytes in the predicted peak, at most the whole data set's."""
+    kept = train(config(steps=10))
+    fresh = train(config(steps=10, keep_data=False))
+    collective_assert(_history(kept) == _history(fresh), f"{_history(kept)} vs "
+                                                          f"{_history(fresh)}")
+    whole = 16 * (18 + 1) * 64 * 64 * 4
+    collective_assert(0 < kept["predicted_kept_data_bytes"] <= whole,
+                      f"{kept['predicted_kept_data_bytes']} of {whole}")
+    collective_assert(fresh["predicted_kept_data_bytes"] == 0)
+
+
+@pytest.mark.parallel(3)
 def test_resume_is_bitwise_identical():
     comm = MPI.COMM_WORLD
     tmp = shared_tmpdir(comm)

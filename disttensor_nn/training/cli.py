@@ -487,6 +487,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-memory", action="store_true",
                         help="print and save (metrics file) peak memory by phase and by layer, "
                         "with the largest allocations at the training step's peaks")
+    parser.add_argument("--no-keep-data", action="store_true",
+                        help="make a synthetic data set's blocks again in every epoch instead "
+                        "of keeping them after the first (kept only where all of them fit a "
+                        "quarter of the memory the plan leaves free)")
     parser.add_argument("--no-block-cache", action="store_true",
                         help="map each step's large arrays afresh instead of reusing them "
                         "from a cache bounded by the plan's predicted step memory")
@@ -534,7 +538,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       progress=not a.no_progress, data=a.data, data_input=a.data_input,
                       data_target=a.data_target, recalibrate=a.recalibrate,
                       profile_memory=a.profile_memory, recompute=a.recompute,
-                      block_cache=not a.no_block_cache,
+                      block_cache=not a.no_block_cache, keep_data=not a.no_keep_data,
                       device=a.device, accumulate=a.accumulate, kernels=a.kernels,
                       threads=a.threads, prefetch=a.prefetch, optimizer=a.optimizer,
                       schedule=a.schedule, warmup_steps=a.warmup_steps,

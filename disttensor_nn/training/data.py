@@ -139,9 +139,62 @@ class Dataset:
     target_shape: tuple[int, ...]
     dtype: np.dtype
     target_dtype: np.dtype
+    generated: bool = False
+    """Whether the blocks are computed from their sample and place alone (synthetic data
+    sets), so that :meth:`keep` may keep them."""
+    _kept: dict[tuple[str, int, tuple[tuple[int, int], ...]], np.ndarray] | None = None
+    _keep_left: int = 0
 
     def __len__(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def keep(self, nbytes: int) -> None:
+        """Keep the blocks this rank makes, up to ``nbytes`` of them, for the next time they
+        are asked for (a later epoch copies them instead of computing them again).
+
+        Only for :attr:`generated` data sets (a file's blocks are kept by the
+        operating system's page cache instead); blocks beyond ``nbytes`` are
+        made each time as before. ``keep(0)`` lets the kept blocks go.
+
+        Raises
+        ------
+        ValueError
+            For a negative ``nbytes``, or a data set that is not generated.
+        """
+        if not self.generated:
+            raise ValueError(f"{type(self).__name__} reads its blocks: only generated data "
+                             "sets keep them")
+        if int(nbytes) < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+        self._kept, self._keep_left = ({} if nbytes else None), int(nbytes)
+
+    @property
+    def keep_limit(self) -> int:
+        """The bytes :meth:`keep` was given (0: blocks are not kept)."""
+        return self._keep_left + self.kept_bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the blocks :meth:`keep` holds now on this rank."""
+        return sum(a.nbytes for a in (self._kept or {}).values())
+
+    def _keeping(self, kind: str, make: Callable[[int, Slices], np.ndarray]
+                 ) -> Callable[[int, Slices], np.ndarray]:
+        """``make``, through the blocks :meth:`keep` holds (``kind``: input or target)."""
+        kept = self._kept
+        if kept is None:
+            return make
+
+        def block(sample: int, where: Slices) -> np.ndarray:
+            key = (kind, sample, tuple((w.start, w.stop) for w in where))
+            got = kept.get(key)
+            if got is None:
+                got = make(sample, where)
+                if got.nbytes <= self._keep_left:
+                    kept[key] = got
+                    self._keep_left -= got.nbytes
+            return got
+        return block
 
     # -- what subclasses provide
     def _input_block(self, sample: int, where: Slices) -> np.ndarray:  # pragma: no cover
@@ -187,8 +240,8 @@ class Dataset:
     def _inputs(self, idx: np.ndarray, dist_x: Distribution) -> DistArray:
         """This rank's block of the input batch of samples ``idx`` (checked on every rank)."""
         self._check_index(idx)
-        return _blocks(idx, dist_x, self.sample_shape, self.dtype, self._input_block,
-                       "dist_x", "the batch is")
+        return _blocks(idx, dist_x, self.sample_shape, self.dtype,
+                       self._keeping("input", self._input_block), "dist_x", "the batch is")
 
     def inputs(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution) -> DistArray:
         """The inputs of samples ``indices`` alone, laid out as ``dist_x`` (for inference).
@@ -242,8 +295,8 @@ class Dataset:
             return x, DistArray.from_local(labels[dist_y.local_slices()], dist_y)
         if dist_y is None:
             dist_y = self.target_distribution(dist_x)
-        y = _blocks(idx, dist_y, self.target_shape, self.target_dtype, self._target_block,
-                    "dist_y", "the targets are")
+        y = _blocks(idx, dist_y, self.target_shape, self.target_dtype,
+                    self._keeping("target", self._target_block), "dist_y", "the targets are")
         return x, y
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -290,6 +343,8 @@ class ImageNetSynthetic(Dataset):
     """
 
     channels = 3
+
+    generated = True
 
     def __init__(self, num_samples: int, image_size: int | tuple[int, int] = 224,
                  num_classes: int = 1000, seed: int = 0, dtype: Any = np.float32):
@@ -370,6 +425,8 @@ class MeshSynthetic(Dataset):
     dtype : dtype
         Element type of inputs and mask (float32 by default).
     """
+
+    generated = True
 
     def __init__(self, num_samples: int, size: tuple[int, int] = (256, 256), channels: int = 18,
                  seed: int = 0, *, modes: int = 4, noise: float = 0.05,
@@ -467,6 +524,8 @@ class NoiseDataset(Dataset):
     dtype : dtype
         Element type of inputs and targets (float32 by default).
     """
+
+    generated = True
 
     def __init__(self, num_samples: int, sample_shape: Sequence[int],
                  target_shape: Sequence[int], seed: int = 0, dtype: Any = np.float32):
@@ -992,6 +1051,23 @@ class Loader:
         order = self.order(epoch)
         b = self.batch_size
         return [order[i * b:(i + 1) * b] for i in range(len(self))]
+
+    def keep_bytes(self) -> int:
+        """Bytes of the blocks this rank holds when the data set keeps every sample's
+        (:meth:`Dataset.keep`): each sample's block of the input and of a spatial target in
+        this loader's layouts, as made (the data set's dtypes); 0 on a rank that holds no
+        sample of a batch."""
+        ds = self.dataset
+        dist_x = self.layout.distribution((self.batch_size, *ds.sample_shape))
+        sl = dist_x.local_slices()
+        if sl[0].stop <= sl[0].start:
+            return 0
+        n = math.prod(s.stop - s.start for s in sl[1:]) * np.dtype(ds.dtype).itemsize
+        if self.target_layout is not None:
+            dist_y = self.target_layout.distribution((self.batch_size, *ds.target_shape))
+            n += math.prod(s.stop - s.start for s in dist_y.local_slices()[1:]) * \
+                np.dtype(ds.target_dtype).itemsize
+        return len(ds) * n
 
     def load(self, indices: np.ndarray) -> tuple[DistArray, DistArray | np.ndarray]:
         """The batch of samples ``indices`` in this loader's layouts."""

@@ -133,6 +133,9 @@ class TrainConfig:
     recalibrate: bool = False  # measure this machine again even if a calibration is cached
     profile_memory: bool = False  # peak memory by phase and layer, largest allocations
     block_cache: bool = True  # the step's large blocks reused from step to step
+    # a synthetic data set's blocks kept after they are made, where all of them fit a quarter
+    # of the memory the plan leaves free (later epochs copy them)
+    keep_data: bool = True
     recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
     accumulate: int = 1  # micro-batches of `batch` samples per step, one gradient reduction
@@ -319,6 +322,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
                     target_layout=target_layout, xp=None if is_numpy(xp) else xp,
                     dtype=activation_dtype(model))
+    _keep_data(cfg, loader, plan, comm)
     lr = cfg.lr if cfg.lr is not None else spec.lr
     opt = make_optimizer(replace(cfg, shard_state=stage), model.parameters(), lr)
     sched = make_scheduler(cfg, opt)
@@ -361,6 +365,23 @@ def _planned_blocks(plan: Plan, model: Layer, comm: MPI.Comm, stage: str) -> flo
     process besides its parameters and their gradients: the step's blocks."""
     return plan.peak_memory - plan.baseline_memory - _planned_params(model, stage,
                                                                      comm.Get_size())
+
+
+KEEP_SHARE = 0.25
+"""Share of the memory a plan leaves free that a synthetic data set's kept blocks may take."""
+
+
+def _keep_data(cfg: TrainConfig, loader: Loader, plan: Plan, comm: MPI.Comm) -> int:
+    """Let a generated data set keep its blocks (:meth:`Dataset.keep`) where every rank's
+    blocks of every sample fit :data:`KEEP_SHARE` of the memory the plan leaves free; the
+    same decision on every rank. Returns the most bytes a rank keeps (0: none)."""
+    data = loader.dataset
+    need = comm.allreduce(loader.keep_bytes(), op=MPI.MAX)
+    room = (plan.memory_budget or 0) - plan.peak_memory
+    if not (cfg.keep_data and data.generated and 0 < need <= KEEP_SHARE * room):
+        return 0
+    data.keep(loader.keep_bytes())
+    return need
 
 
 def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> int:
@@ -574,6 +595,9 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         # the limit above the blocks the plan counts comes on top of the plan's peak
         "predicted_cache_slack_bytes": _cache_slack(plan, model, comm, plan.shard_state,
                                                     cache_limit),
+        # a synthetic data set's blocks, kept by the end of the first epoch
+        "predicted_kept_data_bytes": comm.allreduce(
+            loader.dataset.keep_limit, op=MPI.MAX),
         "predicted_baseline_memory_bytes": plan.baseline_memory,
         "training_peak_memory_per_rank_bytes": peaks["training_peak_memory_per_rank_bytes"],
         "planning_peak_memory_per_rank_bytes": peaks["planning_peak_memory_per_rank_bytes"],

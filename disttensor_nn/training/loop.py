@@ -419,10 +419,13 @@ def print_summary(s: dict) -> None:
         print(warning)
     budget = s.get("memory_budget_bytes")
     slack = s.get("predicted_cache_slack_bytes") or 0
+    kept = s.get("predicted_kept_data_bytes") or 0
     print(f"peak memory per rank (resident): training step "
           f"{s['training_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (predicted "
-          f"{(s['predicted_peak_memory_bytes'] + slack) / 2**20:.0f} MiB"
+          f"{(s['predicted_peak_memory_bytes'] + slack + kept) / 2**20:.0f} MiB"
           + (f", the block cache's slack of {slack / 2**20:.0f} MiB included" if slack else "")
+          + (f", the synthetic data's kept blocks of {kept / 2**20:.0f} MiB included"
+             if kept else "")
           + "), planning "
           f"{s['planning_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB, whole run "
           f"{s['peak_memory_per_rank_bytes'] / 2**20:.0f} MiB"

@@ -97,6 +97,8 @@ class SegmentationSynthetic(Dataset):
     dtype : dtype
     """
 
+    generated = True
+
     def __init__(self, num_samples: int, size: tuple[int, ...], channels: int = 1,
                  classes: int = 2, seed: int = 0, *, modes: int = 3, noise: float = 0.05,
                  dtype: Any = np.float32):
@@ -146,6 +148,8 @@ class CosmoSynthetic(Dataset):
     seed : int
     dtype : dtype
     """
+
+    generated = True
 
     def __init__(self, num_samples: int, size: tuple[int, ...], channels: int = 4,
                  outputs: int = 4, seed: int = 0, *, dtype: Any = np.float32):
