@@ -83,13 +83,31 @@ def _u64(values: Any) -> np.ndarray:
 
 def _noise(key: np.uint64, sample: int, channels: np.ndarray, ys: np.ndarray, xs: np.ndarray,
            shape: tuple[int, int, int]) -> np.ndarray:
-    """Uniform noise in ``[-1, 1)`` at global ``(sample, channel, y, x)``, shape (c, h, w)."""
-    c_n, h_n, w_n = (np.uint64(s) for s in shape)
+    """Uniform noise in ``[-1, 1)`` (float32, 24 bits) at global ``(sample, channel, y, x)``,
+    shape (c, h, w).
+
+    Each row ``(sample, channel, y)`` takes a 32-bit key from one SplitMix64
+    round of its global index; each element hashes its row's key plus ``x``
+    times the golden ratio with a 32-bit finaliser (lowbias32: two
+    multiplications, three shifts), a few passes over 4-byte words where a
+    64-bit hash of every element took three times as long.
+    """
+    c_n, h_n, _ = (np.uint64(s) for s in shape)
     with np.errstate(over="ignore"):
-        base = (np.uint64(sample) * c_n + _u64(channels))[:, None, None] * h_n
-        counter = ((base + _u64(ys)[None, :, None]) * w_n) + _u64(xs)[None, None, :]
-    bits = _mix(counter, key)  # one SplitMix64 round: ample for noise, and half the cost
-    return (bits >> np.uint64(11)).astype(np.float64) * (2.0**-52) - 1.0
+        rows = (np.uint64(sample) * c_n + _u64(channels))[:, None] * h_n + _u64(ys)[None, :]
+        keys = (_mix(rows, key) >> np.uint64(32)).astype(np.uint32)
+        steps = (_u64(xs) * np.uint64(0x9E3779B9)).astype(np.uint32)
+    v = np.add(keys[:, :, None], steps[None, None, :])  # wraps modulo 2**32
+    t = np.empty_like(v)
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 0)):
+        v ^= np.right_shift(v, shift, out=t)
+        if factor:
+            v *= np.uint32(factor)
+    v >>= np.uint32(8)
+    out = t.view(np.float32)
+    np.multiply(v, np.float32(2.0**-23), out=out, casting="unsafe")
+    out -= np.float32(1.0)
+    return out
 
 
 def _indices(indices: Any) -> np.ndarray:
@@ -459,24 +477,38 @@ class MeshSynthetic(Dataset):
         return fy, fx, amp, phase
 
     def _fields(self, sample: int, cs: np.ndarray, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
-        """Input values at the global coordinates ``cs x ys x xs`` (any integer arrays)."""
+        """Input values at the global coordinates ``cs x ys x xs`` (any integer arrays).
+
+        Each wave ``a sin(ay + bx)`` is ``sin(ay) (a cos bx) + cos(ay) (a sin bx)``:
+        factors of y and of (channel, x) in float64, their products summed in
+        float32 in a fixed order (values independent of the block), a few
+        channels at a time.
+        """
         _, h, w = self.sample_shape
         fy, fx, amp, phase = self._params(sample)
+        f32 = np.float32
         out = np.empty((len(cs), len(ys), len(xs)), self.dtype)
-        # a few channels at a time, so that the float64 scratch stays near FIELD_CHUNK bytes
+        ay = 2 * np.pi * fy[:, None] * ys[None, :] / h                           # (K, h)
+        sy, cy = np.sin(ay).astype(f32), np.cos(ay).astype(f32)
+        # a few channels at a time, so that the scratch stays near FIELD_CHUNK bytes
         # whatever the block (a whole 1024 x 1024 sample would need several GiB of it)
         step = max(1, FIELD_CHUNK // max(8 * len(ys) * len(xs), 1))
         for c0 in range(0, len(cs), step):
             cc = cs[c0:c0 + step]
-            a, ph = amp[cc], phase[cc]
-            acc = np.zeros((len(cc), len(ys), len(xs)))
-            for k in range(self.modes):  # a fixed summation order: values independent of the block
-                ay = 2 * np.pi * fy[k] * ys / h                                   # (h,)
-                bx = 2 * np.pi * fx[k] * xs[None, :] / w + ph[:, k, None]         # (c, w)
-                acc += a[:, k, None, None] * (np.sin(ay)[None, :, None] * np.cos(bx)[:, None, :]
-                                              + np.cos(ay)[None, :, None] * np.sin(bx)[:, None, :])
+            bx = 2 * np.pi * fx[None, :, None] * xs[None, None, :] / w + phase[cc][:, :, None]
+            a = amp[cc][:, :, None]                                               # (c, K, w)
+            px, qx = (a * np.cos(bx)).astype(f32), (a * np.sin(bx)).astype(f32)
+            acc = np.empty((len(cc), len(ys), len(xs)), f32)
+            tmp = np.empty_like(acc)
+            for k in range(self.modes):  # a fixed summation order
+                np.multiply(sy[k][None, :, None], px[:, k][:, None, :], out=tmp if k else acc)
+                if k:
+                    acc += tmp
+                acc += np.multiply(cy[k][None, :, None], qx[:, k][:, None, :], out=tmp)
             if self.noise:
-                acc += self.noise * _noise(self._k_noise, sample, cc, ys, xs, self.sample_shape)
+                noise = _noise(self._k_noise, sample, cc, ys, xs, self.sample_shape)
+                noise *= f32(self.noise)
+                acc += noise
             out[c0:c0 + step] = acc
         return out
 
