@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 from mpi4py import MPI
+from threadpoolctl import threadpool_info
 
 import disttensor as dt
 import disttensor_nn as nn
@@ -24,6 +25,8 @@ from disttensor_nn.kernels import (
     available_backends,
     check_backend,
     kernels_for,
+    limit_threads,
+    threads_now,
     torch_kernels,
     use_kernels,
     with_backend,
@@ -209,3 +212,26 @@ def test_the_clis_refuse_torch_kernels_without_torch_with_one_message_and_exit_2
         assert r.stderr.count("error:") == 1, r.stderr
         assert 'pip install "disttensor[torch]"' in r.stderr, r.stderr
         assert "planning" not in r.stdout and "calibrat" not in r.stdout, r.stdout
+
+
+@pytest.mark.parallel([1])
+def test_threads_go_to_the_kernels_pool_where_torch_kernels_run_else_to_blas():
+    """limit_threads: with PyTorch's kernels in play BLAS keeps one thread (its spinning
+    workers took the cores from PyTorch's) and the NumPy kernels' pool and PyTorch take the
+    threads; with NumPy's kernels alone, or without PyTorch, BLAS takes them."""
+    def blas_threads() -> set[int]:
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
+    try:
+        limit_threads(2, kernels="numpy")
+        assert threads_now() == (1, 2) and blas_threads() == {2}
+        limit_threads(2, kernels="auto")
+        if HAS_TORCH:
+            assert threads_now() == (2, 1) and blas_threads() == {1}
+            assert torch_kernels.require().get_num_threads() == 2
+        else:
+            assert threads_now() == (1, 2) and blas_threads() == {2}
+        limit_threads(1, kernels="torch")
+        assert threads_now() == (1, 1) and blas_threads() == {1}
+    finally:
+        limit_threads(1)

@@ -63,18 +63,30 @@ def set_num_threads(n: int) -> None:
     torch_kernels.set_num_threads(n)
 
 
-def limit_threads(threads: int | None = None, comm: Any = None) -> int:
-    """Set this rank's kernel threads: BLAS's and PyTorch's intra-op pool; returns the count.
+def limit_threads(threads: int | None = None, comm: Any = None,
+                  kernels: str | None = None) -> int:
+    """Set this rank's kernel threads; returns the count.
 
     Collective over ``comm`` when ``threads`` is None: the default is the
     cores this process may use divided by the ranks of its node
     (:func:`disttensor.limit_blas_threads`), so ranks x threads stays within
-    the cores. The NumPy kernels' own pool (:func:`set_num_threads`) is left
-    as it is: with BLAS threads it would oversubscribe the cores.
+    the cores. PyTorch's intra-op pool gets them. Where PyTorch's kernels
+    may run (``kernels`` other than ``"numpy"``, PyTorch installed) the BLAS
+    library keeps one thread and the NumPy kernels' own pool
+    (:func:`set_num_threads`) takes the others: a multi-threaded BLAS's
+    workers spin for a while after every call, on the cores PyTorch's
+    threads then need (mesh-demo, 1 rank x 2 threads, NumPy and torch
+    kernels mixed: 185 ms a step against 75 ms). With ``kernels="numpy"``,
+    or without PyTorch, BLAS takes the threads and the pool keeps one (with
+    BLAS threads it would oversubscribe the cores).
     """
     n = limit_blas_threads(threads, comm)
+    pool = kernels != "numpy" and torch_kernels.available() and n > 1
+    if pool:
+        limit_blas_threads(1)
+    numpy_kernels.set_num_threads(n if pool else 1)
     torch_kernels.set_num_threads(n)
-    _limited[0] = n
+    _limited[0] = 1 if pool else n
     return n
 
 
@@ -82,9 +94,9 @@ _limited = [0]  # the threads limit_threads gave BLAS and PyTorch (0: never call
 
 
 def threads_now() -> tuple[int, int]:
-    """(the NumPy kernels' pool threads, BLAS's and PyTorch's threads as
-    :func:`limit_threads` last set them, 0 if it was never called): what a kernel
-    time depends on besides its shape (the kernel timer keys its times by it)."""
+    """(the NumPy kernels' pool threads, BLAS's threads as :func:`limit_threads` last set
+    them, 0 if it was never called): what a kernel time depends on besides its shape (the
+    kernel timer keys its times by it; PyTorch's threads are the larger of the two)."""
     return get_num_threads(), _limited[0]
 
 

@@ -255,7 +255,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--size: {exc}")
     _check_kernels(parser, args)
     comm = MPI.COMM_WORLD
-    limit_threads(args.threads, comm=comm)
+    limit_threads(args.threads, comm=comm, kernels=args.kernels)
     if args.calibrate:
         profile = calibrate(comm, device=args.device)
         if comm.Get_rank() == 0:
@@ -529,7 +529,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         problem = plan_mismatch(plan, model, shape, MPI.COMM_WORLD.Get_size())
         if problem:
             parser.error(f"--ranks-layout {a.ranks_layout}: {problem}")
-    limit_threads(a.threads)
+    limit_threads(a.threads, kernels=a.kernels)
     cfg = TrainConfig(model=a.model, layout=a.ranks_layout, batch=a.batch, steps=a.steps,
                       size=a.size, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
                       seed=a.seed, samples=a.samples, checkpoint=a.checkpoint,
@@ -690,7 +690,7 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
     parent = os.path.dirname(os.path.abspath(a.out.rstrip("/")))
     if not os.path.isdir(parent):
         parser.error(f"--out {a.out}: the directory {parent} does not exist")
-    limit_threads(a.threads)
+    limit_threads(a.threads, kernels=a.kernels)
     cfg = PredictConfig(model=a.model or a.model_file, checkpoint=a.checkpoint, data=a.data,
                         out=a.out,
                         data_input=a.data_input, machine=a.machine,

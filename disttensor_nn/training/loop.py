@@ -81,7 +81,8 @@ def prefetch_depth(cfg: Any, comm: MPI.Comm) -> int:
 
 
 def set_threads(cfg: Any, comm: MPI.Comm) -> tuple[int, int, int]:
-    """Set each rank's kernel threads (BLAS and PyTorch's); collective.
+    """Set each rank's kernel threads (:func:`~disttensor_nn.kernels.limit_threads` for
+    ``cfg.kernels``); collective.
 
     By default (``cfg.threads`` None) the cores divided by the ranks of the
     node; a ``cfg.threads`` that oversubscribes the node's cores is warned about.
@@ -96,7 +97,7 @@ def set_threads(cfg: Any, comm: MPI.Comm) -> tuple[int, int, int]:
     if threads * local > cores and cfg.threads is not None and threads > 1:
         say(comm, f"warning: --threads {threads} on {plural(local, 'rank')} of this node "
                   f"asks for more threads than its {plural(cores, 'core')}; kernels compete")
-    limit_threads(threads)
+    limit_threads(threads, kernels=getattr(cfg, "kernels", None))
     return threads, local, cores
 
 
