@@ -281,3 +281,24 @@ def test_a_spec_that_does_not_fit_its_input_is_refused_clearly():
         cm.layer(BadSpec(halo=((0, 0),) * 3 + ((-1, 0),)), (4, 3, 8, 6), (1, 2, 1))
     with pytest.raises(ValueError, match=r"allreduce over dimensions \(0, 4\) out of range"):
         cm.layer(BadSpec(allreduces=(Allreduce(8, (0, 4)),)), (4, 3, 8, 6), (1, 2, 1))
+
+
+def test_a_batch_norm_whose_statistics_other_ranks_share_is_timed_on_that_backward():
+    """With the torch kernels a batch norm whose statistics are this rank's alone takes a
+    one-call backward, one whose statistics are shared the reduction, a sum over the ranks
+    and two passes: its twin is timed on the latter (another kernel signature)."""
+    shape = (4, 8, 16, 16)
+    bn = nn.BatchNorm2d(8)
+    bn.kernel_backend = "torch"
+    assert bn.cost_spec(pure(shape, (1, 1, 1))).twin is None
+    for grid in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+        spec = bn.cost_spec(pure(shape, grid))
+        assert spec.twin is not None and spec.twin.shared_statistics, grid
+        assert spec.twin.kernel_signature() == bn.kernel_signature() + ":shared"
+        assert spec.twin.local_twin().shared_statistics  # the timer's twin of the twin
+    group = nn.BatchNorm2d(8, stats="group")
+    group.kernel_backend = "torch"
+    assert group.cost_spec(pure(shape, (2, 1, 1))).twin is None  # each group's own
+    assert group.cost_spec(pure(shape, (2, 2, 1))).twin is not None
+    bn.kernel_backend = "numpy"  # NumPy's backward is the same either way
+    assert bn.cost_spec(pure(shape, (2, 1, 1))).twin is None

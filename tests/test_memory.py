@@ -120,6 +120,22 @@ def test_workspace_bounds_the_passes_scratch_closely(make):
     assert declared <= 1.6 * m["workspace"] + 2**20, (m["workspace"], declared)
 
 
+@pytest.mark.parallel(1)
+def test_a_numpy_convolution_on_two_threads_declares_a_tile_per_thread():
+    """The NumPy kernels' pool gives each thread its own columns: the workspace declared
+    and measured with two threads, as with one."""
+    numpy_kernels.set_num_threads(2)
+    try:
+        m = _local(nn.Conv2d(16, 32, 3, padding=1), S)
+    finally:
+        numpy_kernels.set_num_threads(1)
+    one = _local(nn.Conv2d(16, 32, 3, padding=1), S)
+    declared = m["spec"].workspace
+    assert declared > one["spec"].workspace, (declared, one["spec"].workspace)
+    assert m["workspace"] <= declared + SLACK, (m["workspace"], declared)
+    assert declared <= 1.6 * m["workspace"] + 2**20, (m["workspace"], declared)
+
+
 def _profile(**kw) -> MachineProfile:
     base = dict(name="test", p2p_alpha=1e-5, p2p_beta=1e-9, allreduce_alpha=2e-5,
                 allreduce_beta=2e-9, alltoall_alpha=3e-5, alltoall_beta=3e-9,

@@ -14,7 +14,7 @@ from disttensor import DistArray, Distribution
 from disttensor.backend import array_namespace, namespace_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
-from ..kernels import kernels_for
+from ..kernels import kernels_for, numpy_kernels
 from ..module import Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
 from ..precision import compute_dtype, io_dtype, kernel_dtype, to_dtype
 from ..window import WindowSpec
@@ -335,6 +335,8 @@ class ConvNd(WindowLayer):
         if all(k == 1 for k in self.spec.kernel) and all(t == 1 for t in self.spec.stride) \
                 and math.prod(out_block[2:]) >= 512:
             tile = 0  # a pointwise convolution is one GEMM per sample: no columns
+        if self.kernel_backend in (None, "numpy"):  # each of the pool's threads its own tile
+            tile *= min(numpy_kernels.get_num_threads(), max(out_block[0], 1))
         _, _, widths = self._window_blocks(kin)
         # backward: the extended block's gradient (when there is a halo to sum back) and a tile
         grad_ext = math.prod(ext) * itemsize if any(lo or hi for lo, hi in widths) else 0

@@ -123,6 +123,9 @@ class BatchNormNd(Layer):
 
     saved_for_backward = ("_saved",)
     kernel_backends = ("numpy", "torch")
+    shared_statistics = False
+    """A twin's: time the backward that sums over other ranks (the layer itself takes it
+    whenever other ranks share the statistics, whatever this says)."""
 
     nd = 0
 
@@ -310,7 +313,7 @@ class BatchNormNd(Layer):
         kernels = kernels_for(kept, "torch") if fused else None
         x3, g3 = (kept3, gin3) if not converted else (None, None)
         shared = (1, *(axes if self.stats == "global" else range(2, dy.ndim)))
-        if fused and centre is None and kept.size and \
+        if fused and centre is None and kept.size and not self.shared_statistics and \
                 split_axes_comm(dist, shared).Get_size() == 1:
             # no other rank shares the statistics: ATen's batch-norm backward in one call
             gamma = self.weight.data[chans] if self.affine else None
@@ -433,17 +436,29 @@ class BatchNormNd(Layer):
             if io_dtype(self) != self.dtype else 0
         # the torch kernels keep the deviations from the centre instead (a block of their own)
         deviations = self.kernel_backend == "torch" and not cvt
+        # statistics shared with other ranks: the twin is timed on that backward (the torch
+        # kernels' one-call backward is for statistics of this rank alone)
+        shares = any(dist.nblocks[d] > 1 for d in (
+            (1, *range(2, dist.ndim)) if self.stats == "group" else range(dist.ndim)))
+        timed = None
+        if shares and self.kernel_backend == "torch" and not self.shared_statistics:
+            timed = self.local_twin()
+            timed.shared_statistics = True
         return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
                         allreduces=(sums, sums), keeps_input=not deviations,
                         saved=n * itemsize if deviations else 0,
-                        workspace=n // max(block[0], 1) * itemsize + cvt, share=share)
+                        workspace=n // max(block[0], 1) * itemsize + cvt, share=share,
+                        twin=timed)
 
     def kernel_signature(self) -> str:
-        return f"bn:{self.num_features}:{self.stats}"
+        return f"bn:{self.num_features}:{self.stats}" + (
+            ":shared" if self.shared_statistics else "")
 
     def local_twin(self) -> BatchNormNd:
-        return type(self)(self.num_features, self.eps, self.momentum, self.affine,
+        twin = type(self)(self.num_features, self.eps, self.momentum, self.affine,
                           self.track_running_stats, stats=self.stats, dtype=self.dtype)
+        twin.shared_statistics = self.shared_statistics
+        return twin
 
 
 class BatchNorm1d(BatchNormNd):

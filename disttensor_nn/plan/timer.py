@@ -144,7 +144,7 @@ class KernelTimer:
         return flops / rate, 2 * flops / rate, True, 1
 
     update_elements: int = 2**22
-    """Elements of the one parameter on which :meth:`update_time` times the per-element cost."""
+    """Elements on which :meth:`update_time` times the per-element cost."""
     update_params: int = 64
     """Small parameters on which :meth:`update_time` times the per-parameter cost."""
 
@@ -164,7 +164,7 @@ class KernelTimer:
         :class:`~disttensor_nn.optim.SGD` without (0) and with momentum (1),
         :class:`~disttensor_nn.optim.Adam` (2), with AMSGrad (3). The cost is
         one per parameter plus one per element, timed on ``update_params``
-        small parameters and on one of ``update_elements``: on ``corun`` ranks
+        small parameters and on ``update_elements`` elements: on ``corun`` ranks
         at once where :meth:`measure_update` took it, else on one, else alone
         now (kept in the cache with the kernels; with ``measure`` off, 0).
         """
@@ -199,11 +199,18 @@ class KernelTimer:
         return True
 
     def _update_costs(self, slots: int, dtype: Any) -> list[float]:
-        """``[seconds per parameter, seconds per element]`` of the optimizer of ``slots``."""
-        big = self._time_update(slots, [self.update_elements], dtype)
+        """``[seconds per parameter, seconds per element]`` of the optimizer of ``slots``.
+
+        The elements are timed on parameters of under 128 KiB each (``update_elements``
+        in all, more than a cache holds): a larger array would be mapped by the C
+        allocator, whose threshold for mapping then rises for the rest of the process.
+        """
+        piece = max(1, (2**17 - 4096) // np.dtype(dtype).itemsize)
+        count = max(1, self.update_elements // piece)
         small = self._time_update(slots, [16] * self.update_params, dtype)
         per_param = small / self.update_params
-        return [per_param, max(big - per_param, 0.0) / self.update_elements]
+        big = self._time_update(slots, [piece] * count, dtype)
+        return [per_param, max(big - count * per_param, 0.0) / (count * piece)]
 
     def _time_update(self, slots: int, sizes: Sequence[int], dtype: Any) -> float:
         """Median seconds of ``step()`` and ``zero_grad()`` of the optimizer of ``slots``
