@@ -153,6 +153,9 @@ def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
     if _active_buckets:
         _active_buckets[-1].add(grads, comm)
         return
+    if comm.Get_size() == 1:  # the sum over one rank is this rank's part: nothing to copy
+        _add(grads)
+        return
     large, small = _split_large(grads, DEFAULT_BUCKET_BYTES)
     for p, g in large:  # reduced in place: no copy into a fused buffer
         _unpack([(p, g)], allreduce_(g, comm))
@@ -168,6 +171,12 @@ def _split_large(grads: Sequence[tuple[Parameter, Any]], nbytes: int) -> tuple[l
             g.flags.c_contiguous and g.flags.writeable
         (large if alone else small).append((p, g))
     return large, small
+
+
+def _add(grads: Sequence[tuple[Parameter, Any]]) -> None:
+    """``p.grad +=`` each local gradient (its sum over one rank)."""
+    for p, g in grads:
+        p.grad += astype(g, p.grad.dtype) if g.dtype != p.grad.dtype else g
 
 
 def _concatenate(arrays: Sequence[Any]) -> Any:
@@ -221,6 +230,7 @@ class GradientBuckets:
         self.bucket_bytes = check_int(bucket_bytes, "bucket_bytes")
         self._open: dict[tuple[int, str], tuple[MPI.Intracomm, list, int]] = {}
         self._started: list[tuple[AllreduceRequest, list]] = []
+        self._local: list[tuple[Parameter, Any]] = []  # summed over one rank: added at wait
 
     def __enter__(self) -> GradientBuckets:
         _active_buckets.append(self)
@@ -236,6 +246,7 @@ class GradientBuckets:
             # request or buffer outlives the context, and keep the gradients unchanged.
             # An error on some ranks only ends the job (disttensor.runtime) instead.
             self._open.clear()
+            self._local.clear()
             started, self._started = self._started, []
             for request, _ in started:
                 request.wait()
@@ -244,8 +255,12 @@ class GradientBuckets:
         """Add local gradients to the bucket of ``comm`` and their dtype (see the class).
 
         A gradient of ``bucket_bytes`` or more is reduced alone, in place (no
-        copy into a bucket), at once.
+        copy into a bucket), at once. Over one rank the sum is the gradient
+        itself: it is kept as it is and added at :meth:`wait`.
         """
+        if comm.Get_size() == 1:
+            self._local.extend(grads)
+            return
         large, grads = _split_large(grads, self.bucket_bytes)
         for p, g in large:
             self._started.append((iallreduce(reshape(g, (-1,)), comm), [(p, g)]))
@@ -272,3 +287,5 @@ class GradientBuckets:
         started, self._started = self._started, []
         for request, entries in started:
             _unpack(entries, request.wait())
+        local, self._local = self._local, []
+        _add(local)

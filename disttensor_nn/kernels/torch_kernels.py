@@ -449,29 +449,27 @@ def scale_shift(x3: Any, centre: Any, scale: Any, shift: Any) -> Any:
     return _back(y, x3)
 
 
-def grad_moments(g3: Any, x3: Any, centre: Any | None) -> tuple[Any, Any]:
+def grad_moments(g3: Any, x3: Any, centre: Any) -> tuple[Any, Any]:
     """``(sum(g), sum(g * (x - centre)))`` per channel of ``(N, C, M)`` arrays, in float64.
 
     One fused pass: ATen's batch-norm backward reduction with the centre as
-    the mean and a unit inverse deviation. ``centre`` None: ``x3`` holds
-    the deviations from it already.
+    the mean and a unit inverse deviation.
     """
     torch = require()
     sum_g, sum_gd = _sums(torch, _t(g3), _t(x3), centre)
     return _back(sum_g, g3), _back(sum_gd, g3)
 
 
-def batch_norm_backward(g3: Any, d3: Any, weight: Any | None, mean: Any, invstd: Any
+def batch_norm_backward(g3: Any, x3: Any, weight: Any | None, mean: Any, invstd: Any
                         ) -> tuple[Any, Any, Any]:
     """``(dx, sum(g), sum(g * xhat))`` of batch normalisation whose statistics are those
-    of this ``(N, C, M)`` block alone, ``xhat = (d3 - mean) * invstd``.
+    of this ``(N, C, M)`` block alone, ``xhat = (x3 - mean) * invstd``.
 
-    ATen's batch-norm backward in training mode, one call: ``d3`` holds the
-    deviations from the centre (:func:`channel_moments`), ``mean`` the mean
-    about it, ``weight`` the scale (None: ones); the sums in float64.
+    ATen's batch-norm backward in training mode, one call (it subtracts the
+    mean itself), ``weight`` the scale (None: ones); the sums in float64.
     """
     torch = require()
-    g, d = _t(g3), _t(d3)
+    g, d = _t(g3), _t(x3)
     c = g.shape[1]
     kw = {"dtype": g.dtype, "device": g.device}
     w = torch.ones(c, **kw) if weight is None else _t(weight).to(g.dtype)
@@ -489,21 +487,12 @@ def batch_norm_backward(g3: Any, d3: Any, weight: Any | None, mean: Any, invstd:
     return _back(dx, g3), _back(db.to(torch.float64), g3), _back(dw.to(torch.float64), g3)
 
 
-def affine_grad(g3: Any, x3: Any, centre: Any | None, a: Any, b: Any, c: Any) -> Any:
+def affine_grad(g3: Any, x3: Any, centre: Any, a: Any, b: Any, c: Any) -> Any:
     """``g3 * a + (x3 - centre) * b + c`` per channel of ``(N, C, M)`` arrays (batch
-    normalisation's input gradient); one new array, updated in place.
-
-    ``centre`` None: ``x3`` holds the deviations from it, and the gradient
-    takes two passes (:func:`affine` of the deviations, then the product
-    with ``g3`` added); otherwise the centre is subtracted first.
-    """
+    normalisation's input gradient); one new array, updated in place, the centre
+    subtracted first (so that channels far from zero keep their accuracy)."""
     torch = require()
-    g = _t(g3)
-    if centre is None:
-        dx = _t(affine(x3, b, c))
-    else:
-        x = _t(x3)
-        dx = torch.sub(x, _per_channel(centre, x), **_out(g3, g))
-        dx.mul_(_per_channel(b, g)).add_(_per_channel(c, g))
-    dx.addcmul_(g, _per_channel(a, g))
+    g, x = _t(g3), _t(x3)
+    dx = torch.sub(x, _per_channel(centre, x), **_out(g3, g))
+    dx.mul_(_per_channel(b, g)).add_(_per_channel(c, g)).addcmul_(g, _per_channel(a, g))
     return _back(dx, g3)

@@ -103,10 +103,11 @@ class BatchNormNd(Layer):
 
     All arithmetic uses the input's array module (NumPy or CuPy), or with
     ``kernel_backend="torch"`` PyTorch's: a sum for the centre, the deviations
-    from it (kept for backward in place of the input), ATen's fused
-    batch-norm reduction over them and its evaluation-mode kernel as the
-    per-channel affine map (two passes over the block and two reductions
-    forward, one reduction and two passes backward); the running
+    from it, ATen's fused batch-norm reduction over them and its
+    evaluation-mode kernel as the per-channel affine map forward (two passes
+    over the block and two reductions); backward, ATen's batch-norm backward
+    in one call where no other rank shares the statistics, else its fused
+    reduction and the centred input gradient; the running
     statistics (float64 buffers ``running_mean`` and ``running_var``, in the
     :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
 
@@ -226,21 +227,14 @@ class BatchNormNd(Layer):
                     p3 = _into(xp, "add", p3, astype(shift[cs], p3.dtype)[:, None], p3)
                 out3[:, cs] = to_dtype(p3, kept.dtype)
         else:
-            if fused:  # with batch statistics y3 holds the deviations, kept for backward
-                d3 = y3
-                y3 = kernels.affine(d3, scale, shift) if batch_stats else \
+            if fused:  # with batch statistics y3 holds the deviations (freed after this)
+                y3 = kernels.affine(y3, scale, shift) if batch_stats else \
                     kernels.scale_shift(x3, centre, scale, shift)
             else:
                 y3 = _into(xp, "multiply", y3, astype(scale, kept.dtype)[:, None], y3)
                 y3 = _into(xp, "add", y3, astype(shift, kept.dtype)[:, None], y3)
             y = xp.reshape(y3, kept.shape)
-        if fused and batch_stats and not converted:
-            # backward reads x only as x - centre: the deviations are kept in its place (the
-            # same memory), their centre None, the mean about the centre
-            self._saved = (x.dist, xp.reshape(d3, kept.shape), mean - astype(centre, np.float64),
-                           inv, count, True, None)
-        else:
-            self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
+        self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
 
     def _whole(self, xp: Any, dist: Distribution, *parts: Any) -> Any:
@@ -313,7 +307,8 @@ class BatchNormNd(Layer):
         kernels = kernels_for(kept, "torch") if fused else None
         x3, g3 = (kept3, gin3) if not converted else (None, None)
         shared = (1, *(axes if self.stats == "global" else range(2, dy.ndim)))
-        if fused and centre is None and kept.size and not self.shared_statistics and \
+        if fused and batch_stats and not converted and kept.size and \
+                not self.shared_statistics and \
                 split_axes_comm(dist, shared).Get_size() == 1:
             # no other rank shares the statistics: ATen's batch-norm backward in one call
             gamma = self.weight.data[chans] if self.affine else None
@@ -326,8 +321,7 @@ class BatchNormNd(Layer):
             px, pg = (x3, g3) if not converted else (
                 to_dtype(kept3[:, cs], self.dtype), to_dtype(gin3[:, cs], self.dtype))
             if fused:
-                moments.append(kernels.grad_moments(pg, px,
-                                                None if centre is None else centre[cs]))
+                moments.append(kernels.grad_moments(pg, px, centre[cs]))
                 continue
             cc = astype(centre[cs], pg.dtype)[:, None]
             # dx is the scratch of g * (x - centre) (a converted slice: over the slice)
@@ -340,8 +334,7 @@ class BatchNormNd(Layer):
             dx3 = None if converted else pd
         sum_g, sum_gd = (moments[0][i] if len(moments) == 1 else
                          concat([mo[i] for mo in moments]) for i in range(2))
-        # the mean about the centre (the centre is zero where kept holds the deviations)
-        offset = mean if centre is None else mean - astype(centre, np.float64)
+        offset = mean - astype(centre, np.float64)  # the mean about the centre
         sums = self._whole(xp, dist, sum_g, inv * (sum_gd - offset * sum_g))
         sums = allreduce_(sums, split_axes_comm(dist, shared))
         self._parameter_grads(xp, dist, sums)
@@ -387,7 +380,7 @@ class BatchNormNd(Layer):
                     b: Any, shift: Any, dx3: Any) -> Any:
         """``scale * g + b * (x - centre) + shift`` (``scale * g`` without batch statistics:
         ``b`` None) on ``(N, C, M)``, into the scratch ``dx3`` where given."""
-        if b is not None and kernels is not None:  # centre None: x3 holds the deviations
+        if b is not None and kernels is not None:
             return kernels.affine_grad(g3, x3, centre, scale, b, shift)
         sc = astype(scale, g3.dtype)[:, None]
         if b is not None:
@@ -409,8 +402,7 @@ class BatchNormNd(Layer):
         return _into(xp, "multiply", g3, sc, dx3)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """Eight FLOPs per element; the input is kept for backward (not the normalised input;
-        with the torch kernels, its deviations from the centre, a block of the same size).
+        """Eight FLOPs per element; the input is kept for backward (not the normalised input).
 
         Two allreduces of ``2 C`` float64 sums (statistics forward, the
         input gradient's sums backward) over the ranks that share the
@@ -434,8 +426,6 @@ class BatchNormNd(Layer):
         cvt = 3 * min(n * self.dtype.itemsize, max(PART_BYTES, math.prod(block[2:]) * block[0]
                                                    * self.dtype.itemsize)) \
             if io_dtype(self) != self.dtype else 0
-        # the torch kernels keep the deviations from the centre instead (a block of their own)
-        deviations = self.kernel_backend == "torch" and not cvt
         # statistics shared with other ranks: the twin is timed on that backward (the torch
         # kernels' one-call backward is for statistics of this rank alone)
         shares = any(dist.nblocks[d] > 1 for d in (
@@ -445,8 +435,7 @@ class BatchNormNd(Layer):
             timed = self.local_twin()
             timed.shared_statistics = True
         return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
-                        allreduces=(sums, sums), keeps_input=not deviations,
-                        saved=n * itemsize if deviations else 0,
+                        allreduces=(sums, sums), keeps_input=True,
                         workspace=n // max(block[0], 1) * itemsize + cvt, share=share,
                         twin=timed)
 
