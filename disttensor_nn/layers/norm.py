@@ -436,7 +436,9 @@ class BatchNormNd(Layer):
             timed.shared_statistics = True
         return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
                         allreduces=(sums, sums), keeps_input=True,
-                        workspace=n // max(block[0], 1) * itemsize + cvt, share=share,
+                        # the torch kernels' forward holds the deviations beside the output
+                        workspace=(n if self.kernel_backend == "torch" and not cvt
+                                   else n // max(block[0], 1)) * itemsize + cvt, share=share,
                         twin=timed)
 
     def kernel_signature(self) -> str:
