@@ -230,7 +230,7 @@ class GradientBuckets:
         self.bucket_bytes = check_int(bucket_bytes, "bucket_bytes")
         self._open: dict[tuple[int, str], tuple[MPI.Intracomm, list, int]] = {}
         self._started: list[tuple[AllreduceRequest, list]] = []
-        self._local: list[tuple[Parameter, Any]] = []  # summed over one rank: added at wait
+        self._one_rank: list[tuple[Parameter, Any]] = []  # summed over one rank: added at wait
 
     def __enter__(self) -> GradientBuckets:
         _active_buckets.append(self)
@@ -246,7 +246,7 @@ class GradientBuckets:
             # request or buffer outlives the context, and keep the gradients unchanged.
             # An error on some ranks only ends the job (disttensor.runtime) instead.
             self._open.clear()
-            self._local.clear()
+            self._one_rank.clear()
             started, self._started = self._started, []
             for request, _ in started:
                 request.wait()
@@ -259,7 +259,7 @@ class GradientBuckets:
         itself: it is kept as it is and added at :meth:`wait`.
         """
         if comm.Get_size() == 1:
-            self._local.extend(grads)
+            self._one_rank.extend(grads)
             return
         large, grads = _split_large(grads, self.bucket_bytes)
         for p, g in large:
@@ -287,5 +287,5 @@ class GradientBuckets:
         started, self._started = self._started, []
         for request, entries in started:
             _unpack(entries, request.wait())
-        local, self._local = self._local, []
+        local, self._one_rank = self._one_rank, []
         _add(local)
