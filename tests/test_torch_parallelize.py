@@ -600,3 +600,26 @@ def test_the_example_trains_an_unchanged_unet_split_over_space():
     assert re.search(r"^down\.0 Conv2d\s+\(1, (2, 1|1, 2)\)", out.stdout, re.M), out.stdout
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
     assert last < 0.7 * first, (first, last)
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_bf16_autocast_convolution_with_one_strided_output_column_per_rank():
+    """A width split whose blocks have one output column each of a strided convolution:
+    oneDNN 3.12's bfloat16 kernels get that shape wrong on CPUs with AMX (PyTorch's own
+    model too, where its output has one column; see the torch kernels). The parallel
+    model runs such a block unstrided and matches float32 within bf16 rounding."""
+    p = comm.Get_size()
+    for stride, padding in (((1, 2), 1), ((1, 3), 0), ((2, 2), 2)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, (3, 5), stride=stride, padding=padding))
+        width = stride[1] * (p - 1) + 5 - 2 * padding  # p output columns: one per rank
+        pm, ref, wide, (out, xl, whole), _, (yw, xw) = autocast_run(
+            model, (2, 3, 9, width), (1, 1, 1, p))
+        tol = 4 * 2.0 ** -8
+        bad = [f"{what}: {rel(a, b)}" for what, a, b in (
+            ("output", whole.float(), yw),
+            ("input gradient", xl.grad, xw.grad[pm.input_dist.local_slices()]),
+            ("weight gradient", next(pm.parameters()).grad, next(wide.parameters()).grad))
+            if rel(a, b) > tol]
+        collective_assert(out.local.shape[-1] == 1 and not bad,
+                          f"stride {stride}, padding {padding}: {out.local.shape} {bad}")

@@ -50,6 +50,8 @@ __all__ = [
     "out_shape",
     "conv_forward",
     "conv_backward",
+    "one_window",
+    "window_reach",
     "pool_forward",
     "pool_backward",
     "relu_forward",
@@ -188,37 +190,40 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
     xt, wt = _t(x), _t(w)
     bt = None if b is None else _t(b)
     pads, stride = _pads(padding, nd), list(stride)
-    if xt.dtype == torch.bfloat16 and xt.device.type == "cpu" and nd > 1 and stride[-1] > 1 \
-            and (xt.shape[-1] + 2 * pads[-1] - _extent(w.shape[-1], dilation[-1])) \
-            < stride[-1]:
-        return _back(_one_window(torch, xt, wt, bt, stride, pads, dilation, groups), x)
+    if one_window(xt.shape, w.shape, stride, pads, dilation):
+        # unstrided on what the one window reads (see one_window), its first column kept
+        cut = xt[..., :window_reach(xt.shape, w.shape, pads, dilation)]
+        y = torch.ops.aten.convolution(cut, wt, bt, stride[:-1] + [1], pads, list(dilation),
+                                       False, [0] * nd, int(groups))
+        return _back(y[..., :1].contiguous(), x)
     y = torch.ops.aten.convolution(xt, wt, bt, stride, pads, list(dilation),
                                    False, [0] * nd, int(groups))
     return _back(y, x)
 
 
-def _extent(kernel: int, dilation: int) -> int:
-    return int(dilation) * (int(kernel) - 1) + 1
-
-
-def _one_window(torch: ModuleType, xt: Any, wt: Any, bt: Any | None, stride: list[int],
-                pads: list[int], dilation: Sequence[int], groups: int) -> Any:
-    """The convolution whose output has one element along the last dimension, there with a
-    unit stride.
+def one_window(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+               padding: Sequence[int], dilation: Sequence[int]) -> bool:
+    """Whether a convolution of 2 or more spatial dimensions has one output element along
+    the last, with a stride above 1 there.
 
     oneDNN 3.12's bfloat16 convolutions on CPUs with AMX return wrong values
-    (or garbage) when the last spatial dimension of the output has one
-    element and a stride above 1 (measured with PyTorch 2.13: 2-D and 3-D,
-    forward only). One window does not depend on the stride: the input is
-    cut to what the first window reads and convolved with a unit stride
-    there, and the first output element kept.
+    (or garbage) for that shape (measured with PyTorch 2.13: 2-D and 3-D,
+    forward only, ``F.conv2d`` on a plain tensor too). One window does not
+    depend on the stride: such a convolution runs with a unit stride on the
+    input cut to :func:`window_reach` columns, and its first output column
+    is the result (the torch kernels and ``disttensor_nn.torch.parallelize``
+    do so whatever the dtype).
     """
-    nd = wt.ndim - 2
-    reach = _extent(wt.shape[-1], dilation[-1]) - pads[-1]  # the first window ends here
-    cut = xt[..., :max(1, min(xt.shape[-1], reach))]
-    y = torch.ops.aten.convolution(cut, wt, bt, stride[:-1] + [1], pads, list(dilation),
-                                   False, [0] * nd, int(groups))
-    return y[..., :1].contiguous()
+    extent = int(dilation[-1]) * (int(w_shape[-1]) - 1) + 1
+    return len(w_shape) > 3 and int(stride[-1]) > 1 and \
+        int(x_shape[-1]) + 2 * int(padding[-1]) - extent < int(stride[-1])
+
+
+def window_reach(x_shape: Sequence[int], w_shape: Sequence[int], padding: Sequence[int],
+                 dilation: Sequence[int]) -> int:
+    """The input columns the first window along the last dimension reads (at least one)."""
+    extent = int(dilation[-1]) * (int(w_shape[-1]) - 1) + 1
+    return max(1, min(int(x_shape[-1]), extent - int(padding[-1])))
 
 
 def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequence[int],

@@ -55,6 +55,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor_nn.kernels.torch_kernels import one_window, window_reach
 from disttensor_nn.reduction import GradientBuckets, reduce_gradients_, split_axes_comm
 from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
 
@@ -664,6 +665,7 @@ class _Compiler:
         slices = tuple(slices)
 
         view = self.view
+        pad_list = list(pads) if isinstance(pads, tuple) else [0] * nd
 
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
@@ -671,7 +673,14 @@ class _Compiler:
             weight, bias = view(m.weight), view(m.bias)
             if empty:
                 return _empty_like_output(ext, local_out, [weight, bias])
-            return fn(ext[slices], weight, bias, m.stride, pads, m.dilation, m.groups)
+            xin = ext[slices]
+            if one_window(xin.shape, m.weight.shape, m.stride, pad_list, m.dilation):
+                # one strided output column: unstrided on what its window reads (oneDNN's
+                # bfloat16 kernels get the strided one wrong; torch_kernels.one_window)
+                xin = xin[..., :window_reach(xin.shape, m.weight.shape, pad_list, m.dilation)]
+                return fn(xin, weight, bias, (*m.stride[:-1], 1), pads, m.dilation,
+                          m.groups)[..., :1]
+            return fn(xin, weight, bias, m.stride, pads, m.dilation, m.groups)
 
         return step
 
