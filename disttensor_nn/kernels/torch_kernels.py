@@ -474,20 +474,16 @@ def batch_norm_backward(g3: Any, x3: Any, weight: Any | None, mean: Any, invstd:
     mean itself), ``weight`` the scale (None: ones); the sums in float64.
     """
     torch = require()
-    g, d = _t(g3), _t(x3)
+    g, x = _t(g3), _t(x3)
     c = g.shape[1]
     kw = {"dtype": g.dtype, "device": g.device}
     w = torch.ones(c, **kw) if weight is None else _t(weight).to(g.dtype)
-    out = _out(g3, g)
-    if out:
-        dx, dw, db = torch.ops.aten.native_batch_norm_backward.out(
-            g, d, w, None, None, _t(mean).to(g.dtype), _t(invstd).to(g.dtype), True, 0.0,
-            [True, True, True], out0=out["out"], out1=torch.empty(c, **kw),
-            out2=torch.empty(c, **kw))
-    else:
-        dx, dw, db = torch.ops.aten.native_batch_norm_backward(
-            g, d, w, None, None, _t(mean).to(g.dtype), _t(invstd).to(g.dtype), True, 0.0,
+    args = (g, x, w, None, None, _t(mean).to(g.dtype), _t(invstd).to(g.dtype), True, 0.0,
             [True, True, True])
+    out = _out(g3, g)
+    op = torch.ops.aten.native_batch_norm_backward
+    dx, dw, db = op.out(*args, out0=out["out"], out1=torch.empty(c, **kw),
+                        out2=torch.empty(c, **kw)) if out else op(*args)
     # ATen's weight gradient is sum(g * xhat) (the scale does not enter it)
     return _back(dx, g3), _back(db.to(torch.float64), g3), _back(dw.to(torch.float64), g3)
 
