@@ -109,12 +109,7 @@ def test_kept_blocks_equal_the_made_ones_are_made_once_and_stay_within_their_byt
     time the rank is given its sample), equal to the single-rank batch; no more than the
     bytes given are kept; Loader.keep_bytes is what keeping every sample's blocks holds."""
     ds = DATASETS[name]()
-    made = []
-    for method in ("_input_block", "_target_block"):
-        if hasattr(type(ds), method):
-            real = getattr(type(ds), method)
-            monkeypatch.setattr(type(ds), method, lambda self, i, where, real=real, m=method:
-                                (made.append((m, i)), real(self, i, where))[1])
+    made = spy_fills(ds, monkeypatch)
     layout = layouts()["sample x H"]
     target = Layout(layout.grid, layout.axes) if ds.has_spatial_target else None
     loader = Loader(ds, 4, layout, shuffle=True, seed=3, target_layout=target)
@@ -147,6 +142,50 @@ def test_kept_blocks_equal_the_made_ones_are_made_once_and_stay_within_their_byt
     collective_assert(ds.kept_bytes == 0 and ds.keep_limit == 0)
 
 
+def spy_fills(ds, monkeypatch) -> list[tuple[str, int]]:
+    """The ``(method, sample)`` of every block ``ds`` makes from now on (its fills)."""
+    made = []
+    for method in ("_fill_input", "_fill_target"):
+        real = getattr(type(ds), method)
+        monkeypatch.setattr(type(ds), method, lambda self, i, where, out, real=real, m=method:
+                            (made.append((m, i)), real(self, i, where, out))[1])
+    return made
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", list(DATASETS))
+@pytest.mark.parametrize("split", ["sample x H", "HxW"])
+def test_make_kept_makes_every_block_before_the_first_batch(name, split, monkeypatch):
+    """Loader.make_kept: each rank's block of every sample made once, up front, and kept
+    (Loader.keep_bytes of them); then no batch of any epoch makes one, and every batch
+    equals the single-rank one."""
+    ds = DATASETS[name]()
+    made = spy_fills(ds, monkeypatch)
+    layout = layouts()[split]
+    target = Layout(layout.grid, layout.axes) if ds.has_spatial_target else None
+    loader = Loader(ds, 4, layout, shuffle=True, seed=5, target_layout=target)
+    collective_assert(loader.make_kept() == 0 and not made)  # nothing kept: nothing made
+    ds.keep(loader.keep_bytes())
+    n = loader.make_kept()
+    holds = loader.keep_bytes() > 0
+    kinds = 2 if ds.has_spatial_target else 1
+    collective_assert(n == (len(ds) if holds else 0) and len(made) == kinds * n
+                      and len(set(made)) == len(made) and ds.kept_bytes == loader.keep_bytes(),
+                      f"{n} samples, {len(made)} blocks, {ds.kept_bytes} of "
+                      f"{loader.keep_bytes()} bytes")
+    ref = DATASETS[name]()  # the same data, keeping nothing (its fills are spied on too)
+    for epoch in range(2):
+        for idx in loader.batches(epoch):
+            made.clear()
+            x, y = loader.load(idx)
+            fresh = list(made)
+            xw, yw = whole(ref, idx)
+            ok = np.array_equal(x.local, xw[x.dist.local_slices()]) and (
+                np.array_equal(y.local, yw[y.dist.local_slices()])
+                if isinstance(y, dt.DistArray) else np.array_equal(y, yw))
+            collective_assert(ok and not fresh, f"epoch {epoch}: batch {idx}, made {fresh}")
+
+
 @pytest.mark.parallel([1])
 def test_only_generated_data_sets_keep_blocks(tmp_path):
     mesh = MeshSynthetic(4, size=(8, 8), channels=2)
@@ -174,10 +213,10 @@ def test_mesh_generates_only_the_local_block_and_a_one_pixel_halo(monkeypatch):
     calls = []
     fields = MeshSynthetic._fields
 
-    def spy(self, sample, cs, ys, xs):
+    def spy(self, sample, cs, ys, xs, out=None):
         calls.append((sample, tuple(cs), int(ys.min()), int(ys.max()), int(xs.min()),
                       int(xs.max())))
-        return fields(self, sample, cs, ys, xs)
+        return fields(self, sample, cs, ys, xs, out)
 
     monkeypatch.setattr(MeshSynthetic, "_fields", spy)
     dist = layouts()["HxW"].distribution((3, 5, 16, 12))
@@ -207,6 +246,37 @@ def test_mesh_fields_are_generated_a_few_channels_at_a_time(monkeypatch):
     # the block itself and a handful of two-channel temporaries (all 17 channels at once
     # take several times the block in float64)
     assert peak <= chunked.nbytes + 6 * two, (peak, chunked.nbytes, two)
+
+
+@pytest.mark.parallel([1])
+@pytest.mark.parametrize("name", ["mesh", "imagenet"])
+def test_every_block_of_a_sample_equals_the_whole_samples_values(name):
+    # the waves are matrix products (BLAS): every element must come out the same in any
+    # block, of one row or column too, at the edges, and at sizes where BLAS switches
+    # kernels; the mask's margin is generated again and must agree with the input
+    h, w = 70, 45
+    ds = (MeshSynthetic(2, size=(h, w), channels=3, seed=7) if name == "mesh"
+          else ImageNetSynthetic(2, image_size=(h, w), seed=7))
+    full = ds._input_block(1, (slice(0, 3), slice(0, h), slice(0, w)))
+    cuts_h, cuts_w = [0, 1, 2, 3, 8, 17, 33, h - 2, h - 1, h], [0, 1, 2, 5, 16, 31, w - 1, w]
+    bad = []
+    for y0, y1 in zip(cuts_h, cuts_h[1:], strict=False):
+        for x0 in cuts_w[:-1]:
+            for x1 in [x for x in cuts_w if x > x0]:
+                where = (slice(0, 3), slice(y0, y1), slice(x0, x1))
+                if not np.array_equal(ds._input_block(1, where), full[:, y0:y1, x0:x1]):
+                    bad.append((y0, y1, x0, x1))
+    for y0 in cuts_h[:-1]:  # every row alone, against every column run
+        if not np.array_equal(ds._input_block(1, (slice(1, 2), slice(y0, y0 + 1),
+                                                  slice(0, w))), full[1:2, y0:y0 + 1]):
+            bad.append((y0, "row"))
+    assert not bad, bad
+    if name == "mesh":
+        mask = ds._target_block(1, (slice(0, 1), slice(0, h), slice(0, w)))
+        for y0, y1, x0, x1 in [(0, 1, 0, w), (h - 1, h, 3, 4), (5, 40, 0, 1), (2, 3, 44, 45)]:
+            np.testing.assert_array_equal(
+                ds._target_block(1, (slice(0, 1), slice(y0, y1), slice(x0, x1))),
+                mask[:, y0:y1, x0:x1])
 
 
 @pytest.mark.parallel([1])

@@ -488,9 +488,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         help="print and save (metrics file) peak memory by phase and by layer, "
                         "with the largest allocations at the training step's peaks")
     parser.add_argument("--no-keep-data", action="store_true",
-                        help="make a synthetic data set's blocks again in every epoch instead "
-                        "of keeping them after the first (kept only where all of them fit a "
-                        "quarter of the memory the plan leaves free)")
+                        help="make a synthetic data set's blocks in each step instead of "
+                        "making every sample's before the first step and keeping them (kept "
+                        "only where all of them fit a quarter of the memory the plan leaves "
+                        "free)")
     parser.add_argument("--no-block-cache", action="store_true",
                         help="map each step's large arrays afresh instead of reusing them "
                         "from a cache bounded by the plan's predicted step memory")

@@ -22,6 +22,7 @@ the same on every rank.
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
@@ -59,8 +60,11 @@ __all__ = [
 
 Slices = tuple[slice, ...]
 
-FIELD_CHUNK = 2**21
-"""Bytes of float64 scratch per chunk of channels when a synthetic mesh block is generated."""
+FIELD_CHUNK = 2**20
+"""Bytes of scratch (8 per element) per chunk of channels when a synthetic mesh block is
+generated: its float32 temporaries stay under the C allocator's mapping threshold of 1 MiB
+(:func:`disttensor_nn.memory.map_large_allocations`), so the heap reuses them, where a
+fresh mapping per chunk would fault its pages in every time."""
 
 
 # --------------------------------------------------------------------------- hashing
@@ -81,33 +85,76 @@ def _u64(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).astype(np.uint64)
 
 
-def _noise(key: np.uint64, sample: int, channels: np.ndarray, ys: np.ndarray, xs: np.ndarray,
-           shape: tuple[int, int, int]) -> np.ndarray:
-    """Uniform noise in ``[-1, 1)`` (float32, 24 bits) at global ``(sample, channel, y, x)``,
-    shape (c, h, w).
+NOISE_PERIOD = 2**16
+"""Length of the random sequence whose windows make the synthetic data's noise."""
 
-    Each row ``(sample, channel, y)`` takes a 32-bit key from one SplitMix64
-    round of its global index; each element hashes its row's key plus ``x``
-    times the golden ratio with a 32-bit finaliser (lowbias32: two
-    multiplications, three shifts), a few passes over 4-byte words where a
-    64-bit hash of every element took three times as long.
-    """
-    c_n, h_n, _ = (np.uint64(s) for s in shape)
+
+@functools.lru_cache(maxsize=16)
+def _noise_table(key: int, width: int, scale: float) -> np.ndarray:
+    """``scale`` times uniform values in ``[-1, 1)`` (float32): :data:`NOISE_PERIOD` +
+    ``width`` + 1 of them, a pure function of ``key``; read-only, made once per data set."""
+    u = _uniform(np.arange(NOISE_PERIOD + width + 1, dtype=np.uint64), np.uint64(key))
+    table = (scale * (2.0 * u - 1.0)).astype(np.float32)
+    table.flags.writeable = False
+    return table
+
+
+def _noise_rows(key: np.uint64, sample: int, channels: np.ndarray, ys: np.ndarray, x0: int,
+                width: int, shape: tuple[int, int, int], scale: float = 1.0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The noise of :func:`_noise` as ``(windows, offsets)``: ``windows[offsets]`` is the
+    noise, ``offsets`` of shape (c, h) (so that a few channels at a time are gathered)."""
+    c_n, h_n, w_n = (int(s) for s in shape)
     with np.errstate(over="ignore"):
-        rows = (np.uint64(sample) * c_n + _u64(channels))[:, None] * h_n + _u64(ys)[None, :]
-        keys = (_mix(rows, key) >> np.uint64(32)).astype(np.uint32)
-        steps = (_u64(xs) * np.uint64(0x9E3779B9)).astype(np.uint32)
-    v = np.add(keys[:, :, None], steps[None, None, :])  # wraps modulo 2**32
-    t = np.empty_like(v)
-    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 0)):
-        v ^= np.right_shift(v, shift, out=t)
-        if factor:
-            v *= np.uint32(factor)
-    v >>= np.uint32(8)
-    out = t.view(np.float32)
-    np.multiply(v, np.float32(2.0**-23), out=out, casting="unsafe")
-    out -= np.float32(1.0)
-    return out
+        rows = (np.uint64(sample) * np.uint64(c_n) + _u64(channels))[:, None] * \
+            np.uint64(h_n) + _u64(ys)[None, :]
+        offsets = (_mix(rows, key) >> np.uint64(48)).astype(np.intp)  # [0, NOISE_PERIOD)
+    table = _noise_table(int(key), w_n, float(scale))
+    return np.lib.stride_tricks.sliding_window_view(table[x0:], width), offsets
+
+
+def _noise(key: np.uint64, sample: int, channels: np.ndarray, ys: np.ndarray, x0: int,
+           width: int, shape: tuple[int, int, int], scale: float = 1.0) -> np.ndarray:
+    """Uniform noise in ``[-scale, scale)`` (float32) at global ``(sample, channel, y, x)``
+    for ``x`` in ``[x0, x0 + width)``, shape (c, h, width); ``x0 + width`` at most one
+    past the sample's width.
+
+    Each row ``(sample, channel, y)`` is a window of one random sequence of
+    :data:`NOISE_PERIOD` + W values (:func:`_noise_table`), at an offset its
+    global index hashes to (SplitMix64): one gather of whole rows, where a hash
+    of every element took ten passes over the block.
+    """
+    windows, offsets = _noise_rows(key, sample, channels, ys, x0, width, shape, scale)
+    return windows[offsets]
+
+
+def _waves(y_factors: np.ndarray, x_factors: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[c, y, x] = sum_k y_factors[y, k] x_factors[c, k, x]`` (float32; ``y_factors``
+    may also be ``(c, y, k)``, one per channel), each element the same whatever block of
+    ``y`` and ``x`` it is computed in.
+
+    One matrix product per channel (BLAS): its kernels sum the ``k`` terms of
+    every element in the same order wherever the element lies, which was
+    checked for every block of at least 2 x 2 of several sizes; a block of one
+    row or one column would take BLAS's matrix-vector path, which sums in
+    another order, so callers compute at least two of each.
+    """
+    if y_factors.shape[-2] < 2 or x_factors.shape[-1] < 2:
+        raise ValueError("blocks of waves are computed at least 2 x 2")
+    y_factors = np.ascontiguousarray(y_factors, np.float32)
+    return np.matmul(y_factors if y_factors.ndim == 3 else y_factors[None],
+                     np.ascontiguousarray(x_factors, np.float32), out=out)
+
+
+def _span(coords: np.ndarray) -> tuple[int, int, np.ndarray | None]:
+    """The smallest run ``[lo, hi)`` of at least two coordinates that holds ``coords``
+    (a run of one is extended by one past it), and the positions of ``coords`` in it
+    (None: the run is ``coords`` itself)."""
+    lo, hi = int(coords.min()), int(coords.max()) + 1
+    hi = max(hi, lo + 2)
+    if hi - lo == len(coords) and int(coords[0]) == lo and np.all(np.diff(coords) == 1):
+        return lo, hi, None
+    return lo, hi, coords - lo
 
 
 def _indices(indices: Any) -> np.ndarray:
@@ -124,16 +171,18 @@ def _range(sl: slice) -> np.ndarray:
 # --------------------------------------------------------------------------- base class
 
 def _blocks(idx: np.ndarray, dist: Distribution, sample_shape: tuple[int, ...], dtype: Any,
-            block: Callable[[int, tuple[slice, ...]], Any], name: str, what: str) -> DistArray:
-    """This rank's block of the samples ``idx`` in ``dist``, each filled by ``block``."""
+            fill: Callable[[int, Slices, np.ndarray], None], name: str, what: str) -> DistArray:
+    """This rank's block of the samples ``idx`` in ``dist``, each written by ``fill(sample,
+    where, out)`` into its place in the batch."""
     want = (len(idx), *sample_shape)
     if tuple(dist.global_shape) != want:
         raise ValueError(f"{name} has shape {dist.global_shape}, {what} {want}")
     out = DistArray.empty(dist, dtype)
     sn, *where = dist.local_slices()
     for j, i in enumerate(idx[sn]):
-        out.local[j] = block(int(i), tuple(where))
+        fill(int(i), tuple(where), out.local[j])
     return out
+
 
 class Dataset:
     """A data set of ``len(self)`` samples of shape :attr:`sample_shape` = (C, H, W).
@@ -196,23 +245,33 @@ class Dataset:
         """Bytes of the blocks :meth:`keep` holds now on this rank."""
         return sum(a.nbytes for a in (self._kept or {}).values())
 
-    def _keeping(self, kind: str, make: Callable[[int, Slices], np.ndarray]
-                 ) -> Callable[[int, Slices], np.ndarray]:
-        """``make``, through the blocks :meth:`keep` holds (``kind``: input or target)."""
+    def _keeping(self, kind: str, fill: Callable[[int, Slices, np.ndarray], None]
+                 ) -> Callable[[int, Slices, np.ndarray], None]:
+        """``fill``, through the blocks :meth:`keep` holds (``kind``: input or target)."""
         kept = self._kept
         if kept is None:
-            return make
+            return fill
 
-        def block(sample: int, where: Slices) -> np.ndarray:
+        def kept_fill(sample: int, where: Slices, out: np.ndarray) -> None:
             key = (kind, sample, tuple((w.start, w.stop) for w in where))
             got = kept.get(key)
-            if got is None:
-                got = make(sample, where)
-                if got.nbytes <= self._keep_left:
-                    kept[key] = got
-                    self._keep_left -= got.nbytes
-            return got
-        return block
+            if got is not None:
+                out[...] = got
+                return
+            fill(sample, where, out)
+            if out.nbytes <= self._keep_left:
+                kept[key] = out.copy()
+                self._keep_left -= out.nbytes
+        return kept_fill
+
+    def _fill_input(self, sample: int, where: Slices, out: np.ndarray) -> None:
+        """Write input block ``where`` of ``sample`` into ``out`` (its place in a batch);
+        :meth:`_input_block`'s values, which a data set may write in place instead."""
+        out[...] = self._input_block(sample, where)
+
+    def _fill_target(self, sample: int, where: Slices, out: np.ndarray) -> None:
+        """As :meth:`_fill_input`, for :meth:`_target_block`."""
+        out[...] = self._target_block(sample, where)
 
     # -- what subclasses provide
     def _input_block(self, sample: int, where: Slices) -> np.ndarray:  # pragma: no cover
@@ -259,7 +318,7 @@ class Dataset:
         """This rank's block of the input batch of samples ``idx`` (checked on every rank)."""
         self._check_index(idx)
         return _blocks(idx, dist_x, self.sample_shape, self.dtype,
-                       self._keeping("input", self._input_block), "dist_x", "the batch is")
+                       self._keeping("input", self._fill_input), "dist_x", "the batch is")
 
     def inputs(self, indices: Sequence[int] | np.ndarray, dist_x: Distribution) -> DistArray:
         """The inputs of samples ``indices`` alone, laid out as ``dist_x`` (for inference).
@@ -314,7 +373,7 @@ class Dataset:
         if dist_y is None:
             dist_y = self.target_distribution(dist_x)
         y = _blocks(idx, dist_y, self.target_shape, self.target_dtype,
-                    self._keeping("target", self._target_block), "dist_y", "the targets are")
+                    self._keeping("target", self._fill_target), "dist_y", "the targets are")
         return x, y
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -398,12 +457,23 @@ class ImageNetSynthetic(Dataset):
         u = _uniform(counter, self._k_wave)
         sign = np.where(u[:, 3] < 0.5, -1.0, 1.0)
         fy, fx, phi = 0.5 + 3.5 * u[:, 0], sign * (0.5 + 3.5 * u[:, 1]), 2 * np.pi * u[:, 2]
-        ay = 2 * np.pi * fy[:, None] * ys[None, :] / h                     # (c, h)
-        bx = 2 * np.pi * fx[:, None] * xs[None, :] / w + phi[:, None]      # (c, w)
-        wave = (np.sin(ay)[:, :, None] * np.cos(bx)[:, None, :]
-                + np.cos(ay)[:, :, None] * np.sin(bx)[:, None, :])
-        noise = _noise(self._k_noise, sample, cs, ys, xs, self.sample_shape)
-        return (0.5 * wave + 0.5 * noise).astype(self.dtype)
+        out = np.empty((len(cs), len(ys), len(xs)), np.float32)
+        if not out.size:
+            return out.astype(self.dtype)
+        y0, y1, ysel = _span(ys)
+        x0, x1, xsel = _span(xs)
+        yr, xr = np.arange(y0, y1), np.arange(x0, x1)
+        ay = 2 * np.pi * fy[:, None] * yr[None, :] / h                     # (c, h)
+        bx = 2 * np.pi * fx[:, None] * xr[None, :] / w + phi[:, None]      # (c, w)
+        # 0.5 sin(ay + bx) + 0.5 noise
+        acc = _waves(np.stack([np.sin(ay), np.cos(ay)], axis=2),
+                     0.5 * np.stack([np.cos(bx), np.sin(bx)], axis=1),
+                     np.empty((len(cs), len(yr), len(xr)), np.float32))
+        acc += _noise(self._k_noise, sample, cs, yr, x0, len(xr), self.sample_shape, 0.5)
+        if ysel is not None:
+            acc = acc[:, ysel]
+        out[...] = acc if xsel is None else acc[:, :, xsel]
+        return out.astype(self.dtype, copy=False)
 
     def __repr__(self) -> str:
         return (f"ImageNetSynthetic({self.num_samples}, image_size={self.sample_shape[1:]}, "
@@ -476,56 +546,73 @@ class MeshSynthetic(Dataset):
         phase = 2 * np.pi * u[2 * k + c * k:].reshape(c, k)
         return fy, fx, amp, phase
 
-    def _fields(self, sample: int, cs: np.ndarray, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
-        """Input values at the global coordinates ``cs x ys x xs`` (any integer arrays).
+    def _fields(self, sample: int, cs: np.ndarray, ys: np.ndarray, xs: np.ndarray,
+                out: np.ndarray | None = None) -> np.ndarray:
+        """Input values at the global coordinates ``cs x ys x xs`` (any integer arrays),
+        written into ``out`` where given.
 
         Each wave ``a sin(ay + bx)`` is ``sin(ay) (a cos bx) + cos(ay) (a sin bx)``:
-        factors of y and of (channel, x) in float64, their products summed in
-        float32 in a fixed order (values independent of the block), a few
-        channels at a time.
+        factors of y and of (channel, x) in float64, rounded to float32 and
+        summed by one matrix product per channel (:func:`_waves`, the same
+        values whatever the block), over the run of rows and columns that holds
+        ``ys`` and ``xs``, a few channels at a time; then the noise.
         """
         _, h, w = self.sample_shape
+        if out is None:
+            out = np.empty((len(cs), len(ys), len(xs)), self.dtype)
+        if not out.size:
+            return out
         fy, fx, amp, phase = self._params(sample)
-        f32 = np.float32
-        out = np.empty((len(cs), len(ys), len(xs)), self.dtype)
-        ay = 2 * np.pi * fy[:, None] * ys[None, :] / h                           # (K, h)
-        sy, cy = np.sin(ay).astype(f32), np.cos(ay).astype(f32)
+        y0, y1, ysel = _span(ys)
+        x0, x1, xsel = _span(xs)
+        yr, xr = np.arange(y0, y1), np.arange(x0, x1)
+        ay = 2 * np.pi * fy[None, :] * yr[:, None] / h                           # (h, K)
+        y_factors = np.concatenate([np.sin(ay), np.cos(ay)], axis=1).astype(np.float32)
+        in_place = ysel is None and xsel is None and out.dtype == np.float32 and \
+            out.flags.c_contiguous
+        bx = 2 * np.pi * fx[None, :, None] * xr[None, None, :] / w + phase[cs][:, :, None]
+        a = amp[cs][:, :, None]                                                   # (c, K, w)
+        x_factors = np.concatenate([a * np.cos(bx), a * np.sin(bx)], axis=1)      # (c, 2K, w)
+        x_factors = x_factors.astype(np.float32)
+        if self.noise:
+            windows, offsets = _noise_rows(self._k_noise, sample, cs, yr, x0, len(xr),
+                                           self.sample_shape, self.noise)
         # a few channels at a time, so that the scratch stays near FIELD_CHUNK bytes
         # whatever the block (a whole 1024 x 1024 sample would need several GiB of it)
-        step = max(1, FIELD_CHUNK // max(8 * len(ys) * len(xs), 1))
+        step = max(1, FIELD_CHUNK // max(8 * len(yr) * len(xr), 1))
         for c0 in range(0, len(cs), step):
-            cc = cs[c0:c0 + step]
-            bx = 2 * np.pi * fx[None, :, None] * xs[None, None, :] / w + phase[cc][:, :, None]
-            a = amp[cc][:, :, None]                                               # (c, K, w)
-            px, qx = (a * np.cos(bx)).astype(f32), (a * np.sin(bx)).astype(f32)
-            acc = np.empty((len(cc), len(ys), len(xs)), f32)
-            tmp = np.empty_like(acc)
-            for k in range(self.modes):  # a fixed summation order
-                np.multiply(sy[k][None, :, None], px[:, k][:, None, :], out=tmp if k else acc)
-                if k:
-                    acc += tmp
-                acc += np.multiply(cy[k][None, :, None], qx[:, k][:, None, :], out=tmp)
+            acc = out[c0:c0 + step] if in_place else \
+                np.empty((len(cs[c0:c0 + step]), len(yr), len(xr)), np.float32)
+            _waves(y_factors, x_factors[c0:c0 + step], acc)
             if self.noise:
-                noise = _noise(self._k_noise, sample, cc, ys, xs, self.sample_shape)
-                noise *= f32(self.noise)
-                acc += noise
-            out[c0:c0 + step] = acc
+                acc += windows[offsets[c0:c0 + step]]
+            if not in_place:
+                if ysel is not None:
+                    acc = acc[:, ysel]
+                out[c0:c0 + step] = acc if xsel is None else acc[:, :, xsel]
         return out
 
     def _input_block(self, sample: int, where: Slices) -> np.ndarray:
         sc, sh, sw = where
         return self._fields(sample, _range(sc), _range(sh), _range(sw))
 
+    def _fill_input(self, sample: int, where: Slices, out: np.ndarray) -> None:
+        sc, sh, sw = where
+        self._fields(sample, _range(sc), _range(sh), _range(sw), out)
+
     def _target_block(self, sample: int, where: Slices) -> np.ndarray:
         _, sh, sw = where
         _, h, w = self.sample_shape
-        ys = np.clip(np.arange(sh.start - 1, sh.stop + 1), 0, h - 1)  # block + 1-pixel halo,
-        xs = np.clip(np.arange(sw.start - 1, sw.stop + 1), 0, w - 1)  # edge replicated
-        f = self._fields(sample, np.array([0, 1]), ys, xs)
-        s = (f[0] + f[1] > 0).astype(np.int8)
+        # the block and a one-pixel margin, the image's edge replicated
+        y0, y1, x0, x1 = max(sh.start - 1, 0), min(sh.stop + 1, h), max(sw.start - 1, 0), \
+            min(sw.stop + 1, w)
+        f = self._fields(sample, np.array([0, 1]), np.arange(y0, y1), np.arange(x0, x1))
+        s = np.greater(f[0] + f[1], 0).view(np.int8)
+        s = np.pad(s, ((y0 - sh.start + 1, sh.stop + 1 - y1), (x0 - sw.start + 1,
+                                                                sw.stop + 1 - x1)), mode="edge")
         bh, bw = sh.stop - sh.start, sw.stop - sw.start
-        votes = sum(s[dy:dy + bh, dx:dx + bw].astype(np.int16)
-                    for dy in range(3) for dx in range(3))
+        rows = s[0:bh] + s[1:bh + 1] + s[2:bh + 2]              # votes of 3 rows, then of
+        votes = rows[:, 0:bw] + rows[:, 1:bw + 1] + rows[:, 2:bw + 2]  # 3 columns: at most 9
         return (votes >= 5).astype(self.dtype)[None]
 
     def __repr__(self) -> str:
@@ -1100,6 +1187,35 @@ class Loader:
             n += math.prod(s.stop - s.start for s in dist_y.local_slices()[1:]) * \
                 np.dtype(ds.target_dtype).itemsize
         return len(ds) * n
+
+    def make_kept(self) -> int:
+        """Make this rank's blocks of every sample now, in this loader's layouts, into the
+        blocks its data set keeps (:meth:`Dataset.keep`), so that no step waits for one to
+        be made; returns the number of samples made (0 where the data set keeps nothing,
+        or this rank holds no sample of a batch).
+
+        A rank holds a batch's slot ``j`` whatever sample lands there, so each
+        rank keeps its block of every sample (:meth:`keep_bytes` of them); made
+        lazily, the last of them would wait for many epochs of shuffled batches.
+        """
+        ds = self.dataset
+        if not ds.keep_limit or not self.keep_bytes():
+            return 0
+        made = 0
+        for kind, fill, layout, sample_shape, dtype in (
+                ("input", ds._fill_input, self.layout, ds.sample_shape, ds.dtype),
+                ("target", ds._fill_target, self.target_layout, ds.target_shape,
+                 ds.target_dtype)):
+            if layout is None:
+                continue
+            where = tuple(layout.distribution((self.batch_size, *sample_shape))
+                          .local_slices()[1:])
+            out = np.empty(tuple(w.stop - w.start for w in where), dtype)
+            kept_fill = ds._keeping(kind, fill)
+            for sample in range(len(ds)):
+                kept_fill(sample, where, out)
+            made = len(ds)
+        return made
 
     def load(self, indices: np.ndarray) -> tuple[DistArray, DistArray | np.ndarray]:
         """The batch of samples ``indices`` in this loader's layouts."""

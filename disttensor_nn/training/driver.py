@@ -133,8 +133,8 @@ class TrainConfig:
     recalibrate: bool = False  # measure this machine again even if a calibration is cached
     profile_memory: bool = False  # peak memory by phase and layer, largest allocations
     block_cache: bool = True  # the step's large blocks reused from step to step
-    # a synthetic data set's blocks kept after they are made, where all of them fit a quarter
-    # of the memory the plan leaves free (later epochs copy them)
+    # a synthetic data set's blocks made before the first step and kept, where all of them fit
+    # a quarter of the memory the plan leaves free (the steps copy them)
     keep_data: bool = True
     recompute: str = "auto"  # "auto" (when no plan fits otherwise), "always" or "never"
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
@@ -381,6 +381,13 @@ def _keep_data(cfg: TrainConfig, loader: Loader, plan: Plan, comm: MPI.Comm) -> 
     if not (cfg.keep_data and data.generated and 0 < need <= KEEP_SHARE * room):
         return 0
     data.keep(loader.keep_bytes())
+    t0 = time.perf_counter()
+    made = loader.make_kept()
+    took = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    if made:
+        say(comm, f"synthetic data: every rank's blocks of the {plural(made, 'sample')} made "
+                  f"ahead and kept ({need / 2**20:.0f} MiB per rank at most, {took:.2f} s; "
+                  "--no-keep-data makes them in each step instead)")
     return need
 
 
@@ -595,7 +602,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         # the limit above the blocks the plan counts comes on top of the plan's peak
         "predicted_cache_slack_bytes": _cache_slack(plan, model, comm, plan.shard_state,
                                                     cache_limit),
-        # a synthetic data set's blocks, kept by the end of the first epoch
+        # a synthetic data set's blocks, made and kept before the first step
         "predicted_kept_data_bytes": comm.allreduce(
             loader.dataset.keep_limit, op=MPI.MAX),
         "predicted_baseline_memory_bytes": plan.baseline_memory,
