@@ -266,6 +266,52 @@ def test_contention_applies_only_to_times_taken_on_fewer_ranks(tmp_path):
     assert (c.fwd, c.bwd) == pytest.approx((14e-3, 18e-3))
 
 
+def test_layers_that_communicate_are_priced_until_the_ranks_meet(tmp_path):
+    """Where ranks share cores, the timer keeps each layer's time until a barrier after it
+    too (key + SYNCED); a layer whose kind communicates (a convolution with a halo, a batch
+    norm) is priced with it on every layout, an element-wise one with its kernel's alone."""
+    from disttensor_nn.plan.timer import SYNCED
+
+    prof = profile(measured=True, cores_per_node=2)
+    timer = KernelTimer("t", cache_dir=str(tmp_path), measure=False)
+    f4 = np.dtype(np.float32)
+    for layer, local in ((nn.ReLU(), (1, 4, 8, 8)), (nn.BatchNorm2d(4), (1, 4, 8, 8)),
+                         (nn.Conv2d(4, 4, 3, padding=1), (1, 4, 10, 10))):
+        key = timer.key(layer, local, f4, 4)
+        timer.table[key] = [1e-3, 2e-3, 0.0]
+        timer.table[key + SYNCED] = [4e-3, 6e-3]
+        c = CostModel(prof, 4, timer).layer(layer, (4, 4, 8, 8), (4, 1, 1))  # no halo here
+        want = (1e-3, 2e-3) if isinstance(layer, nn.ReLU) else (4e-3, 6e-3)
+        assert (c.fwd, c.bwd) == pytest.approx(want), type(layer).__name__
+        del timer.table[key + SYNCED]  # taken without a barrier: the kernel's time
+        c = CostModel(prof, 4, timer).layer(layer, (4, 4, 8, 8), (4, 1, 1))
+        assert (c.fwd, c.bwd) == pytest.approx((1e-3, 2e-3))
+
+
+@pytest.mark.parallel([3])
+def test_measure_chain_keeps_the_time_until_the_barrier_where_ranks_share_cores(
+        tmp_path, monkeypatch):
+    """With more ranks on the node than cores, measure_chain keeps both times of every
+    layer, the one until the barrier at least the kernel's; with cores enough, only one."""
+    from disttensor_nn.plan import timer as timer_module
+
+    comm = MPI.COMM_WORLD
+    f4 = np.dtype(np.float32)
+    layers = [(nn.Conv2d(2, 2, 3, padding=1), (1, 2, 12, 12)), (nn.ReLU(), (1, 2, 12, 12))]
+    for cores in (1, 64):
+        monkeypatch.setattr(timer_module.os, "cpu_count", lambda c=cores: c)
+        timer = KernelTimer("t", cache_dir=str(tmp_path / str(cores)), reps=2)
+        timer.measure_chain([(layer, shape, f4, 1.0) for layer, shape in layers], comm, reps=2)
+        for layer, shape in layers:
+            key = timer.key(layer, shape, f4, comm.Get_size())
+            both = timer.table.get(key + timer_module.SYNCED)
+            if cores == 1:
+                ok = both is not None and all(b >= k for b, k in zip(both, timer.table[key][:2]))
+            else:
+                ok = both is None
+            collective_assert(ok, f"{cores} cores: {timer.table[key]}, {both}")
+
+
 def test_first_layer_is_timed_without_its_input_gradient(tmp_path, monkeypatch):
     """A layer with ``input_grad = False`` (a network's first) has its own timing entry.
 

@@ -47,9 +47,13 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
-so that times measured with older kernels are not reused (they live in another file)."""
+or what a time means, so that older times are not reused (they live in another file)."""
+
+SYNCED = "|sync"
+"""Suffix of a cache key whose entry is the time until every rank is done (a barrier after
+the kernel), kept beside the kernel's own where ranks share cores (:meth:`KernelTimer.times`)."""
 
 
 class KernelTimer:
@@ -115,7 +119,8 @@ class KernelTimer:
                 f"{where}{self._where}" + (f"|{kernels}" if kernels else ""))
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
-              flops: float, corun: int = 1) -> tuple[float, float, bool, int]:
+              flops: float, corun: int = 1, synced: tuple[bool, bool] = (False, False)
+              ) -> tuple[float, float, bool, int]:
         """(forward s, backward s, estimated, ranks that ran at once) of ``layer``.
 
         An in-sequence measurement taken on ``corun`` ranks is preferred, then
@@ -123,11 +128,22 @@ class KernelTimer:
         (measured now if missing and ``measure`` is on); the last element
         says on how many ranks at once the time was taken, so that the
         caller can account for ranks sharing the node otherwise.
+
+        ``synced`` says, for forward and backward, whether the layer waits for
+        the other ranks after that pass (it exchanges a halo or sums over
+        them): where ranks share cores, the time until the slowest rank is
+        done is then taken (:meth:`measure_chain` keeps both), else the
+        kernel's own.
         """
         for co in dict.fromkeys((corun, 1)):
-            entry = self.table.get(self.key(layer, local_in, dtype, co))
+            key = self.key(layer, local_in, dtype, co)
+            entry = self.table.get(key)
             if entry is not None:
-                return entry[0], entry[1], False, co
+                fwd, bwd = entry[0], entry[1]
+                both = self.table.get(key + SYNCED) if any(synced) else None
+                if both is not None:
+                    fwd, bwd = (both[0] if synced[0] else fwd), (both[1] if synced[1] else bwd)
+                return fwd, bwd, False, co
         key = self.key(layer, local_in, dtype)
         if key in self.table:
             fwd, bwd = self.table[key][:2]
@@ -353,9 +369,11 @@ class KernelTimer:
 
         When a node holds more of these ranks than it has cores, ranks wait at
         every synchronisation in training for peers that the operating system
-        has descheduled; each layer's time then includes a barrier after it,
-        so that this wait is measured too. Returns the number of distinct
-        shapes timed.
+        has descheduled; each layer is then followed by a barrier, and its time
+        until the barrier is passed is kept too (under the key with
+        :data:`SYNCED`), for the layers that synchronise in the layout priced
+        (:meth:`times`); the others' waits fall to the next that does, as in
+        training. Returns the number of distinct shapes timed.
         """
         _twins[0] = weakref.WeakKeyDictionary()  # released when the chain is timed
         try:
@@ -412,6 +430,9 @@ class KernelTimer:
             for key, (factor, flops) in job.targets.items():
                 if key != tkey:
                     self.table[key] = [fwd * factor, bwd * factor, flops, "tile"]
+            if job.synced is not None:
+                for key, (factor, _) in {tkey: (1.0, 0.0), **job.targets}.items():
+                    self.table[key + SYNCED] = [t * factor for t in job.synced]
         self._dirty = True
         return len(jobs)
 
@@ -425,9 +446,11 @@ class KernelTimer:
         largest = max(max(math.prod(job.shape), math.prod(job.out_shape)) for job in jobs)
         source = xp.asarray(np.random.default_rng(0).standard_normal(largest)
                             .astype(np.float32))
-        fwd = np.zeros((reps, len(jobs)))
-        bwd = np.zeros((reps, len(jobs)))
+        # [kernel, until the barrier after it] x (reps, layers): equal without a barrier
+        fwd = np.zeros((2, reps, len(jobs)))
+        bwd = np.zeros((2, reps, len(jobs)))
         start, done = 0.0, 0
+        synced = sync is not _nothing
         # the blocks come from a cache, reused from one repetition to the next, as the
         # training driver's steps reuse theirs (no page faults after the untimed round)
         with block_cache(2**31) if is_numpy(xp) else contextlib.nullcontext():
@@ -445,13 +468,14 @@ class KernelTimer:
                     prev = None
                     t0 = self._clock()
                     y = twin.forward(x)
-                    sync()
                     t1 = self._clock()
+                    sync()
+                    t2 = self._clock() if synced else t1
                     del x
                     outs.append(y)
                     prev = y.local
                     if r >= 0:
-                        fwd[r, j] = t1 - t0
+                        fwd[:, r, j] = t1 - t0, t2 - t0
                 prev = None
                 for j in reversed(range(len(jobs))):
                     y = outs.pop()
@@ -459,11 +483,12 @@ class KernelTimer:
                     del y
                     t0 = self._clock()
                     twins[j].backward(dy)
-                    sync()
                     t1 = self._clock()
+                    sync()
+                    t2 = self._clock() if synced else t1
                     del dy
                     if r >= 0:
-                        bwd[r, j] = t1 - t0
+                        bwd[:, r, j] = t1 - t0, t2 - t0
                 for twin in twins:
                     twin.zero_grad()
                 if r >= 0:
@@ -474,11 +499,13 @@ class KernelTimer:
         del twins, source
         self._release_workspace()
         release_free_memory()
-        fwd, bwd = fwd[:done], bwd[:done]
+        fwd, bwd = np.ascontiguousarray(fwd[:, :done]), np.ascontiguousarray(bwd[:, :done])
         comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
         comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)
         for j, job in enumerate(jobs):
-            job.result = (float(np.median(fwd[:, j])), float(np.median(bwd[:, j])))
+            job.result = (float(np.median(fwd[0, :, j])), float(np.median(bwd[0, :, j])))
+            if synced:
+                job.synced = (float(np.median(fwd[1, :, j])), float(np.median(bwd[1, :, j])))
 
     def save(self) -> None:
         """Write new measurements to the cache file."""
@@ -545,7 +572,8 @@ class QueryRecorder:
         self.queries: list[tuple[Layer, tuple[int, ...], np.dtype, float]] = []
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype, flops: float,
-              corun: int = 1) -> tuple[float, float, bool, int]:
+              corun: int = 1, synced: tuple[bool, bool] = (False, False)
+              ) -> tuple[float, float, bool, int]:
         self.queries.append((layer, tuple(local_in), np.dtype(dtype), flops))
         return 0.0, 0.0, False, corun
 
@@ -560,6 +588,7 @@ class _Job:
     flops: float
     targets: dict[str, tuple[float, float]]  # key -> (time factor, FLOPs of that key's block)
     result: tuple[float, float] = (0.0, 0.0)
+    synced: tuple[float, float] | None = None  # until the barrier after it, where there is one
 
     @property
     def out_shape(self) -> tuple[int, ...]:
