@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from disttensor import Distribution
-from disttensor.backend import array_namespace, contiguous, fill, reshape
+from disttensor.backend import array_namespace, astype, contiguous, fill, reshape
 
 from .layout import full_array, local_block
 from .shards import gather_shards, shard_counts
@@ -67,7 +67,8 @@ class Parameter:
         self.piece: Any = None
         self._held: _Held | None = None
         self._pending: tuple[Any, np.ndarray] | None = None  # a gather started ahead
-        self.grad = array_namespace(self._data).zeros_like(self._data)
+        self._grad: Any = array_namespace(self._data).zeros_like(self._data)
+        self._grad_zero = False  # zero_grad() was called: ``_grad`` is zeros, not yet written
         self.dist = dist
         self.unreduced: Any = None  # this rank's gradient parts kept back by no_sync
         # the communicator the last backward pass summed the gradient over (the ranks
@@ -226,9 +227,40 @@ class Parameter:
         self.grad = local_block(full_array(self.grad, self.dist), dist)
         self.dist = dist
 
+    @property
+    def grad(self) -> Any:
+        """This rank's gradient (its local block, or its shard: ``grad_range``).
+
+        After :meth:`zero_grad` it reads as zeros; the zeros are written
+        only when it is read before :meth:`add_grad_` wrote it (the first
+        gradient of a step is copied in, where adding it to zeros would take
+        another pass over the array).
+        """
+        if self._grad_zero:
+            fill(self._grad, 0)
+            self._grad_zero = False
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: Any) -> None:
+        self._grad, self._grad_zero = value, False
+
+    def add_grad_(self, g: Any) -> None:
+        """``grad += g`` (``g`` of ``grad``'s size, any shape; cast to its dtype); the
+        first one after :meth:`zero_grad` is copied in instead."""
+        grad = self._grad
+        g = reshape(g, grad.shape) if tuple(g.shape) != tuple(grad.shape) else g
+        if g.dtype != grad.dtype:
+            g = astype(g, grad.dtype)
+        if self._grad_zero:
+            grad[...] = g
+            self._grad_zero = False
+        else:
+            grad += g
+
     def zero_grad(self) -> None:
         """Set the gradient to zero (and drop parts kept back by :func:`no_sync`)."""
-        fill(self.grad, 0)
+        self._grad_zero = True
         self.unreduced = None
 
     def __repr__(self) -> str:

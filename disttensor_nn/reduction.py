@@ -176,7 +176,7 @@ def _split_large(grads: Sequence[tuple[Parameter, Any]], nbytes: int) -> tuple[l
 def _add(grads: Sequence[tuple[Parameter, Any]]) -> None:
     """``p.grad +=`` each local gradient (its sum over one rank)."""
     for p, g in grads:
-        p.grad += astype(g, p.grad.dtype) if g.dtype != p.grad.dtype else g
+        p.add_grad_(g)
 
 
 def _concatenate(arrays: Sequence[Any]) -> Any:
@@ -187,8 +187,7 @@ def _unpack(grads: Sequence[tuple[Parameter, Any]], flat: Any) -> None:
     """``p.grad += `` each parameter's slice of the reduced ``flat``."""
     offset = 0
     for p, g in grads:
-        part = reshape(flat[offset:offset + g.size], p.grad.shape)
-        p.grad += astype(part, p.grad.dtype) if part.dtype != p.grad.dtype else part
+        p.add_grad_(flat[offset:offset + g.size])
         offset += g.size
 
 

@@ -714,3 +714,28 @@ def test_resuming_with_another_optimizer_or_schedule_is_one_clear_error(tmp_path
     err = usage_error(capsys, argv + ["--steps", "2", "--resume", "--gamma", "0.5"])
     assert "other settings (gamma 0.1, this run's 0.5" in err, err
     assert err.count("error:") == 1, err
+
+
+@pytest.mark.parallel([1])
+def test_zero_grad_reads_as_zeros_and_the_next_gradient_is_copied_in():
+    """zero_grad writes nothing: the gradient reads as zeros, the first add_grad_ after it
+    copies (any shape of the same size, cast to the gradient's dtype), later ones add, and
+    the array stays the same object (optimizer state and views keep it)."""
+    import disttensor_nn as nn
+
+    p = nn.Parameter(np.arange(6.0).reshape(2, 3))
+    buf = p.grad
+    buf[...] = 5.0
+    p.zero_grad()
+    np.testing.assert_array_equal(p.grad, np.zeros((2, 3)))  # read before any gradient
+    p.grad[...] = 7.0
+    p.zero_grad()
+    g = np.arange(6, dtype=np.float32) - 2.5
+    p.add_grad_(g)
+    assert p.grad is buf and p.grad.dtype == np.float64
+    np.testing.assert_array_equal(p.grad, g.reshape(2, 3).astype(np.float64))
+    p.add_grad_(g.reshape(3, 2))
+    np.testing.assert_array_equal(p.grad, 2 * g.reshape(2, 3).astype(np.float64))
+    p.grad = np.ones((2, 3))  # assigned: no longer zeroed
+    p.add_grad_(g)
+    np.testing.assert_array_equal(p.grad, 1 + g.reshape(2, 3))

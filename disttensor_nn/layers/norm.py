@@ -372,8 +372,8 @@ class BatchNormNd(Layer):
         if self.stats == "group":
             sums = allreduce_(contiguous(sums, copy=True), split_axes_comm(dist, (0,)))
         C = self.num_features
-        self.bias.grad += astype(sums[:C], self.dtype)
-        self.weight.grad += astype(sums[C:], self.dtype)
+        self.bias.add_grad_(sums[:C])
+        self.weight.add_grad_(sums[C:])
 
     @staticmethod
     def _input_grad(xp: Any, kernels: Any, x3: Any, g3: Any, centre: Any, scale: Any,
