@@ -531,3 +531,26 @@ def test_a_16_bit_batch_norm_in_slices_of_channels_gives_the_whole_blocks_result
         for a, b in zip(got[norm.PART_BYTES, training], got[1, training]):
             check.equal(a, b, f"training={training}: one channel per slice")
     check.finish()
+
+
+@pytest.mark.parallel([1])
+def test_a_16_bit_batch_norm_sharing_its_statistics_is_timed_on_16_bit_blocks(tmp_path):
+    """The twin a batch norm is timed on where other ranks share its statistics (the torch
+    kernels' shared backward) takes the layer's 16-bit blocks, as the layer does."""
+    pytest.importorskip("torch")
+    from disttensor_nn.kernels import with_backend
+    from disttensor_nn.plan import KernelTimer
+    from disttensor_nn.plan.costmodel import dist_for
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    bn = with_backend(nn.BatchNorm2d(4), "torch")
+    bn.activation_dtype = bf16
+    spec = bn.cost_spec(dist_for((2, 4, 8, 8), (2, 1, 1)), 2)  # the samples split: shared
+    assert spec.twin is not None and spec.twin.shared_statistics
+    assert spec.twin.activation_dtype == bf16
+    timer = KernelTimer("t", cache_dir=str(tmp_path), reps=1)
+    twin = with_backend(spec.twin, "torch")
+    assert timer.measure_chain([(twin, spec.local_shape, bf16, 1.0)], MPI.COMM_SELF,
+                               reps=1) == 1
+    fwd, bwd, _, _ = timer.times(twin, spec.local_shape, bf16, 1.0)
+    assert fwd > 0 and bwd > 0

@@ -449,6 +449,7 @@ class BatchNormNd(Layer):
         twin = type(self)(self.num_features, self.eps, self.momentum, self.affine,
                           self.track_running_stats, stats=self.stats, dtype=self.dtype)
         twin.shared_statistics = self.shared_statistics
+        twin.activation_dtype = self.activation_dtype  # 16-bit blocks, float32 statistics
         return twin
 
 
