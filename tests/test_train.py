@@ -264,6 +264,22 @@ def test_train_reports_plan_first_compute_and_data_apart_and_where_metrics_go(tm
     assert header == ["step", "loss", "time_s", "compute_s", "data_s", "samples_per_s"]
 
 
+def test_a_metrics_prefix_that_cannot_be_written_is_refused_before_training(tmp_path,
+                                                                             capsys):
+    """--metrics in a folder that cannot be made: one message, exit 2, before any step (it
+    failed after the whole run); a missing folder is made."""
+    from disttensor_nn.training.cli import train_main
+
+    (tmp_path / "file").write_text("")
+    argv = ["mesh-demo", "--machine", V100, "--no-progress", "--size", "64x64", "--batch",
+            "2", "--steps", "1", "--samples", "2"]
+    err = _usage_error(capsys, argv + ["--metrics", str(tmp_path / "file" / "sub" / "run")])
+    assert "--metrics" in err and "cannot make the folder" in err, err
+    prefix = tmp_path / "new" / "deeper" / "run"
+    assert train_main(argv + ["--metrics", str(prefix)]) == 0
+    assert os.path.exists(f"{prefix}.csv") and os.path.exists(f"{prefix}.json")
+
+
 def test_train_on_a_directory_of_npy_samples(tmp_path, capsys):
     from disttensor_nn.training import MeshSynthetic, save_npy_dataset
     from disttensor_nn.training.cli import train_main

@@ -48,6 +48,7 @@ from .loop import (  # noqa: F401 - importable from here as before
     check_resume_step,
     machine_profile,
     memory_summary,
+    metrics_problem,
     next_batch,
     peak_memory,
     phase_line,
@@ -276,7 +277,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     rank = comm.Get_rank()
     _check_config(cfg)
     lr = cfg.lr if cfg.lr is not None else model_spec(cfg.model).lr
-    problem = recipe_problem(cfg, lr)
+    problem = recipe_problem(cfg, lr) or metrics_problem(cfg.metrics, comm)
     if problem:
         raise SetupError(problem)
     if cfg.resume and cfg.checkpoint:  # the saved optimizer and schedule, before any work

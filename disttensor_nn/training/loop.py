@@ -34,8 +34,8 @@ from ..plan.machine import MachineProfile, this_machine_path
 from .checkpoint import save_checkpoint
 from .data import Loader, Prefetcher
 
-__all__ = ["HEAVY_LOAD", "plural", "say", "prefetch_depth", "set_threads", "threads_note",
-           "machine_profile", "progress_bar", "next_batch", "Batches", "StepResult",
+__all__ = ["HEAVY_LOAD", "plural", "say", "metrics_problem", "prefetch_depth", "set_threads",
+           "threads_note", "machine_profile", "progress_bar", "next_batch", "Batches", "StepResult",
            "run_steps", "check_resume_step", "peak_memory", "phase_line", "say_peak_memory",
            "timing_summary", "memory_summary", "prediction_warning", "print_summary",
            "write_metrics"]
@@ -169,6 +169,25 @@ def check_resume_step(cfg: Any, step: int) -> None:
         raise ValueError(f"the checkpoint {cfg.checkpoint} is at step {step}; --steps "
                          f"{cfg.steps} is not above it, so there is nothing to train (ask "
                          f"for more than {plural(step, 'step')})")
+
+
+def metrics_problem(prefix: str | None, comm: MPI.Comm) -> str | None:
+    """Why the metrics files ``PREFIX.csv`` and ``PREFIX.json`` could not be written at the
+    end of the run (None: they can; the folder is made where missing); the same answer on
+    every rank (rank 0 checks; collective), so that a run never trains for nothing."""
+    if not prefix:
+        return None
+    problem = None
+    if comm.Get_rank() == 0:
+        folder = os.path.dirname(os.path.abspath(prefix))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            problem = f"--metrics {prefix}: cannot make the folder {folder} ({exc.strerror})"
+        else:
+            if not os.access(folder, os.W_OK):
+                problem = f"--metrics {prefix}: the folder {folder} is not writable"
+    return comm.bcast(problem, root=0)
 
 
 def progress_bar(cfg: Any, comm: MPI.Comm, step: int, name: str) -> Any:

@@ -61,6 +61,7 @@ from .loop import (
     check_resume_step,
     machine_profile,
     memory_summary,
+    metrics_problem,
     plural,
     prefetch_depth,
     print_summary,
@@ -429,6 +430,9 @@ def _resume_problem(cfg: TrainConfig, manifest: dict[str, Any]) -> str | None:
 def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple:
     """Everything before the first step; every refusal a ValueError on every rank alike."""
     _check(cfg)
+    problem = metrics_problem(cfg.metrics, comm)
+    if problem:
+        raise SetupError(problem)
     if cfg.resume and cfg.checkpoint:  # the saved optimizer and schedule, before any work
         problem = _resume_problem(cfg, checkpoint_manifest(cfg.checkpoint, comm=comm))
         if problem:
