@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
@@ -183,6 +184,18 @@ class _GradTarget:
                 and value.__array_interface__["data"][0] == self.param.grad.data_ptr()):
             self.param.grad.copy_(torch.from_numpy(value))
 
+    def add_grad_(self, g: Any) -> None:
+        """``grad += g`` (``g`` a NumPy array of the parameter's size, cast to its dtype);
+        where the parameter has no gradient yet, a copy of ``g`` becomes it (PyTorch's
+        rule for a first gradient: no zeros are written first)."""
+        if self.param.grad is None:
+            dtype = self.param.detach().numpy().dtype
+            self.param.grad = torch.from_numpy(
+                np.array(g, dtype=dtype, copy=True).reshape(tuple(self.param.shape)))
+            return
+        grad = self.param.grad.numpy()
+        grad += np.asarray(g).reshape(grad.shape).astype(grad.dtype, copy=False)
+
 
 class _SumOverRanks(torch.autograd.Function):
     """A parameter as a layer uses it on this rank's part of the data: the backward pass
@@ -303,9 +316,7 @@ class ParallelModule(nn.Module):
         self._reduce_ready()
 
     def _reduce(self, p: nn.Parameter, comm: MPI.Intracomm, local: torch.Tensor) -> None:
-        target = self._targets[id(p)]
-        target.grad  # noqa: B018  (creates the grad the sum is added to)
-        reduce_gradients_([(target, local.numpy())], comm)
+        reduce_gradients_([(self._targets[id(p)], local.numpy())], comm)
 
     def _reduce_ready(self) -> None:
         """Hand the buckets the gradients that are ready, in the order of every rank (a
