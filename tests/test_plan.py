@@ -312,6 +312,22 @@ def test_measure_chain_keeps_the_time_until_the_barrier_where_ranks_share_cores(
             collective_assert(ok, f"{cores} cores: {timer.table[key]}, {both}")
 
 
+def test_group_norm_and_global_pooling_are_timed_on_their_twins(tmp_path):
+    """Their passes are measured like any kernel's (priced at the memory bandwidth they came
+    out several times under their measure): measure_chain times them, and the cost model
+    prices them from the cache, not from the rate model."""
+    f4 = np.dtype(np.float32)
+    gn, gap = nn.GroupNorm(2, 4), nn.GlobalAvgPool()
+    shape = (1, 4, 6, 8, 8)
+    timer = KernelTimer("t", cache_dir=str(tmp_path), reps=1)
+    assert timer.measure_chain([(gn, shape, f4, 1.0), (gap, shape, f4, 1.0)],
+                               MPI.COMM_SELF, reps=1) == 2
+    for layer in (gn, gap):
+        timer.table[timer.key(layer, shape, f4, 1)] = [7e-3, 9e-3, 0.0]
+        c = CostModel(profile(measured=True), 1, timer).layer(layer, shape, (1, 1, 1, 1))
+        assert (c.fwd, c.bwd) == pytest.approx((7e-3, 9e-3)), type(layer).__name__
+
+
 def test_first_layer_is_timed_without_its_input_gradient(tmp_path, monkeypatch):
     """A layer with ``input_grad = False`` (a network's first) has its own timing entry.
 

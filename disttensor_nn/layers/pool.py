@@ -179,11 +179,12 @@ class GlobalAvgPool(Layer):
         return DistArray.from_local(backend.contiguous(grad, writeable=True), dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """Not timed: forward and backward each stream the block once.
+        """Forward and backward each stream the block once, timed on the twin (priced at
+        the memory bandwidth, ResNet-18's head measured 0.5 ms a step against 0.02 ms).
 
         The (N, C) sums (float64) are reduced over the ranks that split space.
         """
         block = largest_block(dist)
         sums = Allreduce(block[0] * block[1] * 8, tuple(range(2, dist.ndim)))
-        return CostSpec(block, nbytes=math.prod(block) * itemsize, timed=False,
-                        allreduces=(sums,))
+        return CostSpec(block, flops=float(math.prod(block)),
+                        nbytes=math.prod(block) * itemsize, allreduces=(sums,))
