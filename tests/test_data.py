@@ -142,6 +142,39 @@ def test_kept_blocks_equal_the_made_ones_are_made_once_and_stay_within_their_byt
     collective_assert(ds.kept_bytes == 0 and ds.keep_limit == 0)
 
 
+@pytest.mark.parallel(SIZES)
+def test_make_kept_of_the_upcoming_batches_makes_only_what_they_take(monkeypatch):
+    """Loader.upcoming(n) is what the next n batches will be (across epochs, from the
+    loader's position, nothing taken); make_kept of them makes the blocks of the samples
+    this rank holds in them, once, and loading them then makes nothing."""
+    ds = DATASETS["mesh"]()
+    made = spy_fills(ds, monkeypatch)
+    layout = layouts()["sample x H"]
+    loader = Loader(ds, 4, layout, shuffle=True, seed=9,
+                    target_layout=Layout(layout.grid, layout.axes))
+    next(iter(loader))  # one batch taken: the position moves
+    ahead = loader.upcoming(5)  # 3 batches an epoch: into the next epoch
+    taken = []
+    for _ in range(2):
+        taken += [idx for idx in loader.batches(loader.epoch)[loader.position:]]
+        loader.epoch, loader.position = loader.epoch + 1, 0
+    loader.epoch, loader.position = 0, 1
+    collective_assert(len(ahead) == 5 and all(np.array_equal(a, b)
+                                              for a, b in zip(ahead, taken[:5])),
+                      f"{ahead} vs {taken[:5]}")
+    ds.keep(loader.keep_bytes())
+    slots = layout.distribution((4, *ds.sample_shape)).local_slices()[0]
+    mine = sorted({int(i) for b in ahead for i in b[slots]})
+    made.clear()
+    n = loader.make_kept(ahead)
+    collective_assert(n == len(mine) and sorted({i for _, i in made}) == mine
+                      and len(made) == 2 * len(mine), f"{n}, {made}, {mine}")
+    made.clear()
+    for idx in ahead:
+        loader.load(idx)
+    collective_assert(not made, f"made {made}")
+
+
 def spy_fills(ds, monkeypatch) -> list[tuple[str, int]]:
     """The ``(method, sample)`` of every block ``ds`` makes from now on (its fills)."""
     made = []

@@ -1188,19 +1188,42 @@ class Loader:
                 np.dtype(ds.target_dtype).itemsize
         return len(ds) * n
 
-    def make_kept(self) -> int:
-        """Make this rank's blocks of every sample now, in this loader's layouts, into the
-        blocks its data set keeps (:meth:`Dataset.keep`), so that no step waits for one to
-        be made; returns the number of samples made (0 where the data set keeps nothing,
-        or this rank holds no sample of a batch).
+    def upcoming(self, n: int) -> list[np.ndarray]:
+        """The sample indices of the next ``n`` batches from this loader's position (as
+        iterating would give them, epoch after epoch), without taking them."""
+        out: list[np.ndarray] = []
+        epoch, position = self.epoch, self.position
+        if len(self) == 0:
+            return out
+        while len(out) < n:
+            if position >= len(self):
+                epoch, position = epoch + 1, 0
+            batches = self.batches(epoch)
+            take = batches[position:position + n - len(out)]
+            out += take
+            position += len(take)
+        return out
 
-        A rank holds a batch's slot ``j`` whatever sample lands there, so each
-        rank keeps its block of every sample (:meth:`keep_bytes` of them); made
-        lazily, the last of them would wait for many epochs of shuffled batches.
+    def make_kept(self, batches: Sequence[np.ndarray] | None = None) -> int:
+        """Make this rank's blocks now, in this loader's layouts, into the blocks its data
+        set keeps (:meth:`Dataset.keep`), so that no step waits for one to be made: of
+        every sample, or of the samples this rank holds in ``batches`` (e.g.
+        :meth:`upcoming`, the batches a run will take). Returns the number of samples
+        made (0 where the data set keeps nothing, or this rank holds no sample of a
+        batch).
+
+        A rank holds a batch's slot ``j`` whatever sample lands there, so over
+        enough steps each rank needs its block of every sample; made lazily, the
+        last of them would wait for many epochs of shuffled batches.
         """
         ds = self.dataset
         if not ds.keep_limit or not self.keep_bytes():
             return 0
+        samples: Any = range(len(ds))
+        if batches is not None:
+            slots = self.layout.distribution((self.batch_size, *ds.sample_shape)) \
+                .local_slices()[0]
+            samples = sorted({int(i) for b in batches for i in np.asarray(b)[slots]})
         made = 0
         for kind, fill, layout, sample_shape, dtype in (
                 ("input", ds._fill_input, self.layout, ds.sample_shape, ds.dtype),
@@ -1212,9 +1235,9 @@ class Loader:
                           .local_slices()[1:])
             out = np.empty(tuple(w.stop - w.start for w in where), dtype)
             kept_fill = ds._keeping(kind, fill)
-            for sample in range(len(ds)):
+            for sample in samples:
                 kept_fill(sample, where, out)
-            made = len(ds)
+            made = len(samples)
         return made
 
     def load(self, indices: np.ndarray) -> tuple[DistArray, DistArray | np.ndarray]:

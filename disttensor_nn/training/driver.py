@@ -342,6 +342,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         if scaler.is_enabled() and state["extra"].get("grad_scaler"):
             scaler.load_state_dict(state["extra"]["grad_scaler"])
         say(comm, f"resumed from step {step} ({cfg.checkpoint})")
+    _make_kept(cfg, loader, step, comm)
     release_free_memory()  # what planning freed, before the step's peak is measured
     _check_budget(plan, model, comm, plan.shard_state)
     return model, shape, plan, nodes, loss_fn, loader, (opt, sched, scaler), step, history
@@ -382,14 +383,20 @@ def _keep_data(cfg: TrainConfig, loader: Loader, plan: Plan, comm: MPI.Comm) -> 
     if not (cfg.keep_data and data.generated and 0 < need <= KEEP_SHARE * room):
         return 0
     data.keep(loader.keep_bytes())
-    t0 = time.perf_counter()
-    made = loader.make_kept()
-    took = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-    if made:
-        say(comm, f"synthetic data: every rank's blocks of the {plural(made, 'sample')} made "
-                  f"ahead and kept ({need / 2**20:.0f} MiB per rank at most, {took:.2f} s; "
-                  "--no-keep-data makes them in each step instead)")
     return need
+
+
+def _make_kept(cfg: TrainConfig, loader: Loader, step: int, comm: MPI.Comm) -> None:
+    """Make, before the first step, the kept blocks of the samples the run's remaining steps
+    take on this rank (:meth:`Loader.make_kept`), and say how long it took; collective."""
+    t0 = time.perf_counter()
+    made = loader.make_kept(loader.upcoming((cfg.steps - step) * cfg.accumulate))
+    took = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    made = comm.allreduce(made, op=MPI.MAX)
+    if made:
+        say(comm, f"synthetic data: the blocks of the {plural(made, 'sample')} a rank takes "
+                  f"in this run made ahead and kept ({took:.2f} s; --no-keep-data makes them "
+                  "in each step instead)")
 
 
 def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> int:
