@@ -397,8 +397,9 @@ class ImageNetSynthetic(Dataset):
 
     Sample ``i`` has label ``hash(seed, i) mod num_classes``; each channel of
     its image is a plane wave whose frequency and phase depend on the label
-    and the channel, plus uniform noise hashed from the global coordinates
-    ``(i, c, y, x)``::
+    and the channel, plus uniform noise at the global coordinates ``(i, c, y, x)``
+    (each row ``(i, c, y)`` a window of one random sequence, at an offset hashed
+    from the row's index)::
 
         x[c, y, x] = 0.5 sin(2 pi (fy y / H + fx x / W) + phi) + 0.5 u,   u in [-1, 1)
 
@@ -486,7 +487,8 @@ class MeshSynthetic(Dataset):
     Every channel of sample ``i`` is a random mix of a few smooth plane waves
     shared by the channels of that sample (``modes`` waves with wave numbers
     of up to 3 cycles per image), scaled to unit variance, plus a little
-    uniform noise hashed from ``(i, c, y, x)``. The target is the majority
+    uniform noise at ``(i, c, y, x)`` (each row a window of one random
+    sequence, at an offset hashed from the row's index). The target is the majority
     vote of ``x[0] + x[1] > 0`` over the 3x3 neighbourhood of each pixel (the
     image edge replicated), i.e. a blurred and re-thresholded sign of the sum
     of the first two channels, computed in the input dtype from the very
