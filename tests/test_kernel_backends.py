@@ -50,7 +50,7 @@ class RateTimer:
     def __init__(self) -> None:
         self.asked: list[tuple[str, str]] = []
 
-    def times(self, layer, local_in, dtype, flops, corun=1, synced=(False, False)):
+    def times(self, layer, local_in, dtype, flops, corun=1, synced=False):
         kind = type(layer).__name__
         backend = layer.kernel_backend or "numpy"
         self.asked.append((kind, backend))

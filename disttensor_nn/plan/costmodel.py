@@ -301,7 +301,7 @@ class CostModel:
     # ------------------------------------------------------------ compute
     def _compute(self, layer: Layer, local_in: tuple[int, ...], flops: float,
                  nbytes: float, share: float = 1.0,
-                 synced: tuple[bool, bool] = (False, False)) -> tuple[float, float, bool, bool]:
+                 synced: bool = False) -> tuple[float, float, bool, bool]:
         if any(n == 0 for n in local_in):
             return 0.0, 0.0, False, False
         dtype = self.dtype
@@ -409,10 +409,10 @@ class CostModel:
         return cost
 
     @staticmethod
-    def _synced(spec: CostSpec) -> tuple[bool, bool]:
-        """Whether a layer of cost ``spec`` is taken to wait for other ranks after its
-        forward and its backward pass: where its kind of layer communicates at all (a
-        halo, a sum over ranks, a redistribution), whether or not it does on this layout.
+    def _synced(spec: CostSpec) -> bool:
+        """Whether a layer of cost ``spec`` is taken to wait for other ranks after each
+        pass: where its kind of layer communicates at all (a halo, a sum over ranks, a
+        redistribution), whether or not it does on this layout.
 
         Ranks drift apart in the layers between two waits and meet again at the
         next: a convolution whose block has no halo on one layout still runs
@@ -421,9 +421,8 @@ class CostModel:
         are taken at their kernel's time: on 4 ranks sharing 2 cores a ReLU's
         measured 0.5 ms in training against 2.0 ms with a barrier after it.
         """
-        comm = bool(spec.halo is not None and any(lo or hi for lo, hi in spec.halo)) or \
+        return bool(spec.halo is not None and any(lo or hi for lo, hi in spec.halo)) or \
             bool(spec.allreduces) or bool(spec.redistributions)
-        return comm, comm
 
     def _spread(self, dist: Distribution, dims: Sequence[int],
                 extra: Sequence[int] = ()) -> tuple[int, int]:

@@ -119,7 +119,7 @@ class KernelTimer:
                 f"{where}{self._where}" + (f"|{kernels}" if kernels else ""))
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
-              flops: float, corun: int = 1, synced: tuple[bool, bool] = (False, False)
+              flops: float, corun: int = 1, synced: bool = False
               ) -> tuple[float, float, bool, int]:
         """(forward s, backward s, estimated, ranks that ran at once) of ``layer``.
 
@@ -129,20 +129,17 @@ class KernelTimer:
         says on how many ranks at once the time was taken, so that the
         caller can account for ranks sharing the node otherwise.
 
-        ``synced`` says, for forward and backward, whether the layer waits for
-        the other ranks after that pass (it exchanges a halo or sums over
-        them): where ranks share cores, the time until the slowest rank is
-        done is then taken (:meth:`measure_chain` keeps both), else the
-        kernel's own.
+        ``synced`` says whether the layer waits for the other ranks after each
+        pass (it exchanges a halo or sums over them): where ranks share cores,
+        the time until the slowest rank is done is then taken
+        (:meth:`measure_chain` keeps both), else the kernel's own.
         """
         for co in dict.fromkeys((corun, 1)):
             key = self.key(layer, local_in, dtype, co)
             entry = self.table.get(key)
             if entry is not None:
-                fwd, bwd = entry[0], entry[1]
-                both = self.table.get(key + SYNCED) if any(synced) else None
-                if both is not None:
-                    fwd, bwd = (both[0] if synced[0] else fwd), (both[1] if synced[1] else bwd)
+                both = self.table.get(key + SYNCED) if synced else None
+                fwd, bwd = (entry if both is None else both)[:2]
                 return fwd, bwd, False, co
         key = self.key(layer, local_in, dtype)
         if key in self.table:
@@ -572,8 +569,7 @@ class QueryRecorder:
         self.queries: list[tuple[Layer, tuple[int, ...], np.dtype, float]] = []
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype, flops: float,
-              corun: int = 1, synced: tuple[bool, bool] = (False, False)
-              ) -> tuple[float, float, bool, int]:
+              corun: int = 1, synced: bool = False) -> tuple[float, float, bool, int]:
         self.queries.append((layer, tuple(local_in), np.dtype(dtype), flops))
         return 0.0, 0.0, False, corun
 
