@@ -610,9 +610,10 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         # the limit above the blocks the plan counts comes on top of the plan's peak
         "predicted_cache_slack_bytes": _cache_slack(plan, model, comm, plan.shard_state,
                                                     cache_limit),
-        # a synthetic data set's blocks, made and kept before the first step
+        # a synthetic data set's blocks, made and kept before the first step (known then:
+        # those of the samples the run's batches give each rank)
         "predicted_kept_data_bytes": comm.allreduce(
-            loader.dataset.keep_limit, op=MPI.MAX),
+            loader.dataset.kept_bytes, op=MPI.MAX),
         "predicted_baseline_memory_bytes": plan.baseline_memory,
         "training_peak_memory_per_rank_bytes": peaks["training_peak_memory_per_rank_bytes"],
         "planning_peak_memory_per_rank_bytes": peaks["planning_peak_memory_per_rank_bytes"],
