@@ -383,6 +383,42 @@ def test_split_batch_norm_is_torchs_on_the_global_array(dtype):
     collective_assert(not bad, "; ".join(bad))
 
 
+class _Counting(MPI.Intracomm):
+    """A handle on a communicator that counts its collectives."""
+
+    calls: list[str] = []
+
+    def Allgather(self, *args, **kwargs):  # noqa: N802 - mpi4py's name
+        _Counting.calls.append("Allgather")
+        return super().Allgather(*args, **kwargs)
+
+    def Allreduce(self, *args, **kwargs):  # noqa: N802
+        _Counting.calls.append("Allreduce")
+        return super().Allreduce(*args, **kwargs)
+
+    def Iallreduce(self, *args, **kwargs):  # noqa: N802
+        _Counting.calls.append("Iallreduce")
+        return super().Iallreduce(*args, **kwargs)
+
+
+@pytest.mark.parallel(SIZES)
+def test_split_batch_norm_sends_one_message_each_way():
+    """Forward: one allgather of every rank's (values, mean, variance), its statistics
+    combined alike on every rank; backward: one allreduce of the two sums (none over one
+    rank)."""
+    dist = distribution("HW", (2, 3, 6, 5))
+    group = _Counting(split_axes_comm(dist, [0, 2, 3]))
+    x = torch.randn(dist.local_shape(), dtype=torch.float64, requires_grad=True)
+    _Counting.calls.clear()
+    y, _, _ = split_batch_norm(x, None, None, group, 2 * 6 * 5)
+    forward = list(_Counting.calls)
+    y.backward(torch.ones_like(y))
+    backward = _Counting.calls[len(forward):]
+    collective_assert(forward == ["Allgather"] and len(backward) == (group.Get_size() > 1),
+                      f"{forward}, {backward}")
+    group.Free()
+
+
 @pytest.mark.parallel([1, 3])
 def test_split_batch_norm_refuses_bad_arguments_on_every_rank():
     x = torch.zeros(2, 3, 4, 4)

@@ -7,14 +7,16 @@ pass over the block is one PyTorch kernel: the evaluation-mode batch-norm
 kernel as a per-channel affine map (the deviations from the mean forward,
 the input gradient backward), in-place products, and per-sample dot products
 for the sums of squares and of ``dy * x`` (no temporary block). The ranks
-share per-channel sums, taken in float32 for 16-bit blocks (float64 for
-float64 ones): two all-reduces of ``C`` values forward (the mean, then the
-squares about it, so that no sum cancels), one of ``2 C`` values backward.
+share per-channel statistics, taken in float32 for 16-bit blocks (float64
+for float64 ones): forward, one allgather of each rank's count, mean and
+variance about its own mean, combined alike on every rank (Chan et al.: no
+sum cancels); backward, one all-reduce of ``2 C`` values.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -47,6 +49,26 @@ def _dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return sum(torch.linalg.vecdot(a3[i], b3[i]) for i in range(a.shape[0]))
 
 
+def _combine(local: int, mean_l: torch.Tensor, var_l: torch.Tensor, comm: MPI.Intracomm,
+             count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and biased variance per channel over every rank's block, from each rank's
+    ``(values, mean, variance)``: one allgather of them (the forward pass's only message),
+    then, alike on every rank, the sum of the means weighted by the values, and the
+    squares about the global mean as each rank's about its own, moved (Chan et al.), in
+    rank order."""
+    c = mean_l.shape[0]
+    mine = torch.cat([torch.full((1,), float(local), dtype=mean_l.dtype), mean_l.cpu(),
+                      var_l.cpu()])
+    rows = np.empty((comm.Get_size(), 2 * c + 1), dtype=mine.numpy().dtype)
+    comm.Allgather(np.ascontiguousarray(mine.numpy()), rows)
+    every = torch.from_numpy(rows).to(mean_l.device)
+    n, means, variances = every[:, :1], every[:, 1:c + 1], every[:, c + 1:]
+    whole = max(count, 1)
+    mean = (n * means).sum(0) / whole
+    var = (n * (variances + (means - mean) ** 2)).sum(0) / whole
+    return mean, var
+
+
 class _SplitBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
@@ -74,9 +96,7 @@ class _SplitBatchNorm(torch.autograd.Function):
             var_l = _dots(d, d) / local
         else:
             var_l = mean_l = torch.zeros(c, **kw)
-        mean = _allreduce(mean_l * local, comm) / max(count, 1)
-        # the squares about the global mean: each rank's about its own, moved (Chan et al.)
-        var = _allreduce(local * (var_l + (mean_l - mean) ** 2), comm) / max(count, 1)
+        mean, var = _combine(local, mean_l, var_l, comm, count)
         invstd = torch.rsqrt(var + eps)
         if local:  # y = (x - mean) * scale + bias = d * scale + shift, over d's memory
             scale = w * invstd
