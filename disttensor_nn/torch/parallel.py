@@ -162,7 +162,8 @@ def _describe(node: Node) -> str:
 
 
 class _GradTarget:
-    """What :func:`reduce_gradients_` adds a parameter's sum to: the NumPy view of its grad."""
+    """What :func:`reduce_gradients_` adds a parameter's sum to (:meth:`add_grad_`): the
+    torch parameter's ``grad``."""
 
     reduce_scatter = False  # torch parameters keep whole gradients (no sharded state)
 
@@ -170,19 +171,6 @@ class _GradTarget:
         self.param = param
         self.unreduced: Any = None
         self.grad_comm: Any = None
-
-    @property
-    def grad(self) -> Any:
-        if self.param.grad is None:
-            self.param.grad = torch.zeros_like(self.param)
-        return self.param.grad.numpy()
-
-    @grad.setter
-    def grad(self, value: Any) -> None:  # the in-place sum wrote into the view already
-        if value is not self.param.grad.numpy() and not (
-                hasattr(value, "__array_interface__")
-                and value.__array_interface__["data"][0] == self.param.grad.data_ptr()):
-            self.param.grad.copy_(torch.from_numpy(value))
 
     def add_grad_(self, g: Any) -> None:
         """``grad += g`` (``g`` a NumPy array of the parameter's size, cast to its dtype);
