@@ -292,7 +292,11 @@ class ConvNd(WindowLayer):
         gradient when there is a halo, and a tile of columns; two with a
         stride, whose input gradient is a col2im of its own columns); a tile
         holds the columns of at least 512 output positions, about 4 MiB, at
-        most 64 MiB; a pointwise convolution needs none.
+        most 64 MiB; a pointwise convolution needs none. On the torch kernels
+        the workspace is oneDNN's copies of the blocks in its own layout
+        (forward the larger of the extended input and the output, and the
+        weights; backward two such blocks, the weights and the extended
+        block's gradient), which PyTorch allocates outside the block cache.
 
         Channel and filter splits are described as the layer runs them for
         this input and its :attr:`filter_axes` (:meth:`weight_splits`): each
@@ -363,9 +367,22 @@ class ConvNd(WindowLayer):
         cvt = run.itemsize if run != act else 0
         cvt_fwd = cvt * (math.prod(ext) + math.prod(out_block))
         cvt_bwd = cvt * (2 * math.prod(ext) + math.prod(out_block))
-        # forward: a tile of columns (and with overlap, the boxes' outputs before they are
-        # copied into the block)
-        forward = tile + (out_bytes if self.overlap else 0) + cvt_fwd
+        if self.kernel_backend == "torch":
+            # oneDNN's copies in its own blocked layout, outside the block cache (measured
+            # with PyTorch 2.13's CPU convolutions: forward reorders the larger of the input
+            # and the output, and the weights; backward two such blocks and the weights)
+            reorder = max(math.prod(ext), math.prod(out_block)) * itemsize
+            w_bytes = params * share * run.itemsize
+            forward = reorder + w_bytes + (out_bytes if self.overlap else 0) + cvt_fwd
+            # (no extended block's gradient where the kernels pad: no halo to sum back)
+            own = self.kernel_padding_for(kin) is not None
+            backward = (0 if own else grad_ext) + cvt_bwd + 2 * reorder + w_bytes
+        else:
+            # forward: a tile of columns (and with overlap, the boxes' outputs before they
+            # are copied into the block); backward a tile, two with a stride
+            forward = tile + (out_bytes if self.overlap else 0) + cvt_fwd
+            backward = grad_ext + cvt_bwd + tile * (
+                2 if any(t != 1 for t in self.spec.stride) else 1)
         return dataclasses.replace(
             base,
             flops=2.0 * math.prod(out_block) * ck,
@@ -373,8 +390,7 @@ class ConvNd(WindowLayer):
             allreduces=tuple(sums),
             redistributions=(whole,) if gathered_mode else (),
             saved=base.saved + kept, twin=twin,
-            workspace=max(forward, grad_ext + cvt_bwd + tile * (
-                2 if any(t != 1 for t in self.spec.stride) else 1)),
+            workspace=max(forward, backward),
             forward_workspace=forward)
 
     def kernel_signature(self) -> str:

@@ -99,10 +99,14 @@ class WindowLayer(Layer):
         extended copy of the input, and no halo adjoint in backward.
         Otherwise None.
         """
+        return self.kernel_padding_for(x.dist)
+
+    def kernel_padding_for(self, dist: Distribution) -> tuple[int, ...] | None:
+        """:meth:`kernel_padding` for an input distributed as ``dist``."""
         # decided from what every rank knows alike (a rank's empty block pads the same way)
         if self.kernel_backend != "torch" or self.mode != "constant":
             return None
-        if any(x.dist.nblocks[d] > 1 for d in range(2, x.ndim)):
+        if any(dist.nblocks[d] > 1 for d in range(2, dist.ndim)):
             return None
         if any(lo != hi for lo, hi in self.spec.padding):
             return None
