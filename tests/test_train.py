@@ -393,3 +393,28 @@ def test_a_calibration_by_another_number_of_ranks_per_node_is_taken_again(monkey
     comm.Barrier()
     collective_assert(MachineProfile.load(path).calibrated_ranks_per_node == comm.Get_size(),
                       "the new calibration is not the one saved")
+
+
+@pytest.mark.parallel(1)
+def test_one_rank_without_a_calibration_measures_its_compute_and_times_its_kernels(
+        monkeypatch, capsys, tmp_path):
+    """A first run on one rank plans on this machine's own measured compute rates (kept
+    apart from the several-rank calibration, which it does not make) with every kernel
+    timed, not on a published profile; the next run reads the rates it kept."""
+    several, alone = str(tmp_path / "machine.json"), str(tmp_path / "machine-1rank.json")
+    for module in (machine, loop, calibration):
+        monkeypatch.setattr(module, "this_machine_path",
+                            lambda *a, one_rank=False, **k: alone if one_rank else several)
+    summary = train(config(machine="this", steps=2, samples=4, batch=2))
+    out = capsys.readouterr().out
+    assert f"1 rank: measuring this rank's compute rates (one rank sends no message; kept in " \
+           f"{alone}" in out, out
+    assert not os.path.exists(several)
+    profile = MachineProfile.load(alone)
+    assert profile.measured and profile.calibrated_ranks_per_node == 1, profile
+    assert profile.name.startswith("this:"), profile.name
+    assert f"(this:{profile.name.split(':', 1)[1]})" in out and "estimated" not in out, out
+    assert summary["predicted_time_per_iteration_s"] > 0
+    train(config(machine="this", steps=1, samples=4, batch=2))
+    out = capsys.readouterr().out
+    assert f"1 rank: kernels timed here, on this rank's cached compute rates {alone}" in out, out

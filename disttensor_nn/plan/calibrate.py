@@ -40,7 +40,8 @@ from disttensor.transport import iallreduce, transport_for
 from ..memory import peak_resident_bytes, release_free_memory, reset_peak, resident_bytes
 from .machine import MachineProfile, this_machine_path
 
-__all__ = ["calibrate", "calibrate_if_stale", "stale_calibration", "ranks_per_node"]
+__all__ = ["calibrate", "calibrate_compute", "calibrate_if_stale", "stale_calibration",
+           "ranks_per_node"]
 
 SIZES = [2**k for k in range(3, 24, 3)]  # 8 B .. 8 MiB
 
@@ -241,6 +242,42 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     if save and comm.Get_rank() == 0:
         profile.save(this_machine_path(cache_dir, device))
     return comm.bcast(profile, root=0)
+
+
+def calibrate_compute(device: str = "cpu", cache_dir: str | None = None,
+                      save: bool = True) -> MachineProfile:
+    """Measure this process's compute rates alone: a profile for a job of one rank.
+
+    One rank sends no message, so no communication is measured (its figures
+    are zero); the float32 GEMM rate, the memory bandwidth and the memory
+    are measured as :func:`calibrate` measures them, on this process alone.
+    The profile is saved (with ``save``) at ``this_machine_path(cache_dir,
+    device, one_rank=True)``, apart from the calibration ``"this"`` names, so
+    that a plan for several ranks never reads it; load it by that path.
+    Not collective.
+    """
+    comm = MPI.COMM_SELF
+    xp = use_device(device, comm)
+    units = os.cpu_count() or 1
+    if device == "gpu":  # pragma: no cover - GPU only
+        units = xp.cuda.runtime.getDeviceCount()
+    load = os.getloadavg()[0]
+    flops, bw = _compute(comm, xp)
+    suffix = "" if device == "cpu" else f"-{device}"
+    profile = MachineProfile(
+        name=f"this{suffix}:{socket.gethostname()}",
+        p2p_alpha=0.0, p2p_beta=0.0, allreduce_alpha=0.0, allreduce_beta=0.0,
+        alltoall_alpha=0.0, alltoall_beta=0.0, peak_flops=flops, efficiency=1.0,
+        mem_bandwidth=bw, memory_per_rank=_device_memory(xp, 1), cores_per_node=units,
+        measured=True, device=device,
+        notes=f"one rank's compute, measured on {time.strftime('%Y-%m-%d %H:%M')} under a "
+              f"load average of {load:.1f} on {os.cpu_count() or 1} cores (no "
+              "communication: one rank sends nothing)",
+        load_per_core=load / (os.cpu_count() or 1), calibrated_ranks_per_node=1,
+    )
+    if save:
+        profile.save(this_machine_path(cache_dir, device, one_rank=True))
+    return profile
 
 
 def calibrate_if_stale(comm: MPI.Comm, device: str = "cpu",

@@ -195,9 +195,15 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "disttensor")
 
 
-def this_machine_path(cache_dir: str | None = None, device: str = "cpu") -> str:
-    """Path of this host's calibrated profile (for ranks computing on ``device``)."""
-    suffix = "" if device == "cpu" else f"-{device}"
+def this_machine_path(cache_dir: str | None = None, device: str = "cpu",
+                      one_rank: bool = False) -> str:
+    """Path of this host's calibrated profile (for ranks computing on ``device``).
+
+    With ``one_rank``, the path of the compute rates measured by one rank alone
+    (:func:`~disttensor_nn.plan.calibrate.calibrate_compute`), which has no
+    communication figures and is never read as ``"this"``.
+    """
+    suffix = ("" if device == "cpu" else f"-{device}") + ("-1rank" if one_rank else "")
     return os.path.join(cache_dir or default_cache_dir(),
                         f"machine-{socket.gethostname()}{suffix}.json")
 

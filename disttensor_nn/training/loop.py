@@ -29,7 +29,7 @@ from disttensor import node_share
 
 from ..kernels import limit_threads
 from ..memory import MemoryProfile, release_free_memory
-from ..plan.calibrate import calibrate, stale_calibration
+from ..plan.calibrate import calibrate, calibrate_compute, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from .checkpoint import save_checkpoint
 from .data import Loader, Prefetcher
@@ -117,9 +117,12 @@ def machine_profile(cfg: Any, comm: MPI.Comm, memory: MemoryProfile) -> str:
     ``cfg.machine``, except that ``"this"`` on ``cfg.device='gpu'`` is the
     GPU calibration's, and that this machine is calibrated first when it has
     no calibration taken with this job's ranks per node (or when
-    ``cfg.recalibrate`` asks for it). One rank without a cached calibration
-    plans on the built-in profile. Nothing is measured for a plan read from
-    a file (``cfg.layout`` not ``"auto"``).
+    ``cfg.recalibrate`` asks for it). One rank, which communicates nothing,
+    plans on the cached calibration where there is one, else on its own
+    compute rates (:func:`~disttensor_nn.plan.calibrate.calibrate_compute`,
+    measured once and kept; the path of that profile is returned), its
+    kernels timed either way. Nothing is measured for a plan read from a
+    file (``cfg.layout`` not ``"auto"``).
     """
     machine = cfg.machine
     if cfg.layout != "auto":
@@ -129,16 +132,22 @@ def machine_profile(cfg: Any, comm: MPI.Comm, memory: MemoryProfile) -> str:
         machine = "this-gpu"  # the profile calibrated with the ranks on their GPUs
     if machine in ("this", "this-gpu"):
         path = this_machine_path(device=device)
-        if comm.Get_size() == 1 and os.path.exists(path):
+        alone = this_machine_path(device=device, one_rank=True)
+        if comm.Get_size() == 1 and os.path.exists(path) and not cfg.recalibrate:
             # one rank communicates nothing: the calibration's compute rates serve the
             # layers not timed, and every kernel is timed here, on this rank alone
             say(comm, f"1 rank: kernels timed here, on the cached calibration {path} "
                       "(its communication figures are not needed)")
         elif comm.Get_size() == 1:
-            machine = "v100-nvlink-edr"  # nothing to calibrate communication with
-            say(comm, "1 rank: nothing to calibrate communication with and no calibration "
-                      f"cached (run once on 2 or more ranks); planning for the built-in "
-                      f"profile {machine}")
+            machine = alone
+            if os.path.exists(alone) and not cfg.recalibrate:
+                say(comm, f"1 rank: kernels timed here, on this rank's cached compute rates "
+                          f"{alone}")
+            else:
+                say(comm, "1 rank: measuring this rank's compute rates (one rank sends no "
+                          f"message; kept in {alone} for later runs), kernels timed here...")
+                with memory.phase("calibration"):
+                    calibrate_compute(device=device)
         elif cfg.recalibrate or (why := stale_calibration(comm, device)):
             if not cfg.recalibrate:
                 say(comm, f"{why}: calibrating again")
