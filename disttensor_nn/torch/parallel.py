@@ -1464,8 +1464,10 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
                 fresh[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
                 _RETIRED[id(p)] = weakref.ref(p)
             module._parameters[name] = fresh[id(p)]
-    comms = {id(fresh[i]): split_axes_comm(dist)
-             for i, (_, dist, _) in compiler.param_keys.items()}
+    # the parameters some other rank uses too, and the ranks that sum their gradients; one
+    # no other rank uses (every one on one rank) keeps autograd's own gradient, as unwrapped
+    comms = {id(fresh[i]): c for i, (_, dist, _) in compiler.param_keys.items()
+             if (c := split_axes_comm(dist)).Get_size() > 1}
     pm = ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms,
                         compiler.view)
     pm.plan = plan
