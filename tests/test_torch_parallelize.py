@@ -83,6 +83,59 @@ class ResNet(nn.Module):
         return self.fc(x)
 
 
+class Bottleneck(nn.Module):
+    """torchvision's ResNet-50 block (v1.5: the stride on the 3 x 3 convolution)."""
+
+    expansion = 4
+
+    def __init__(self, cin, width, stride=1):
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet50(nn.Module):
+    """torchvision's ResNet-50 layout (stem, stages of Bottlenecks, pooled head), small."""
+
+    def __init__(self, widths=(2, 3), classes=5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        c1, c2 = widths[0] * Bottleneck.expansion, widths[1] * Bottleneck.expansion
+        self.layer1 = nn.Sequential(Bottleneck(4, widths[0]), Bottleneck(c1, widths[0]))
+        self.layer2 = nn.Sequential(Bottleneck(c1, widths[1], 2), Bottleneck(c2, widths[1]))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(c2, classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        x = torch.flatten(self.avgpool(x), 1)
+        return self.fc(x)
+
+
 def conv_block(cin, cout):
     return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False),
                          nn.BatchNorm2d(cout), nn.ReLU())
@@ -257,9 +310,15 @@ def tolerance(dtype):
     return 1e-10 if dtype == torch.float64 else 1e-5
 
 
-def run_both(model, shape, grid, dtype=torch.float64, seed=1):
-    """Forward and backward of the parallel model and of the copy; what differs, as text."""
+def run_both(model, shape, grid, dtype=torch.float64, seed=1, against_float64=False):
+    """Forward and backward of the parallel model and of the copy; what differs, as text.
+
+    With ``against_float64``, each float32 result is held to the float64 model's instead:
+    its error may be the larger of the tolerance and 4x the copy's own float32 error (a
+    gradient summed with cancellation, e.g. a batch norm's weight, loses digits in one
+    process as well)."""
     ref = copy.deepcopy(model)
+    truth = copy.deepcopy(model).double() if against_float64 else None
     pm = parallelize(model, shape, grid)
     x = global_tensor(shape, seed, dtype)
     xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone().requires_grad_()
@@ -274,6 +333,21 @@ def run_both(model, shape, grid, dtype=torch.float64, seed=1):
     (yr * target).sum().backward()
     tol = tolerance(dtype)
     bad = []
+    if truth is not None:
+        xt = x.double().requires_grad_()
+        torch.manual_seed(7)
+        yt = truth(xt)
+        (yt * target.double()).sum().backward()
+        pairs = [("output", out.to_global(), yr, yt),
+                 ("input gradient", xl.grad, xr.grad[pm.input_dist.local_slices()],
+                  xt.grad[pm.input_dist.local_slices()])]
+        pairs += [(f"grad {name}", a.grad, b.grad, t.grad) for (name, a), b, t in
+                  zip(pm.named_parameters(), ref.parameters(), truth.parameters())]
+        for what, a, b, t in pairs:
+            ours, theirs = rel(a.double(), t), rel(b.double(), t)
+            if ours > max(tol, 4 * theirs):
+                bad.append(f"{what}: {ours} against float64, one process {theirs}")
+        return pm, ref, bad
     if rel(out.to_global(), yr) > tol:
         bad.append(f"output {rel(out.to_global(), yr)}")
     if rel(xl.grad, xr.grad[pm.input_dist.local_slices()]) > tol:
@@ -289,6 +363,7 @@ def run_both(model, shape, grid, dtype=torch.float64, seed=1):
 
 MODELS = {
     "resnet": (ResNet, (3, 3, 20, 18)),
+    "resnet50": (ResNet50, (3, 3, 23, 18)),
     "unet2d": (UNet2d, (2, 2, 12, 8)),
     "unet3d": (UNet3d, (2, 2, 8, 6, 6)),
     "mesh-fcn": (MeshFCN, (3, 2, 14)),
@@ -312,11 +387,16 @@ def test_outputs_and_gradients_equal_one_process_float64(name):
 
 
 @pytest.mark.parallel(SIZES)
-def test_float32_resnet():
-    cls, shape = MODELS["resnet"]
+@pytest.mark.parametrize("name", ["resnet", "resnet50"])
+def test_float32_resnet(name):
+    """ResNet-18's layout within 1e-5 of one float32 process; ResNet-50's, whose narrow
+    batch norms lose digits in their weights' gradients in one process too (2.7e-4 from
+    float64), held to the float64 model as closely as one float32 process is."""
+    cls, shape = MODELS[name]
     for grid in grids(4)[:2]:
         torch.manual_seed(0)
-        _, _, bad = run_both(cls(), shape, grid, dtype=torch.float32)
+        _, _, bad = run_both(cls(), shape, grid, dtype=torch.float32,
+                             against_float64=name == "resnet50")
         collective_assert(not bad, f"{grid}: {bad}")
 
 
@@ -376,7 +456,8 @@ def test_bf16_autocast_matches_one_process_within_bf16_rounding(name):
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_training_steps_keep_the_weights_equal(opt):
     p = comm.Get_size()
-    for name, grid in (("unet2d", (1, 1, p, 1)), ("resnet", (p, 1, 1, 1))):
+    for name, grid in (("unet2d", (1, 1, p, 1)), ("resnet", (p, 1, 1, 1)),
+                       ("resnet50", (1, 1, p, 1))):
         cls, shape = MODELS[name]
         torch.manual_seed(0)
         model = cls().double()
