@@ -128,6 +128,9 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             d["_in_backward"] = False
             for p in gathered:
                 p.drop_()
+            for p in d["_parameters"].values():
+                if p is not None:
+                    p.settle_weights_()
 
     return wrapper
 

@@ -14,7 +14,7 @@ from disttensor import Distribution
 from disttensor.backend import array_namespace, astype, contiguous, fill, reshape
 
 from .layout import full_array, local_block
-from .shards import gather_shards, shard_counts
+from .shards import gather_shards, shard_counts, shard_range
 
 __all__ = ["Parameter"]
 
@@ -77,6 +77,9 @@ class Parameter:
         # (start, stop) of the local block that ``grad`` holds alone
         self.grad_comm: MPI.Intracomm | None = None
         self.reduce_scatter = False
+        # stage "full": after its layer's first backward pass, keep only this rank's piece
+        # of the weights (settle_weights_), not until the optimizer's first step
+        self.shard_weights = False
         self.grad_range: tuple[int, int] | None = None
 
     @property
@@ -156,6 +159,23 @@ class Parameter:
             self.piece = contiguous(reshape(self._data, (-1,))[start:stop], copy=True)
             self._held = _Held(comm, start, stop, shape)
         self._data = None
+
+    def settle_weights_(self) -> None:
+        """Under the ``"full"`` stage (``shard_weights``), keep only this rank's piece of
+        whole weights once a backward pass has told the ranks that replicate them
+        (``grad_comm``): the piece the optimizer updates (:func:`shard_range`'s over
+        them). Nothing otherwise. Local.
+
+        Layers call it after their backward pass, so that the first step holds the
+        weights whole only until each layer's backward, as later steps do between
+        passes, instead of until the optimizer's first update.
+        """
+        comm = self.grad_comm
+        if not self.shard_weights or self._held is not None or self._data is None or \
+                comm is None or comm.Get_size() == 1:
+            return
+        start, stop = shard_range(self.local_size, comm.Get_size(), comm.Get_rank())
+        self.release_(comm, start, stop)
 
     def gather_(self) -> bool:
         """Gather the local block from the pieces of :meth:`release_` into ``data`` (for a

@@ -481,6 +481,7 @@ def train_full(stage: str | None, kind: str, dtype, steps: int = 20):
     model[1].register_full_backward_hook(lambda layer, dx, dy: ahead.append(
         model[0].weight._pending is not None))
     ahead: list[bool] = []
+    settled: list[list[bool]] = []
     for s in range(steps):
         rng = np.random.default_rng(s)
         x = dt.DistArray.from_global(rng.standard_normal(shape).astype(dtype), dist)
@@ -488,9 +489,12 @@ def train_full(stage: str | None, kind: str, dtype, steps: int = 20):
         opt.zero_grad()
         loss(model(x), t)
         model.backward(loss.backward())
+        # after each layer's first backward pass, before any update: its pieces alone
+        settled.append([p.sharded_weights for layer in (model[0], model[3])
+                        for p in layer.own_parameters()])
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    return model, opt, (seen, ahead)
+    return model, opt, (seen, ahead, settled)
 
 
 @pytest.mark.parallel(SIZES)
@@ -501,7 +505,7 @@ def test_sharded_weights_train_as_unsharded_for_20_steps(kind, dtype, tol):
     layers gather them for forward and backward and drop them after; 20 steps give the
     unsharded weights (within the dtype's rounding), and whole state dictionaries."""
     ref, ref_opt, _ = train_full(None, kind, dtype)
-    model, opt, (seen, ahead) = train_full("full", kind, dtype)
+    model, opt, (seen, ahead, settled) = train_full("full", kind, dtype)
     want = {k: np.asarray(v) for k, v in ref.state_dict().items()}
     got = {k: np.asarray(v) for k, v in model.state_dict().items()}  # gathered: collective
     errs = {k: float(np.max(np.abs(got[k] - want[k])) / max(np.max(np.abs(want[k])), 1))
@@ -513,6 +517,9 @@ def test_sharded_weights_train_as_unsharded_for_20_steps(kind, dtype, tol):
                       f"the whole weights stayed after forward: {seen}")
     collective_assert(comm.size == 1 and not any(ahead) or comm.size > 1 and all(ahead[2:]),
                       f"no gather started ahead: {ahead}")
+    # the first step too holds the whole weights only until each layer's backward pass
+    collective_assert(all(all(s) == (comm.size > 1) for s in settled),
+                      f"whole weights after backward: {settled}")
     convs = [p for layer in (model[0], model[3]) for p in layer.own_parameters()]
     if comm.size > 1:
         # the convolutions' weights: this rank's piece alone, whole only inside a pass

@@ -54,9 +54,9 @@ def shard_state(optimizer: Optimizer, stage: str = "optimizer",
     the whole model's norm). Gradients that a layer sums itself (batch
     norm's) stay whole and are sliced.
 
-    ``"full"`` (ZeRO-3, FSDP) also shards the weights: from the first
-    :meth:`~Optimizer.step` on (the first backward pass tells each
-    parameter the ranks that replicate it), each rank keeps only its piece
+    ``"full"`` (ZeRO-3, FSDP) also shards the weights: from its layer's
+    first backward pass on (which tells each parameter the ranks that
+    replicate it; ``Parameter.settle_weights_``), each rank keeps only its piece
     of each such parameter (``Parameter.piece``; ``Parameter.sharded_weights``),
     which the optimizer updates in place, with nothing all-gathered after
     the step. Every layer gathers its own parameters' weights (one
@@ -109,4 +109,5 @@ def shard_state(optimizer: Optimizer, stage: str = "optimizer",
     p: Parameter
     for p in optimizer.params:
         p.reduce_scatter = stage in ("gradients", "full")
+        p.shard_weights = stage == "full"
     return optimizer
