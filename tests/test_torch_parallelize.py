@@ -38,14 +38,13 @@ torch.set_num_threads(1)
 
 
 # ------------------------------------------------------------------ models
-class BasicBlock(nn.Module):
-    def __init__(self, cin, cout, stride=1):
+class _Residual(nn.Module):
+    """A residual block: ``relu(residual(x) + shortcut(x))``, the shortcut a strided 1 x 1
+    convolution and batch norm where the shape changes (torchvision's blocks)."""
+
+    def __init__(self, cin, cout, stride):
         super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
         self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
         self.downsample = None
         if stride != 1 or cin != cout:
             self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
@@ -53,12 +52,23 @@ class BasicBlock(nn.Module):
 
     def forward(self, x):
         identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
+        out = self.residual(x)
         if self.downsample is not None:
             identity = self.downsample(x)
         out += identity
         return self.relu(out)
+
+
+class BasicBlock(_Residual):
+    def __init__(self, cin, cout, stride=1):
+        super().__init__(cin, cout, stride)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+
+    def residual(self, x):
+        return self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
 
 
 class ResNet(nn.Module):
@@ -83,35 +93,24 @@ class ResNet(nn.Module):
         return self.fc(x)
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(_Residual):
     """torchvision's ResNet-50 block (v1.5: the stride on the 3 x 3 convolution)."""
 
     expansion = 4
 
     def __init__(self, cin, width, stride=1):
-        super().__init__()
-        cout = width * self.expansion
+        super().__init__(cin, width * self.expansion, stride)
         self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                            nn.BatchNorm2d(cout))
+        self.conv3 = nn.Conv2d(width, width * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width * self.expansion)
 
-    def forward(self, x):
-        identity = x
+    def residual(self, x):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
+        return self.bn3(self.conv3(out))
 
 
 class ResNet50(nn.Module):
