@@ -47,7 +47,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 or what a time means, so that older times are not reused (they live in another file)."""
 
@@ -68,8 +68,11 @@ class KernelTimer:
       run forward in order and backward in reverse, as in a training
       iteration, on every rank of a communicator at once. Each layer then
       meets the caches, allocator state and memory-bandwidth sharing it meets
-      in the network; a layer's time is the slowest rank's, median over
-      repetitions. The number of ranks that ran at once is part of the key.
+      in the network; a layer's time is the slowest rank's, mean over
+      repetitions (a step lasts the sum of its layers' times, whose
+      expectation is the sum of their means: on a machine whose cores are
+      now and then taken by others the median would leave those spells out).
+      The number of ranks that ran at once is part of the key.
       Each distinct shape is timed once; large blocks are timed on a tile
       (:meth:`tile`, at most :attr:`tile_bytes` of input and
       :attr:`tile_flops`) and scaled by FLOPs, in segments that fit the
@@ -500,9 +503,9 @@ class KernelTimer:
         comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
         comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)
         for j, job in enumerate(jobs):
-            job.result = (float(np.median(fwd[0, :, j])), float(np.median(bwd[0, :, j])))
+            job.result = (float(np.mean(fwd[0, :, j])), float(np.mean(bwd[0, :, j])))
             if synced:
-                job.synced = (float(np.median(fwd[1, :, j])), float(np.median(bwd[1, :, j])))
+                job.synced = (float(np.mean(fwd[1, :, j])), float(np.mean(bwd[1, :, j])))
 
     def save(self) -> None:
         """Write new measurements to the cache file."""
