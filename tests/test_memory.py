@@ -169,9 +169,9 @@ def test_a_torch_convolution_declares_the_memory_its_kernels_take_outside_the_ca
     dist = Distribution(shape, grid, (0, None, 1, 2))
     x = DistArray.from_local(np.random.default_rng(0).standard_normal(shape)
                              .astype(np.float32), dist)
-    layer(x)  # oneDNN's code and caches for these shapes, which the process baseline holds
-    layer.backward(DistArray.from_local(np.ones(layer(x).local_shape, np.float32),
-                                        layer(x).dist))
+    y = layer(x)  # oneDNN's code and caches for these shapes, which the baseline holds
+    layer.backward(DistArray.from_local(np.ones(y.local_shape, np.float32), y.dist))
+    del y
 
     def peak(run):
         gc.collect()

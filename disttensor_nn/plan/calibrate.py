@@ -201,6 +201,26 @@ def stale_calibration(comm: MPI.Comm, device: str = "cpu",
     return comm.bcast(why, root=0)
 
 
+def _units(xp: Any, device: str) -> int:
+    """Compute units per node: the host's cores, or its GPUs."""
+    if device == "gpu":  # pragma: no cover - GPU only
+        return int(xp.cuda.runtime.getDeviceCount())
+    return os.cpu_count() or 1
+
+
+def _measured(device: str, units: int, load: float, flops: float, bw: float, mem: float,
+              per_node: int, taken: str, remark: str = "", **comm: float) -> MachineProfile:
+    """This machine's profile from what was measured (``comm``: the communication fits),
+    its notes saying when (``taken``) and under what load it was."""
+    cores = os.cpu_count() or 1
+    suffix = "" if device == "cpu" else f"-{device}"
+    return MachineProfile(
+        name=f"this{suffix}:{socket.gethostname()}", peak_flops=flops, efficiency=1.0,
+        mem_bandwidth=bw, memory_per_rank=mem, cores_per_node=units, measured=True,
+        device=device, notes=f"{taken} under a load average of {load:.1f} on {cores} cores"
+        f"{remark}", load_per_core=load / cores, calibrated_ranks_per_node=per_node, **comm)
+
+
 def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
               cache_dir: str | None = None, device: str = "cpu") -> MachineProfile:
     """Measure and (on rank 0) save the profile of this machine; collective.
@@ -217,9 +237,7 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     per_node = node.Get_size()
     node.Free()
-    units = os.cpu_count() or 1
-    if device == "gpu":  # pragma: no cover - GPU only
-        units = xp.cuda.runtime.getDeviceCount()
+    units = _units(xp, device)
     load = os.getloadavg()[0]  # before our own measurements add to it
     p2p = _p2p(comm, reps, xp)
     ar = _allreduce(comm, reps, xp)
@@ -227,18 +245,11 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     scratch = _reduce_scratch(comm, xp)
     flops, bw = _compute(comm, xp)
     mem = _device_memory(xp, max(1, per_node // units) if device == "gpu" else per_node)
-    suffix = "" if device == "cpu" else f"-{device}"
-    profile = MachineProfile(
-        name=f"this{suffix}:{socket.gethostname()}",
+    profile = _measured(
+        device, units, load, flops, bw, mem, ranks_per_node(comm),
+        f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}",
         p2p_alpha=p2p[0], p2p_beta=p2p[1], allreduce_alpha=ar[0], allreduce_beta=ar[1],
-        alltoall_alpha=a2a[0], alltoall_beta=a2a[1], peak_flops=flops, efficiency=1.0,
-        mem_bandwidth=bw, memory_per_rank=mem, cores_per_node=units,
-        measured=True, device=device,
-        notes=f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}"
-              f" under a load average of {load:.1f} on {os.cpu_count() or 1} cores",
-        load_per_core=load / (os.cpu_count() or 1), reduce_scratch=scratch,
-        calibrated_ranks_per_node=ranks_per_node(comm),
-    )
+        alltoall_alpha=a2a[0], alltoall_beta=a2a[1], reduce_scratch=scratch)
     if save and comm.Get_rank() == 0:
         profile.save(this_machine_path(cache_dir, device))
     return comm.bcast(profile, root=0)
@@ -256,25 +267,15 @@ def calibrate_compute(device: str = "cpu", cache_dir: str | None = None,
     that a plan for several ranks never reads it; load it by that path.
     Not collective.
     """
-    comm = MPI.COMM_SELF
-    xp = use_device(device, comm)
-    units = os.cpu_count() or 1
-    if device == "gpu":  # pragma: no cover - GPU only
-        units = xp.cuda.runtime.getDeviceCount()
+    xp = use_device(device, MPI.COMM_SELF)
     load = os.getloadavg()[0]
-    flops, bw = _compute(comm, xp)
-    suffix = "" if device == "cpu" else f"-{device}"
-    profile = MachineProfile(
-        name=f"this{suffix}:{socket.gethostname()}",
+    flops, bw = _compute(MPI.COMM_SELF, xp)
+    profile = _measured(
+        device, _units(xp, device), load, flops, bw, _device_memory(xp, 1), 1,
+        f"one rank's compute, measured on {time.strftime('%Y-%m-%d %H:%M')}",
+        " (no communication: one rank sends nothing)",
         p2p_alpha=0.0, p2p_beta=0.0, allreduce_alpha=0.0, allreduce_beta=0.0,
-        alltoall_alpha=0.0, alltoall_beta=0.0, peak_flops=flops, efficiency=1.0,
-        mem_bandwidth=bw, memory_per_rank=_device_memory(xp, 1), cores_per_node=units,
-        measured=True, device=device,
-        notes=f"one rank's compute, measured on {time.strftime('%Y-%m-%d %H:%M')} under a "
-              f"load average of {load:.1f} on {os.cpu_count() or 1} cores (no "
-              "communication: one rank sends nothing)",
-        load_per_core=load / (os.cpu_count() or 1), calibrated_ranks_per_node=1,
-    )
+        alltoall_alpha=0.0, alltoall_beta=0.0)
     if save:
         profile.save(this_machine_path(cache_dir, device, one_rank=True))
     return profile
