@@ -92,6 +92,17 @@ def normalize_widths(widths: Any, ndim: int) -> Margins:
     return tuple((int(a), int(b)) for a, b in arr)
 
 
+class _NoMargins(dict):
+    """Zero halo margins per number of dimensions, made once each."""
+
+    def __missing__(self, ndim: int) -> tuple[tuple[int, int], ...]:
+        self[ndim] = ((0, 0),) * ndim
+        return self[ndim]
+
+
+_NO_MARGINS = _NoMargins()
+
+
 def _check_dist(dist: Distribution) -> None:
     if not isinstance(dist, Distribution):
         raise TypeError(f"expected a Distribution, got {type(dist).__name__}")
@@ -174,14 +185,17 @@ class DistArray:
 
     def __init__(self, buffer: Any, dist: Distribution, margins: Margins | None = None):
         _check_dist(dist)
-        margins = margins or ((0, 0),) * dist.ndim
         local_shape = dist.local_shape()
-        want = tuple(n + lo + hi for n, (lo, hi) in zip(local_shape, margins))
+        if margins:
+            margins = tuple((int(lo), int(hi)) for lo, hi in margins)
+            want = tuple(n + lo + hi for n, (lo, hi) in zip(local_shape, margins))
+        else:  # the common case, made each time a layer returns its output: no margins
+            margins, want = _NO_MARGINS[dist.ndim], local_shape
         if tuple(buffer.shape) != want:
             raise ValueError(f"buffer shape {tuple(buffer.shape)} does not match {want}")
         check_movable(buffer.dtype)
         self._buffer = buffer
-        self._margins = tuple((int(lo), int(hi)) for lo, hi in margins)
+        self._margins = margins
         self.dist = dist
         self.xp: ModuleType = array_namespace(buffer)
         self._halo_token: object | None = None  # identifies the last halo fill
@@ -324,7 +338,8 @@ class DistArray:
     @property
     def local(self) -> Any:
         """This rank's block, a view into the buffer (halo margins excluded)."""
-        if not any(lo or hi for lo, hi in self._margins):
+        if self._margins is _NO_MARGINS[len(self._margins)] or \
+                not any(lo or hi for lo, hi in self._margins):
             return self._buffer
         return self._buffer[
             tuple(slice(lo, lo + n) for (lo, _), n in zip(self._margins, self.local_shape))

@@ -532,6 +532,8 @@ def check_movable(dtype: Any) -> np.dtype:
         For an object dtype, a record with object fields, or a dtype NumPy
         does not know.
     """
+    if type(dtype) in _MOVABLE_DTYPE_TYPES:  # a NumPy dtype met before: nothing to check
+        return dtype
     dt = numpy_dtype(dtype)
     if dt.hasobject:
         raise TypeError(
@@ -540,6 +542,13 @@ def check_movable(dtype: Any) -> np.dtype:
             "fixed-width string ('U', 'S') or structured dtype"
         )
     return dt
+
+
+_MOVABLE_DTYPE_TYPES = frozenset(type(np.dtype(t)) for t in (
+    np.float16, np.float32, np.float64, np.complex64, np.complex128, np.bool_, np.int8,
+    np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+"""NumPy's dtype classes of plain numbers (never holding objects): :func:`check_movable`
+passes their instances as they are."""
 
 
 @cache

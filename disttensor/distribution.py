@@ -36,6 +36,29 @@ def block_boundaries(n: int, p: int) -> tuple[int, ...]:
     return tuple(i * q + min(i, r) for i in range(p + 1))
 
 
+_DERIVED_KEPT = 64
+"""Distributions :meth:`Distribution.replace` keeps per source distribution."""
+
+
+def _frozen(value: object) -> tuple | None:
+    """``value`` (None, ints, and sequences of them, nested) as nested tuples of Python
+    ints, a key for the distributions derived by :meth:`Distribution.replace`; None for
+    anything else."""
+    if value is None or type(value) is int:
+        return value  # type: ignore[return-value]
+    if isinstance(value, (tuple, list)):
+        parts = []
+        for v in value:
+            f = _frozen(v)
+            if f is None and v is not None:
+                return None
+            parts.append(f)
+        return tuple(parts)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)  # type: ignore[return-value]
+    return None
+
+
 def _as_int(value: object, what: str) -> int:
     if isinstance(value, bool):  # True is an int to Python, never a size, index or axis here
         raise TypeError(f"{what} must be an integer, got {value!r}")
@@ -398,8 +421,19 @@ class Distribution:
         """
         if splits is None and global_shape is None and axes is None:
             splits = self.splits
+        # a Distribution is immutable: the ones derived from it are kept with it, by their
+        # arguments (a layer derives the same output distribution at every step)
+        key = _frozen((global_shape, splits, axes))
+        derived = self.__dict__.setdefault("_derived", {}) if key is not None else None
+        if derived is not None and key in derived:
+            return derived[key]
         shape = self.global_shape if global_shape is None else global_shape
-        return Distribution(shape, self.grid_arg, self.axes if axes is None else axes, splits)
+        out = Distribution(shape, self.grid_arg, self.axes if axes is None else axes, splits)
+        if derived is not None:
+            if len(derived) >= _DERIVED_KEPT:
+                derived.clear()
+            derived[key] = out
+        return out
 
     def with_axes(
         self, axes: Sequence[AxisSpec], splits: Sequence[Sequence[int] | None] | None = None

@@ -253,3 +253,19 @@ def test_storage_api_errors():
         x.reserve_halo(-1)
     with pytest.raises(ValueError, match="one pair per dimension"):
         x.extended(((1, 1), (1, 1), (1, 1)))
+
+
+def test_replace_gives_the_same_distribution_for_the_same_arguments():
+    """A Distribution is immutable: replace keeps what it derived, so the same arguments
+    (lists, tuples or NumPy integers alike) give the same object, and other arguments
+    another one; arguments it cannot key on are still taken."""
+    d = dt.Distribution((10, 7), (2, 3), splits=[[4], None])
+    a = d.replace(global_shape=(8, 7), splits=[[3], None])
+    assert d.replace(global_shape=[np.int64(8), 7], splits=([3], None)) is a
+    assert a.boundaries == ((0, 3, 8), (0, 3, 5, 7))
+    b = d.replace(global_shape=(8, 7))
+    assert b is not a and b.boundaries == ((0, 4, 8), (0, 3, 5, 7))
+    assert d.replace(global_shape=np.array([8, 7])) == b  # an array: not kept, still taken
+    for n in range(100):  # what is kept is bounded
+        d.replace(global_shape=(n, 7))
+    assert len(d.__dict__["_derived"]) <= 64
