@@ -72,10 +72,11 @@ def precision_dtype(precision: str) -> np.dtype:
 def is_half(dtype: Any) -> bool:
     """Whether ``dtype`` is a 16-bit floating dtype (bfloat16 or float16)."""
     try:
-        name = np.dtype(dtype).name
+        d = np.dtype(dtype)
     except TypeError:
-        name = str(dtype).rpartition(".")[2]
-    return name in _HALF_KINDS
+        return str(dtype).rpartition(".")[2] in _HALF_KINDS
+    # the kind first: a dtype's name is slow to make, and only these two kinds can match
+    return d.itemsize == 2 and d.kind in "fV" and d.name in _HALF_KINDS
 
 
 def precision_of(dtype: Any) -> str:

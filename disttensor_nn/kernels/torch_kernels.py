@@ -63,6 +63,7 @@ __all__ = [
     "grad_moments",
     "affine_grad",
     "affine",
+    "batch_norm_train",
     "batch_norm_backward",
     "release_workspace",
     "INSTALL_HINT",
@@ -133,7 +134,7 @@ def _t(a: Any) -> Any:
     """``a`` as a tensor sharing its memory (NumPy: ``from_numpy``; others: DLPack)."""
     torch = require()
     if isinstance(a, np.ndarray):
-        if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: the same bits, viewed
+        if a.dtype.kind == "V" and a.dtype.name == "bfloat16":  # ml_dtypes': same bits
             return _t(a.view(np.int16)).view(torch.bfloat16)
         if not a.flags.writeable:  # read-only views (broadcasts) are only read here
             with warnings.catch_warnings():
@@ -164,9 +165,13 @@ def _bfloat16() -> np.dtype:
 
 def _out(like: Any, t: Any) -> dict[str, Any]:
     """``out=`` for an element-wise result of ``t``'s shape and dtype next to the NumPy
-    array ``like``: a block of the active block cache (none otherwise: ATen allocates)."""
+    array ``like``: a block of the active block cache where the cache keeps blocks of its
+    size (none otherwise: ATen allocates, as the C heap serves small arrays without page
+    faults, and ATen's kernels that are not structured compute an ``out=`` result apart
+    and copy it in)."""
     cache = active_block_cache()
-    if cache is None or not isinstance(like, np.ndarray):
+    if cache is None or not isinstance(like, np.ndarray) or \
+            t.numel() * like.dtype.itemsize < cache.min_bytes:
         return {}
     return {"out": _t(cache.empty(tuple(t.shape), like.dtype))}
 
@@ -463,6 +468,43 @@ def grad_moments(g3: Any, x3: Any, centre: Any) -> tuple[Any, Any]:
     torch = require()
     sum_g, sum_gd = _sums(torch, _t(g3), _t(x3), centre)
     return _back(sum_g, g3), _back(sum_gd, g3)
+
+
+def batch_norm_train(x3: Any, weight: Any | None, bias: Any | None, eps: float,
+                     running: tuple[Any, Any] | None, momentum: float
+                     ) -> tuple[Any, Any, Any, tuple[Any, Any] | None]:
+    """Batch normalisation of an ``(N, C, M)`` block by its own statistics, in one call.
+
+    ATen's training-mode kernel (one pass of Welford's statistics, one of the
+    normalisation), as ``torch.nn.BatchNorm`` runs in one process: for a
+    block whose statistics no other rank shares. ``running`` is the pair of
+    running statistics (any float dtype, not changed) or None; ATen updates
+    float copies of them with ``momentum`` and the unbiased variance.
+
+    Returns
+    -------
+    y, mean, invstd, running
+        The output (a block of the active block cache where there is one),
+        the batch mean and ``1 / sqrt(var + eps)`` per channel in the block's
+        dtype, and the updated running statistics in float64 (None without).
+    """
+    torch = require()
+    t = _t(x3)
+    c = t.shape[1]
+    kw = {"dtype": t.dtype, "device": t.device}
+    w = None if weight is None else _t(weight).to(t.dtype)
+    b = None if bias is None else _t(bias).to(t.dtype)
+    rm, rv = (None, None) if running is None else (_t(r).to(**kw) for r in running)
+    out = _out(x3, t)
+    if out:
+        y, mean, invstd = torch.ops.aten.native_batch_norm.out(
+            t, w, b, rm, rv, True, float(momentum), float(eps), out=out["out"],
+            save_mean=torch.empty(c, **kw), save_invstd=torch.empty(c, **kw))
+    else:
+        y, mean, invstd = torch.native_batch_norm(t, w, b, rm, rv, True, float(momentum),
+                                                  float(eps))
+    new = None if running is None else tuple(_back(r.to(torch.float64), x3) for r in (rm, rv))
+    return _back(y, x3), _back(mean, x3), _back(invstd, x3), new
 
 
 def batch_norm_backward(g3: Any, x3: Any, weight: Any | None, mean: Any, invstd: Any

@@ -71,6 +71,12 @@ def shard_parameters(weight: Parameter, bias: Parameter | None, x: DistArray,
                      a_f: tuple[int, ...], a_c: tuple[int, ...]) -> None:
     """Split ``weight`` (rows over ``a_f``, columns as ``x``'s channels over ``a_c``) and
     ``bias`` (over ``a_f``); a split over grid axes of one rank is none."""
+    grid = x.dist.grid_shape
+    if math.prod(grid[a] for a in (*a_f, *a_c)) == 1:  # every axis of one rank: replicated
+        weight.shard_(None)
+        if bias is not None:
+            bias.shard_(None)
+        return
     rest = (None,) * (len(weight.shape) - 2)
     splits = (None, x.dist.splits[1] if a_c else None) + rest
     wd = Distribution(weight.shape, x.dist.grid, (a_f or None, a_c or None) + rest, splits)
