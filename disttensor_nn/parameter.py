@@ -11,7 +11,15 @@ import numpy as np
 from mpi4py import MPI
 
 from disttensor import Distribution
-from disttensor.backend import array_namespace, astype, contiguous, fill, reshape
+from disttensor.backend import (
+    array_namespace,
+    astype,
+    contiguous,
+    device_of,
+    fill,
+    is_c_contiguous,
+    reshape,
+)
 
 from .layout import full_array, local_block
 from .shards import gather_shards, shard_counts, shard_range
@@ -265,16 +273,26 @@ class Parameter:
     def grad(self, value: Any) -> None:
         self._grad, self._grad_zero = value, False
 
-    def add_grad_(self, g: Any) -> None:
+    def add_grad_(self, g: Any, owned: bool = False) -> None:
         """``grad += g`` (``g`` of ``grad``'s size, any shape; cast to its dtype); the
-        first one after :meth:`zero_grad` is copied in instead."""
+        first one after :meth:`zero_grad` is copied in instead.
+
+        With ``owned`` the caller gives ``g`` away (nothing else refers to it
+        or writes it later): a first gradient of ``grad``'s dtype, array module
+        and memory layout then becomes ``grad`` itself, with no copy (as
+        PyTorch's autograd keeps a kernel's weight gradient).
+        """
         grad = self._grad
         g = reshape(g, grad.shape) if tuple(g.shape) != tuple(grad.shape) else g
         if g.dtype != grad.dtype:
             g = astype(g, grad.dtype)
         if self._grad_zero:
-            grad[...] = g
             self._grad_zero = False
+            if owned and type(g) is type(grad) and is_c_contiguous(g) and \
+                    device_of(g) == device_of(grad):
+                self._grad = g
+            else:
+                grad[...] = g
         else:
             grad += g
 

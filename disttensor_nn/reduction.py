@@ -119,7 +119,7 @@ def _with_kept(grads: Sequence[tuple[Parameter, Any]]) -> list[tuple[Parameter, 
 
 
 def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
-                      comm: MPI.Intracomm) -> None:
+                      comm: MPI.Intracomm, *, owned: bool = False) -> None:
     """Add to each parameter's ``grad`` the sum over ``comm`` of this rank's part of it.
 
     ``grads`` pairs parameters with this rank's (local) gradients; pairs whose
@@ -135,6 +135,12 @@ def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
     ``grad_comm``. Inside a
     :func:`no_sync` context nothing is sent: the parts are kept back on the
     parameters and join the next reduction.
+
+    With ``owned`` the gradient arrays are the caller's to give away (a
+    kernel's fresh output that nothing else refers to): where one is the
+    first gradient of its parameter in this step and is summed in its own
+    memory (over one rank, or alone in place), it becomes the parameter's
+    ``grad`` instead of being copied into it (:meth:`Parameter.add_grad_`).
     """
     grads = [(p, g) for p, g in grads if p is not None]
     if not grads:
@@ -151,14 +157,14 @@ def reduce_gradients_(grads: Sequence[tuple[Parameter | None, Any]],
         if not grads:
             return
     if _active_buckets:
-        _active_buckets[-1].add(grads, comm)
+        _active_buckets[-1].add(grads, comm, owned=owned)
         return
     if comm.Get_size() == 1:  # the sum over one rank is this rank's part: nothing to copy
-        _add(grads)
+        _add(grads, owned)
         return
     large, small = _split_large(grads, DEFAULT_BUCKET_BYTES)
     for p, g in large:  # reduced in place: no copy into a fused buffer
-        _unpack([(p, g)], allreduce_(g, comm))
+        p.add_grad_(allreduce_(g, comm), owned=owned)
     if small:
         _unpack(small, allreduce_(_concatenate([g for _, g in small]), comm))
 
@@ -173,10 +179,10 @@ def _split_large(grads: Sequence[tuple[Parameter, Any]], nbytes: int) -> tuple[l
     return large, small
 
 
-def _add(grads: Sequence[tuple[Parameter, Any]]) -> None:
+def _add(grads: Sequence[tuple[Parameter, Any]], owned: bool = False) -> None:
     """``p.grad +=`` each local gradient (its sum over one rank)."""
     for p, g in grads:
-        p.add_grad_(g)
+        p.add_grad_(g, owned=owned)
 
 
 def _concatenate(arrays: Sequence[Any]) -> Any:
@@ -228,8 +234,9 @@ class GradientBuckets:
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.bucket_bytes = check_int(bucket_bytes, "bucket_bytes")
         self._open: dict[tuple[int, str], tuple[MPI.Intracomm, list, int]] = {}
-        self._started: list[tuple[AllreduceRequest, list]] = []
-        self._one_rank: list[tuple[Parameter, Any]] = []  # summed over one rank: added at wait
+        self._started: list[tuple[AllreduceRequest, list, bool]] = []
+        # summed over one rank: added at wait (with whether the caller gave the array away)
+        self._one_rank: list[tuple[Parameter, Any, bool]] = []
 
     def __enter__(self) -> GradientBuckets:
         _active_buckets.append(self)
@@ -247,22 +254,24 @@ class GradientBuckets:
             self._open.clear()
             self._one_rank.clear()
             started, self._started = self._started, []
-            for request, _ in started:
+            for request, *_ in started:
                 request.wait()
 
-    def add(self, grads: Sequence[tuple[Parameter, Any]], comm: MPI.Intracomm) -> None:
+    def add(self, grads: Sequence[tuple[Parameter, Any]], comm: MPI.Intracomm, *,
+            owned: bool = False) -> None:
         """Add local gradients to the bucket of ``comm`` and their dtype (see the class).
 
         A gradient of ``bucket_bytes`` or more is reduced alone, in place (no
         copy into a bucket), at once. Over one rank the sum is the gradient
-        itself: it is kept as it is and added at :meth:`wait`.
+        itself: it is kept as it is and added at :meth:`wait`. ``owned`` as
+        :func:`reduce_gradients_` takes it.
         """
         if comm.Get_size() == 1:
-            self._one_rank.extend(grads)
+            self._one_rank.extend((p, g, owned) for p, g in grads)
             return
         large, grads = _split_large(grads, self.bucket_bytes)
         for p, g in large:
-            self._started.append((iallreduce(reshape(g, (-1,)), comm), [(p, g)]))
+            self._started.append((iallreduce(reshape(g, (-1,)), comm), [(p, g)], owned))
         for p, g in grads:
             key = (comm.py2f(), numpy_dtype(g.dtype).str)
             _, entries, nbytes = self._open.get(key, (comm, [], 0))
@@ -271,20 +280,26 @@ class GradientBuckets:
         for key in [k for k, (_, _, nbytes) in self._open.items()
                     if nbytes >= self.bucket_bytes]:
             self._start(key)
-        for request, _ in self._started:
+        for request, *_ in self._started:
             request.test()
 
     def _start(self, key: tuple[int, str]) -> None:
         comm, entries, _ = self._open.pop(key)
         self._started.append((iallreduce(_concatenate([g for _, g in entries]), comm),
-                              entries))
+                              entries, False))
 
     def wait(self) -> None:
         """Start the open buckets, wait for every reduction and add the sums to the grads."""
         for key in list(self._open):
             self._start(key)
         started, self._started = self._started, []
-        for request, entries in started:
-            _unpack(entries, request.wait())
+        for request, entries, owned in started:
+            flat = request.wait()
+            if owned:  # one gradient, summed in its own memory
+                (p, g), = entries
+                p.add_grad_(reshape(flat, g.shape), owned=True)
+            else:
+                _unpack(entries, flat)
         local, self._one_rank = self._one_rank, []
-        _add(local)
+        for p, g, owned in local:
+            p.add_grad_(g, owned=owned)

@@ -40,6 +40,7 @@ from nn_reference import (
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import assert_allclose, collective_assert
+from disttensor_nn.reduction import GradientBuckets
 
 SIZES = [1, 2, 3, 4]
 comm = MPI.COMM_WORLD
@@ -423,4 +424,38 @@ def test_output_distribution_keeps_grid_and_samples():
                    and y.dist.boundaries[0] == dist.boundaries[0]
                    and y.dist.boundaries[2:] == dist.boundaries[2:],
                    f"{lname}: {y.dist} from {dist}")
+    check.finish()
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_weight_gradients_over_steps_with_zero_grad_between(kernels, bucketed):
+    """Three steps, zero_grad between: each step's weight and bias gradients are that
+    step's alone (the reference's), on every layout, with and without gradient buckets
+    (the torch kernels' own new gradient arrays become the gradients, with no copy: a
+    later step must not write into an earlier one's)."""
+    shape = SHAPE[2]
+    rng = np.random.default_rng(41)
+    conv = CONV[2](2, 3, 3, padding=1, dtype=np.float64)
+    conv.kernel_backend = kernels
+    w = conv.weight.data.copy()
+    check = Checks()
+    for lname, dist in layouts(shape)[:6]:
+        for step in range(3):
+            x = rng.standard_normal(shape)
+            dy = rng.standard_normal(conv.output_shape(shape))
+            _, dw_want, db_want = conv_ref_backward(x, w, dy, (1, 1), [(1, 1), (1, 1)],
+                                                    (1, 1))
+            conv.zero_grad()
+            y = conv(dt.DistArray.from_global(x, dist))
+            g = dt.DistArray.from_global(dy, y.dist)
+            if bucketed:
+                with GradientBuckets():
+                    conv.backward(g)
+            else:
+                conv.backward(g)
+            msg = f"{kernels} on {lname}, step {step}"
+            check.close(conv.weight.grad, dw_want, f"{msg}: dW", rtol=1e-11, atol=1e-11)
+            check.close(conv.bias.grad, db_want, f"{msg}: db", rtol=1e-11, atol=1e-11)
     check.finish()

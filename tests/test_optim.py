@@ -739,3 +739,29 @@ def test_zero_grad_reads_as_zeros_and_the_next_gradient_is_copied_in():
     p.grad = np.ones((2, 3))  # assigned: no longer zeroed
     p.add_grad_(g)
     np.testing.assert_array_equal(p.grad, 1 + g.reshape(2, 3))
+
+
+@pytest.mark.parallel([1])
+def test_an_owned_first_gradient_becomes_the_gradient_and_later_ones_add():
+    """add_grad_(g, owned=True) after zero_grad keeps g itself as the gradient (no copy)
+    where its dtype and layout are the gradient's; later gradients add into it; a cast
+    or a strided one is copied in as without owned."""
+    import disttensor_nn as nn
+
+    p = nn.Parameter(np.zeros((2, 3)))
+    p.zero_grad()
+    g = np.arange(6.0)
+    p.add_grad_(g, owned=True)
+    assert np.shares_memory(p.grad, g) and p.grad.shape == (2, 3)
+    p.add_grad_(np.ones(6), owned=True)  # not the first: added
+    np.testing.assert_array_equal(p.grad, (np.arange(6.0) + 1).reshape(2, 3))
+    p.zero_grad()
+    g32 = np.arange(6, dtype=np.float32)
+    p.add_grad_(g32, owned=True)  # cast: a new array, copied in
+    assert not np.shares_memory(p.grad, g32) and p.grad.dtype == np.float64
+    np.testing.assert_array_equal(p.grad, np.arange(6.0).reshape(2, 3))
+    p.zero_grad()
+    strided = np.arange(12.0)[::2]
+    p.add_grad_(strided, owned=True)
+    assert not np.shares_memory(p.grad, strided)
+    np.testing.assert_array_equal(p.grad, np.arange(0.0, 12.0, 2).reshape(2, 3))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import array_namespace, namespace_dtype
+from disttensor.backend import array_namespace, namespace_dtype, numpy_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for, numpy_kernels
@@ -259,23 +259,28 @@ class ConvNd(WindowLayer):
         w = self.weight.data
         sum_axes = (0, *range(2, dy.ndim))
         pending, self._pending = self._pending, None
+        owned = False
         if xwin is None or w.size == 0:
             dw = xp.zeros_like(w)
             db = xp.sum(dy.local, axis=sum_axes, dtype=namespace_dtype(xp, self.dtype)) \
                 if self.bias is not None else None
-        elif pending is not None:  # computed with the input gradient
-            dw, db = pending
         else:
-            rd = kernel_dtype(self, xwin)
-            _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
-                to_dtype(dy.local, rd), to_dtype(xwin, rd), to_dtype(w, rd),
-                self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
-                need_dx=False, need_dw=True, **self._padding_kw())
+            if pending is not None:  # computed with the input gradient
+                dw, db = pending
+            else:
+                rd = kernel_dtype(self, xwin)
+                _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
+                    to_dtype(dy.local, rd), to_dtype(xwin, rd), to_dtype(w, rd),
+                    self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
+                    need_dx=False, need_dw=True, **self._padding_kw())
+            # the torch kernel's own new arrays: given to the parameters where no cast
+            # copies them (nothing else holds them)
+            owned = self.kernel_backend == "torch" and numpy_dtype(dw.dtype) == self.dtype
         # The ranks that split N or space hold parts of the sums of the same shard; the
         # parameters' gradients in their own dtype (float32 under 16-bit activations).
         reduce_gradients_([(self.weight, to_dtype(dw, self.dtype)),
                            (self.bias, to_dtype(db, self.dtype))],
-                          split_axes_comm(dy.dist, sum_axes))
+                          split_axes_comm(dy.dist, sum_axes), owned=owned)
 
     def __repr__(self) -> str:
         s = self.spec

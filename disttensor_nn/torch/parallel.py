@@ -172,14 +172,18 @@ class _GradTarget:
         self.unreduced: Any = None
         self.grad_comm: Any = None
 
-    def add_grad_(self, g: Any) -> None:
+    def add_grad_(self, g: Any, owned: bool = False) -> None:
         """``grad += g`` (``g`` a NumPy array of the parameter's size, cast to its dtype);
-        where the parameter has no gradient yet, a copy of ``g`` becomes it (PyTorch's
-        rule for a first gradient: no zeros are written first)."""
+        where the parameter has no gradient yet, ``g`` becomes it (PyTorch's rule for a
+        first gradient: no zeros are written first), a copy unless ``owned`` (the
+        caller gives ``g`` away) and of the parameter's dtype."""
         if self.param.grad is None:
             dtype = self.param.detach().numpy().dtype
+            g = np.asarray(g)
+            keep = owned and g.dtype == dtype and g.flags.c_contiguous
             self.param.grad = torch.from_numpy(
-                np.array(g, dtype=dtype, copy=True).reshape(tuple(self.param.shape)))
+                (g if keep else np.array(g, dtype=dtype, copy=True)).reshape(
+                    tuple(self.param.shape)))
             return
         grad = self.param.grad.numpy()
         grad += np.asarray(g).reshape(grad.shape).astype(grad.dtype, copy=False)
@@ -304,7 +308,8 @@ class ParallelModule(nn.Module):
         self._reduce_ready()
 
     def _reduce(self, p: nn.Parameter, comm: MPI.Intracomm, local: torch.Tensor) -> None:
-        reduce_gradients_([(self._targets[id(p)], local.numpy())], comm)
+        # local is this pass's own copy (made in _ready, or zeros): given away
+        reduce_gradients_([(self._targets[id(p)], local.numpy())], comm, owned=True)
 
     def _reduce_ready(self) -> None:
         """Hand the buckets the gradients that are ready, in the order of every rank (a
