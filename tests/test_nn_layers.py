@@ -781,3 +781,55 @@ def test_sgd_bad_arguments():
         nn.SGD(prm, lr=0.1, nesterov=True)
     with pytest.raises(ValueError):
         nn.SGD(prm, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("native_max", [0, 2**30])
+def test_batchnorm_torch_kernels_in_one_call_or_centred_passes(monkeypatch, native_max):
+    """The torch kernels normalise a block whose statistics are its own in one ATen call
+    up to NATIVE_BATCH_NORM_MAX elements and by the centred passes above it: both match
+    the float64 formulas (outputs, gradients, running statistics over two steps) on
+    every layout, float32 channels far from zero included."""
+    if "torch" not in nn.kernels.available_backends():
+        pytest.skip("needs PyTorch")
+    from disttensor_nn.kernels import torch_kernels
+    from disttensor_nn.layers import norm
+
+    monkeypatch.setattr(norm, "NATIVE_BATCH_NORM_MAX", native_max)
+    calls = []
+    one_call = torch_kernels.batch_norm_train
+    monkeypatch.setattr(torch_kernels, "batch_norm_train",
+                        lambda *a, **k: calls.append(1) or one_call(*a, **k))
+    shape = (4, 3, 12, 10)
+    rng = np.random.default_rng(5)
+    shift = np.array([300.0, -1000.0, 0.5])[:, None, None]
+    xs = [(rng.standard_normal(shape) * (1 + k) + shift).astype(np.float32) for k in range(2)]
+    dys = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    m = 0.3
+    check = Checks()
+    for lname, dist in layouts(shape):
+        bn = nn.BatchNorm2d(3, momentum=m)
+        bn.kernel_backend = "torch"
+        bn.weight.data[...] = [0.5, 1.0, 1.5]
+        bn.bias.data[...] = [0.0, 1.0, -2.0]
+        rm, rv = np.zeros(3), np.ones(3)
+        own = all(dist.nblocks[d] == 1 for d in (0, 2, 3))  # no other rank shares them
+        before = len(calls)
+        for x, dy in zip(xs, dys):
+            want = bn_expected(x.astype(np.float64), bn.weight.data.astype(np.float64),
+                               bn.bias.data.astype(np.float64), bn.eps,
+                               dy.astype(np.float64), [(0, shape[0])])
+            rm, rv = (1 - m) * rm + m * want[4], (1 - m) * rv + m * want[5]
+            bn.zero_grad()
+            y = bn(dt.DistArray.from_global(x, dist))
+            dx = bn.backward(dt.DistArray.from_global(dy, y.dist))
+            msg = f"{lname} (one call up to {native_max})"
+            check.close(y, want[0], f"{msg}: y", rtol=0, atol=5e-5)
+            check.close(dx, want[1], f"{msg}: dx", rtol=0, atol=5e-5)
+            check.close(bn.weight.grad, want[2], f"{msg}: dgamma", rtol=1e-4, atol=2e-3)
+            check.close(bn.bias.grad, want[3], f"{msg}: dbeta", rtol=1e-4, atol=2e-3)
+        check.close(bn.running_mean, rm, f"{msg}: running mean", rtol=1e-6)
+        check.close(bn.running_var, rv, f"{msg}: running var", rtol=1e-5)
+        used = len(calls) - before
+        check.true(used == (2 if own and native_max else 0), f"{msg}: {used} one-call passes")
+    check.finish()
