@@ -112,9 +112,12 @@ class BatchNormNd(Layer):
     ``kernel_backend="torch"`` PyTorch's: a sum for the centre, the deviations
     from it, ATen's fused batch-norm reduction over them and its
     evaluation-mode kernel as the per-channel affine map forward (two passes
-    over the block and two reductions); backward, ATen's batch-norm backward
-    in one call where no other rank shares the statistics, else its fused
-    reduction and the centred input gradient; the running
+    over the block and two reductions), or, for a block of up to
+    :data:`NATIVE_BATCH_NORM_MAX` elements whose statistics no other rank
+    shares, ATen's training-mode kernel in one call (as PyTorch in one
+    process); backward, ATen's batch-norm backward in one call where no
+    other rank shares the statistics, else its fused reduction and the
+    centred input gradient; the running
     statistics (float64 buffers ``running_mean`` and ``running_var``, in the
     :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
 
