@@ -20,6 +20,7 @@ dominate the run time on an oversubscribed machine.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -39,6 +40,7 @@ from nn_reference import (
 
 import disttensor as dt
 import disttensor_nn as nn
+from disttensor.blockcache import BlockCache, block_cache
 from disttensor.testing import assert_allclose, collective_assert
 from disttensor_nn.reduction import GradientBuckets
 
@@ -429,12 +431,13 @@ def test_output_distribution_keeps_grid_and_samples():
 
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("bucketed", [False, True])
-def test_weight_gradients_over_steps_with_zero_grad_between(kernels, bucketed):
+@pytest.mark.parametrize("mode", ["blocking", "buckets", "block cache"])
+def test_weight_gradients_over_steps_with_zero_grad_between(kernels, mode):
     """Three steps, zero_grad between: each step's weight and bias gradients are that
-    step's alone (the reference's), on every layout, with and without gradient buckets
-    (the torch kernels' own new gradient arrays become the gradients, with no copy: a
-    later step must not write into an earlier one's)."""
+    step's alone (the reference's), on every layout, reduced blocking, in buckets, or
+    with a block cache active. The torch kernels' own new gradient arrays become the
+    gradients, with no copy: a gradient array given up by a step (a new one took its
+    place) is not written by the next."""
     shape = SHAPE[2]
     rng = np.random.default_rng(41)
     conv = CONV[2](2, 3, 3, padding=1, dtype=np.float64)
@@ -442,20 +445,24 @@ def test_weight_gradients_over_steps_with_zero_grad_between(kernels, bucketed):
     w = conv.weight.data.copy()
     check = Checks()
     for lname, dist in layouts(shape)[:6]:
+        given_up = None
         for step in range(3):
             x = rng.standard_normal(shape)
             dy = rng.standard_normal(conv.output_shape(shape))
             _, dw_want, db_want = conv_ref_backward(x, w, dy, (1, 1), [(1, 1), (1, 1)],
                                                     (1, 1))
             conv.zero_grad()
-            y = conv(dt.DistArray.from_global(x, dist))
-            g = dt.DistArray.from_global(dy, y.dist)
-            if bucketed:
-                with GradientBuckets():
-                    conv.backward(g)
-            else:
-                conv.backward(g)
-            msg = f"{kernels} on {lname}, step {step}"
+            with contextlib.ExitStack() as stack:
+                if mode == "buckets":
+                    stack.enter_context(GradientBuckets())
+                elif mode == "block cache":
+                    stack.enter_context(block_cache(cache=BlockCache(min_bytes=1)))
+                y = conv(dt.DistArray.from_global(x, dist))
+                conv.backward(dt.DistArray.from_global(dy, y.dist))
+            msg = f"{kernels}, {mode}, on {lname}, step {step}"
             check.close(conv.weight.grad, dw_want, f"{msg}: dW", rtol=1e-11, atol=1e-11)
             check.close(conv.bias.grad, db_want, f"{msg}: db", rtol=1e-11, atol=1e-11)
+            if given_up is not None and not np.shares_memory(given_up[0], conv.weight.grad):
+                check.equal(given_up[0], given_up[1], f"{msg}: an earlier dW was written")
+            given_up = (conv.weight.grad, conv.weight.grad.copy())
     check.finish()

@@ -478,8 +478,10 @@ def batch_norm_train(x3: Any, weight: Any | None, bias: Any | None, eps: float,
     ATen's training-mode kernel (one pass of Welford's statistics, one of the
     normalisation), as ``torch.nn.BatchNorm`` runs in one process: for a
     block whose statistics no other rank shares. ``running`` is the pair of
-    running statistics (any float dtype, not changed) or None; ATen updates
-    float copies of them with ``momentum`` and the unbiased variance.
+    running statistics (any float dtype; they are not written) or None;
+    ATen updates copies of them in the block's dtype with ``momentum`` and
+    the unbiased variance (so a float32 block's are rounded to float32 once
+    a step, as PyTorch's own buffers are float32).
 
     Returns
     -------
@@ -494,7 +496,8 @@ def batch_norm_train(x3: Any, weight: Any | None, bias: Any | None, eps: float,
     kw = {"dtype": t.dtype, "device": t.device}
     w = None if weight is None else _t(weight).to(t.dtype)
     b = None if bias is None else _t(bias).to(t.dtype)
-    rm, rv = (None, None) if running is None else (_t(r).to(**kw) for r in running)
+    rm, rv = (None, None) if running is None else \
+        (_t(r).to(**kw, copy=True) for r in running)  # copies: ATen writes into them
     out = _out(x3, t)
     if out:
         y, mean, invstd = torch.ops.aten.native_batch_norm.out(

@@ -50,6 +50,10 @@ one takes the centred passes, faster there (a 2-core AVX-512 machine: ATen's one
 0.12 ms against 0.16 at 64 Ki elements, 2.8 ms against 2.1 at 1.5 Mi, before the
 per-channel arithmetic the centred passes add, some 0.1 ms)."""
 
+_NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+"""Blocks the one-call path takes (its running statistics are updated in the block's dtype:
+not in 16 bits)."""
+
 PART_BYTES = 32 * 2**20
 """Bytes of float32 a 16-bit batch norm converts at once (whole channels; at least one)."""
 
@@ -186,8 +190,8 @@ class BatchNormNd(Layer):
             count = math.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * math.prod(x.shape[2:]))
             if fused and not converted and 0 < kept.size <= NATIVE_BATCH_NORM_MAX and \
-                    self.stats == "global" and not self.shared_statistics and \
-                    comm.Get_size() == 1:
+                    self.dtype in _NATIVE_DTYPES and self.stats == "global" and \
+                    not self.shared_statistics and comm.Get_size() == 1:
                 return self._native_forward(x, kernels, x3)
             # sums about this rank's own mean (the centre), so that no sum cancels: with
             # d = x - centre, sum(x) = m * centre + sum(d) and sum(x^2) = sum(d^2) +
