@@ -15,6 +15,7 @@ copy.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Sequence
@@ -101,29 +102,48 @@ def _takes_numpy_dtypes(xp: ModuleType) -> bool:
     return is_numpy(xp) or is_cupy(xp)
 
 
+_FOREIGN_DTYPES: dict[Any, np.dtype] = {}
+"""The NumPy dtypes of other libraries' dtype objects met so far (PyTorch's): NumPy refuses
+them, and finding their equal from the name, after the refusal, takes some microseconds."""
+
+
 def numpy_dtype(dtype: Any) -> np.dtype:
     """The NumPy dtype equal to ``dtype`` (a NumPy, CuPy or array API dtype object)."""
     try:
+        known = _FOREIGN_DTYPES.get(dtype)
+    except TypeError:  # not hashable: looked up afresh
+        known = None
+    if known is not None:
+        return known
+    try:
         return np.dtype(dtype)
     except TypeError:
-        # array API dtypes of other libraries print as "<module>.<name>" (or just "<name>")
-        name = str(dtype).rpartition(".")[2]
-        try:
-            found = np.dtype(name)
-        except TypeError:
-            found = None
-        if str(dtype) == "torch.bfloat16":  # viewed as ml_dtypes' bfloat16 (see host_view)
-            found = bfloat16()
-            if found is None:
-                raise TypeError("torch.bfloat16 blocks are worked on as the bfloat16 of the "
-                                "ml_dtypes package, which is not imported: import ml_dtypes "
-                                "(pip install ml_dtypes, or the 'torch' extra)") from None
-            return found
-        # a name that NumPy knows only through an extension (ml_dtypes' "bfloat16") is not
-        # another library's dtype: their arrays do not share NumPy's view of it
-        if found is None or found.kind == "V":
-            raise TypeError(f"{dtype!r} is not a dtype that NumPy knows") from None
+        found = _foreign_dtype(dtype)
+        with contextlib.suppress(TypeError):
+            _FOREIGN_DTYPES[dtype] = found
         return found
+
+
+def _foreign_dtype(dtype: Any) -> np.dtype:
+    """:func:`numpy_dtype` of a dtype object NumPy refuses, from its name."""
+    # array API dtypes of other libraries print as "<module>.<name>" (or just "<name>")
+    name = str(dtype).rpartition(".")[2]
+    try:
+        found = np.dtype(name)
+    except TypeError:
+        found = None
+    if str(dtype) == "torch.bfloat16":  # viewed as ml_dtypes' bfloat16 (see host_view)
+        found = bfloat16()
+        if found is None:
+            raise TypeError("torch.bfloat16 blocks are worked on as the bfloat16 of the "
+                            "ml_dtypes package, which is not imported: import ml_dtypes "
+                            "(pip install ml_dtypes, or the 'torch' extra)") from None
+        return found
+    # a name that NumPy knows only through an extension (ml_dtypes' "bfloat16") is not
+    # another library's dtype: their arrays do not share NumPy's view of it
+    if found is None or found.kind == "V":
+        raise TypeError(f"{dtype!r} is not a dtype that NumPy knows") from None
+    return found
 
 
 def bfloat16() -> np.dtype | None:
