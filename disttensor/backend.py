@@ -552,7 +552,7 @@ def check_movable(dtype: Any) -> np.dtype:
         For an object dtype, a record with object fields, or a dtype NumPy
         does not know.
     """
-    if type(dtype) in _MOVABLE_DTYPE_TYPES:  # a NumPy dtype met before: nothing to check
+    if type(dtype) in _MOVABLE_DTYPE_TYPES:  # a plain numeric NumPy dtype: nothing to check
         return dtype
     dt = numpy_dtype(dtype)
     if dt.hasobject:
