@@ -102,15 +102,21 @@ def _takes_numpy_dtypes(xp: ModuleType) -> bool:
     return is_numpy(xp) or is_cupy(xp)
 
 
-_FOREIGN_DTYPES: dict[Any, np.dtype] = {}
-"""The NumPy dtypes of other libraries' dtype objects met so far (PyTorch's): NumPy refuses
-them, and finding their equal from the name, after the refusal, takes some microseconds."""
+_FOREIGN_DTYPES: dict[tuple[type, Any], np.dtype] = {}
+"""The NumPy dtypes of other libraries' dtype objects met so far (PyTorch's), by type and
+object: NumPy refuses them, and finding their equal from the name, after the refusal,
+takes some microseconds."""
 
 
 def numpy_dtype(dtype: Any) -> np.dtype:
     """The NumPy dtype equal to ``dtype`` (a NumPy, CuPy or array API dtype object)."""
+    if isinstance(dtype, np.dtype):
+        return dtype
+    # keyed with the type: dtypes of two libraries are never compared (array API dtypes
+    # warn when compared with another library's)
+    key = (type(dtype), dtype)
     try:
-        known = _FOREIGN_DTYPES.get(dtype)
+        known = _FOREIGN_DTYPES.get(key)
     except TypeError:  # not hashable: looked up afresh
         known = None
     if known is not None:
@@ -120,7 +126,7 @@ def numpy_dtype(dtype: Any) -> np.dtype:
     except TypeError:
         found = _foreign_dtype(dtype)
         with contextlib.suppress(TypeError):
-            _FOREIGN_DTYPES[dtype] = found
+            _FOREIGN_DTYPES[key] = found
         return found
 
 
