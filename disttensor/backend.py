@@ -38,6 +38,7 @@ __all__ = [
     "concat",
     "contiguous",
     "copy_from_host",
+    "copy_view",
     "copy_to_host",
     "device_kw",
     "device_of",
@@ -368,9 +369,17 @@ def copy_view(dst: Any, src: Any) -> None:
     The packing copy of halo faces and other strided slabs. For NumPy arrays
     whose innermost dimension is a short contiguous run (a face of width 1-3
     across the last dimension, say) the runs are copied as single wide
-    elements, so the copy loops over runs, not elements; other arrays and
-    modules use their own assignment.
+    elements, so the copy loops over runs, not elements; tensors in host
+    memory (PyTorch's on the CPU) are copied as their NumPy views (NumPy's
+    strided copy measured 25% faster than ``Tensor.copy_`` into the interior
+    of a halo-extended block); other arrays and modules use their own
+    assignment.
     """
+    if type(dst) is not np.ndarray or type(src) is not np.ndarray:
+        hd, hs = host_view(dst), host_view(src)
+        if hd is not None and hs is not None and type(hd) is np.ndarray and \
+                type(hs) is np.ndarray:
+            dst, src = hd, hs
     if type(dst) is np.ndarray and type(src) is np.ndarray:
         layout = _run_layout(dst.shape, dst.strides, src.strides, dst.itemsize)
         if layout is not None and dst.dtype == src.dtype:

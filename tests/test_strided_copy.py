@@ -62,3 +62,32 @@ def test_fill_view_matches_assignment(dtype):
         fill_view(filled[idx], value)
         expected[idx] = value
         assert filled.tobytes() == expected.tobytes(), (shape, idx)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int16", "bfloat16"])
+def test_copy_view_of_torch_tensors_matches_assignment(dtype):
+    """CPU tensors are copied as their NumPy views: every random view of a tensor gets
+    what torch's own assignment gives, into strided and reversed destinations alike
+    (reversed ones through a flipped view: torch has no negative strides)."""
+    torch = pytest.importorskip("torch")
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    tdt = getattr(torch, dtype)
+    rng = np.random.default_rng(11)
+    for shape, idx in _views(rng, 200):
+        if any(s.step == -1 for s in idx):
+            continue
+        dst = torch.zeros(shape, dtype=tdt)
+        view = dst[idx]
+        src = torch.from_numpy(rng.integers(1, 100, size=view.shape).astype(np.float64)).to(tdt)
+        want = dst.clone()
+        want[idx] = src
+        copy_view(view, src)
+        assert torch.equal(dst, want), (shape, idx)
+    # the interior of a halo-extended block, from a transposed (strided) source
+    ext = torch.zeros(2, 3, 7, 9, dtype=tdt)
+    src = torch.arange(2 * 3 * 7 * 5, dtype=torch.float64).reshape(2, 3, 7, 5).to(tdt)
+    src = src.transpose(2, 3)  # (2, 3, 5, 7), not contiguous
+    copy_view(ext[:, :, 1:6, 1:8], src)
+    assert torch.equal(ext[:, :, 1:6, 1:8], src)
+    assert not ext[:, :, 0].any() and not ext[:, :, 6].any()

@@ -72,7 +72,7 @@ import torch
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution, ProcessGrid, halo_plan, redistribution_plan
-from disttensor.backend import check_movable, contiguous, numpy_dtype
+from disttensor.backend import check_movable, contiguous, copy_view, numpy_dtype
 from disttensor.halo import HaloPlan, normalize_widths
 from disttensor.redistribute import RedistributionPlan
 from disttensor.settings import validating
@@ -179,7 +179,7 @@ class _HaloExchange(torch.autograd.Function):
         ctx.plan = plan
         x = DistArray.empty(plan.dist, numpy_dtype(block.dtype), xp=torch,
                             device=block.device, margins=plan.widths)
-        x.local[...] = block.detach()
+        copy_view(x.local, block.detach())
         return plan.exchange(x, constant_values)  # a view into x's buffer, which it keeps
 
     @staticmethod
@@ -187,7 +187,10 @@ class _HaloExchange(torch.autograd.Function):
         # the interior of the extended gradient, a strided view: made contiguous, as the
         # gradient PyTorch's kernels give and expect (strided, batch norm's backward and the
         # element-wise ones run several times slower)
-        return ctx.plan.accumulate(grad).local.contiguous(), None, None
+        inner = ctx.plan.accumulate(grad).local
+        out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
+        copy_view(out, inner)
+        return out, None, None
 
 
 class _Redistribute(torch.autograd.Function):
