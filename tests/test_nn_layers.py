@@ -841,3 +841,49 @@ def test_batchnorm_torch_kernels_in_one_call_or_centred_passes(monkeypatch, nati
         used = len(calls) - calls_before
         check.true(used == (2 if own and native_max else 0), f"{msg}: {used} one-call passes")
     check.finish()
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("chunk", [24, 200, 2**19])
+def test_batchnorm_numpy_pieces(monkeypatch, chunk, dtype):
+    """The NumPy batch norm's element-wise passes run piece by piece (CHUNK_BYTES): pieces
+    of part of one channel's positions (24 bytes), of whole channels (200) or of whole
+    samples (the default here) all match the float64 formulas, channels far from zero
+    included, on every layout (empty blocks too), with a temporary no larger than one
+    piece."""
+    from disttensor_nn.layers import norm
+
+    monkeypatch.setattr(norm, "CHUNK_BYTES", chunk)
+    sizes = []
+    real_empty = np.empty
+    monkeypatch.setattr(norm.np, "empty", lambda n, *a, **k: sizes.append(n) or
+                        real_empty(n, *a, **k))
+    shape = (3, 3, 7, 5)
+    rng = np.random.default_rng(11)
+    shift = np.array([300.0, -1000.0, 0.5])[:, None, None]
+    x = (rng.standard_normal(shape) * 2 + shift).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    tol = 5e-5 if dtype == np.float32 else 1e-9
+    check = Checks()
+    for lname, dist in layouts(shape):
+        bn = nn.BatchNorm2d(3, dtype=dtype)
+        bn.weight.data[...] = [0.5, 1.0, 1.5]
+        bn.bias.data[...] = [0.0, 1.0, -2.0]
+        want = bn_expected(x.astype(np.float64), bn.weight.data.astype(np.float64),
+                           bn.bias.data.astype(np.float64), bn.eps, dy.astype(np.float64),
+                           [(0, shape[0])])
+        y = bn(dt.DistArray.from_global(x, dist))
+        dx = bn.backward(dt.DistArray.from_global(dy, y.dist))
+        msg = f"{np.dtype(dtype)} on {lname}, pieces of {chunk} bytes"
+        check.close(y, want[0], f"{msg}: y", rtol=0, atol=tol)
+        check.close(dx, want[1], f"{msg}: dx", rtol=0, atol=tol)
+        check.close(bn.weight.grad, want[2], f"{msg}: dgamma", rtol=tol,
+                    atol=2e-3 if dtype == np.float32 else 1e-9)
+        check.close(bn.bias.grad, want[3], f"{msg}: dbeta", rtol=tol,
+                    atol=2e-3 if dtype == np.float32 else 1e-9)
+    itemsize = np.dtype(dtype).itemsize
+    flat = [n for n in sizes if isinstance(n, int)]
+    check.true(max(flat, default=0) <= max(1, chunk // itemsize),
+               f"a temporary of {max(flat, default=0)} elements for pieces of {chunk} bytes")
+    check.finish()

@@ -18,6 +18,7 @@ from disttensor.backend import (
     device_kw,
     device_of,
     empty,
+    is_numpy,
     namespace_dtype,
     numpy_dtype,
     writes_in_place,
@@ -70,18 +71,54 @@ def _channel_sums(xp: ModuleType, a3: Any, f64: Any) -> Any:
     return xp.sum(xp.sum(a3, axis=2), axis=0, dtype=f64)
 
 
+CHUNK_BYTES = 2**19
+"""Bytes of one piece of a NumPy block that the batch norm's element-wise passes take at
+once: the piece and its temporary stay in the core's cache between the passes, and the
+temporary is that small (a whole-sample temporary was a fresh mapping of the sample's
+size in every pass, page faults included)."""
+
+
+def _pieces(shape3: tuple[int, int, int], itemsize: int) -> list[tuple[int, slice, slice]]:
+    """``(sample, channels, positions)`` pieces of an ``(N, C, M)`` block of at most
+    :data:`CHUNK_BYTES` each (whole channels where one channel is smaller), in order."""
+    n, c, m = shape3
+    per = max(1, CHUNK_BYTES // itemsize)
+    if m >= per:
+        inner = [(slice(k, k + 1), slice(m0, min(m, m0 + per)))
+                 for k in range(c) for m0 in range(0, m, per)]
+    else:
+        step = max(1, per // max(m, 1))
+        inner = [(slice(c0, min(c, c0 + step)), slice(None)) for c0 in range(0, c, step)]
+    return [(i, cs, ms) for i in range(n) for cs, ms in inner]
+
+
 def _moments(xp: ModuleType, x3: Any, y3: Any | None, f64: Any) -> tuple[Any, Any, Any, Any]:
     """``(centre, sum(d), sum(d**2), d)`` per channel of ``(N, C, M)``, ``d = x - centre``
     written into ``y3`` where the module writes in place (``centre``: the mean in the
-    input's dtype; the sums in float64)."""
+    input's dtype; the sums in float64: each piece's rows in the input's dtype).
+
+    On NumPy, ``d``, its sums and those of its squares are made piece by piece
+    (:func:`_pieces`), each piece read once while in cache."""
     n, c, m = x3.shape
     centre = astype(_channel_sums(xp, x3, f64) / max(n * m, 1), x3.dtype)
+    if y3 is not None and is_numpy(xp):
+        sum_d, sum_d2 = np.zeros(c, np.float64), np.zeros(c, np.float64)
+        tmp = np.empty(min(c * m, max(1, CHUNK_BYTES // x3.itemsize)), x3.dtype)
+        cc = centre[:, None]
+        for i, cs, ms in _pieces(x3.shape, x3.itemsize):
+            d = y3[i, cs, ms]
+            np.subtract(x3[i, cs, ms], cc[cs], out=d)
+            t = tmp[:d.size].reshape(d.shape)
+            np.multiply(d, d, out=t)
+            sum_d[cs] += d.sum(axis=1)
+            sum_d2[cs] += t.sum(axis=1)
+        return centre, sum_d, sum_d2, y3
     y3 = _into(xp, "subtract", x3, centre[:, None], y3)
     sum_d = _channel_sums(xp, y3, f64)
     if writes_in_place(xp):
         sum_d2 = xp.zeros(c, dtype=f64)
         tmp = xp.empty(x3.shape[1:], dtype=x3.dtype)
-        for i in range(n):  # one sample at a time: the scratch stays in cache
+        for i in range(n):  # one sample at a time
             xp.multiply(y3[i], y3[i], out=tmp)
             sum_d2 += tmp.sum(axis=1)
     else:
@@ -361,11 +398,21 @@ class BatchNormNd(Layer):
             cc = astype(centre[cs], pg.dtype)[:, None]
             # dx is the scratch of g * (x - centre) (a converted slice: over the slice)
             pd = px if converted else _scratch(xp, px.shape, pg.dtype)
-            pd = _into(xp, "subtract", px, cc, pd)
-            pd = _into(xp, "multiply", pd, pg, pd)
             # sum(g * xhat) = inv * (sum(g * (x - centre)) + (centre - mean) * sum(g)); rows
             # in the input's dtype, the rest in float64
-            moments.append((_channel_sums(xp, pg, f64), _channel_sums(xp, pd, f64)))
+            if is_numpy(xp):  # piece by piece, each read once while in cache
+                sg, sgd = np.zeros(pg.shape[1], np.float64), np.zeros(pg.shape[1], np.float64)
+                for i, ks, ms in _pieces(pg.shape, pg.itemsize):
+                    d, g = pd[i, ks, ms], pg[i, ks, ms]
+                    np.subtract(px[i, ks, ms], cc[ks], out=d)
+                    np.multiply(d, g, out=d)
+                    sg[ks] += g.sum(axis=1)
+                    sgd[ks] += d.sum(axis=1)
+                moments.append((sg, sgd))
+            else:
+                pd = _into(xp, "subtract", px, cc, pd)
+                pd = _into(xp, "multiply", pd, pg, pd)
+                moments.append((_channel_sums(xp, pg, f64), _channel_sums(xp, pd, f64)))
             dx3 = None if converted else pd
         sum_g, sum_gd = (moments[0][i] if len(moments) == 1 else
                          concat([mo[i] for mo in moments]) for i in range(2))
@@ -421,10 +468,23 @@ class BatchNormNd(Layer):
         if b is not None:
             cc = astype(centre, g3.dtype)[:, None]
             bx, bs = astype(b, g3.dtype)[:, None], astype(shift, g3.dtype)[:, None]
+            if is_numpy(xp):  # piece by piece: each piece's passes run in cache
+                dx3 = _scratch(xp, g3.shape, g3.dtype) if dx3 is None else dx3
+                per = max(1, CHUNK_BYTES // g3.itemsize)
+                tmp = np.empty(min(math.prod(g3.shape[1:]), per), g3.dtype)
+                for i, cs, ms in _pieces(g3.shape, g3.itemsize):
+                    d = dx3[i, cs, ms]
+                    t = tmp[:d.size].reshape(d.shape)
+                    np.multiply(g3[i, cs, ms], sc[cs], out=d)
+                    np.subtract(x3[i, cs, ms], cc[cs], out=t)
+                    np.multiply(t, bx[cs], out=t)
+                    np.add(d, t, out=d)
+                    np.add(d, bs[cs], out=d)
+                return dx3
             if writes_in_place(xp):
                 dx3 = _scratch(xp, g3.shape, g3.dtype) if dx3 is None else dx3
                 tmp = xp.empty(x3.shape[1:], dtype=g3.dtype)
-                for i in range(x3.shape[0]):  # one sample at a time: the scratch stays in cache
+                for i in range(x3.shape[0]):  # one sample at a time
                     xp.multiply(g3[i], sc, out=dx3[i])
                     xp.subtract(x3[i], cc, out=tmp)
                     xp.multiply(tmp, bx, out=tmp)
@@ -472,8 +532,10 @@ class BatchNormNd(Layer):
         return CostSpec(twin if chans else block, flops=8.0 * whole, nbytes=4 * whole * itemsize,
                         allreduces=(sums, sums), keeps_input=True,
                         # the torch kernels' forward holds the deviations beside the output
-                        workspace=(n if self.kernel_backend == "torch" and not cvt
-                                   else n // max(block[0], 1)) * itemsize + cvt, share=share,
+                        # (the NumPy passes: a temporary of one piece; CuPy's: of one sample)
+                        workspace=(n * itemsize if self.kernel_backend == "torch" and not cvt
+                                   else min(n // max(block[0], 1) * itemsize, CHUNK_BYTES))
+                        + cvt, share=share,
                         twin=timed)
 
     def kernel_signature(self) -> str:
