@@ -91,3 +91,41 @@ def _check_pool(op, kernel, stride, shape):
     dy = rng.standard_normal(y.shape)
     dx = numpy_kernels.pool_backward(dy, x.shape, kernel, stride, (1, 1), op, arg)
     np.testing.assert_allclose(dx, dx_of(dy), **TOL)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_conv_scratch_arena_and_chunked_sums(monkeypatch, case, bias):
+    """Serial convolutions on row tiles of a few columns, their weight gradients summed
+    through partial products of a few rows (ACC_CHUNK_BYTES), with and without a bias,
+    every case after every other one from the same scratch arena (which grows to the
+    largest call's need and is reused): all match the references. Nothing a call returns
+    lies in the arena."""
+    monkeypatch.setattr(numpy_kernels, "ACC_CHUNK_BYTES", 8)
+    monkeypatch.setattr(numpy_kernels, "MIN_TILE_COLS", 1)
+    _, xs, ws, stride, groups, _ = case
+    rng = np.random.default_rng(7)
+    for other in [c for c in CASES if c is not case] + [case]:  # the arena grown by others
+        ox, ow = rng.standard_normal(other[1]), rng.standard_normal(other[2])
+        numpy_kernels.conv_backward(numpy_kernels.conv_forward(ox, ow, None, other[3],
+                                                               (1, 1), other[4]),
+                                    ox, ow, other[3], (1, 1), other[4])
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    b = rng.standard_normal(ws[0]) if bias else None
+    pads = [(0, 0)] * 2
+    kw = {"workspace_bytes": 200}
+    y = numpy_kernels.conv_forward(x, w, b, stride, (1, 1), groups, **kw)
+    np.testing.assert_allclose(y, conv_ref(x, w, b, stride, pads, 1, groups), **TOL)
+    dy = rng.standard_normal(y.shape)
+    dx_want, dw_want, db_want = conv_ref_backward(x, w, dy, stride, pads, 1, groups)
+    arena = numpy_kernels._arena().buf
+    for need_dx, need_dw in [(True, True), (True, False), (False, True)]:
+        dx, dw, db = numpy_kernels.conv_backward(dy, x, w, stride, (1, 1), groups,
+                                                 need_dx=need_dx, need_dw=need_dw, **kw)
+        np.testing.assert_allclose(db, db_want, **TOL)
+        for got, want in ((dx, dx_want), (dw, dw_want)):
+            if got is not None:
+                np.testing.assert_allclose(got, want, **TOL)
+                assert not np.shares_memory(got, numpy_kernels._arena().buf)
+        assert not np.shares_memory(y, arena)
+    numpy_kernels.release_workspace()

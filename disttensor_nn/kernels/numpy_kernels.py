@@ -63,25 +63,80 @@ DW_DIRECT_FILTERS = 512
 
 
 _scratch = threading.local()
+_ALIGN = 64  # bytes: every scratch array starts on a cache line
+
+
+class _Arena:
+    """One thread's scratch memory: a byte buffer that a kernel call takes its arrays from
+    in turn (a bump allocator), given back as a whole when the call ends.
+
+    The buffer grows to the most one call has taken (what a call takes beyond it
+    comes from NumPy for that call alone, and the next call finds the buffer
+    grown), so it holds the largest call's scratch, not the sum of every
+    kind of buffer's largest size over all calls.
+    """
+
+    __slots__ = ("buf", "used", "need")
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, np.uint8)
+        self.used = 0
+        self.need = 0
+
+    def begin(self) -> int:
+        """Start a call: every earlier array is free; grow the buffer to the largest need."""
+        if self.need > self.buf.size:
+            self.buf = np.empty(self.need, np.uint8)
+        self.used = 0
+        return 0
+
+    def take(self, size: int, dtype: np.dtype) -> np.ndarray:
+        start = -(-self.used // _ALIGN) * _ALIGN
+        stop = start + size * dtype.itemsize
+        self.used = stop
+        self.need = max(self.need, stop)
+        if stop > self.buf.size and start == 0:  # nothing taken yet: grow the buffer now
+            self.buf = np.empty(stop, np.uint8)
+        if stop <= self.buf.size:
+            return self.buf[start:stop].view(dtype)
+        return np.empty(size, dtype)
+
+
+def _arena() -> _Arena:
+    arena = getattr(_scratch, "arena", None)
+    if arena is None:
+        arena = _scratch.arena = _Arena()
+    return arena
 
 
 def _buffer(name: str, shape: int | tuple[int, ...], dtype) -> np.ndarray:
-    """Scratch array ``name`` of ``shape``, reused from call to call (per thread and dtype).
+    """Scratch array of ``shape`` (``name`` says what for) from this thread's arena, valid
+    until the kernel call ends (the next :meth:`_Arena.begin`); contents undefined.
 
     Fresh large arrays cost page faults on first touch (about as much as filling
-    them here), and the im2col and GEMM buffers are needed on every call; the
-    contents are undefined. Each name is used for one purpose at a time.
+    them here), and the im2col and GEMM buffers are needed on every call, so the
+    arena's memory is kept from call to call.
     """
     size = math.prod(shape) if isinstance(shape, tuple) else shape
-    bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
-        bufs = _scratch.bufs = {}
-    key = (name, np.dtype(dtype))
-    buf = bufs.get(key)
-    if buf is None or buf.size < size:
-        buf = bufs[key] = np.empty(size, dtype)
-    return buf[:size].reshape(shape)
+    return _arena().take(size, np.dtype(dtype)).reshape(shape)
 
+
+ACC_CHUNK_BYTES = 2**20
+"""Bytes of a weight gradient's partial GEMM result at once: a weight-sized gradient sums
+its tiles' products through a temporary of this size, not of the weight's."""
+
+
+def _matmul_add(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """``acc += a @ b`` in pieces of ``a``'s rows, through a scratch of at most
+    :data:`ACC_CHUNK_BYTES` (at least 64 rows, for efficient GEMMs)."""
+    rows = max(64, ACC_CHUNK_BYTES // max(acc.strides[0], 1))
+    arena = _arena()
+    mark = arena.used
+    tmp = _buffer("acc_tmp", (min(rows, acc.shape[0]), acc.shape[1]), acc.dtype)
+    for i in range(0, acc.shape[0], rows):
+        j = min(acc.shape[0], i + rows)
+        acc[i:j] += np.matmul(a[i:j], b, out=tmp[:j - i])
+    arena.used = mark  # free again for the next tile's
 
 
 def _empty(shape: tuple[int, ...], dtype: object) -> np.ndarray:
@@ -136,8 +191,8 @@ def _run_parts(fn: Callable[[int, int], object], parts: list[tuple[int, int]]) -
 
 
 def release_workspace() -> None:
-    """Free the scratch buffers this thread's convolutions keep between calls."""
-    _scratch.bufs = {}
+    """Free the scratch memory this thread's convolutions keep between calls."""
+    _scratch.arena = None
 
 
 def out_shape(in_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
@@ -272,12 +327,15 @@ def _conv_forward_into(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     rows = ck + (b is not None)
     rest = math.prod(o[1:])
     nb, t = _plan(n, o, rows, dtype.itemsize, workspace_bytes)
+    _arena().begin()
     ws = _buffer("cols", rows * nb * t * rest, dtype)
     tmp = _buffer("out", fg * nb * t * rest, dtype) if nb > 1 else None
+    wext = _buffer("wmat", (fg, rows), dtype) if b is not None else None
     for g in range(groups):
-        wext = _buffer("wmat", (fg, rows), dtype)
-        wext[:, :ck] = w[g * fg:(g + 1) * fg].reshape(fg, ck)
-        if b is not None:
+        if b is None:  # the weights themselves (a view), in the output's dtype
+            wext = w[g * fg:(g + 1) * fg].reshape(fg, ck).astype(dtype, copy=False)
+        else:  # with the bias as their last column (the columns' row of ones)
+            wext[:, :ck] = w[g * fg:(g + 1) * fg].reshape(fg, ck)
             wext[:, ck] = b[g * fg:(g + 1) * fg]
         win = windows(x[:, g * cg:(g + 1) * cg], kernel, stride, dilation)
         for n0, n1, r0, r1 in _tiles(n, o[0], nb, t):
@@ -385,6 +443,8 @@ def _conv_backward_part(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Se
         return dx, dw, db
     ck = cg * math.prod(kernel)
     rest = math.prod(o[1:])
+    arena = _arena()
+    mark = arena.begin()
     if (need_dw and not dw_from_dy) or (need_dx and not transposed_conv):
         rows = ck + 1
         nb, t = _plan(n, o, rows, dtype.itemsize, workspace_bytes)
@@ -402,7 +462,6 @@ def _conv_backward_part(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Se
         dw_t = fg < DW_DIRECT_FILTERS
         acc_shape = (rows, fg) if dw_t else (fg, rows)
         acc = _buffer("acc", acc_shape, dtype) if need_dw else None
-        tmp = _buffer("acc_tmp", acc_shape, dtype) if need_dw else None
         for g in range(groups):
             gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
             wmat = w[gf].reshape(fg, ck).astype(dtype, copy=False)
@@ -423,7 +482,7 @@ def _conv_backward_part(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Se
                     if first:
                         np.matmul(a, bt, out=acc)
                     else:
-                        acc += np.matmul(a, bt, out=tmp)
+                        _matmul_add(acc, a, bt)
                     first = False
                 if need_dx and not transposed_conv:
                     dcol = np.matmul(wmat.T, dyt, out=dcol_buf[:ck * m].reshape(ck, m))
@@ -436,6 +495,7 @@ def _conv_backward_part(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Se
                     dw[gf] = acc[:, :ck].reshape((fg, cg) + kernel)
                     db[gf] = acc[:, ck]
     if need_dx and transposed_conv:
+        arena.used = mark  # the scratch above is free again
         _dx_transposed(dy, w, dx, groups, dilation, workspace_bytes,
                        x if dw_from_dy else None, dw)
     return dx, dw, db
@@ -559,7 +619,6 @@ def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
     tmp = _buffer("out", cg * nb * t * rest, dtype) if nb > 1 else None
     if x is not None:
         acc = _buffer("acc", (rows, cg), dtype)
-        acc_tmp = _buffer("acc_tmp", (rows, cg), dtype)
         xbuf = _buffer("xbuf", cg * nb * t * rest, dtype) if nb > 1 else None
     for g in range(groups):
         gf, gc = slice(g * fg, (g + 1) * fg), slice(g * cg, (g + 1) * cg)
@@ -596,7 +655,7 @@ def _dx_transposed(dy: np.ndarray, w: np.ndarray, dx: np.ndarray, groups: int,
                 if n0 == 0 and a == 0:
                     np.matmul(cols, xm.T, out=acc)
                 else:
-                    acc += np.matmul(cols, xm.T, out=acc_tmp)
+                    _matmul_add(acc, cols, xm.T)
         if x is not None:
             # acc[(f, K-1-k), c] -> dw[f, c, k]
             kf = math.prod(kernel)
