@@ -12,6 +12,9 @@ column buffer is about ``TILE_BYTES`` (it is written and read back while in
 cache): several whole samples when samples are small, otherwise a range of
 rows of the first spatial dimension of one sample, never more than
 ``workspace_bytes``, so the workspace is bounded whatever the sample size.
+A call takes all its scratch (columns, partial products, weight copies) from
+its thread's arena, one buffer kept from call to call at the size of the
+largest call's need, and gives it back whole when it ends.
 GEMMs write straight into the output where its layout allows (one sample's
 rows are a strided matrix), the bias and its gradient ride on a row of ones
 in the column buffer, unit-stride 1x1 convolutions are plain GEMMs without
@@ -20,7 +23,7 @@ padded output gradient by a cost model (see :func:`conv_backward`).
 
 Threads: with :func:`set_num_threads` above one, convolutions split the
 batch into that many parts run by a pool of threads at once (NumPy's copies
-and BLAS release the GIL; each thread has its own scratch buffers, and the
+and BLAS release the GIL; each thread has its own scratch arena, and the
 weight-gradient parts are summed). Give BLAS one thread then
 (``threadpoolctl`` or :func:`disttensor.limit_blas_threads`), or the two
 pools compete for the cores.
@@ -50,6 +53,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "WORKSPACE_BYTES",
+    "ACC_CHUNK_BYTES",
 ]
 
 WORKSPACE_BYTES = 64 * 2**20
