@@ -105,7 +105,21 @@ class Branches(nn.Module):
         return self.head(torch.cat([self.a(x), self.b(x), self.pool(x)], 1))
 
 
+class Dropouts(nn.Module):
+    """Channel dropout, module and function, planned as element-wise layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.drop = nn.Dropout2d(0.3)
+        self.head = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        return F.dropout2d(self.head(self.drop(self.conv(x))), 0.5, self.training)
+
+
 MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
+          "dropouts": (Dropouts, (3, 2, 12, 10), ["conv", "drop", "head", "dropout2d"]),
           "unet": (SmallUNet, (1, 2, 16, 12), UNET_LAYERS),
           "branches": (Branches, (2, 2, 9, 7), ["a", "b", "pool", "head"])}
 

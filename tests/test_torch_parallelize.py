@@ -277,6 +277,42 @@ class Norms(nn.Module):
         return self.conv2(self.bn3(y + 5))
 
 
+class Dropouts(nn.Module):
+    """Channel dropout (module and function forms) beside element-wise dropout: one mask
+    draw per sample and channel, as one process draws it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.drop2d = nn.Dropout2d(0.3)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        y = self.conv2(self.drop2d(self.conv(x)))
+        return self.drop(F.dropout2d(y, 0.4, self.training)) * 2
+
+
+class Dropouts1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 4, 3, padding=1)
+        self.drop = nn.Dropout1d(0.3)
+
+    def forward(self, x):
+        return F.dropout1d(self.drop(self.conv(x)), p=0.5, training=self.training)
+
+
+class Dropouts3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+        self.drop = nn.Dropout3d(0.25)
+
+    def forward(self, x):
+        return F.dropout3d(torch.tanh(self.drop(self.conv(x))), 0.5, self.training)
+
+
 # ------------------------------------------------------------------ helpers
 def grids(ndim):
     """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
@@ -370,6 +406,9 @@ MODELS = {
     "pools": (Pools, (2, 2, 11, 9)),
     "shuffles": (Shuffles, (2, 2, 10, 6)),
     "norms": (Norms, (3, 2, 7, 9)),
+    "dropouts": (Dropouts, (3, 3, 9, 7)),
+    "dropouts1d": (Dropouts1d, (3, 2, 13)),
+    "dropouts3d": (Dropouts3d, (2, 2, 5, 6, 4)),
 }
 
 

@@ -77,6 +77,9 @@ _POOL = {nn.MaxPool1d: MaxPool1d, nn.MaxPool2d: MaxPool2d, nn.MaxPool3d: MaxPool
 _AVG = (AvgPool1d, AvgPool2d, AvgPool3d)
 _ADAPTIVE = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _ADAPTIVE_F = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+# channel dropouts, by the spatial dimensions they take (the batched input has two more)
+_FEATURE_DROPOUT_MODULES = {nn.Dropout1d: 1, nn.Dropout2d: 2, nn.Dropout3d: 3}
+_FEATURE_DROPOUT_FUNCTIONS = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
 _BATCHNORM = {nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d,
               nn.BatchNorm3d: BatchNorm3d}
 _LINEAR_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic")
@@ -401,7 +404,8 @@ class _Mirror:
                                                           nd + 2))
             if isinstance(m, nn.Upsample):
                 return self.upsample(node, shape, out, m.mode, m.align_corners, kind)
-            if type(m) is nn.Dropout and 0 <= m.p < 1:
+            if (type(m) is nn.Dropout or len(shape) == _FEATURE_DROPOUT_MODULES.get(
+                    type(m), -3) + 2) and 0 <= m.p < 1:  # priced as element-wise dropout
                 return Dropout(m.p), [], kind
             if isinstance(m, nn.Flatten):
                 return self.traced(kind, out, node, range(m.start_dim % len(shape), len(shape)))
@@ -433,7 +437,7 @@ class _Mirror:
         if fn is F.interpolate:
             return self.upsample(node, shape, out, _arg(node, 3, "mode", "nearest"),
                                  _arg(node, 4, "align_corners", None), kind)
-        if fn is F.dropout:
+        if fn is F.dropout or len(shape) == _FEATURE_DROPOUT_FUNCTIONS.get(fn, -3) + 2:
             p = _arg(node, 1, "p", 0.5)
             if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1:
                 return Dropout(p), [], kind

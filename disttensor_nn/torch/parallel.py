@@ -60,7 +60,14 @@ from disttensor_nn.kernels.torch_kernels import one_window, window_reach
 from disttensor_nn.reduction import GradientBuckets, reduce_gradients_, split_axes_comm
 from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
 
-from .autoplan import LAYOUT_KEY, is_plan_layout, plan_layouts, relayout
+from .autoplan import (
+    _FEATURE_DROPOUT_FUNCTIONS,
+    _FEATURE_DROPOUT_MODULES,
+    LAYOUT_KEY,
+    is_plan_layout,
+    plan_layouts,
+    relayout,
+)
 from .functional import all_reduce, broadcast, halo_exchange, redistribute
 from .norm import split_batch_norm
 
@@ -609,6 +616,9 @@ class _Compiler:
             return self.pixel_shuffle(node, dist, m.downscale_factor, F.pixel_unshuffle)
         if type(m) is nn.Dropout:
             return self.dropout(node, dist, lambda args: (m.p, m.training))
+        if type(m) in _FEATURE_DROPOUT_MODULES:
+            return self.feature_dropout(node, dist, _FEATURE_DROPOUT_MODULES[type(m)],
+                                        lambda args: (m.p, m.training), self.module_call(m))
         if isinstance(m, nn.Flatten):
             return self.reshape(node, dist)
         if isinstance(m, nn.Linear):
@@ -989,6 +999,34 @@ class _Compiler:
 
         return step
 
+    def feature_dropout(self, node: Node, dist: Distribution, nd: int,
+                        settings: Callable[[Any], tuple[float, bool]],
+                        whole: Callable[..., Any]) -> Step:
+        """Dropout of whole channels (``Dropout1d/2d/3d``): one draw per sample and channel,
+        of the whole batch's ``(N, C, 1, ...)`` mask as one process draws it (the same seed
+        on every rank), each rank multiplying its block by its samples' and channels' part;
+        ranks that split space share it. An input without a batch dimension runs ``whole``
+        (the call as it is), which no rank may split."""
+        if dist.ndim != nd + 2:
+            return self.local(node, whole)
+        self.set(node, dist)
+        n, c = dist.global_shape[:2]
+        slices = dist.local_slices()[:2]
+        mask = (n, c) + (1,) * nd
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            p, training = settings(args)
+            if not training or p == 0:
+                return x
+            if p == 1:
+                return x * torch.zeros_like(x)
+            noise = torch.empty(mask, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+            noise.div_(1 - p)
+            return x * noise[slices]
+
+        return step
+
     def reshape(self, node: Node, dist: Distribution) -> Step:
         shape = _shape_of(node)
         src = dist.global_shape
@@ -1065,12 +1103,14 @@ class _Compiler:
                                       F.pixel_unshuffle if unshuffle else F.pixel_shuffle)
         if fn is torch.flatten:
             return self.reshape(node, dist)
-        if fn is F.dropout:
+        if fn is F.dropout or fn in _FEATURE_DROPOUT_FUNCTIONS:
             def settings(args: Any) -> tuple[float, bool]:
                 a, kw = args
                 p = kw.get("p", a[1] if len(a) > 1 else 0.5)
                 return p, kw.get("training", a[2] if len(a) > 2 else True)
-            return self.dropout(node, dist, settings)
+            if fn is F.dropout:
+                return self.dropout(node, dist, settings)
+            return self.feature_dropout(node, dist, _FEATURE_DROPOUT_FUNCTIONS[fn], settings, fn)
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, None, dist, dist.ndim - 2)
         if fn in (torch.mean, torch.sum):
