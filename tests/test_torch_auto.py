@@ -88,6 +88,18 @@ class SmallUNet(nn.Module):
         return self.head(self.dec1(torch.cat([up, e1], 1)))
 
 
+class CornersUNet(SmallUNet):
+    """The U-Net upsampling with align_corners=True (a linear mode: split as any other)."""
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(self.pool(e1))
+        b = self.bottom(self.pool(e2))
+        d2 = self.dec2(torch.cat([self.up2(b), e2], dim=1))
+        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=True)
+        return self.head(self.dec1(torch.cat([up, e1], 1)))
+
+
 UNET_LAYERS = ["enc1.0", "enc1.1", "enc1.2", "pool", "enc2.0", "enc2.1", "enc2.2", "pool_1",
                "bottom", "up2", "dec2.0", "dec2.1", "dec2.2", "interpolate", "dec1.0",
                "dec1.1", "dec1.2", "head"]
@@ -121,6 +133,7 @@ class Dropouts(nn.Module):
 MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
           "dropouts": (Dropouts, (3, 2, 12, 10), ["conv", "drop", "head", "dropout2d"]),
           "unet": (SmallUNet, (1, 2, 16, 12), UNET_LAYERS),
+          "unet-corners": (CornersUNet, (1, 2, 16, 12), UNET_LAYERS),
           "branches": (Branches, (2, 2, 9, 7), ["a", "b", "pool", "head"])}
 
 

@@ -313,6 +313,47 @@ class Dropouts3d(nn.Module):
         return F.dropout3d(torch.tanh(self.drop(self.conv(x))), 0.5, self.training)
 
 
+class Corners(nn.Module):
+    """Linear interpolation with align_corners=True (a U-Net's upsampling) on split
+    dimensions: the module form, and scales of 2 and 3 by the function."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True)
+        self.conv2 = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv2(self.up(self.conv(x)))
+        return F.interpolate(y, scale_factor=(3, 2), mode="bilinear", align_corners=True)
+
+
+class BicubicCorners(nn.Module):
+    def forward(self, x):
+        return F.interpolate(x, scale_factor=2, mode="bicubic", align_corners=True)
+
+
+class Corners1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = F.interpolate(self.conv(x), scale_factor=3, mode="linear", align_corners=True)
+        return F.interpolate(torch.tanh(y), size=y.shape[-1] * 2, mode="linear",
+                             align_corners=True)
+
+
+class Corners3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=(2, 1, 3), mode="trilinear", align_corners=True)
+
+    def forward(self, x):
+        return self.up(self.conv(x))
+
+
 # ------------------------------------------------------------------ helpers
 def grids(ndim):
     """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
@@ -409,6 +450,9 @@ MODELS = {
     "dropouts": (Dropouts, (3, 3, 9, 7)),
     "dropouts1d": (Dropouts1d, (3, 2, 13)),
     "dropouts3d": (Dropouts3d, (2, 2, 5, 6, 4)),
+    "corners": (Corners, (2, 2, 7, 5)),
+    "corners1d": (Corners1d, (2, 2, 9)),
+    "corners3d": (Corners3d, (1, 2, 5, 3, 4)),
 }
 
 
@@ -637,6 +681,10 @@ def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
     x = global_tensor((1, 1, 6, 5), 0, torch.float32)
     collective_assert(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global()
                       .shape == (1, 2, 6, 5), "local")
+    if p > 1:  # bicubic with align_corners=True is not split (linear modes are)
+        exc = outcome(lambda: parallelize(BicubicCorners(), (1, 1, 6, 5), (1, 1, p, 1)))
+        collective_assert(isinstance(exc, ValueError) and "'interpolate'" in str(exc)
+                          and "bicubic" in str(exc) and "dimension 2" in str(exc), repr(exc))
 
 
 @pytest.mark.parallel([2, 3])

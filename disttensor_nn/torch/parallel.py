@@ -111,6 +111,7 @@ _ELEMENTWISE_F = (F.relu, F.relu6, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish
                   F.logsigmoid, F.threshold)
 _LINEAR_MODES = {"nearest": 0, "nearest-exact": 0, "linear": 1, "bilinear": 1,
                  "trilinear": 1, "bicubic": 2}
+_CORNER_MODES = ("linear", "bilinear", "trilinear")  # align_corners=True on a split
 
 # parameters that a ParallelModule replaced: an optimizer over them is refused at its step
 _RETIRED: dict[int, weakref.ref] = {}  # id -> the parameter (tensors compare by value)
@@ -908,8 +909,10 @@ class _Compiler:
         split = [i for i in range(nd) if _split(dist, 2 + i)]
         if mode not in _LINEAR_MODES and split:
             self.fail(node, f"interpolation mode '{mode}' on split dimension {2 + split[0]}")
-        if align_corners and split:
-            self.fail(node, f"align_corners=True on split dimension {2 + split[0]}")
+        corners = bool(align_corners) and bool(split)  # split dimensions interpolated here
+        if corners and mode not in _CORNER_MODES:
+            self.fail(node, f"align_corners=True in mode '{mode}' on split dimension "
+                            f"{2 + split[0]}")
         factors = {}
         for i in split:
             n, o = dist.global_shape[2 + i], shape[2 + i]
@@ -932,6 +935,8 @@ class _Compiler:
         kwargs = {} if mode.startswith("nearest") or mode == "area" else \
             {"align_corners": align_corners, "antialias": antialias}
         self.set(node, out)
+        if corners:
+            return self._corners_step(dist, out, split, mode, kwargs)
 
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
@@ -940,6 +945,46 @@ class _Compiler:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
             y = F.interpolate(ext, size=size, mode=mode, **kwargs)
             return y[(slice(None), slice(None)) + crop] if halo else y
+
+        return step
+
+    @staticmethod
+    def _corners_step(dist: Distribution, out: Distribution, split: list[int], mode: str,
+                      kwargs: dict[str, Any]) -> Step:
+        """Linear interpolation with ``align_corners=True`` where ``split`` dimensions are
+        split: along each of them, each output row ``o`` of this rank reads the input at
+        ``o (n - 1) / (m - 1)`` (``n`` rows in, ``m`` out), within a row of this rank's
+        block (its cuts scaled by an integer factor), so one row of halo on each side
+        serves it; the rows are mixed as PyTorch's kernels mix them, ``a (1 - t) + b t``;
+        the dimensions no rank splits are interpolated by ``F.interpolate`` itself."""
+        nd = dist.ndim - 2
+        local_out = out.local_shape()
+        widths = [(0, 0), (0, 0)] + [(1, 1) if i in split else (0, 0) for i in range(nd)]
+        rows = []  # per split dimension: its axis, the rows of ext read, their weights
+        for i in split:
+            d = 2 + i
+            n, m = dist.global_shape[d], out.global_shape[d]
+            first, o = dist.local_slices()[d].start, out.local_slices()[d]
+            src = torch.arange(o.start, o.stop, dtype=torch.float64) * (
+                (n - 1) / (m - 1) if m > 1 else 0.0)
+            i0 = src.floor().clamp(max=max(n - 2, 0)).to(torch.int64)
+            t = (src - i0).view((-1,) + (1,) * (nd - 1 - i))
+            a = i0 - first + 1  # ext's row 0 is the row before the block
+            rows.append((d, a, a + 1, t))
+        whole = tuple(local_out[2:])
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            ext = halo_exchange(x, dist, widths, "edge")
+            if 0 in local_out:
+                return ext.new_zeros(local_out) + 0 * ext.sum()
+            y = ext
+            for d, a, b, t in rows:
+                t = t.to(y.dtype)
+                y = y.index_select(d, a) * (1 - t) + y.index_select(d, b) * t
+            if tuple(y.shape[2:]) != whole:  # the dimensions no rank splits
+                y = F.interpolate(y, size=whole, mode=mode, **kwargs)
+            return y
 
         return step
 
