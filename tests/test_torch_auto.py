@@ -130,7 +130,22 @@ class Dropouts(nn.Module):
         return F.dropout2d(self.head(self.drop(self.conv(x))), 0.5, self.training)
 
 
+class Normed(nn.Module):
+    """A layer norm over channels and space, whose sums the runtime all-reduces."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = nn.LayerNorm([3, 12, 10])
+        nn.init.normal_(self.norm.weight)
+        self.head = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)))
+
+
 MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
+          "layernorm": (Normed, (2, 2, 12, 10), ["conv", "norm", "head"]),
           "dropouts": (Dropouts, (3, 2, 12, 10), ["conv", "drop", "head", "dropout2d"]),
           "unet": (SmallUNet, (1, 2, 16, 12), UNET_LAYERS),
           "unet-corners": (CornersUNet, (1, 2, 16, 12), UNET_LAYERS),

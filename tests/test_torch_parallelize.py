@@ -328,6 +328,24 @@ class Corners(nn.Module):
         return F.interpolate(y, scale_factor=(3, 2), mode="bilinear", align_corners=True)
 
 
+class LayerNorms(nn.Module):
+    """Layer norms over split dimensions: channels and space, the last dimension alone
+    (a weight, no bias), space without an affine map; random weights and biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.ln_all = nn.LayerNorm([3, 7, 5])
+        self.ln_w = nn.LayerNorm(5, bias=False)
+        self.ln_hw = nn.LayerNorm([7, 5], elementwise_affine=False, eps=1e-3)
+        for p in (self.ln_all.weight, self.ln_all.bias, self.ln_w.weight):
+            nn.init.normal_(p)
+
+    def forward(self, x):
+        y = self.ln_w(torch.tanh(self.ln_all(self.conv(x))))
+        return self.ln_hw(y * 2 + 1)
+
+
 class BicubicCorners(nn.Module):
     def forward(self, x):
         return F.interpolate(x, scale_factor=2, mode="bicubic", align_corners=True)
@@ -453,6 +471,7 @@ MODELS = {
     "corners": (Corners, (2, 2, 7, 5)),
     "corners1d": (Corners1d, (2, 2, 9)),
     "corners3d": (Corners3d, (1, 2, 5, 3, 4)),
+    "layernorms": (LayerNorms, (3, 2, 7, 5)),
 }
 
 
@@ -507,7 +526,7 @@ def autocast_run(model, shape, grid, seed=1):
 
 
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("name", ["resnet", "unet2d"])
+@pytest.mark.parametrize("name", ["resnet", "unet2d", "layernorms"])
 def test_bf16_autocast_matches_one_process_within_bf16_rounding(name):
     """Activations, halos and redistributed blocks in bf16 (the block tensors' dtype), batch-norm
     statistics in float32: the parallel model differs from the one-process autocast run by no

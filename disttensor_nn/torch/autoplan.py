@@ -399,9 +399,9 @@ class _Mirror:
             if isinstance(m, nn.GroupNorm):
                 return GroupNorm(m.num_groups, m.num_channels, m.eps, m.affine,
                                  dtype=dt), [], kind
-            if isinstance(m, nn.LayerNorm):
-                return self.traced(kind, out, node, range(nd + 2 - len(m.normalized_shape),
-                                                          nd + 2))
+            if isinstance(m, nn.LayerNorm):  # its sums all-reduced where it is split
+                return self.traced(kind, out, node, reduced=range(
+                    nd + 2 - len(m.normalized_shape), nd + 2))
             if isinstance(m, nn.Upsample):
                 return self.upsample(node, shape, out, m.mode, m.align_corners, kind)
             if (type(m) is nn.Dropout or len(shape) == _FEATURE_DROPOUT_MODULES.get(

@@ -607,7 +607,8 @@ class _Compiler:
             return self.groupnorm(node, m, dist)
         if isinstance(m, nn.LayerNorm):
             d0 = dist.ndim - len(m.normalized_shape)
-            self.refuse_split(node, dist, range(d0, dist.ndim), "LayerNorm normalizes")
+            if any(_split(dist, d) for d in range(d0, dist.ndim)):
+                return self.layernorm(node, m, dist, d0)
             return self.same(node, m, dist)
         if isinstance(m, nn.Upsample):
             return self.interpolate(node, dist, m.mode, m.align_corners)
@@ -898,6 +899,35 @@ class _Compiler:
             y = (xc * torch.rsqrt(var + m.eps).unsqueeze(-1)).reshape(x.shape)
             if m.affine:
                 y = y * params(m.weight).view(view) + params(m.bias).view(view)
+            return y.to(x0.dtype)
+
+        return step
+
+    def layernorm(self, node: Node, m: nn.LayerNorm, dist: Distribution, d0: int) -> Step:
+        """``LayerNorm`` over dimensions ``d0:`` of which some are split: the mean, then the
+        variance about it, summed over the ranks that split them (each a sum over this
+        rank's part, then one all-reduce), and this rank's slice of the elementwise weight
+        and bias (their gradients, zero outside the slice on each rank, are summed over
+        the ranks that split the input, as any parameter's)."""
+        dims = list(range(d0, dist.ndim))
+        comm = split_axes_comm(dist, dims)
+        count = math.prod(dist.global_shape[d] for d in dims)
+        part = dist.local_slices()[d0:]
+        self.set(node, dist)
+        self.use_params(node, node.target, dist)
+        params, eps = self.view, m.eps
+
+        def step(args: Any) -> torch.Tensor:
+            x0 = args[0][0]
+            x = _wide(x0)
+            mean = broadcast(all_reduce(x.sum(dims, keepdim=True), comm), comm) / count
+            xc = x - mean
+            var = broadcast(all_reduce((xc * xc).sum(dims, keepdim=True), comm), comm) / count
+            y = xc * torch.rsqrt(var + eps)
+            if m.weight is not None:
+                y = y * params(m.weight)[part]
+            if m.bias is not None:
+                y = y + params(m.bias)[part]
             return y.to(x0.dtype)
 
         return step
