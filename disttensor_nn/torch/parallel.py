@@ -1056,10 +1056,17 @@ class _Compiler:
         return step
 
     def dropout(self, node: Node, dist: Distribution,
-                settings: Callable[[Any], tuple[float, bool]]) -> Step:
+                settings: Callable[[Any], tuple[float, bool]], channels: bool = False) -> Step:
+        """Dropout with the mask one process draws for the same seed (every rank draws it
+        alike): of the global shape, or with ``channels`` (``Dropout1d/2d/3d``) one draw per
+        sample and channel, ``(N, C, 1, ...)``, which ranks that split space share; each
+        rank multiplies its block by its part of the mask."""
         self.set(node, dist)
-        slices = dist.local_slices()
         shape = dist.global_shape
+        slices = dist.local_slices()
+        if channels:
+            shape = tuple(shape[:2]) + (1,) * (dist.ndim - 2)
+            slices = slices[:2]
 
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
@@ -1077,30 +1084,11 @@ class _Compiler:
     def feature_dropout(self, node: Node, dist: Distribution, nd: int,
                         settings: Callable[[Any], tuple[float, bool]],
                         whole: Callable[..., Any]) -> Step:
-        """Dropout of whole channels (``Dropout1d/2d/3d``): one draw per sample and channel,
-        of the whole batch's ``(N, C, 1, ...)`` mask as one process draws it (the same seed
-        on every rank), each rank multiplying its block by its samples' and channels' part;
-        ranks that split space share it. An input without a batch dimension runs ``whole``
-        (the call as it is), which no rank may split."""
+        """Dropout of whole channels of an ``nd``-D batch (:meth:`dropout`); an input without
+        a batch dimension runs ``whole`` (the call as it is), which no rank may split."""
         if dist.ndim != nd + 2:
             return self.local(node, whole)
-        self.set(node, dist)
-        n, c = dist.global_shape[:2]
-        slices = dist.local_slices()[:2]
-        mask = (n, c) + (1,) * nd
-
-        def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
-            p, training = settings(args)
-            if not training or p == 0:
-                return x
-            if p == 1:
-                return x * torch.zeros_like(x)
-            noise = torch.empty(mask, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-            noise.div_(1 - p)
-            return x * noise[slices]
-
-        return step
+        return self.dropout(node, dist, settings, channels=True)
 
     def reshape(self, node: Node, dist: Distribution) -> Step:
         shape = _shape_of(node)
