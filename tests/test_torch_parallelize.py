@@ -330,7 +330,8 @@ class Corners(nn.Module):
 
 class LayerNorms(nn.Module):
     """Layer norms over split dimensions: channels and space, the last dimension alone
-    (a weight, no bias), space without an affine map; random weights and biases."""
+    (a weight, no bias), space without an affine map; the function with the model's
+    parameters and with none; random weights and biases."""
 
     def __init__(self):
         super().__init__()
@@ -340,10 +341,22 @@ class LayerNorms(nn.Module):
         self.ln_hw = nn.LayerNorm([7, 5], elementwise_affine=False, eps=1e-3)
         for p in (self.ln_all.weight, self.ln_all.bias, self.ln_w.weight):
             nn.init.normal_(p)
+        self.w = nn.Parameter(torch.randn(7, 5))
+        self.b = nn.Parameter(torch.randn(7, 5))
 
     def forward(self, x):
         y = self.ln_w(torch.tanh(self.ln_all(self.conv(x))))
+        y = F.layer_norm(y, (7, 5), self.w, self.b, eps=1e-4) + F.layer_norm(y, [5])
         return self.ln_hw(y * 2 + 1)
+
+
+class MadeWeightNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6, 5))
+
+    def forward(self, x):  # a weight computed in forward, not the parameter itself
+        return F.layer_norm(x, (6, 5), self.scale * 2)
 
 
 class BicubicCorners(nn.Module):
@@ -700,6 +713,10 @@ def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
     x = global_tensor((1, 1, 6, 5), 0, torch.float32)
     collective_assert(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global()
                       .shape == (1, 2, 6, 5), "local")
+    if p > 1:  # a layer norm whose weight is computed in forward is not split
+        exc = outcome(lambda: parallelize(MadeWeightNorm(), (1, 1, 6, 5), (1, 1, p, 1)))
+        collective_assert(isinstance(exc, ValueError) and "'layer_norm'" in str(exc)
+                          and "dimension 2" in str(exc), repr(exc))
     if p > 1:  # bicubic with align_corners=True is not split (linear modes are)
         exc = outcome(lambda: parallelize(BicubicCorners(), (1, 1, 6, 5), (1, 1, p, 1)))
         collective_assert(isinstance(exc, ValueError) and "'interpolate'" in str(exc)

@@ -443,6 +443,14 @@ class _Mirror:
                 return Dropout(p), [], kind
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, shape, out, kind)
+        if fn is F.layer_norm:  # its sums all-reduced where it is split (parameters or none)
+            norm = _arg(node, 1, "normalized_shape", None)
+            norm = (norm,) if isinstance(norm, int) else norm
+            if isinstance(norm, (tuple, list)) and 0 < len(norm) <= len(shape) and all(
+                    a is None or (isinstance(a, Node) and a.op == "get_attr")
+                    for a in (_arg(node, 2, "weight", None), _arg(node, 3, "bias", None))):
+                return self.traced(kind, out, node,
+                                   reduced=range(len(shape) - len(norm), len(shape)))
         if fn is torch.flatten or (node.op == "call_method" and fn in _RESHAPES):
             p = 0
             while p < min(len(out), len(shape)) and out[p] == shape[p]:

@@ -608,7 +608,12 @@ class _Compiler:
         if isinstance(m, nn.LayerNorm):
             d0 = dist.ndim - len(m.normalized_shape)
             if any(_split(dist, d) for d in range(d0, dist.ndim)):
-                return self.layernorm(node, m, dist, d0)
+                self.use_params(node, node.target, dist)
+                view = self.view
+                return self.layernorm(
+                    node, dist, d0, m.eps,
+                    lambda args: None if m.weight is None else view(m.weight),
+                    lambda args: None if m.bias is None else view(m.bias))
             return self.same(node, m, dist)
         if isinstance(m, nn.Upsample):
             return self.interpolate(node, dist, m.mode, m.align_corners)
@@ -903,19 +908,19 @@ class _Compiler:
 
         return step
 
-    def layernorm(self, node: Node, m: nn.LayerNorm, dist: Distribution, d0: int) -> Step:
-        """``LayerNorm`` over dimensions ``d0:`` of which some are split: the mean, then the
+    def layernorm(self, node: Node, dist: Distribution, d0: int, eps: float,
+                  weight: Callable[[Any], Any], bias: Callable[[Any], Any]) -> Step:
+        """Layer norm over dimensions ``d0:`` of which some are split: the mean, then the
         variance about it, summed over the ranks that split them (each a sum over this
-        rank's part, then one all-reduce), and this rank's slice of the elementwise weight
-        and bias (their gradients, zero outside the slice on each rank, are summed over
-        the ranks that split the input, as any parameter's)."""
+        rank's part, then one all-reduce), and this rank's slice of the elementwise
+        ``weight`` and ``bias`` (functions of the step's arguments giving the whole
+        parameter or None; their gradients, zero outside the slice on each rank, are
+        summed over the ranks that split the input, as any parameter's)."""
         dims = list(range(d0, dist.ndim))
         comm = split_axes_comm(dist, dims)
         count = math.prod(dist.global_shape[d] for d in dims)
         part = dist.local_slices()[d0:]
         self.set(node, dist)
-        self.use_params(node, node.target, dist)
-        params, eps = self.view, m.eps
 
         def step(args: Any) -> torch.Tensor:
             x0 = args[0][0]
@@ -924,13 +929,42 @@ class _Compiler:
             xc = x - mean
             var = broadcast(all_reduce((xc * xc).sum(dims, keepdim=True), comm), comm) / count
             y = xc * torch.rsqrt(var + eps)
-            if m.weight is not None:
-                y = y * params(m.weight)[part]
-            if m.bias is not None:
-                y = y + params(m.bias)[part]
+            w, b = weight(args), bias(args)
+            if w is not None:
+                y = y * w[part]
+            if b is not None:
+                y = y + b[part]
             return y.to(x0.dtype)
 
         return step
+
+    def layer_norm_function(self, node: Node, dist: Distribution) -> Step | None:
+        """``F.layer_norm`` whose weight and bias are None or the model's parameters: split
+        as the module is (:meth:`layernorm`) where its dimensions are split, else run on
+        the block as it is; None for other arguments (the generic rules apply)."""
+        shape = _arg(node, 1, "normalized_shape", None)
+        eps = _arg(node, 4, "eps", 1e-5)
+        affine = [_arg(node, i, name, None) for i, name in ((2, "weight"), (3, "bias"))]
+        shape = (shape,) if isinstance(shape, int) else shape
+        if not (isinstance(shape, (tuple, list)) and all(isinstance(v, int) for v in shape)
+                and isinstance(eps, (int, float)) and 0 < len(shape) <= dist.ndim
+                and all(a is None or (isinstance(a, Node) and a.op == "get_attr")
+                        for a in affine)):
+            return None
+        for a in affine:
+            if a is not None:
+                self.use_param(node, a.target, dist)
+        d0 = dist.ndim - len(shape)
+        if any(_split(dist, d) for d in range(d0, dist.ndim)):
+            def value(i: int, name: str) -> Callable[[Any], Any]:
+                def get(args: Any) -> Any:
+                    a, kw = args
+                    return kw[name] if name in kw else (a[i] if len(a) > i else None)
+                return get
+            return self.layernorm(node, dist, d0, float(eps), value(2, "weight"),
+                                  value(3, "bias"))
+        self.set(node, dist)
+        return lambda args: F.layer_norm(*args[0], **args[1])
 
     def interpolate(self, node: Node, dist: Distribution, mode: str,
                     align_corners: Any, antialias: bool = False) -> Step:
@@ -1154,6 +1188,10 @@ class _Compiler:
             return self.global_attr(node, dist.global_shape)
         if fn is operator.getitem:
             return self.getitem(node, dist)
+        if fn is F.layer_norm:
+            step = self.layer_norm_function(node, dist)
+            if step is not None:
+                return step
         if fn is F.interpolate:
             mode = _arg(node, 3, "mode", "nearest")
             return self.interpolate(node, dist, mode, _arg(node, 4, "align_corners", None),
