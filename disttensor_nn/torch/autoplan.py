@@ -504,8 +504,7 @@ class _Mirror:
                  align_corners: Any, kind: str) -> tuple[Layer, list[int], str]:
         nd = len(shape) - 2
         uneven = [2 + i for i in range(nd) if out[2 + i] % shape[2 + i]]
-        if mode not in _LINEAR_MODES or (align_corners and mode not in (
-                "linear", "bilinear", "trilinear")):  # (the runtime splits these)
+        if mode not in _LINEAR_MODES:
             return self.traced(kind, out, node, range(2, 2 + nd))
         if uneven:
             return self.traced(kind, out, node, uneven)

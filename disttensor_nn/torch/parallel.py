@@ -111,7 +111,9 @@ _ELEMENTWISE_F = (F.relu, F.relu6, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish
                   F.logsigmoid, F.threshold)
 _LINEAR_MODES = {"nearest": 0, "nearest-exact": 0, "linear": 1, "bilinear": 1,
                  "trilinear": 1, "bicubic": 2}
-_CORNER_MODES = ("linear", "bilinear", "trilinear")  # align_corners=True on a split
+# align_corners=True on a split dimension: the rows of halo each side of a block
+_CORNER_MODES = {"linear": 1, "bilinear": 1, "trilinear": 1, "bicubic": 2}
+_CUBIC_A = -0.75  # PyTorch's bicubic convolution coefficient
 
 # parameters that a ParallelModule replaced: an optimizer over them is refused at its step
 _RETIRED: dict[int, weakref.ref] = {}  # id -> the parameter (tensors compare by value)
@@ -1015,26 +1017,38 @@ class _Compiler:
     @staticmethod
     def _corners_step(dist: Distribution, out: Distribution, split: list[int], mode: str,
                       kwargs: dict[str, Any]) -> Step:
-        """Linear interpolation with ``align_corners=True`` where ``split`` dimensions are
-        split: along each of them, each output row ``o`` of this rank reads the input at
-        ``o (n - 1) / (m - 1)`` (``n`` rows in, ``m`` out), within a row of this rank's
-        block (its cuts scaled by an integer factor), so one row of halo on each side
-        serves it; the rows are mixed as PyTorch's kernels mix them, ``a (1 - t) + b t``;
-        the dimensions no rank splits are interpolated by ``F.interpolate`` itself."""
+        """Interpolation with ``align_corners=True`` where ``split`` dimensions are split:
+        along each of them, each output row ``o`` of this rank reads the input at
+        ``o (n - 1) / (m - 1)`` (``n`` rows in, ``m`` out), which lies within a row of
+        this rank's block (its cuts scaled by an integer factor), so a halo of the
+        kernel's reach (1 row each side, 2 for bicubic; replicated at the global edges,
+        as PyTorch clamps) serves it; the rows are weighted as PyTorch weighs them
+        (linear: ``a (1 - t) + b t``; bicubic: its cubic convolution, ``A = -0.75``); the
+        dimensions no rank splits are interpolated by ``F.interpolate`` itself."""
         nd = dist.ndim - 2
         local_out = out.local_shape()
-        widths = [(0, 0), (0, 0)] + [(1, 1) if i in split else (0, 0) for i in range(nd)]
-        rows = []  # per split dimension: its axis, the rows of ext read, their weights
+        h = _CORNER_MODES[mode]
+        widths = [(0, 0), (0, 0)] + [(h, h) if i in split else (0, 0) for i in range(nd)]
+        rows = []  # per split dimension: its axis and (rows of ext read, weight) per tap
         for i in split:
             d = 2 + i
             n, m = dist.global_shape[d], out.global_shape[d]
             first, o = dist.local_slices()[d].start, out.local_slices()[d]
             src = torch.arange(o.start, o.stop, dtype=torch.float64) * (
                 (n - 1) / (m - 1) if m > 1 else 0.0)
-            i0 = src.floor().clamp(max=max(n - 2, 0)).to(torch.int64)
+            i0 = src.floor()
+            if h == 1:
+                i0 = i0.clamp(max=max(n - 2, 0))
             t = (src - i0).view((-1,) + (1,) * (nd - 1 - i))
-            a = i0 - first + 1  # ext's row 0 is the row before the block
-            rows.append((d, a, a + 1, t))
+            i0 = i0.to(torch.int64) - first + h  # ext's row h is the block's first
+            if h == 1:
+                taps = [(i0, 1 - t), (i0 + 1, t)]
+            else:
+                a = _CUBIC_A
+                near = [((a + 2) * u - (a + 3)) * u * u + 1 for u in (t, 1 - t)]
+                far = [((a * u - 5 * a) * u + 8 * a) * u - 4 * a for u in (t + 1, 2 - t)]
+                taps = [(i0 - 1, far[0]), (i0, near[0]), (i0 + 1, near[1]), (i0 + 2, far[1])]
+            rows.append((d, taps))
         whole = tuple(local_out[2:])
 
         def step(args: Any) -> torch.Tensor:
@@ -1043,9 +1057,11 @@ class _Compiler:
             if 0 in local_out:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
             y = ext
-            for d, a, b, t in rows:
-                t = t.to(y.dtype)
-                y = y.index_select(d, a) * (1 - t) + y.index_select(d, b) * t
+            for d, taps in rows:
+                parts = [y.index_select(d, r) * w.to(y.dtype) for r, w in taps]
+                y = parts[0]
+                for q in parts[1:]:
+                    y = y + q
             if tuple(y.shape[2:]) != whole:  # the dimensions no rank splits
                 y = F.interpolate(y, size=whole, mode=mode, **kwargs)
             return y
