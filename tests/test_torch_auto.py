@@ -69,6 +69,8 @@ def block(cin, cout):
 class SmallUNet(nn.Module):
     """Two levels: max pooling down, a transposed convolution and interpolation up, cat skips."""
 
+    align_corners = False
+
     def __init__(self):
         super().__init__()
         self.enc1, self.enc2 = block(2, 4), block(4, 6)
@@ -84,20 +86,15 @@ class SmallUNet(nn.Module):
         e2 = self.enc2(self.pool(e1))
         b = self.bottom(self.pool(e2))
         d2 = self.dec2(torch.cat([self.up2(b), e2], dim=1))
-        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
+        up = F.interpolate(d2, scale_factor=2, mode="bilinear",
+                           align_corners=self.align_corners)
         return self.head(self.dec1(torch.cat([up, e1], 1)))
 
 
 class CornersUNet(SmallUNet):
-    """The U-Net upsampling with align_corners=True (a linear mode: split as any other)."""
+    """The U-Net upsampling with align_corners=True (split as align_corners=False is)."""
 
-    def forward(self, x):
-        e1 = self.enc1(x)
-        e2 = self.enc2(self.pool(e1))
-        b = self.bottom(self.pool(e2))
-        d2 = self.dec2(torch.cat([self.up2(b), e2], dim=1))
-        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=True)
-        return self.head(self.dec1(torch.cat([up, e1], 1)))
+    align_corners = True
 
 
 UNET_LAYERS = ["enc1.0", "enc1.1", "enc1.2", "pool", "enc2.0", "enc2.1", "enc2.2", "pool_1",
