@@ -286,8 +286,15 @@ class BatchNormNd(Layer):
                 y3 = kernels.affine(y3, scale, shift) if batch_stats else \
                     kernels.scale_shift(x3, centre, scale, shift)
             else:
-                y3 = _into(xp, "multiply", y3, astype(scale, kept.dtype)[:, None], y3)
-                y3 = _into(xp, "add", y3, astype(shift, kept.dtype)[:, None], y3)
+                sc, sh = astype(scale, kept.dtype)[:, None], astype(shift, kept.dtype)[:, None]
+                if is_numpy(xp):  # both passes over each piece while it is in cache
+                    for i, cs, ms in _pieces(y3.shape, y3.itemsize):
+                        p = y3[i, cs, ms]
+                        np.multiply(p, sc[cs], out=p)
+                        np.add(p, sh[cs], out=p)
+                else:
+                    y3 = _into(xp, "multiply", y3, sc, y3)
+                    y3 = _into(xp, "add", y3, sh, y3)
             y = xp.reshape(y3, kept.shape)
         self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
