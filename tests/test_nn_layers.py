@@ -882,6 +882,14 @@ def test_batchnorm_numpy_pieces(monkeypatch, chunk, dtype):
                     atol=2e-3 if dtype == np.float32 else 1e-9)
         check.close(bn.bias.grad, want[3], f"{msg}: dbeta", rtol=tol,
                     atol=2e-3 if dtype == np.float32 else 1e-9)
+        bn.eval()  # the running statistics' normalisation, piece by piece too
+        rm, rv = (np.asarray(v, np.float64)[None, :, None, None]
+                  for v in (bn.running_mean, bn.running_var))
+        w, b = (np.asarray(v, np.float64)[None, :, None, None]
+                for v in (bn.weight.data, bn.bias.data))
+        want_eval = (x.astype(np.float64) - rm) / np.sqrt(rv + bn.eps) * w + b
+        check.close(bn(dt.DistArray.from_global(x, dist)), want_eval, f"{msg}: eval y",
+                    rtol=0, atol=1e-3 if dtype == np.float32 else 1e-9)
     itemsize = np.dtype(dtype).itemsize
     flat = [n for n in sizes if isinstance(n, int)]
     check.true(max(flat, default=0) <= max(1, chunk // itemsize),
