@@ -164,7 +164,7 @@ def layer_fns(name: str, shape: tuple[int, ...]) -> dict:
         ours(xd)
         return ours.backward(dy)
 
-    fns = {"fwd_bwd": fb}
+    fns = {"fwd": lambda: ours(xd), "fwd_bwd": fb}
     if torch is not None:
         mod = {"BatchNorm2d": lambda: torch.nn.BatchNorm2d(shape[1]), "ReLU": torch.nn.ReLU,
                "MaxPool2d_3s2": lambda: torch.nn.MaxPool2d(3, 2, 1)}[name]()
@@ -175,6 +175,7 @@ def layer_fns(name: str, shape: tuple[int, ...]) -> dict:
             xt.grad = None
             mod(xt).backward(dyt)
 
+        fns["torch_fwd"] = lambda: mod(xt)  # with autograd's graph, as in training
         fns["torch_fwd_bwd"] = tfb
     return fns
 
@@ -329,11 +330,18 @@ def main() -> None:
                 if args.quick:
                     shape = shape[:2] + tuple(v // QUICK_SCALE for v in shape[2:])
                 t = alternating_blocks(layer_fns(lname, shape), reps, args.rounds)
+                # backward: the medians of fwd+bwd less those of fwd
                 row = {"threads": nt, "layer": lname, "shape": "x".join(map(str, shape)),
-                       "out": "", "fb_ms": 1e3 * t["fwd_bwd"]}
+                       "out": "", "fwd_ms": 1e3 * t["fwd"], "fb_ms": 1e3 * t["fwd_bwd"],
+                       "bwd_ms": 1e3 * (t["fwd_bwd"] - t["fwd"])}
                 if torch is not None:
-                    row.update({"torch_fb_ms": 1e3 * t["torch_fwd_bwd"],
-                                "fb_ratio": t["torch_fwd_bwd"] / t["fwd_bwd"]})
+                    tb = t["torch_fwd_bwd"] - t["torch_fwd"]
+                    row.update({"torch_fwd_ms": 1e3 * t["torch_fwd"],
+                                "torch_fb_ms": 1e3 * t["torch_fwd_bwd"],
+                                "torch_bwd_ms": 1e3 * tb,
+                                "fwd_ratio": t["torch_fwd"] / t["fwd"],
+                                "fb_ratio": t["torch_fwd_bwd"] / t["fwd_bwd"],
+                                "bwd_ratio": tb / (t["fwd_bwd"] - t["fwd"])})
                     ratios.append(row["fb_ratio"])
                 rows.append(row)
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -359,8 +367,18 @@ def main() -> None:
     for r in rows:
         for c in cols:
             r.setdefault(c, "")
-    if rows:  # none when --layers names only element-wise or pooling layers
-        print_table(rows, cols)
+    conv_rows = [r for r in rows if r["out"] != ""]
+    if conv_rows:  # none when --layers names only element-wise or pooling layers
+        print_table(conv_rows, cols)
+    other = [r for r in rows if r["out"] == ""]
+    if other:  # element-wise and pooling layers through the layer classes
+        ocols = ["threads", "layer", "shape", "fwd_ms", "bwd_ms", "fb_ms"]
+        if torch is not None:
+            ocols += ["torch_fwd_ms", "torch_bwd_ms", "torch_fb_ms", "fwd_ratio", "bwd_ratio",
+                      "fb_ratio"]
+        print("\nelement-wise and pooling layers (ratios: torch's time over ours; backward: "
+              "the medians of fwd+bwd less those of fwd)")
+        print_table(other, ocols)
     print()
     for nt, sm in summary.items():
         line = (f"threads={nt}: float32 GEMM 2048^2 {sm['gemm_gflops']:.1f} GFLOP/s; "

@@ -85,12 +85,12 @@ def test_pool_specs_by_hand():
     assert s.halo == ((0, 0),) * 4 and s.local_shape == (2, 4, 4, 8)
     assert s.flops == (2 * 4 * 2 * 4) * 4
     assert s.nbytes == (2 * 4 * 4 * 8 + 2 * 4 * 2 * 4) * 4
-    # no halo: nothing grown; a one-byte argmax per output kept, a one-byte mask per pass
-    # and (backward) a 4-byte masked gradient per output; backward builds the gradient of
-    # the (extended) block
+    # no halo: nothing grown; an 8-byte input index per output kept, the NumPy forward's
+    # running offsets, their step and a mask (a byte each per output); backward builds the
+    # gradient of the (extended) block
     out = 2 * 4 * 2 * 4
-    assert s.allreduces == () and s.saved == out
-    assert s.workspace == 2 * 4 * 4 * 8 * 4 + out * (1 + 4)
+    assert s.allreduces == () and s.saved == out * 8
+    assert s.workspace == 2 * 4 * 4 * 8 * 4 + out * 3
     assert s.keeps_input
     s = nn.AvgPool2d(3, stride=1, padding=1).cost_spec(X)
     assert s.halo == ((0, 0), (0, 0), (1, 1), (1, 1))

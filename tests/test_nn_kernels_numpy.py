@@ -68,9 +68,11 @@ def test_set_num_threads_refuses_non_positive():
 
 
 @pytest.mark.parametrize("op", ["max", "avg"])
-@pytest.mark.parametrize("kernel,stride", [((3, 3), (2, 2)), ((2, 3), (1, 2)), ((2, 2), (2, 2))])
+@pytest.mark.parametrize("kernel,stride", [((3, 3), (2, 2)), ((2, 3), (1, 2)), ((2, 2), (2, 2)),
+                                           ((17, 16), (1, 2))])
 def test_pool_kernels_match_reference(op, kernel, stride):
-    _check_pool(op, kernel, stride, (2, 3, 9, 8))
+    # (17, 16): windows of over 256 elements, whose running offsets take more than a byte
+    _check_pool(op, kernel, stride, (2, 3, 9, 8) if max(kernel) < 4 else (2, 3, 19, 20))
 
 
 @pytest.mark.parametrize("op", ["max", "avg"])
@@ -86,8 +88,9 @@ def _check_pool(op, kernel, stride, shape):
     y, arg = numpy_kernels.pool_forward(x, kernel, stride, (1, 1), op)
     y_want, dx_of = pool_ref(x, kernel, stride, [(0, 0)] * 2, (1, 1), op)
     np.testing.assert_allclose(y, y_want, **TOL)
-    if op == "max":
-        assert arg.dtype == np.uint8
+    if op == "max":  # the flat input index of each output's (first) maximum
+        assert arg.dtype == np.intp and arg.shape == y.shape
+        np.testing.assert_array_equal(x.reshape(-1)[arg], y_want)
     dy = rng.standard_normal(y.shape)
     dx = numpy_kernels.pool_backward(dy, x.shape, kernel, stride, (1, 1), op, arg)
     np.testing.assert_allclose(dx, dx_of(dy), **TOL)

@@ -684,40 +684,46 @@ def _arg_dtype(kernel: Sequence[int]) -> np.dtype:
 
 def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
                  dilation: Sequence[int], op: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """Max or average over every window; for max also the flat argmax within each window.
+    """Max or average over every window; for max also where each window's maximum is.
 
     A running maximum (``np.maximum``) or sum over the kernel offsets, each a
-    strided view of ``x``; then the argmax (the first maximum of each window,
-    one byte when the window has at most 256 elements) by one equality test per
-    offset, last offset first, so the first offset that holds the maximum wins.
-    With :func:`set_num_threads` above one, parts of the batch run on the pool.
+    strided view of ``x``. For max, each offset whose element is strictly
+    greater than the running maximum (the first maximum of a window wins, as
+    in PyTorch) raises the window's offset, one byte when the window has at
+    most 256 elements (offsets only grow along the scan, so the update is a
+    maximum, not a masked copy); the offsets become flat indices into ``x``
+    (``np.intp``, what :func:`pool_backward` takes), as PyTorch keeps its
+    argmax. With :func:`set_num_threads` above one, parts of the batch run on
+    the pool.
     """
     o = out_shape(x.shape[2:], kernel, stride, dilation)
     shape = tuple(x.shape[:2]) + o
     y = _empty(shape, x.dtype)
-    arg = None if op == "avg" else _empty(shape, _arg_dtype(kernel))
+    idx = None if op == "avg" else _empty(shape, np.intp)
     if y.size == 0:
-        return y, arg
+        return y, idx
 
     def part(a: int, e: int) -> None:
         xs, ys = x[a:e], y[a:e]
-        views = list(_offset_views(xs, kernel, stride, dilation, o))
-        np.copyto(ys, views[0][1])
-        reduce = np.add if op == "avg" else np.maximum
-        for _, view in views[1:]:
-            reduce(ys, view, out=ys)
+        views = _offset_views(xs, kernel, stride, dilation, o)
+        np.copyto(ys, next(views)[1])
         if op == "avg":
+            for _, view in views:
+                np.add(ys, view, out=ys)
             ys *= x.dtype.type(1.0 / math.prod(kernel))
             return
-        args = arg[a:e]
-        args[...] = len(views) - 1
-        mask = np.empty(ys.shape, bool)
-        for flat_k, view in reversed(views[:-1]):
-            np.equal(view, ys, out=mask)
-            np.copyto(args, flat_k, where=mask)
+        adt = _arg_dtype(kernel)
+        arg, step = np.zeros(ys.shape, adt), np.empty(ys.shape, adt)
+        gt = np.empty(ys.shape, bool)
+        for flat_k, view in views:
+            np.greater(view, ys, out=gt)
+            np.maximum(ys, view, out=ys)
+            np.multiply(gt, adt.type(flat_k), out=step)
+            np.maximum(arg, step, out=arg)
+        _argmax_index(x.shape, kernel, stride, dilation, o, arg, a, idx[a:e])
 
     _run_parts(part, _batch_parts(x.shape[0]))
-    return y, arg
+    return y, idx
 
 
 def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
@@ -725,21 +731,20 @@ def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
                   arg: np.ndarray | None = None) -> np.ndarray:
     """Gradient of :func:`pool_forward` over the whole (padded) input.
 
-    Max: the flat input index of each output's maximum (the window's origin
-    plus the offset of its argmax, one table look-up) receives its ``dy`` in
-    one scatter-add (``np.add.at``, which sums the outputs whose overlapping
-    windows share a maximum), one pass over the outputs as PyTorch's kernel
-    makes. Average: per kernel offset, ``dy`` divided by the window's size
-    is added into that offset's strided view of ``dx``; parts of the batch
-    run on the kernels' pool.
+    Max: the flat input index of each output's maximum (``arg``, as
+    :func:`pool_forward` gives it) receives its ``dy`` in one scatter-add
+    (``np.add.at``, which sums the outputs whose overlapping windows share a
+    maximum), one pass over the outputs as PyTorch's kernel makes. Average:
+    per kernel offset, ``dy`` divided by the window's size is added into that
+    offset's strided view of ``dx``; parts of the batch run on the kernels'
+    pool.
     """
     dx = _zeros(x_shape, dy.dtype)
     o = dy.shape[2:]
     if dy.size == 0:
         return dx
     if op == "max":
-        np.add.at(dx.reshape(-1), _argmax_index(x_shape, kernel, stride, dilation, o, arg),
-                  dy.reshape(-1))
+        np.add.at(dx.reshape(-1), arg.reshape(-1), dy.reshape(-1))
         return dx
 
     def part(a: int, e: int) -> None:
@@ -753,20 +758,24 @@ def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
 
 
 def _argmax_index(x_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
-                  dilation: Sequence[int], o: Sequence[int], arg: np.ndarray) -> np.ndarray:
-    """The flat index into an input of ``x_shape`` of every output's maximum, from its
-    flat offset within the window (``arg``, as :func:`pool_forward` gives it), raveled."""
+                  dilation: Sequence[int], o: Sequence[int], arg: np.ndarray, first: int,
+                  out: np.ndarray) -> None:
+    """Write into ``out`` the flat index into an input of ``x_shape`` of every output's
+    maximum, from its flat offset within the window (``arg``, of samples ``first`` on)."""
     nd = len(kernel)
     elems = [math.prod(x_shape[i + 1:]) for i in range(len(x_shape))]  # row-major strides
     table = np.zeros(math.prod(kernel), np.intp)  # window offset -> input index offset
     for flat_k, kk in enumerate(itertools.product(*(range(k) for k in kernel))):
         table[flat_k] = sum(kk[i] * dilation[i] * elems[2 + i] for i in range(nd))
-    idx = np.take(table, arg)
-    # each window's origin, by broadcasting: samples and channels, then each dimension
+    np.take(table, arg, out=out, mode="wrap")  # (every offset is in range: no check)
+    # each window's origin, by broadcasting: samples and channels, then the window's place
+    # in its plane (one array of the output's spatial shape)
     n, c = arg.shape[:2]
-    idx += (np.arange(n * c, dtype=np.intp) * elems[1]).reshape((n, c) + (1,) * nd)
+    out += (np.arange(first * c, (first + n) * c, dtype=np.intp) * elems[1]).reshape(
+        (n, c) + (1,) * nd)
+    plane = np.zeros(tuple(o), np.intp)
     for i in range(nd):
-        shape = [1] * (nd + 2)
-        shape[2 + i] = o[i]
-        idx += (np.arange(o[i], dtype=np.intp) * (stride[i] * elems[2 + i])).reshape(shape)
-    return idx.reshape(-1)
+        shape = [1] * nd
+        shape[i] = o[i]
+        plane += (np.arange(o[i], dtype=np.intp) * (stride[i] * elems[2 + i])).reshape(shape)
+    out += plane

@@ -84,17 +84,22 @@ class _Pool(WindowLayer):
                f"padding={s.padding})"
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """As :meth:`WindowLayer.cost_spec`; max pooling also keeps its argmax (one byte per
-        output for windows of up to 256 elements, eight with the torch kernels, which keep
-        ATen's input indices) and each pass a one-byte mask per output (the backward pass
-        also one masked gradient per output)."""
+        """As :meth:`WindowLayer.cost_spec`; max pooling also keeps the flat input index of
+        each output's maximum (eight bytes per output, as ATen keeps its indices). Its
+        scratch: with the NumPy kernels the forward's running offsets and mask (three
+        bytes per output for windows of up to 256 elements, seventeen above), with the
+        torch kernels a one-byte mask and a masked gradient per output."""
         spec = super().cost_spec(dist, itemsize)
         if self.op != "max":
             return spec
         _, out_block, _ = self._window_blocks(dist)
-        arg = 1 if math.prod(self.spec.kernel) <= 256 and self.kernel_backend != "torch" else 8
-        return dataclasses.replace(spec, saved=spec.saved + math.prod(out_block) * arg,
-                                   workspace=spec.workspace + math.prod(out_block) * (1 + itemsize))
+        n = math.prod(out_block)
+        if self.kernel_backend == "torch":
+            scratch = 1 + itemsize
+        else:
+            scratch = 3 if math.prod(self.spec.kernel) <= 256 else 17
+        return dataclasses.replace(spec, saved=spec.saved + n * 8,
+                                   workspace=spec.workspace + n * scratch)
 
     def kernel_signature(self) -> str:
         s = self.spec
