@@ -86,11 +86,19 @@ def test_pool_specs_by_hand():
     assert s.flops == (2 * 4 * 2 * 4) * 4
     assert s.nbytes == (2 * 4 * 4 * 8 + 2 * 4 * 2 * 4) * 4
     # no halo: nothing grown; an 8-byte input index per output kept, the NumPy forward's
-    # running offsets, their step and a mask (a byte each per output); backward builds the
-    # gradient of the (extended) block
+    # running offsets, their step and a mask (a byte each per output) and three copies of
+    # the indices' chunk (here all of them); backward builds the gradient of the block
     out = 2 * 4 * 2 * 4
     assert s.allreduces == () and s.saved == out * 8
-    assert s.workspace == 2 * 4 * 4 * 8 * 4 + out * 3
+    assert s.workspace == 2 * 4 * 4 * 8 * 4 + out * 3 + 3 * out * 8
+    # unsplit rows: the NumPy kernel pads (-inf) a copy of its own, scratch, and keeps no
+    # margins; the halo-padded twin on split rows keeps its grown block
+    padded = nn.MaxPool2d(3, 2, padding=1)
+    own = padded.cost_spec(pure((2, 4, 8, 8), (1, 1, 1)))
+    halo = padded.cost_spec(pure((2, 4, 8, 8), (1, 2, 1)))
+    assert own.saved == 2 * 4 * 4 * 4 * 8
+    assert halo.local_shape == (2, 4, 5, 9)  # a row and a column of halo before the block
+    assert halo.saved == (2 * 4 * 5 * 9 - 2 * 4 * 4 * 8) * 4 + 2 * 4 * 2 * 4 * 8
     assert s.keeps_input
     s = nn.AvgPool2d(3, stride=1, padding=1).cost_spec(X)
     assert s.halo == ((0, 0), (0, 0), (1, 1), (1, 1))

@@ -4,8 +4,10 @@ Convolutions with :func:`~disttensor_nn.kernels.set_num_threads` above one
 split the batch over threads; their outputs and gradients (every path: im2col,
 col2im with strides, the transposed correlation, 1x1 GEMMs, row tiles) are
 compared with the serial scipy references of ``nn_reference``. Pooling (max
-with its one-byte argmax, average) is compared with ``pool_ref`` for
-overlapping and strided windows, ties included (the first maximum wins).
+with the flat input index of each maximum, average) is compared with
+``pool_ref`` for overlapping and strided windows, ties included (the first
+maximum wins), max pooling also padded by the kernel itself; windows of -inf
+or NaN are compared with PyTorch's indices where torch is installed.
 Local computations, identical on every rank.
 """
 
@@ -79,6 +81,55 @@ def test_pool_kernels_match_reference(op, kernel, stride):
 def test_pool_kernels_threaded_match_reference(op, threads):
     # parts of the batch on the kernels' pool (5 samples: uneven parts)
     _check_pool(op, (3, 3), (2, 2), (5, 3, 9, 8))
+
+
+PADDED = [((3, 3), (2, 2), (1, 1), (1, 1), (2, 3, 9, 8)),
+          ((3, 2), (1, 2), (1, 1), (1, 1), (2, 3, 10, 7)),
+          ((3, 3), (2, 1), (1, 1), (2, 1), (1, 2, 11, 9)),
+          ((3, 3, 3), (2, 2, 2), (1, 0, 1), (1, 1, 1), (2, 2, 6, 7, 5))]
+
+
+@pytest.mark.parametrize("kernel,stride,pads,dilation,shape", PADDED)
+def test_max_pool_padded_by_the_kernel(kernel, stride, pads, dilation, shape, threads):
+    """Max pooling padded by the kernel (-inf): outputs and gradients as the reference's on
+    the padded input, the gradient of ``x``'s own shape (indices into ``x``, none in the
+    padding), ties won by the first maximum; on the kernels' pool of threads."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, shape).astype(np.float64)
+    y, idx = numpy_kernels.pool_forward(x, kernel, stride, dilation, "max", padding=pads)
+    y_want, dx_of = pool_ref(x, kernel, stride, [(p, p) for p in pads], dilation, "max")
+    np.testing.assert_array_equal(y, y_want)
+    assert idx.min() >= 0 and idx.max() < x.size
+    np.testing.assert_array_equal(x.reshape(-1)[idx], y_want)
+    dy = rng.standard_normal(y.shape)
+    dx = numpy_kernels.pool_backward(dy, x.shape, kernel, stride, dilation, "max", idx,
+                                     padding=pads)
+    assert dx.shape == x.shape
+    np.testing.assert_allclose(dx, dx_of(dy), **TOL)
+
+
+@pytest.mark.parametrize("pads", [(0, 0), (1, 1)], ids=["halo", "padded"])
+def test_max_pool_windows_of_inf_and_nan_take_torchs_index(pads):
+    """A window whose maximum is -inf or NaN: PyTorch's index (its last NaN, else its first
+    element inside the input), never one in the padding."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    x = rng.integers(-3, 4, (2, 3, 9, 8)).astype(np.float64)
+    x[0, 0] = -np.inf
+    x[0, 1, ::3] = np.nan
+    x[1, 2, :, 1::2] = np.nan
+    y, idx = numpy_kernels.pool_forward(x, (3, 3), (2, 2), (1, 1), "max", padding=pads)
+    yt, it = torch.nn.functional.max_pool2d(torch.from_numpy(x), 3, 2, pads,
+                                            return_indices=True)
+    np.testing.assert_array_equal(y, yt.numpy())
+    planes = (np.arange(6) * 72).reshape(2, 3, 1, 1)  # torch's indices are per plane
+    np.testing.assert_array_equal(idx, it.numpy() + planes)
+
+
+def test_pool_kernel_padding_is_for_max_only():
+    x = np.zeros((1, 1, 4, 4))
+    with pytest.raises(ValueError, match="max pooling only"):
+        numpy_kernels.pool_forward(x, (2, 2), (2, 2), (1, 1), "avg", padding=(1, 1))
 
 
 def _check_pool(op, kernel, stride, shape):

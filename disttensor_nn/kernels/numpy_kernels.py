@@ -1,8 +1,9 @@
-"""Local N-D convolution and pooling kernels for NumPy arrays (channel-first, no padding).
+"""Local N-D convolution and pooling kernels for NumPy arrays (channel-first).
 
 Every kernel works on an already padded ("valid") input of shape
 ``(N, C, *S)``; the distributed layers obtain that input from the halo
-exchange, which also applies the padding at the global edges. This module is
+exchange, which also applies the padding at the global edges (max pooling
+may pad on its own instead, where no halo is needed). This module is
 the seam where other array backends plug in: a kernel module of the same
 functions (e.g. for CuPy) can replace it.
 
@@ -683,7 +684,8 @@ def _arg_dtype(kernel: Sequence[int]) -> np.dtype:
 
 
 def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
-                 dilation: Sequence[int], op: str) -> tuple[np.ndarray, np.ndarray | None]:
+                 dilation: Sequence[int], op: str, padding: Sequence[int] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Max or average over every window; for max also where each window's maximum is.
 
     A running maximum (``np.maximum``) or sum over the kernel offsets, each a
@@ -695,7 +697,23 @@ def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
     (``np.intp``, what :func:`pool_backward` takes), as PyTorch keeps its
     argmax. With :func:`set_num_threads` above one, parts of the batch run on
     the pool.
+
+    Max pooling also takes ``padding`` (both sides of each spatial dimension,
+    -inf): the windows then run on a padded copy, and the indices point into
+    ``x`` itself, so that the gradient needs no padded block. A window whose
+    maximum is -inf or NaN takes PyTorch's index (its last NaN, else its first
+    element inside ``x``), never one in the padding.
     """
+    pads = tuple(padding) if padding is not None else (0,) * len(kernel)
+    if any(pads) and op != "max":
+        raise ValueError("the NumPy kernels pad max pooling only (a halo pads the others)")
+    xin = x
+    if any(pads):  # a padded copy to run the windows on
+        x = _empty(tuple(x.shape[:2]) + tuple(n + 2 * p for n, p in zip(x.shape[2:], pads)),
+                   x.dtype)
+        x.fill(-np.inf)
+        x[(slice(None), slice(None)) + tuple(slice(p, p + n) for p, n in
+                                             zip(pads, xin.shape[2:]))] = xin
     o = out_shape(x.shape[2:], kernel, stride, dilation)
     shape = tuple(x.shape[:2]) + o
     y = _empty(shape, x.dtype)
@@ -720,7 +738,10 @@ def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
             np.maximum(ys, view, out=ys)
             np.multiply(gt, adt.type(flat_k), out=step)
             np.maximum(arg, step, out=arg)
-        _argmax_index(x.shape, kernel, stride, dilation, o, arg, a, idx[a:e])
+        _argmax_index(xin.shape, kernel, stride, dilation, pads, arg, a, idx[a:e])
+        np.greater(ys, -np.inf, out=gt)  # False where -inf or NaN (maybe in the padding)
+        if not gt.all():
+            _fix_argmax(xin, kernel, stride, dilation, pads, a, np.argwhere(~gt), idx[a:e])
 
     _run_parts(part, _batch_parts(x.shape[0]))
     return y, idx
@@ -728,8 +749,9 @@ def pool_forward(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
 
 def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
                   stride: Sequence[int], dilation: Sequence[int], op: str,
-                  arg: np.ndarray | None = None) -> np.ndarray:
-    """Gradient of :func:`pool_forward` over the whole (padded) input.
+                  arg: np.ndarray | None = None, padding: Sequence[int] | None = None
+                  ) -> np.ndarray:
+    """Gradient of :func:`pool_forward` over its whole input ``x`` (of ``x_shape``).
 
     Max: the flat input index of each output's maximum (``arg``, as
     :func:`pool_forward` gives it) receives its ``dy`` in one scatter-add
@@ -737,8 +759,11 @@ def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
     maximum), one pass over the outputs as PyTorch's kernel makes. Average:
     per kernel offset, ``dy`` divided by the window's size is added into that
     offset's strided view of ``dx``; parts of the batch run on the kernels'
-    pool.
+    pool. ``padding`` is that of the forward call (max only: its indices
+    already point into ``x``).
     """
+    if padding is not None and any(padding) and op != "max":
+        raise ValueError("the NumPy kernels pad max pooling only (a halo pads the others)")
     dx = _zeros(x_shape, dy.dtype)
     o = dy.shape[2:]
     if dy.size == 0:
@@ -757,25 +782,61 @@ def pool_backward(dy: np.ndarray, x_shape: Sequence[int], kernel: Sequence[int],
     return dx
 
 
+INDEX_CHUNK_BYTES = 2**18
+"""Bytes of flat input indices that max pooling's forward makes at once (its only temporary
+beyond the running offsets: the rest is written into the kept index array)."""
+
+
 def _argmax_index(x_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
-                  dilation: Sequence[int], o: Sequence[int], arg: np.ndarray, first: int,
+                  dilation: Sequence[int], pads: Sequence[int], arg: np.ndarray, first: int,
                   out: np.ndarray) -> None:
-    """Write into ``out`` the flat index into an input of ``x_shape`` of every output's
-    maximum, from its flat offset within the window (``arg``, of samples ``first`` on)."""
+    """Write into ``out`` the flat index into an input of ``x_shape`` (unpadded: windows
+    start ``pads`` before it) of every output's maximum, from its flat offset within the
+    window (``arg``, of samples ``first`` on), whole planes of ``INDEX_CHUNK_BYTES`` at a
+    time."""
     nd = len(kernel)
     elems = [math.prod(x_shape[i + 1:]) for i in range(len(x_shape))]  # row-major strides
     table = np.zeros(math.prod(kernel), np.intp)  # window offset -> input index offset
     for flat_k, kk in enumerate(itertools.product(*(range(k) for k in kernel))):
         table[flat_k] = sum(kk[i] * dilation[i] * elems[2 + i] for i in range(nd))
-    np.take(table, arg, out=out, mode="wrap")  # (every offset is in range: no check)
-    # each window's origin, by broadcasting: samples and channels, then the window's place
-    # in its plane (one array of the output's spatial shape)
-    n, c = arg.shape[:2]
-    out += (np.arange(first * c, (first + n) * c, dtype=np.intp) * elems[1]).reshape(
-        (n, c) + (1,) * nd)
+    # each window's origin in its plane (an array of the output's spatial shape), and each
+    # plane's (sample and channel) first element
+    o = arg.shape[2:]
     plane = np.zeros(tuple(o), np.intp)
     for i in range(nd):
         shape = [1] * nd
         shape[i] = o[i]
-        plane += (np.arange(o[i], dtype=np.intp) * (stride[i] * elems[2 + i])).reshape(shape)
-    out += plane
+        plane += ((np.arange(o[i], dtype=np.intp) * stride[i] - pads[i]) * elems[2 + i]
+                  ).reshape(shape)
+    plane = plane.reshape(-1)
+    planes = arg.shape[0] * arg.shape[1]
+    arg2, out2 = arg.reshape(planes, -1), out.reshape(planes, -1)
+    step = max(1, INDEX_CHUNK_BYTES // max(8 * plane.size, 1))
+    p0 = first * arg.shape[1]
+    for r0 in range(0, planes, step):
+        r1 = min(planes, r0 + step)
+        t = np.take(table, arg2[r0:r1])
+        t += plane
+        np.add(t, (np.arange(p0 + r0, p0 + r1, dtype=np.intp) * elems[1])[:, None],
+               out=out2[r0:r1])
+
+
+def _fix_argmax(x: np.ndarray, kernel: Sequence[int], stride: Sequence[int],
+                dilation: Sequence[int], pads: Sequence[int], first: int, where: np.ndarray,
+                out: np.ndarray) -> None:
+    """PyTorch's index for the windows at ``where`` (rows of ``(n, c, *o)``, samples from
+    ``first``) whose maximum is -inf or NaN: the last NaN inside ``x``, else the first
+    element inside ``x`` (the padding's -inf ties with an input's and may come first)."""
+    spatial = x.shape[2:]
+    for n, c, *o in where.tolist():
+        best, best_val = None, -np.inf
+        for kk in itertools.product(*(range(k) for k in kernel)):
+            pos = tuple(oi * s - p + ki * d for oi, s, p, ki, d in
+                        zip(o, stride, pads, kk, dilation))
+            if not all(0 <= q < m for q, m in zip(pos, spatial)):
+                continue
+            val = x[(first + n, c) + pos]
+            if best is None or val > best_val or np.isnan(val):
+                best, best_val = pos, val
+        if best is not None:  # (padding of at most half a window: always)
+            out[(n, c, *o)] = np.ravel_multi_index((first + n, c) + best, x.shape)

@@ -12,7 +12,7 @@ from disttensor import DistArray, Distribution, backend
 from disttensor.backend import array_namespace
 
 from ..costspec import Allreduce, CostSpec, largest_block
-from ..kernels import kernels_for
+from ..kernels import kernels_for, numpy_kernels
 from ..module import Layer, allreduce_, check_input, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import WindowLayer
@@ -45,9 +45,12 @@ class _Pool(WindowLayer):
 
     def kernel_padding(self, x: DistArray) -> tuple[int, ...] | None:
         """As :meth:`WindowLayer.kernel_padding`; never for a dilated average pool (ATen's
-        average pools have no dilation, so the NumPy kernel runs it on a halo)."""
+        average pools have no dilation, so the NumPy kernel runs it on a halo); the NumPy
+        kernels pad max pooling too (its gradient then needs no extended block)."""
         if self.op == "avg" and any(d != 1 for d in self.spec.dilation):
             return None
+        if self.op == "max" and kernels_for(x.local, self.kernel_backend) is numpy_kernels:
+            return self._padding_without_halo(x.dist)
         return super().kernel_padding(x)
 
     def _pool_forward(self, xwin: Any) -> tuple[Any, Any | None]:
@@ -87,19 +90,26 @@ class _Pool(WindowLayer):
         """As :meth:`WindowLayer.cost_spec`; max pooling also keeps the flat input index of
         each output's maximum (eight bytes per output, as ATen keeps its indices). Its
         scratch: with the NumPy kernels the forward's running offsets and mask (three
-        bytes per output for windows of up to 256 elements, seventeen above), with the
-        torch kernels a one-byte mask and a masked gradient per output."""
+        bytes per output for windows of up to 256 elements, seventeen above) and the
+        temporaries of a chunk of indices; with the torch kernels a one-byte mask and a
+        masked gradient per output. Where the NumPy kernels pad it themselves (no
+        spatial split), the padded copy is the forward's scratch, not kept."""
         spec = super().cost_spec(dist, itemsize)
         if self.op != "max":
             return spec
         _, out_block, _ = self._window_blocks(dist)
         n = math.prod(out_block)
+        saved = spec.saved
         if self.kernel_backend == "torch":
-            scratch = 1 + itemsize
+            scratch = n * (1 + itemsize)
         else:
-            scratch = 3 if math.prod(self.spec.kernel) <= 256 else 17
-        return dataclasses.replace(spec, saved=spec.saved + n * 8,
-                                   workspace=spec.workspace + n * scratch)
+            # the chunk of indices, with np.take's own copies (three chunks)
+            scratch = n * (3 if math.prod(self.spec.kernel) <= 256 else 17) + \
+                3 * min(8 * n, numpy_kernels.INDEX_CHUNK_BYTES)
+            if self._padding_without_halo(dist) is not None:
+                saved = 0
+        return dataclasses.replace(spec, saved=saved + n * 8,
+                                   workspace=spec.workspace + scratch)
 
     def kernel_signature(self) -> str:
         s = self.spec

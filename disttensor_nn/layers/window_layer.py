@@ -103,8 +103,15 @@ class WindowLayer(Layer):
 
     def kernel_padding_for(self, dist: Distribution) -> tuple[int, ...] | None:
         """:meth:`kernel_padding` for an input distributed as ``dist``."""
+        if self.kernel_backend != "torch":
+            return None
+        return self._padding_without_halo(dist)
+
+    def _padding_without_halo(self, dist: Distribution) -> tuple[int, ...] | None:
+        """The padding per spatial dimension where a kernel may apply it itself for an input
+        distributed as ``dist`` (no spatial split, symmetric constant padding), else None."""
         # decided from what every rank knows alike (a rank's empty block pads the same way)
-        if self.kernel_backend != "torch" or self.mode != "constant":
+        if self.mode != "constant":
             return None
         if any(dist.nblocks[d] > 1 for d in range(2, dist.ndim)):
             return None
