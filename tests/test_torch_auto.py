@@ -141,7 +141,22 @@ class Normed(nn.Module):
         return self.head(self.norm(self.conv(x)))
 
 
+class Pooled(nn.Module):
+    """Adaptive average pooling and interpolation mode 'area' to sizes that do not divide
+    the input's (windows of uneven lengths, over a halo where split)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d((5, 4))
+        self.head = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        return F.interpolate(self.head(self.pool(self.conv(x))), size=(7, 6), mode="area")
+
+
 MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
+          "pooled": (Pooled, (2, 2, 12, 10), ["conv", "pool", "head", "interpolate"]),
           "layernorm": (Normed, (2, 2, 12, 10), ["conv", "norm", "head"]),
           "dropouts": (Dropouts, (3, 2, 12, 10), ["conv", "drop", "head", "dropout2d"]),
           "unet": (SmallUNet, (1, 2, 16, 12), UNET_LAYERS),

@@ -360,9 +360,46 @@ class MadeWeightNorm(nn.Module):
         return F.layer_norm(x, (6, 5), self.scale * 2)
 
 
-class AreaUpsample(nn.Module):
+class FractionalUpsample(nn.Module):
     def forward(self, x):
-        return F.interpolate(x, scale_factor=2, mode="area")
+        return F.interpolate(x, scale_factor=1.5, mode="bilinear")
+
+
+class Areas(nn.Module):
+    """Adaptive average pooling and interpolation mode 'area' to sizes that do not divide
+    the input's, down and up, on split dimensions: windows of uneven lengths that
+    overlap, a halo after each block, output blocks that may be empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d((5, 4))
+        self.conv2 = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        a = F.interpolate(torch.tanh(self.conv2(self.pool(y))), size=(13, 7), mode="area")
+        b = F.adaptive_avg_pool2d(F.interpolate(y, size=(13, 9), mode="area"), (None, 7))
+        return a + F.interpolate(y, size=(13, 7), mode="area") * b
+
+
+class Areas1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        return F.adaptive_avg_pool1d(torch.tanh(self.conv(x)), 4)
+
+
+class Areas3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool3d((3, 4, 3))
+
+    def forward(self, x):
+        return self.pool(torch.tanh(self.conv(x)))
 
 
 class Corners1d(nn.Module):
@@ -486,6 +523,9 @@ MODELS = {
     "corners1d": (Corners1d, (2, 2, 9)),
     "corners3d": (Corners3d, (1, 2, 5, 3, 4)),
     "layernorms": (LayerNorms, (3, 2, 7, 5)),
+    "areas": (Areas, (2, 2, 11, 9)),
+    "areas1d": (Areas1d, (2, 2, 13)),
+    "areas3d": (Areas3d, (2, 2, 5, 6, 4)),
 }
 
 
@@ -718,10 +758,11 @@ def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
         exc = outcome(lambda: parallelize(MadeWeightNorm(), (1, 1, 6, 5), (1, 1, p, 1)))
         collective_assert(isinstance(exc, ValueError) and "'layer_norm'" in str(exc)
                           and "dimension 2" in str(exc), repr(exc))
-    if p > 1:  # mode 'area' is not split (the others are)
-        exc = outcome(lambda: parallelize(AreaUpsample(), (1, 1, 6, 5), (1, 1, p, 1)))
+    if p > 1:  # a scale that is not an integer is not split (except for mode 'area')
+        exc = outcome(lambda: parallelize(FractionalUpsample(), (1, 1, 6, 5), (1, 1, p, 1)))
         collective_assert(isinstance(exc, ValueError) and "'interpolate'" in str(exc)
-                          and "area" in str(exc) and "dimension 2" in str(exc), repr(exc))
+                          and "not an integer" in str(exc) and "dimension 2" in str(exc),
+                          repr(exc))
 
 
 @pytest.mark.parallel([2, 3])

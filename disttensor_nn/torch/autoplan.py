@@ -498,12 +498,14 @@ class _Mirror:
         if all(o and n % o == 0 for n, o in zip(ins, outs)):
             k = tuple(n // o for n, o in zip(ins, outs))
             return (AvgPool1d, AvgPool2d, AvgPool3d)[nd - 1](k, k), [], kind
-        return self.traced(kind, out, node, range(2, 2 + nd))
+        return self.traced(kind, out, node)  # windows of any sizes, over a halo
 
     def upsample(self, node: Node, shape: tuple[int, ...], out: tuple[int, ...], mode: str,
                  align_corners: Any, kind: str) -> tuple[Layer, list[int], str]:
         nd = len(shape) - 2
         uneven = [2 + i for i in range(nd) if out[2 + i] % shape[2 + i]]
+        if mode == "area":  # adaptive average pooling
+            return self.adaptive(node, shape, out, kind)
         if mode not in _LINEAR_MODES:
             return self.traced(kind, out, node, range(2, 2 + nd))
         if uneven:

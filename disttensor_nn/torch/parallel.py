@@ -820,10 +820,73 @@ class _Compiler:
             return self.pool(node, pool, dist)
         if all(o == 1 for o in outs):
             return self.reduce_sum(node, dist, list(range(2, 2 + nd)), True, mean=True)
-        self.fail(node, f"adaptive average pooling from {tuple(ins)} to {tuple(outs)} on "
-                        f"split dimensions {[2 + i for i in split]}: the sizes must divide "
-                        "or the output be 1")
-        raise AssertionError
+        return self.adaptive_windows(node, dist, shape, split)
+
+    def adaptive_windows(self, node: Node, dist: Distribution, shape: tuple[int, ...],
+                         split: list[int]) -> Step:
+        """Adaptive average pooling (also interpolation mode ``'area'``) of any sizes over
+        split dimensions.
+
+        Output ``j`` of a dimension of ``n`` inputs and ``m`` outputs averages
+        inputs ``floor(j n / m)`` to ``ceil((j + 1) n / m)`` (PyTorch's
+        windows). A rank computes the outputs whose windows start in its block
+        (its output cuts are ``ceil(b m / n)`` for each input cut ``b``), over
+        its block and a halo after it as wide as the furthest window's reach;
+        the split dimensions one at a time as a product with the local averaging
+        matrix, then the others by PyTorch's adaptive pooling (the box mean is
+        separable).
+        """
+        nd = dist.ndim - 2
+        block = dist.block_index()
+        cuts: dict[int, Any] = {}
+        widths = [(0, 0)] * dist.ndim
+        mats: list[tuple[int, int, int, int, int]] = []  # (dim, n, m, this rank's outputs)
+        for i in split:
+            d = 2 + i
+            n, m = dist.global_shape[d], shape[d]
+            bounds = dist.boundaries[d]
+            outb = [0] + [-(-b * m // n) for b in bounds[1:-1]] + [m]
+            cuts[d] = outb[1:-1]
+            # each block's furthest window end beyond it (none for a block without outputs)
+            reach = max([-(-(o1 * n) // m) - b1 for o0, o1, b1 in
+                         zip(outb, outb[1:], bounds[1:]) if o1 > o0] + [0])
+            widths[d] = (0, max(reach, 0))
+            mats.append((d, n, m, outb[block[d]], outb[block[d] + 1]))
+        out = _with_shape(dist, shape, {2 + i: cuts.get(2 + i) for i in range(nd)})
+        self._check_shape(node, out, shape)
+        self.set(node, out)
+        local_out = out.local_shape()
+        rest = tuple(None if i in split else shape[2 + i] for i in range(nd))
+        pool = _ADAPTIVE_F[nd - 1] if any(r is not None and r != dist.global_shape[2 + i]
+                                           for i, r in enumerate(rest)) else None
+        halo = any(hi for _, hi in widths)
+        # this rank's averaging matrices (transposed: extended block rows x its outputs)
+        local = dist.local_shape()
+        weights: list[tuple[int, np.ndarray]] = []
+        for d, n, m, o0, o1 in mats:
+            b0 = dist.boundaries[d][block[d]]
+            a = np.zeros((local[d] + widths[d][1], o1 - o0))
+            for j in range(o0, o1):
+                lo, hi = j * n // m, -(-((j + 1) * n) // m)
+                a[lo - b0:hi - b0, j - o0] = 1.0 / (hi - lo)
+            weights.append((d, a))
+        made: dict[Any, list[torch.Tensor]] = {}  # by dtype and device
+
+        def step(args: Any) -> torch.Tensor:
+            x = args[0][0]
+            ext = halo_exchange(x, dist, widths) if halo else x
+            if 0 in local_out:
+                return ext.new_zeros(local_out) + 0 * ext.sum()
+            key = (ext.dtype, ext.device)
+            if key not in made:
+                made[key] = [torch.tensor(a, dtype=ext.dtype, device=ext.device)
+                             for _, a in weights]
+            y = ext
+            for (d, _), a in zip(weights, made[key]):
+                y = torch.matmul(y.movedim(d, -1), a).movedim(-1, d)
+            return pool(y, rest) if pool is not None else y
+
+        return step
 
     def reduce_sum(self, node: Node, dist: Distribution, dims: list[int], keepdim: bool,
                    mean: bool) -> Step:
@@ -973,6 +1036,8 @@ class _Compiler:
         nd = dist.ndim - 2
         shape = _shape_of(node)
         split = [i for i in range(nd) if _split(dist, 2 + i)]
+        if mode == "area" and split:  # PyTorch's 'area' is adaptive average pooling
+            return self.adaptive(node, None, dist, nd)
         if mode not in _LINEAR_MODES and split:
             self.fail(node, f"interpolation mode '{mode}' on split dimension {2 + split[0]}")
         corners = bool(align_corners) and bool(split)  # split dimensions interpolated here
