@@ -143,7 +143,8 @@ class Normed(nn.Module):
 
 class Pooled(nn.Module):
     """Adaptive average pooling and interpolation mode 'area' to sizes that do not divide
-    the input's (windows of uneven lengths, over a halo where split)."""
+    the input's (windows of uneven lengths, over a halo where split), and the pooling
+    functions (planned as the modules)."""
 
     def __init__(self):
         super().__init__()
@@ -152,11 +153,13 @@ class Pooled(nn.Module):
         self.head = nn.Conv2d(3, 2, 1)
 
     def forward(self, x):
-        return F.interpolate(self.head(self.pool(self.conv(x))), size=(7, 6), mode="area")
+        y = F.interpolate(self.head(self.pool(self.conv(x))), size=(7, 6), mode="area")
+        return F.max_pool2d(y, 3, 1, 1) + F.avg_pool2d(y, 3, stride=1, padding=1)
 
 
 MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
-          "pooled": (Pooled, (2, 2, 12, 10), ["conv", "pool", "head", "interpolate"]),
+          "pooled": (Pooled, (2, 2, 12, 10), ["conv", "pool", "head", "interpolate",
+                                               "max_pool2d", "avg_pool2d"]),
           "layernorm": (Normed, (2, 2, 12, 10), ["conv", "norm", "head"]),
           "dropouts": (Dropouts, (3, 2, 12, 10), ["conv", "drop", "head", "dropout2d"]),
           "unet": (SmallUNet, (1, 2, 16, 12), UNET_LAYERS),

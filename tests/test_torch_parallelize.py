@@ -243,6 +243,46 @@ class Pools(nn.Module):
                           self.avg_div(x).flatten(1), u.flatten(1), v.flatten(1)], 1)
 
 
+class FunctionalPools(nn.Module):
+    """The pooling functions as models call them in forward (positional and keyword
+    arguments, the stride left out or given as an empty list; see also Pools1d and
+    Pools3d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        a = F.max_pool2d(y, 3, 2, 1, 1, True)  # ceil_mode, positionally
+        b = F.avg_pool2d(y, kernel_size=(2, 3), stride=[], padding=(1, 1),
+                         count_include_pad=False)
+        c = F.max_pool2d(y, 2, dilation=2)
+        d = F.avg_pool2d(y, 2, divisor_override=3)
+        return torch.cat([a.flatten(1), b.flatten(1), c.flatten(1), d.flatten(1)], 1)
+
+
+class Pools1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return F.max_pool1d(y, 3, 2, 1) + F.avg_pool1d(y, 3, 2, 1)
+
+
+class Pools3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return F.max_pool3d(y, 2, ceil_mode=True) * F.avg_pool3d(y, 2, ceil_mode=True,
+                                                                divisor_override=3)
+
+
 class Shuffles(nn.Module):
     """Space into channels and back (module and function forms) on split dimensions: an
     input whose cuts are odd is unshuffled after moving to even cuts."""
@@ -523,6 +563,9 @@ MODELS = {
     "corners1d": (Corners1d, (2, 2, 9)),
     "corners3d": (Corners3d, (1, 2, 5, 3, 4)),
     "layernorms": (LayerNorms, (3, 2, 7, 5)),
+    "functional-pools": (FunctionalPools, (2, 2, 11, 9)),
+    "pools1d": (Pools1d, (2, 2, 13)),
+    "pools3d": (Pools3d, (2, 2, 5, 7, 4)),
     "areas": (Areas, (2, 2, 11, 9)),
     "areas1d": (Areas1d, (2, 2, 13)),
     "areas3d": (Areas3d, (2, 2, 5, 6, 4)),

@@ -265,6 +265,39 @@ def _arg(node: Node, index: int, name: str, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else default
 
 
+# the functional poolings, as the module each one is, and its arguments after the input
+_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_AVG_ARGS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+             "divisor_override")
+_POOL_FUNCTIONS = {F.max_pool1d: (nn.MaxPool1d, _MAX_ARGS),
+                   F.max_pool2d: (nn.MaxPool2d, _MAX_ARGS),
+                   F.max_pool3d: (nn.MaxPool3d, _MAX_ARGS),
+                   F.avg_pool1d: (nn.AvgPool1d, _AVG_ARGS[:-1]),
+                   F.avg_pool2d: (nn.AvgPool2d, _AVG_ARGS),
+                   F.avg_pool3d: (nn.AvgPool3d, _AVG_ARGS)}
+
+
+def pool_module(node: Node) -> nn.Module | None:
+    """The ``nn.MaxPoolNd`` or ``nn.AvgPoolNd`` a call of ``F.max_poolNd`` or
+    ``F.avg_poolNd`` is (None for another node, or one whose arguments are computed)."""
+    if node.op != "call_function":
+        return None
+    try:
+        entry = _POOL_FUNCTIONS.get(node.target)
+    except TypeError:  # an unhashable target
+        return None
+    if entry is None:
+        return None
+    cls, names = entry
+    kwargs = {name: _arg(node, 1 + i, name, None) for i, name in enumerate(names)}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if any(isinstance(v, Node) for v in kwargs.values()) or "kernel_size" not in kwargs:
+        return None
+    if kwargs.get("stride") in ([], ()):  # PyTorch's "the kernel size"
+        del kwargs["stride"]
+    return cls(**kwargs)
+
+
 def _dims(dim: Any, ndim: int) -> list[int]:
     if dim is None:
         return list(range(ndim))
@@ -443,6 +476,9 @@ class _Mirror:
                 return Dropout(p), [], kind
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, shape, out, kind)
+        pool = pool_module(node)
+        if pool is not None and not getattr(pool, "return_indices", False):
+            return self.pool(_POOL[type(pool)], pool, shape, out), [], kind
         if fn is F.layer_norm:  # its sums all-reduced where it is split (parameters or none)
             norm = _arg(node, 1, "normalized_shape", None)
             norm = (norm,) if isinstance(norm, int) else norm

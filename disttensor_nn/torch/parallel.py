@@ -66,6 +66,7 @@ from .autoplan import (
     LAYOUT_KEY,
     is_plan_layout,
     plan_layouts,
+    pool_module,
     relayout,
 )
 from .functional import all_reduce, broadcast, halo_exchange, redistribute
@@ -1295,6 +1296,9 @@ class _Compiler:
             return self.feature_dropout(node, dist, _FEATURE_DROPOUT_FUNCTIONS[fn], settings, fn)
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, None, dist, dist.ndim - 2)
+        pool = pool_module(node)
+        if pool is not None and not getattr(pool, "return_indices", False):
+            return self.pool(node, pool, dist)  # F.max_poolNd, F.avg_poolNd: as the module
         if fn in (torch.mean, torch.sum):
             return self.reduction(node, dist, fn.__name__)
         if _elementwise_function(fn):
