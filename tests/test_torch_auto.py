@@ -335,9 +335,21 @@ class ThreeDims(nn.Module):
         return y.view(y.size(0), y.size(1), -1).sum(2)
 
 
+class Unpooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 1)
+        self.pool = nn.MaxPool2d(2, return_indices=True)
+
+    def forward(self, x):
+        y, idx = self.pool(self.a(x))
+        return F.max_unpool2d(y, idx, 2)
+
+
 @pytest.mark.parallel([1, 2])
 def test_a_graph_the_planner_cannot_describe_is_refused_alike():
-    for model, node in ((SharedPath(), "'a'"), (AlongWidth(), "'cat'"), (ThreeDims(), "'view'")):
+    for model, node in ((SharedPath(), "'a'"), (AlongWidth(), "'cat'"), (ThreeDims(), "'view'"),
+                        (Unpooled(), "'pool'")):  # an operation of several outputs
         before = list(model.parameters())
         exc = outcome(lambda m=model: parallelize(m, (2, 2, 8, 8), "auto", machine=MACHINE))
         collective_assert(isinstance(exc, NotImplementedError) and node in str(exc) and

@@ -31,6 +31,7 @@ from disttensor_nn.torch import (  # noqa: E402
     broadcast,
     extended_distribution,
     gather,
+    halo_accumulate,
     halo_exchange,
     redistribute,
     scatter,
@@ -140,6 +141,43 @@ def test_halo_exchange(name, mode):
     lhs = np.vdot(ref, y)
     rhs = np.vdot(x.detach().numpy(), adj.numpy())
     collective_assert(np.isclose(lhs, rhs, rtol=1e-12, atol=1e-12), f"{lhs} != {rhs}")
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["H", "HW", "H-uneven-empty"])
+def test_halo_accumulate_is_the_transpose_of_numpy_pad(name, mode):
+    """Every rank's extended block summed into the owners' cells: the transpose of the
+    matrix of ``numpy.pad`` (built column by column from unit vectors), and its backward
+    pass by gradcheck."""
+    dist = distribution(name)
+    ext = extended_distribution(dist, WIDTHS)
+    n = int(np.prod(SHAPE))
+    pad = np.stack([padded_blocks(np.eye(n)[i].reshape(SHAPE), dist, WIDTHS, mode).ravel()
+                    for i in range(n)], axis=1)  # extended blocks x global cells
+
+    def f(y):
+        return gather(halo_accumulate(scatter(y, ext), dist, WIDTHS, mode), dist)
+
+    y = torch.tensor(np.random.default_rng(3).standard_normal(ext.global_shape),
+                     requires_grad=True)
+    close(f(y), (pad.T @ y.detach().numpy().ravel()).reshape(SHAPE), "forward")
+    if name == "H-uneven-empty" or mode == "wrap":
+        gradcheck(f, y)
+
+
+@pytest.mark.parallel([1, 3])
+def test_halo_accumulate_refuses_a_block_of_another_shape():
+    """The block without its margins, on every rank: each refuses it, naming both shapes
+    (a rank-local check, as halo_exchange's of its block; check mode agrees on it)."""
+    dist = distribution("H")
+    try:
+        halo_accumulate(torch.zeros(dist.local_shape()), dist, WIDTHS)
+        exc = None
+    except ValueError as err:
+        exc = err
+    collective_assert(exc is not None and "extended block" in str(exc)
+                      and str(tuple(dist.local_shape())) in str(exc), repr(exc))
 
 
 @pytest.mark.parallel(SIZES)

@@ -283,6 +283,77 @@ class Pools3d(nn.Module):
                                                                 divisor_override=3)
 
 
+class SegNet(nn.Module):
+    """Max pooling that returns its indices and max unpooling by them (SegNet's decoder),
+    as modules and as functions, with padding, and sizes that need ``output_size``."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Conv2d(2, 3, 3, padding=1)
+        self.pool = nn.MaxPool2d(2, return_indices=True)
+        self.mid = nn.Conv2d(3, 3, 3, padding=1)
+        self.unpool = nn.MaxUnpool2d(2)
+        self.dec = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.enc(x)
+        p, idx = self.pool(y)
+        q, idx2 = F.max_pool2d(y, 3, 3, 1, return_indices=True)
+        u = self.unpool(self.mid(p), idx, output_size=y.shape[2:])
+        v = F.max_unpool2d(torch.tanh(q), idx2, 3, 3, 1, output_size=y.shape[2:])
+        return self.dec(u + v)
+
+
+class SegNetMoved(nn.Module):
+    """Unpooling values whose blocks were cut differently from their indices' on the way
+    (pixel unshuffling moves odd cuts to even ones): the indices follow the values."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        p, idx = F.max_pool2d(y, 2, return_indices=True)
+        q = F.pixel_shuffle(torch.tanh(F.pixel_unshuffle(p, 2)), 2)
+        return F.max_unpool2d(q, idx, 2)
+
+
+class SegNet1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        p, idx = F.max_pool1d(y, 2, return_indices=True)
+        return F.max_unpool1d(torch.tanh(p), idx, 2, output_size=y.shape[2:]) * y
+
+
+class SegNet3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.pool = nn.MaxPool3d(2, return_indices=True)
+        self.unpool = nn.MaxUnpool3d(2)
+
+    def forward(self, x):
+        y = self.conv(x)
+        p, idx = self.pool(y)
+        return self.unpool(torch.tanh(p), idx)
+
+
+class OverlappingUnpool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.MaxPool2d(3, 2, return_indices=True)
+        self.unpool = nn.MaxUnpool2d(3, 2)
+
+    def forward(self, x):
+        y, i = self.pool(x)
+        return self.unpool(y, i)
+
+
 class Shuffles(nn.Module):
     """Space into channels and back (module and function forms) on split dimensions: an
     input whose cuts are odd is unshuffled after moving to even cuts."""
@@ -566,6 +637,10 @@ MODELS = {
     "functional-pools": (FunctionalPools, (2, 2, 11, 9)),
     "pools1d": (Pools1d, (2, 2, 13)),
     "pools3d": (Pools3d, (2, 2, 5, 7, 4)),
+    "segnet": (SegNet, (2, 2, 13, 11)),
+    "segnet-moved": (SegNetMoved, (2, 2, 12, 12)),
+    "segnet1d": (SegNet1d, (2, 2, 15)),
+    "segnet3d": (SegNet3d, (2, 2, 6, 8, 4)),
     "areas": (Areas, (2, 2, 11, 9)),
     "areas1d": (Areas1d, (2, 2, 13)),
     "areas3d": (Areas3d, (2, 2, 5, 6, 4)),
@@ -801,6 +876,11 @@ def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
         exc = outcome(lambda: parallelize(MadeWeightNorm(), (1, 1, 6, 5), (1, 1, p, 1)))
         collective_assert(isinstance(exc, ValueError) and "'layer_norm'" in str(exc)
                           and "dimension 2" in str(exc), repr(exc))
+    if p > 1:  # max unpooling whose windows overlap is not split (which duplicate wins is
+        # the order of PyTorch's loop); the pooling with indices is
+        exc = outcome(lambda: parallelize(OverlappingUnpool(), (1, 1, 9, 7), (1, 1, p, 1)))
+        collective_assert(isinstance(exc, ValueError) and "'unpool'" in str(exc)
+                          and "overlap" in str(exc) and "dimension 2" in str(exc), repr(exc))
     if p > 1:  # a scale that is not an integer is not split (except for mode 'area')
         exc = outcome(lambda: parallelize(FractionalUpsample(), (1, 1, 6, 5), (1, 1, p, 1)))
         collective_assert(isinstance(exc, ValueError) and "'interpolate'" in str(exc)

@@ -216,6 +216,10 @@ class _Graph:
             if n.op in ("placeholder", "output"):
                 continue
             preds = [a for a in _inputs(n) if a in self.data]
+            meta = n.meta.get("tensor_meta")
+            if preds and isinstance(meta, (tuple, list)) and not hasattr(meta, "shape"):
+                _fail(n, "the planner plans operations of one output (this one returns "
+                         "several, as max pooling with return_indices does)")
             if preds and _shape(n) is not None:
                 self.data[n] = preds
         out = [n for n in nodes if n.op == "output"][0]
@@ -272,6 +276,10 @@ _AVG_ARGS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad
 _POOL_FUNCTIONS = {F.max_pool1d: (nn.MaxPool1d, _MAX_ARGS),
                    F.max_pool2d: (nn.MaxPool2d, _MAX_ARGS),
                    F.max_pool3d: (nn.MaxPool3d, _MAX_ARGS),
+                   # what F.max_poolNd(..., return_indices=True) traces to
+                   F.max_pool1d_with_indices: (nn.MaxPool1d, _MAX_ARGS),
+                   F.max_pool2d_with_indices: (nn.MaxPool2d, _MAX_ARGS),
+                   F.max_pool3d_with_indices: (nn.MaxPool3d, _MAX_ARGS),
                    F.avg_pool1d: (nn.AvgPool1d, _AVG_ARGS[:-1]),
                    F.avg_pool2d: (nn.AvgPool2d, _AVG_ARGS),
                    F.avg_pool3d: (nn.AvgPool3d, _AVG_ARGS)}
@@ -295,6 +303,8 @@ def pool_module(node: Node) -> nn.Module | None:
         return None
     if kwargs.get("stride") in ([], ()):  # PyTorch's "the kernel size"
         del kwargs["stride"]
+    if "with_indices" in getattr(node.target, "__name__", ""):
+        kwargs["return_indices"] = True
     return cls(**kwargs)
 
 

@@ -83,6 +83,7 @@ __all__ = [
     "broadcast",
     "extended_distribution",
     "gather",
+    "halo_accumulate",
     "halo_exchange",
     "redistribute",
     "scatter",
@@ -191,6 +192,24 @@ class _HaloExchange(torch.autograd.Function):
         out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
         copy_view(out, inner)
         return out, None, None
+
+
+class _HaloAccumulate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, extended: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+        ctx.plan = plan
+        inner = plan.accumulate(extended.detach().contiguous()).local
+        out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
+        copy_view(out, inner)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        plan = ctx.plan
+        x = DistArray.empty(plan.dist, numpy_dtype(grad.dtype), xp=torch,
+                            device=grad.device, margins=plan.widths)
+        copy_view(x.local, grad.detach())
+        return plan.exchange(x, 0), None  # constant cells: no gradient to take back
 
 
 class _Redistribute(torch.autograd.Function):
@@ -347,6 +366,61 @@ def halo_exchange(block: torch.Tensor, dist: Distribution, widths: Any,
         plan = halo_plan(dist, widths, mode)  # widths and mode refused here
         _check_block(name, block, dist)
     return _HaloExchange.apply(block, plan, constant_values)
+
+
+def halo_accumulate(extended: torch.Tensor, dist: Distribution, widths: Any,
+                    mode: str = "constant") -> torch.Tensor:
+    """This rank's block of the sums of every rank's extended block: the adjoint of
+    :func:`halo_exchange`.
+
+    Each cell of ``extended`` (this rank's block grown by ``widths``) is
+    added into the cell of the global array that :func:`halo_exchange`
+    copies into it (its owner's block, or as ``mode`` maps a cell beyond the
+    global edges; those of ``'constant'`` are dropped). A layer that
+    scatters into a window reaching past its block (a transposed
+    convolution, an unpooling) writes into its extended block and hands the
+    margins to their owners with it. Its backward pass is
+    :func:`halo_exchange` of the gradient (zeros in constant cells).
+    Collective over ``dist``'s grid.
+
+    Parameters
+    ----------
+    extended : torch.Tensor
+        This rank's extended block, of shape ``local_shape[d] + lo + hi``
+        per dimension (block ``b`` of :func:`extended_distribution`).
+    dist : Distribution
+        The distribution of the global array (on a ProcessGrid).
+    widths : int, (int, int) or sequence of (int, int)
+        The halo widths, as :func:`halo_exchange` takes them.
+    mode : {'constant', 'wrap', 'reflect', 'symmetric', 'edge'}
+        Where cells beyond the global edges belong, as for :func:`halo_exchange`.
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor of shape ``dist.local_shape()``, of ``extended``'s
+        dtype and device.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank alike, before any message: a ``dist`` that is not a
+        Distribution on a ProcessGrid, a dtype that cannot move, bad widths
+        or mode; an ``extended`` whose shape is not this rank's extended
+        block's (checked on each rank).
+    """
+    name = "halo_accumulate"
+    arguments = {"dist": dist, "widths": widths, "mode": mode, **_state(extended)}
+    with validating(name, arguments, _comm_of(dist)):
+        _check_dist(name, dist)
+        plan = halo_plan(dist, widths, mode)  # widths and mode refused here
+        _check_tensor(name, extended, "extended")
+        want = tuple(n + lo + hi for n, (lo, hi) in
+                     zip(dist.local_shape(), normalize_widths(widths, dist.ndim)))
+        if tuple(extended.shape) != want:
+            raise ValueError(f"{name}: extended has shape {tuple(extended.shape)}; this "
+                             f"rank's extended block is {want}")
+    return _HaloAccumulate.apply(extended, plan)
 
 
 def redistribute(block: torch.Tensor, src: Distribution, dst: Distribution) -> torch.Tensor:

@@ -80,6 +80,10 @@ _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
            nn.ConvTranspose3d: F.conv_transpose3d}
 _MAXPOOL = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
+_UNPOOL = {nn.MaxUnpool1d: F.max_unpool1d, nn.MaxUnpool2d: F.max_unpool2d,
+           nn.MaxUnpool3d: F.max_unpool3d}
+_UNPOOL_F = {F.max_unpool1d: nn.MaxUnpool1d, F.max_unpool2d: nn.MaxUnpool2d,
+             F.max_unpool3d: nn.MaxUnpool3d}
 _AVGPOOL = {nn.AvgPool1d: F.avg_pool1d, nn.AvgPool2d: F.avg_pool2d, nn.AvgPool3d: F.avg_pool3d}
 _ADAPTIVE = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _ADAPTIVE_F = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
@@ -164,6 +168,40 @@ def _cuts(bounds: Sequence[int]) -> list[int] | None:
 def _shape_of(node: Node) -> tuple[int, ...] | None:
     meta = node.meta.get("tensor_meta")
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _tuple(v: Any, n: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+def _global_index(idx: torch.Tensor, window: Sequence[int], origin: Sequence[int],
+                  sizes: Sequence[int]) -> torch.Tensor:
+    """PyTorch's max-pooling indices (flat in each plane) into a block of spatial shape
+    ``window`` whose first element lies at ``origin`` of planes of ``sizes``, made indices
+    into those planes. A maximum in the padding (a window of -inf) moves to the nearest
+    element inside, PyTorch's choice there."""
+    flat = torch.zeros_like(idx)
+    rest = idx
+    for i in reversed(range(len(window))):
+        coord = (rest % window[i] + origin[i]).clamp(0, sizes[i] - 1)
+        rest = rest // window[i]
+        flat += coord * math.prod(sizes[i + 1:])
+    return flat
+
+
+def _local_index(idx: torch.Tensor, sizes: Sequence[int], origin: Sequence[int],
+                 ext: Sequence[int]) -> torch.Tensor:
+    """Flat plane indices into planes of ``sizes`` made indices into the block of spatial
+    shape ``ext`` that starts at ``origin`` (-1 where one falls outside it)."""
+    flat = torch.zeros_like(idx)
+    rest = idx
+    outside = torch.zeros_like(idx, dtype=torch.bool)
+    for i in reversed(range(len(sizes))):
+        coord = rest % sizes[i] - origin[i]
+        rest = rest // sizes[i]
+        outside |= (coord < 0) | (coord >= ext[i])
+        flat += coord * math.prod(ext[i + 1:])
+    return flat.masked_fill(outside, -1)
 
 
 def _describe(node: Node) -> str:
@@ -522,7 +560,8 @@ class _Compiler:
                 self.refuse_split(node, dist, [dim % dist.ndim], f"{name} runs along one dimension")
                 self.set(node, dist)
                 return lambda args: fn(*args[0], **args[1])
-        dists = [self.dist_of(a) for a in _flat_nodes(node)]
+        dists = [e for a in _flat_nodes(node) for e in (
+            self.dist_of(a) if isinstance(self.dist_of(a), tuple) else (self.dist_of(a),))]
         for d in dists:
             if d is not None:
                 self.refuse_split(node, d, range(d.ndim),
@@ -593,6 +632,8 @@ class _Compiler:
         dist = self.dist_of(x)
         if dist is None:
             return self.local(node, self.module_call(m))
+        if type(m) in _UNPOOL:
+            return self.unpool(node, m, dist)
         if len(node.args) != 1 or node.kwargs:
             if isinstance(m, tuple(_CONV) + tuple(_CONV_T) + tuple(_MAXPOOL)):
                 self.fail(node, "is called with more than its input")
@@ -753,15 +794,13 @@ class _Compiler:
 
     def pool(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
         nd = dist.ndim - 2
-        kind = type(m).__name__
         is_max = type(m) in _MAXPOOL
-        if is_max and m.return_indices:
-            self.refuse_split(node, dist, range(dist.ndim), f"{kind} with return_indices")
-            return self.same_shape_local(node, self.module_call(m))
+        indices = is_max and m.return_indices
         stride = m.stride if m.stride is not None else m.kernel_size
         dilation = m.dilation if is_max else 1
         spec = WindowSpec.make(nd, m.kernel_size, stride, m.padding, dilation)
-        shape = _shape_of(node)
+        shape = _shape_of(node) if not indices else \
+            tuple(node.meta["tensor_meta"][0].shape)  # (y, indices): both of y's shape
         # ceil_mode: more padding after, so the floor of the rule gives PyTorch's length
         pads = list(spec.padding)
         for i in range(nd):
@@ -775,8 +814,21 @@ class _Compiler:
         widths = geo.widths
         local_out = out.local_shape()
         empty = 0 in local_out
-        self.set(node, out)
-        if is_max:
+        self.set(node, (out, out) if indices else out)
+        if indices:
+            fn = _MAXPOOL[type(m)]
+            fill = -math.inf
+            # the global place of the window block's first element, and the input's sizes
+            block = dist.block_index()
+            origin = [dist.boundaries[d][block[d]] - widths[d][0] + (slices[d].start or 0)
+                      for d in range(2, dist.ndim)]
+            sizes = dist.global_shape[2:]
+
+            def run(ext: torch.Tensor) -> Any:
+                y, idx = fn(ext, spec.kernel, spec.stride, 0, spec.dilation,
+                            return_indices=True)
+                return y, _global_index(idx, ext.shape[2:], origin, sizes)
+        elif is_max:
             fn = _MAXPOOL[type(m)]
             fill = -math.inf
 
@@ -794,13 +846,80 @@ class _Compiler:
                 y = fn(ext, spec.kernel, spec.stride, 0)
                 return y * (scale / divisor.to(dtype=y.dtype, device=y.device))
 
-        def step(args: Any) -> torch.Tensor:
+        def step(args: Any) -> Any:
             x = args[0][0]
             ext = halo_exchange(x, dist, widths, "constant", fill) \
                 if any(any(w) for w in widths) else x
             if empty:
-                return ext.new_zeros(local_out) + 0 * ext.sum()
+                y = ext.new_zeros(local_out) + 0 * ext.sum()
+                return (y, torch.zeros(local_out, dtype=torch.int64, device=y.device)) \
+                    if indices else y
             return run(ext[slices])
+
+        return step
+
+    def unpool(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        """Max unpooling (``MaxUnpool1d/2d/3d``, ``F.max_unpool1d/2d/3d``) of values and the
+        indices of the max pooling whose output they have the distribution of.
+
+        A split spatial dimension is cut where the pooled one is, times the
+        stride less the padding; its windows may not overlap (a stride of at
+        least the kernel, as in SegNet's 2 x 2 pooling: which of two values
+        meeting in one cell PyTorch keeps is the order of its loop), so each
+        rank's windows lie in its own block and it scatters its values there.
+        An index outside the windows of this rank's pooled elements raises a
+        ValueError on every rank (one all-reduce of a flag): such indices are
+        not those of the max pooling.
+        """
+        nd = dist.ndim - 2
+        idx_dist = self.dist_of(_arg(node, 1, "indices", None))
+        if not isinstance(idx_dist, Distribution) or idx_dist.global_shape != \
+                dist.global_shape:
+            self.fail(node, "the indices of an unpooling must be a distributed tensor of its "
+                            "values' shape (the max pooling's)")
+        # the indices are global (within each plane): moved to the values' blocks, they
+        # keep their meaning
+        move = None if idx_dist == dist else (idx_dist, dist)
+        shape = _shape_of(node)
+        split = [i for i in range(nd) if _split(dist, 2 + i)]
+        fn = _UNPOOL[type(m)]
+        kernel = _tuple(m.kernel_size, nd)
+        stride = _tuple(m.stride if m.stride is not None else m.kernel_size, nd)
+        pad = _tuple(m.padding, nd)
+        sizes = tuple(shape[2:])
+        def indices(args: Any) -> torch.Tensor:
+            idx = args[0][1]
+            return idx if move is None else redistribute(idx, *move)
+
+        if not split:  # whole planes on every rank: PyTorch's own
+            self.set(node, _with_shape(dist, shape))
+            return lambda args: fn(args[0][0], indices(args), kernel, stride, pad, sizes)
+        for i in split:
+            if stride[i] < kernel[i]:
+                self.fail(node, f"an unpooling whose windows overlap (kernel {kernel[i]}, "
+                                f"stride {stride[i]}) on split dimension {2 + i}")
+        cuts = {2 + i: [min(max(c * stride[i] - pad[i], 0), sizes[i])
+                        for c in dist.boundaries[2 + i][1:-1]] for i in split}
+        out = _with_shape(dist, shape, cuts)
+        self._check_shape(node, out, shape)
+        self.set(node, out)
+        block = out.block_index()
+        origin = [out.boundaries[2 + i][block[2 + i]] for i in range(nd)]
+        local_out = out.local_shape()
+        comm = split_axes_comm(dist, range(dist.ndim))  # every rank raises, or none
+
+        def step(args: Any) -> torch.Tensor:
+            y, idx = args[0][0], indices(args)
+            n, c = local_out[:2]
+            local = _local_index(idx, sizes, origin, local_out[2:])
+            if comm.allreduce(bool((local < 0).any()) if local.numel() else False,
+                              op=MPI.LOR):
+                raise ValueError(f"parallelize: {_describe(node)}: an index lies outside the "
+                                 "windows of this rank's pooled elements (not the indices "
+                                 "of the max pooling)")
+            flat = y.new_zeros((n, c, math.prod(local_out[2:]))).scatter(
+                2, local.reshape(n, c, -1), y.reshape(n, c, -1))
+            return flat.reshape(local_out)
 
         return step
 
@@ -1268,8 +1387,18 @@ class _Compiler:
             return self.local(node, fn)
         if fn is getattr and node.args[1] == "shape":
             return self.global_attr(node, dist.global_shape)
+        if fn is operator.getitem and isinstance(dist, tuple):  # one of a tuple's values
+            i = node.args[1]
+            self.set(node, dist[i])
+            return lambda args: args[0][0][i]
         if fn is operator.getitem:
             return self.getitem(node, dist)
+        if fn in _UNPOOL_F:
+            k, s_, p_ = (_arg(node, i, n, d) for i, n, d in
+                         ((2, "kernel_size", None), (3, "stride", None), (4, "padding", 0)))
+            if any(isinstance(v, Node) for v in (k, s_, p_)):
+                self.fail(node, "an unpooling whose kernel, stride or padding is computed")
+            return self.unpool(node, _UNPOOL_F[fn](k, s_, p_), dist)
         if fn is F.layer_norm:
             step = self.layer_norm_function(node, dist)
             if step is not None:
@@ -1297,8 +1426,8 @@ class _Compiler:
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, None, dist, dist.ndim - 2)
         pool = pool_module(node)
-        if pool is not None and not getattr(pool, "return_indices", False):
-            return self.pool(node, pool, dist)  # F.max_poolNd, F.avg_poolNd: as the module
+        if pool is not None:  # F.max_poolNd, F.avg_poolNd: as the module
+            return self.pool(node, pool, dist)
         if fn in (torch.mean, torch.sum):
             return self.reduction(node, dist, fn.__name__)
         if _elementwise_function(fn):
