@@ -170,10 +170,6 @@ def _shape_of(node: Node) -> tuple[int, ...] | None:
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
 
 
-def _tuple(v: Any, n: int) -> tuple[int, ...]:
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
-
-
 def _global_index(idx: torch.Tensor, window: Sequence[int], origin: Sequence[int],
                   sizes: Sequence[int]) -> torch.Tensor:
     """PyTorch's max-pooling indices (flat in each plane) into a block of spatial shape
@@ -883,9 +879,10 @@ class _Compiler:
         shape = _shape_of(node)
         split = [i for i in range(nd) if _split(dist, 2 + i)]
         fn = _UNPOOL[type(m)]
-        kernel = _tuple(m.kernel_size, nd)
-        stride = _tuple(m.stride if m.stride is not None else m.kernel_size, nd)
-        pad = _tuple(m.padding, nd)
+        spec = WindowSpec.make(nd, m.kernel_size, m.stride if m.stride is not None
+                               else m.kernel_size, m.padding, 1)
+        kernel, stride = spec.kernel, spec.stride
+        pad = tuple(lo for lo, _ in spec.padding)
         sizes = tuple(shape[2:])
         def indices(args: Any) -> torch.Tensor:
             idx = args[0][1]
