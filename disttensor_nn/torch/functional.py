@@ -368,6 +368,13 @@ def halo_exchange(block: torch.Tensor, dist: Distribution, widths: Any,
     return _HaloExchange.apply(block, plan, constant_values)
 
 
+def _exchange_planned(block: torch.Tensor, plan: HaloPlan, constant_values: Any = 0
+                      ) -> torch.Tensor:
+    """:func:`halo_exchange` by a plan made (and its arguments checked) beforehand, the block
+    unchecked: for steps compiled once and run many times (``parallelize``'s)."""
+    return _HaloExchange.apply(block, plan, constant_values)
+
+
 def halo_accumulate(extended: torch.Tensor, dist: Distribution, widths: Any,
                     mode: str = "constant") -> torch.Tensor:
     """This rank's block of the sums of every rank's extended block: the adjoint of

@@ -55,7 +55,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from disttensor import DistArray, Distribution, ProcessGrid
+from disttensor import DistArray, Distribution, ProcessGrid, halo_plan
 from disttensor_nn.kernels.torch_kernels import one_window, window_reach
 from disttensor_nn.reduction import GradientBuckets, reduce_gradients_, split_axes_comm
 from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
@@ -69,7 +69,7 @@ from .autoplan import (
     pool_module,
     relayout,
 )
-from .functional import all_reduce, broadcast, halo_exchange, redistribute
+from .functional import _exchange_planned, all_reduce, broadcast, redistribute
 from .norm import split_batch_norm
 
 __all__ = ["ParallelModule", "parallelize"]
@@ -198,6 +198,16 @@ def _local_index(idx: torch.Tensor, sizes: Sequence[int], origin: Sequence[int],
         outside |= (coord < 0) | (coord >= ext[i])
         flat += coord * math.prod(ext[i + 1:])
     return flat.masked_fill(outside, -1)
+
+
+def _extend(dist: Distribution, widths: Any, mode: str = "constant", fill: Any = 0.0
+            ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A step's halo exchange of its input block: the plan made (and checked) once, when the
+    step is compiled; the identity where every width is 0."""
+    if not any(any(w) for w in widths):
+        return lambda x: x
+    plan = halo_plan(dist, widths, mode)
+    return lambda x: _exchange_planned(x, plan, fill)
 
 
 def _describe(node: Node) -> str:
@@ -728,9 +738,10 @@ class _Compiler:
         view = self.view
         pad_list = list(pads) if isinstance(pads, tuple) else [0] * nd
 
+        extend = _extend(dist, widths, mode)
+
         def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
-            ext = halo_exchange(x, dist, widths, mode) if any(any(w) for w in widths) else x
+            ext = extend(args[0][0])
             weight, bias = view(m.weight), view(m.bias)
             if empty:
                 return _empty_like_output(ext, local_out, [weight, bias])
@@ -774,9 +785,10 @@ class _Compiler:
 
         view = self.view
 
+        extend = _extend(dist, widths)
+
         def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
-            ext = halo_exchange(x, dist, widths) if any(any(w) for w in widths) else x
+            ext = extend(args[0][0])
             weight, bias = view(m.weight), view(m.bias)
             if empty:
                 return _empty_like_output(ext, local_out, [weight, bias])
@@ -842,10 +854,10 @@ class _Compiler:
                 y = fn(ext, spec.kernel, spec.stride, 0)
                 return y * (scale / divisor.to(dtype=y.dtype, device=y.device))
 
+        extend = _extend(dist, widths, "constant", fill)
+
         def step(args: Any) -> Any:
-            x = args[0][0]
-            ext = halo_exchange(x, dist, widths, "constant", fill) \
-                if any(any(w) for w in widths) else x
+            ext = extend(args[0][0])
             if empty:
                 y = ext.new_zeros(local_out) + 0 * ext.sum()
                 return (y, torch.zeros(local_out, dtype=torch.int64, device=y.device)) \
@@ -976,7 +988,6 @@ class _Compiler:
         rest = tuple(None if i in split else shape[2 + i] for i in range(nd))
         pool = _ADAPTIVE_F[nd - 1] if any(r is not None and r != dist.global_shape[2 + i]
                                            for i, r in enumerate(rest)) else None
-        halo = any(hi for _, hi in widths)
         # this rank's averaging matrices (transposed: extended block rows x its outputs)
         local = dist.local_shape()
         weights: list[tuple[int, np.ndarray]] = []
@@ -989,9 +1000,10 @@ class _Compiler:
             weights.append((d, a))
         made: dict[Any, list[torch.Tensor]] = {}  # by dtype and device
 
+        extend = _extend(dist, widths)
+
         def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
-            ext = halo_exchange(x, dist, widths) if halo else x
+            ext = extend(args[0][0])
             if 0 in local_out:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
             key = (ext.dtype, ext.device)
@@ -1186,9 +1198,10 @@ class _Compiler:
         if corners:
             return self._corners_step(dist, out, split, mode, kwargs)
 
+        extend = _extend(dist, widths if halo else [(0, 0)] * dist.ndim, "edge")
+
         def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
-            ext = halo_exchange(x, dist, widths, "edge") if halo else x
+            ext = extend(args[0][0])
             if 0 in local_out:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
             y = F.interpolate(ext, size=size, mode=mode, **kwargs)
@@ -1232,10 +1245,10 @@ class _Compiler:
                 taps = [(i0 - 1, far[0]), (i0, near[0]), (i0 + 1, near[1]), (i0 + 2, far[1])]
             rows.append((d, taps))
         whole = tuple(local_out[2:])
+        extend = _extend(dist, widths, "edge")
 
         def step(args: Any) -> torch.Tensor:
-            x = args[0][0]
-            ext = halo_exchange(x, dist, widths, "edge")
+            ext = extend(args[0][0])
             if 0 in local_out:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
             y = ext
