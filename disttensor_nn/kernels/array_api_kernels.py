@@ -186,7 +186,7 @@ def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequ
 
 
 def _arg_dtype(xp: Any, kernel: Sequence[int]) -> Any:
-    """One byte per argmax where every window offset fits in it (as the NumPy kernels)."""
+    """One byte per argmax where every window offset fits in it."""
     return xp.uint8 if math.prod(kernel) <= 256 else xp.int64
 
 
