@@ -170,34 +170,28 @@ def _shape_of(node: Node) -> tuple[int, ...] | None:
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
 
 
-def _global_index(idx: torch.Tensor, window: Sequence[int], origin: Sequence[int],
-                  sizes: Sequence[int]) -> torch.Tensor:
-    """PyTorch's max-pooling indices (flat in each plane) into a block of spatial shape
-    ``window`` whose first element lies at ``origin`` of planes of ``sizes``, made indices
-    into those planes. A maximum in the padding (a window of -inf) moves to the nearest
-    element inside, PyTorch's choice there."""
+def _move_index(idx: torch.Tensor, src: Sequence[int], offset: Sequence[int],
+                dst: Sequence[int], clamp: bool) -> torch.Tensor:
+    """Flat indices into planes of shape ``src`` made flat indices into planes of shape
+    ``dst`` whose first element lies at ``-offset`` of ``src``'s: each coordinate moved by
+    ``offset``, then held inside ``dst`` (``clamp``) or the index made -1 where one falls
+    outside it.
+
+    Max pooling's indices into its window block become indices into the whole input
+    (clamped: a maximum in the padding, a window of -inf, moves to the nearest element
+    inside, PyTorch's choice there); unpooling's go the other way, into a rank's block."""
     flat = torch.zeros_like(idx)
     rest = idx
-    for i in reversed(range(len(window))):
-        coord = (rest % window[i] + origin[i]).clamp(0, sizes[i] - 1)
-        rest = rest // window[i]
-        flat += coord * math.prod(sizes[i + 1:])
-    return flat
-
-
-def _local_index(idx: torch.Tensor, sizes: Sequence[int], origin: Sequence[int],
-                 ext: Sequence[int]) -> torch.Tensor:
-    """Flat plane indices into planes of ``sizes`` made indices into the block of spatial
-    shape ``ext`` that starts at ``origin`` (-1 where one falls outside it)."""
-    flat = torch.zeros_like(idx)
-    rest = idx
-    outside = torch.zeros_like(idx, dtype=torch.bool)
-    for i in reversed(range(len(sizes))):
-        coord = rest % sizes[i] - origin[i]
-        rest = rest // sizes[i]
-        outside |= (coord < 0) | (coord >= ext[i])
-        flat += coord * math.prod(ext[i + 1:])
-    return flat.masked_fill(outside, -1)
+    outside = None if clamp else torch.zeros_like(idx, dtype=torch.bool)
+    for i in reversed(range(len(src))):
+        coord = rest % src[i] + offset[i]
+        rest = rest // src[i]
+        if clamp:
+            coord = coord.clamp(0, dst[i] - 1)
+        else:
+            outside |= (coord < 0) | (coord >= dst[i])
+        flat += coord * math.prod(dst[i + 1:])
+    return flat if outside is None else flat.masked_fill(outside, -1)
 
 
 def _extend(dist: Distribution, widths: Any, mode: str = "constant", fill: Any = 0.0
@@ -835,7 +829,7 @@ class _Compiler:
             def run(ext: torch.Tensor) -> Any:
                 y, idx = fn(ext, spec.kernel, spec.stride, 0, spec.dilation,
                             return_indices=True)
-                return y, _global_index(idx, ext.shape[2:], origin, sizes)
+                return y, _move_index(idx, ext.shape[2:], origin, sizes, clamp=True)
         elif is_max:
             fn = _MAXPOOL[type(m)]
             fill = -math.inf
@@ -920,7 +914,8 @@ class _Compiler:
         def step(args: Any) -> torch.Tensor:
             y, idx = args[0][0], indices(args)
             n, c = local_out[:2]
-            local = _local_index(idx, sizes, origin, local_out[2:])
+            local = _move_index(idx, sizes, [-o for o in origin], local_out[2:],
+                                clamp=False)
             if comm.allreduce(bool((local < 0).any()) if local.numel() else False,
                               op=MPI.LOR):
                 raise ValueError(f"parallelize: {_describe(node)}: an index lies outside the "
