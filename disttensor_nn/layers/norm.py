@@ -92,6 +92,12 @@ def _pieces(shape3: tuple[int, int, int], itemsize: int) -> list[tuple[int, slic
     return [(i, cs, ms) for i in range(n) for cs, ms in inner]
 
 
+def _piece_scratch(shape3: tuple[int, int, int], dtype: Any) -> np.ndarray:
+    """A temporary that holds the largest piece of :func:`_pieces` of ``shape3``."""
+    dtype = np.dtype(dtype)
+    return np.empty(min(shape3[1] * shape3[2], max(1, CHUNK_BYTES // dtype.itemsize)), dtype)
+
+
 def _moments(xp: ModuleType, x3: Any, y3: Any | None, f64: Any) -> tuple[Any, Any, Any, Any]:
     """``(centre, sum(d), sum(d**2), d)`` per channel of ``(N, C, M)``, ``d = x - centre``
     written into ``y3`` where the module writes in place (``centre``: the mean in the
@@ -103,7 +109,7 @@ def _moments(xp: ModuleType, x3: Any, y3: Any | None, f64: Any) -> tuple[Any, An
     centre = astype(_channel_sums(xp, x3, f64) / max(n * m, 1), x3.dtype)
     if y3 is not None and is_numpy(xp):
         sum_d, sum_d2 = np.zeros(c, np.float64), np.zeros(c, np.float64)
-        tmp = np.empty(min(c * m, max(1, CHUNK_BYTES // x3.itemsize)), x3.dtype)
+        tmp = _piece_scratch(x3.shape, x3.dtype)
         cc = centre[:, None]
         for i, cs, ms in _pieces(x3.shape, x3.itemsize):
             d = y3[i, cs, ms]
@@ -477,8 +483,7 @@ class BatchNormNd(Layer):
             bx, bs = astype(b, g3.dtype)[:, None], astype(shift, g3.dtype)[:, None]
             if is_numpy(xp):  # piece by piece: each piece's passes run in cache
                 dx3 = _scratch(xp, g3.shape, g3.dtype) if dx3 is None else dx3
-                per = max(1, CHUNK_BYTES // g3.itemsize)
-                tmp = np.empty(min(math.prod(g3.shape[1:]), per), g3.dtype)
+                tmp = _piece_scratch(g3.shape, g3.dtype)
                 for i, cs, ms in _pieces(g3.shape, g3.itemsize):
                     d = dx3[i, cs, ms]
                     t = tmp[:d.size].reshape(d.shape)
