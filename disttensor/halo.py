@@ -31,19 +31,28 @@ import numpy as np
 from mpi4py import MPI
 
 from .array import DistArray, normalize_widths
-from .backend import array_namespace, contiguous, copy_view, fill_view
+from .backend import (
+    array_namespace,
+    contiguous,
+    copy_view,
+    device_of,
+    empty,
+    fill_view,
+    numpy_dtype,
+)
 from .distribution import Distribution
 from .settings import collective
 from .transport import transport_for_arrays
 
-__all__ = ["MODES", "AccumulateRequest", "HaloPlan", "HaloRequest", "halo_plan", "halo_accumulate",
-           "normalize_widths"]
+__all__ = ["MODES", "AccumulateRequest", "FacesAccumulation", "FacesRequest", "HaloPlan",
+           "HaloRequest", "halo_plan", "halo_accumulate", "normalize_widths"]
 
 MODES = ("constant", "wrap", "reflect", "symmetric", "edge")
 _RUNS_PER_DIM = 64  # runs from one sender to one receiver along one dimension
 _MAX_DIMS = 32
 _TAG_SPAN = _RUNS_PER_DIM * _MAX_DIMS  # tags one exchange uses; exchanges in flight differ above
 _BOUND_LAYOUTS = 8  # buffer layouts (shape, margins) whose slab indices a plan keeps
+_CACHED_FILLS = 8  # fill values (Python scalars, per dtype) whose conversion a plan keeps
 
 Widths = tuple[tuple[int, int], ...]
 
@@ -100,6 +109,21 @@ class _BoundDim:
 
 
 @dataclass
+class _BoundFaces:
+    """A one-dimension plan's slabs for a block and its two faces (see ``HaloPlan._bind_faces``):
+    buffer 1 is the face before the block, 2 the one after (the same buffer when they touch,
+    for an empty block), the block itself for sends and local copies."""
+
+    dim: int
+    joint: bool
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]  # the faces' shapes
+    recvs: list[tuple[int, tuple[slice, ...], int, int]]  # (face, index, peer, tag)
+    sends: list[tuple[tuple[slice, ...], int, int]]  # (index into the block, peer, tag)
+    local: list[tuple[int, tuple[slice, ...], tuple[slice, ...]]]  # (face, dst, src in block)
+    fills: list[tuple[int, tuple[slice, ...], int]]  # (face, index, side)
+
+
+@dataclass
 class _DimPlan:
     dim: int
     sends: list[Run]
@@ -140,7 +164,8 @@ class HaloPlan:
             self._plan_dim(d, me) for d, (lo, hi) in enumerate(widths) if lo or hi
         ]
         self._bound: dict[tuple, tuple] = {}  # by (buffer shape, margins)
-        self._zeros: dict[np.dtype, list[list[Any]]] = {}  # default fills, by dtype
+        # fills of Python scalars (0, the default, above all), by (type, value, dtype)
+        self._fills: dict[tuple, list[list[Any]]] = {}
 
     def _line(self, d: int, me: int) -> list[int]:
         """Ranks that share this rank's block in every dimension but ``d``, by block index."""
@@ -286,13 +311,13 @@ class HaloPlan:
         """
         if x.dist != self.dist:
             raise ValueError(f"halo plan is for {self.dist}, got an array with {x.dist}")
-        if type(constant_values) is int and constant_values == 0:  # the default: cached
-            constants = self._zeros.get(x.dtype)
-            if constants is None:
-                constants = self._zeros[x.dtype] = _python_scalars(
-                    _constants(0, x.dtype, len(self.widths)))
-        else:
+        kind = type(constant_values)
+        key = (kind, constant_values, x.dtype) if kind in (int, float, bool) else None
+        constants = None if key is None else self._fills.get(key)
+        if constants is None:
             constants = _python_scalars(_constants(constant_values, x.dtype, len(self.widths)))
+            if key is not None and len(self._fills) < _CACHED_FILLS:
+                self._fills[key] = constants
         if x.margins != self.widths:
             x.reserve_halo(self.widths)
         return HaloRequest(self, x, constants)
@@ -300,6 +325,106 @@ class HaloPlan:
     def exchange(self, x: DistArray, constant_values: Any = 0) -> Any:
         """Fill the halo of ``x`` and return the extended block (blocking)."""
         return self.start(x, constant_values).finish()
+
+    # ------------------------------------------------------------- faces
+    def _bind_faces(self, shape: tuple[int, ...]) -> _BoundFaces:
+        """The plan's slabs as (buffer, index) pairs for a block of ``shape`` and its two faces
+        (one exchanged dimension; cached per block shape)."""
+        if len(self.dims) != 1:
+            raise ValueError(f"halo faces are for a plan that exchanges one dimension; this one "
+                             f"exchanges {len(self.dims)}")
+        key = ("faces", shape)
+        bound = self._bound.get(key)
+        if bound is not None:
+            return bound
+        dp = self.dims[0]
+        d = dp.dim
+        lo, hi = self.widths[d]
+        n = shape[d]
+        joint = n == 0  # the faces touch: one buffer holds both (a run may span them)
+        hi_at = 0 if joint else lo + n
+
+        def index(start: int, length: int, step: int) -> tuple[slice, ...]:
+            stop = start + step * length
+            return (slice(None),) * d + (slice(start, stop if stop >= 0 else None, step),)
+
+        def face(pos: int, length: int) -> tuple[int, tuple[slice, ...]]:
+            return (1, index(pos, length, 1)) if pos < lo else (2, index(pos - hi_at, length, 1))
+
+        recvs = [(*face(r.dst, r.length), r.sender, r.tag) for r in dp.recvs if r.length]
+        sends = [(index(r.src - lo, r.length, r.step), r.receiver, r.tag)
+                 for r in dp.sends if r.length]
+        local = [(*face(r.dst, r.length), index(r.src - lo, r.length, r.step))
+                 for r in dp.local if r.length]
+        fills = [(*face(start, stop - start), side) for start, stop, side in dp.fills]
+        faces = [list(shape), list(shape)]
+        faces[0][d], faces[1][d] = lo, hi
+        bound = _BoundFaces(d, joint, (tuple(faces[0]), tuple(faces[1])), recvs, sends, local,
+                            fills)
+        if len(self._bound) >= _BOUND_LAYOUTS:
+            self._bound.pop(next(iter(self._bound)))
+        self._bound[key] = bound
+        return bound
+
+    @collective(ignore=("block",))
+    def start_faces(self, block: Any, constant_values: Any = 0) -> FacesRequest:
+        """Begin receiving the halo of ``block`` as two separate arrays, its faces.
+
+        For a plan that exchanges one dimension ``d``: the cells that
+        :meth:`exchange` puts before and after the block along ``d``, in two
+        arrays of the block's shape with ``d`` of the widths' length, and no
+        copy of the block (messages are sent from its memory). A convolution
+        can then run on the block as it is, zero-padded by its kernel, while
+        the faces are in flight, and correct its edges from them.
+
+        Parameters
+        ----------
+        block : array
+            This rank's block (shape ``dist.local_shape()``).
+        constant_values : scalar or pairs
+            As for :meth:`exchange`.
+
+        Returns
+        -------
+        FacesRequest
+            Its ``finish()`` returns ``(before, after)``.
+
+        Raises
+        ------
+        ValueError
+            If the plan exchanges more or fewer than one dimension, or
+            ``block`` has another shape than this rank's block (local).
+        """
+        if tuple(block.shape) != self.dist.local_shape():
+            raise ValueError(f"halo faces: the block has shape {tuple(block.shape)}, expected "
+                             f"{self.dist.local_shape()}")
+        bound = self._bind_faces(tuple(block.shape))
+        dtype = np.dtype(numpy_dtype(block.dtype))
+        constants = _python_scalars(_constants(constant_values, dtype, len(self.widths)))
+        return FacesRequest(self, bound, block, constants)
+
+    @collective(ignore=("before", "after"))
+    def start_accumulate_faces(self, before: Any, after: Any) -> FacesAccumulation:
+        """Adjoint of :meth:`start_faces`: send the faces' cells back to their sources.
+
+        ``before`` and ``after`` are shaped as :meth:`start_faces` returns
+        them (gradients of the faces, say). The request's ``finish(target)``
+        adds into ``target`` (this rank's block, in place) every face cell,
+        on any rank, that was copied from it; constant cells are dropped. The
+        messages fly between the two calls, so that the block's own gradient
+        can be computed meanwhile.
+
+        Returns
+        -------
+        FacesAccumulation
+        """
+        bound = self._bind_faces(self.dist.local_shape())
+        for what, a, want in (("before", before, bound.shapes[0]),
+                              ("after", after, bound.shapes[1])):
+            if tuple(a.shape) != want:
+                raise ValueError(f"halo faces: {what} has shape {tuple(a.shape)}, expected "
+                                 f"{want}")
+        return FacesAccumulation(self, bound, before, after)
 
     # ------------------------------------------------------------- adjoint
     def accumulate(self, extended: Any, overwrite_input: bool = False) -> DistArray:
@@ -503,6 +628,143 @@ class AccumulateRequest(_DimRequest):
         self._wait()
         # The work buffer becomes the result's storage, its halo cells as margins: no copy.
         return DistArray(self.work, self.plan.dist, self.plan.widths)
+
+
+
+class FacesRequest(_DimRequest):
+    """A halo exchange into separate faces in flight (:meth:`HaloPlan.start_faces`);
+    :meth:`finish` returns ``(before, after)``."""
+
+    def __init__(self, plan: HaloPlan, bound: _BoundFaces, block: Any, constants: list):
+        xp = array_namespace(block)
+        shapes = bound.shapes
+        if bound.joint:
+            d = bound.dim
+            joint = _empty_like(xp, block, tuple(a + b if e == d else a for e, (a, b)
+                                                 in enumerate(zip(*shapes))))
+            lo = shapes[0][d]
+            self.faces = (joint[(slice(None),) * d + (slice(0, lo),)],
+                          joint[(slice(None),) * d + (slice(lo, None),)])
+            buffers = (block, joint, joint)
+        else:
+            self.faces = (_empty_like(xp, block, shapes[0]), _empty_like(xp, block, shapes[1]))
+            buffers = (block, *self.faces)
+        self.transport, self._buffers = transport_for_arrays(xp, *buffers)
+        self._faces_bound = bound
+        self.constants = constants
+        self._incoming: list[tuple[Any, Any]] = []
+        self._outgoing: list[Any] = []
+        self.bound = [None]  # type: ignore[list-item]  # one dimension: posted whole
+        super().__init__(plan, [0])
+
+    def _post_dim(self, _: Any) -> list[MPI.Request]:
+        bf, bufs, t, tag = self._faces_bound, self._buffers, self.transport, self._tag
+        recvs, sends = [], []
+        for which, idx, peer, k in bf.recvs:
+            view = bufs[which][idx]
+            msg = t.incoming(view)
+            recvs.append((msg, peer, tag + k))
+            if msg is not view:
+                self._incoming.append((view, msg))
+        for idx, peer, k in bf.sends:
+            view = bufs[0][idx]
+            msg = t.outgoing(view)
+            sends.append((msg, peer, tag + k))
+            if msg is not view:
+                self._outgoing.append(msg)
+        reqs = t.post(self._comm, recvs, sends) if recvs or sends or t.nccl else []
+        for which, dst, src in bf.local:
+            copy_view(bufs[which][dst], bufs[0][src])
+        values = self.constants[bf.dim]
+        for which, idx, side in bf.fills:
+            fill_view(bufs[which][idx], values[side])
+        return reqs
+
+    def _complete_dim(self) -> None:
+        t = self.transport
+        for view, msg in self._incoming:
+            t.deliver(view, msg)
+        for msg in self._outgoing:
+            t.release(msg)
+        self._incoming, self._outgoing = [], []
+
+    def finish(self) -> tuple[Any, Any]:
+        """Wait for the messages; return the faces ``(before, after)``."""
+        self._wait()
+        return self.faces
+
+
+class FacesAccumulation(_DimRequest):
+    """The adjoint of a faces exchange in flight (:meth:`HaloPlan.start_accumulate_faces`);
+    :meth:`finish` adds what came back into a block."""
+
+    def __init__(self, plan: HaloPlan, bound: _BoundFaces, before: Any, after: Any):
+        xp = self._xp = array_namespace(before)
+        if bound.joint:
+            joint = xp.concat([before, after], axis=bound.dim)
+            buffers = (joint, joint)
+        else:
+            buffers = (before, after)
+        self.transport, faces = transport_for_arrays(xp, *buffers)
+        self._buffers = (None, *faces)
+        self._faces_bound = bound
+        self._pending: list[tuple[tuple[slice, ...], Any]] = []  # (target cells, message)
+        self._outgoing: list[Any] = []
+        self.bound = [None]  # type: ignore[list-item]
+        super().__init__(plan, [0])
+
+    def _post_dim(self, _: Any) -> list[MPI.Request]:
+        bf, bufs, t, tag = self._faces_bound, self._buffers, self.transport, self._tag
+        shape = self.plan.dist.local_shape()
+        face = bufs[1]
+        fxp = array_namespace(face)
+        one = empty(fxp, (1,), face.dtype, device_of(face))  # shapes the message buffers
+        recvs, sends = [], []
+        for idx, peer, k in bf.sends:  # the forward's senders get their cells back
+            cells = tuple(len(range(*sl.indices(n))) for sl, n in zip(idx, shape)) + \
+                shape[len(idx):]
+            msg = t.receive_buffer(fxp.broadcast_to(one, cells))
+            recvs.append((msg, peer, tag + k))
+            self._pending.append((idx, msg))
+        for which, idx, peer, k in bf.recvs:  # the faces' cells go back to their sources
+            view = bufs[which][idx]
+            msg = t.outgoing(view)
+            sends.append((msg, peer, tag + k))
+            if msg is not view:
+                self._outgoing.append(msg)
+        return t.post(self._comm, recvs, sends) if recvs or sends or t.nccl else []
+
+    def _complete_dim(self) -> None:
+        for msg in self._outgoing:
+            self.transport.release(msg)
+        self._outgoing = []
+
+    def finish(self, target: Any) -> Any:
+        """Wait for the messages; add them into ``target`` (this rank's block, in place).
+
+        Returns ``target``.
+        """
+        shape = self.plan.dist.local_shape()
+        if tuple(target.shape) != shape:
+            raise ValueError(f"halo faces: the target has shape {tuple(target.shape)}, "
+                             f"expected {shape}")
+        self._wait()
+        t, bufs = self.transport, self._buffers
+        _, (work,) = transport_for_arrays(array_namespace(target), target)
+        for idx, msg in self._pending:
+            cells = work[idx]
+            cells += t.array(msg, cells)
+            t.release(msg)
+        self._pending = []
+        for which, dst, src in self._faces_bound.local:
+            cells = work[src]
+            cells += bufs[which][dst]
+        return target
+
+
+def _empty_like(xp: Any, like: Any, shape: tuple[int, ...]) -> Any:
+    """An uninitialised array of ``shape`` with ``like``'s dtype and device."""
+    return empty(xp, shape, like.dtype, device_of(like))
 
 
 def _constants(values: Any, dtype: np.dtype, ndim: int) -> np.ndarray:

@@ -383,6 +383,52 @@ def test_accumulate_is_adjoint(case, seed, dtype):
         assert_allclose(got.local, acc.local, rtol=1e-14, atol=1e-14)
 
 
+# --------------------------------------------------------------------------- faces
+@pytest.mark.parallel(SIZES)
+@settings(max_examples=30)
+@given(case=halo_cases(), which=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_faces_are_the_exchanged_halo_and_their_adjoint(case, which, seed):
+    """``start_faces`` of a plan along one dimension gives the halo that ``exchange_halo``
+    puts before and after the block; ``start_accumulate_faces`` adds faces into their
+    sources as ``halo_accumulate`` does an extended block with a zero interior."""
+    dist, _, pairs, mode, cv = case
+    d = which % dist.ndim
+    pairs = tuple(p if e == d else (0, 0) for e, p in enumerate(pairs))
+    a = global_array(dist.shape)
+    x = dt.DistArray.from_global(a, dist)
+    plan = dt.halo_plan(dist, pairs, mode)
+    if not any(pairs[d]):
+        with pytest.raises(ValueError, match="one dimension"):
+            plan.start_faces(x.local)
+        return
+    lo, hi = pairs[d]
+    n = x.local.shape[d]
+    before, after = plan.start_faces(x.local, cv).finish()
+    ext = expected_extended(a, dist, pairs, mode, cv)
+    cut = lambda start, stop: ext[(slice(None),) * d + (slice(start, stop),)]  # noqa: E731
+    assert_equal(before, cut(0, lo))
+    assert_equal(after, cut(lo + n, lo + n + hi))
+    assert_equal(x.local, a[dist.local_slices()])  # the block is untouched
+
+    def faces_of(r):
+        shape = list(dist.local_shape(r))
+        e = random_block(seed, r, extended_shape(dist, pairs, r), np.float64)
+        e[(slice(None),) * d + (slice(lo, lo + shape[d]),)] = 0  # the interior is not a face
+        return e
+
+    mine = faces_of(comm.Get_rank())
+    face = lambda start, stop: np.ascontiguousarray(  # noqa: E731
+        mine[(slice(None),) * d + (slice(start, stop),)])
+    target = random_block(seed + 1, comm.Get_rank(), dist.local_shape(), np.float64)
+    start = target.copy()
+    got = plan.start_accumulate_faces(face(0, lo), face(lo + n, lo + n + hi)).finish(target)
+    blocks = {r: faces_of(r) for r in range(dist.nprocs)}
+    added = brute_force_adjoint(dist.shape, dist, pairs, mode, blocks, np.float64)
+    if dist.nreplicas == 1:
+        assert_allclose(got, start + added[dist.local_slices()], rtol=1e-12, atol=1e-12)
+    collective_assert(got is target, "the faces are added into the target in place")
+
+
 # --------------------------------------------------------------------------- bad input
 def _small_dist():
     return dt.Distribution((5, 4), dt.ProcessGrid((comm.Get_size(),)), axes=(0, None))
