@@ -20,9 +20,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from disttensor.backend import contiguous
+from disttensor.backend import numpy_dtype
 from disttensor.settings import validating
-from disttensor.transport import allreduce
 
 __all__ = ["split_batch_norm"]
 
@@ -31,38 +30,36 @@ def _sums_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _allreduce(t: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
-    return allreduce(contiguous(t, copy=True), comm)
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A small per-channel tensor as a NumPy array (a view for CPU tensors)."""
+    return t.detach().cpu().numpy()
 
 
-def _affine(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _affine(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor) -> torch.Tensor:
     """``x * scale + shift`` per channel, in one pass: the evaluation-mode batch-norm kernel
-    with a mean of 0, a variance of 1 and no epsilon."""
-    zero, one = torch.zeros_like(scale), torch.ones_like(scale)
+    with a mean of 0, a variance of 1 and no epsilon (``scale`` None: 1)."""
+    c = x.shape[1]
+    zero = torch.zeros(c, dtype=shift.dtype, device=shift.device)
+    one = torch.ones(c, dtype=shift.dtype, device=shift.device)
     return torch.batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0, False)
 
 
-def _dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per channel, the sum of ``a * b`` over the samples and space of two ``(n, C, *s)``
-    blocks: a dot product per sample, no temporary block."""
-    a3, b3 = a.reshape(a.shape[0], a.shape[1], -1), b.reshape(b.shape[0], b.shape[1], -1)
-    return sum(torch.linalg.vecdot(a3[i], b3[i]) for i in range(a.shape[0]))
+def _squares(d: torch.Tensor) -> torch.Tensor:
+    """Per channel, the sum of ``d * d`` over the samples and space of an ``(n, C, *s)``
+    block: a dot product per sample, no temporary block."""
+    d3 = d.reshape(d.shape[0], d.shape[1], -1)
+    out = torch.linalg.vecdot(d3[0], d3[0])
+    for i in range(1, d.shape[0]):
+        out += torch.linalg.vecdot(d3[i], d3[i])
+    return out
 
 
-def _combine(local: int, mean_l: torch.Tensor, var_l: torch.Tensor, comm: MPI.Intracomm,
-             count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _combine(rows: np.ndarray, c: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """The mean and biased variance per channel over every rank's block, from each rank's
-    ``(values, mean, variance)``: one allgather of them (the forward pass's only message),
-    then, alike on every rank, the sum of the means weighted by the values, and the
+    row ``(values, mean, variance)``: the sum of the means weighted by the values, and the
     squares about the global mean as each rank's about its own, moved (Chan et al.), in
-    rank order."""
-    c = mean_l.shape[0]
-    mine = torch.cat([torch.full((1,), float(local), dtype=mean_l.dtype), mean_l.cpu(),
-                      var_l.cpu()])
-    rows = np.empty((comm.Get_size(), 2 * c + 1), dtype=mine.numpy().dtype)
-    comm.Allgather(np.ascontiguousarray(mine.numpy()), rows)
-    every = torch.from_numpy(rows).to(mean_l.device)
-    n, means, variances = every[:, :1], every[:, 1:c + 1], every[:, c + 1:]
+    rank order (alike on every rank)."""
+    n, means, variances = rows[:, :1], rows[:, 1:c + 1], rows[:, c + 1:]
     whole = max(count, 1)
     mean = (n * means).sum(0) / whole
     var = (n * (variances + (means - mean) ** 2)).sum(0) / whole
@@ -74,8 +71,9 @@ class _SplitBatchNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, comm: MPI.Intracomm, count: int,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # the sums in their own dtype: autocast would run the dot products in 16 bits
-        with torch.autocast(x.device.type, enabled=False):
+        # the sums in their own dtype: autocast would run the dot products in 16 bits; an
+        # infinite or NaN statistic passes silently, as in PyTorch's own batch norm
+        with torch.autocast(x.device.type, enabled=False), np.errstate(all="ignore"):
             return _SplitBatchNorm._forward(ctx, x, weight, bias, comm, count, eps)
 
     @staticmethod
@@ -85,46 +83,63 @@ class _SplitBatchNorm(torch.autograd.Function):
         acc = _sums_dtype(x)
         c = x.shape[1]
         local = x.numel() // max(c, 1)
-        dims = [0, *range(2, x.ndim)]
         kw = {"dtype": acc, "device": x.device}
-        w = torch.ones(c, **kw) if weight is None else weight.to(acc)
-        b = torch.zeros(c, **kw) if bias is None else bias.to(acc)
+        row = np.zeros(2 * c + 1, dtype=numpy_dtype(acc))
+        row[0] = local
+        xs = x.to(acc)
         if local:  # the deviations from this block's mean, and their squares
-            xs = x.to(acc)
-            mean_l = xs.sum(dims) / local
-            d = _affine(xs, torch.ones_like(mean_l), -mean_l)
-            var_l = _dots(d, d) / local
-        else:
-            var_l = mean_l = torch.zeros(c, **kw)
-        mean, var = _combine(local, mean_l, var_l, comm, count)
-        invstd = torch.rsqrt(var + eps)
-        if local:  # y = (x - mean) * scale + bias = d * scale + shift, over d's memory
-            scale = w * invstd
-            shift = b + (mean_l - mean) * scale
+            mean_l = _host(xs.sum([0, *range(2, x.ndim)])) / local
+            row[1:c + 1] = mean_l
+            d = _affine(xs, None, torch.from_numpy(-mean_l).to(x.device))
+            row[c + 1:] = _host(_squares(d)) / local
+        rows = np.empty((comm.Get_size(), row.size), dtype=row.dtype)
+        comm.Allgather(row, rows)
+        mean, var = _combine(rows, c, count)
+        invstd = 1.0 / np.sqrt(var + eps)
+        w = np.ones(c, row.dtype) if weight is None else _host(weight).astype(row.dtype)
+        b = np.zeros(c, row.dtype) if bias is None else _host(bias).astype(row.dtype)
+        scale = w * invstd
+        if local:  # y = (x - mean) * scale + bias = d * scale + shift, in d's memory
+            shift = b + (row[1:c + 1] - mean) * scale
             view = (1, -1) + (1,) * (x.ndim - 2)
-            y = d.mul_(scale.view(view)).add_(shift.view(view)).to(x.dtype)
+            y = d.mul_(torch.from_numpy(scale).to(x.device).view(view)).add_(
+                torch.from_numpy(shift).to(x.device).view(view)).to(x.dtype)
         else:
             y = torch.empty_like(x)
-        ctx.save_for_backward(x, w, mean, invstd)
+        mean_t, var_t = torch.from_numpy(mean).to(**kw), torch.from_numpy(var).to(**kw)
+        ctx.save_for_backward(x)
+        ctx.stats = (w, mean, invstd)
         ctx.comm, ctx.count = comm, count
         ctx.dtypes = (None if weight is None else weight.dtype,
                       None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(mean, var)
-        return y, mean, var
+        ctx.mark_non_differentiable(mean_t, var_t)
+        return y, mean_t, var_t
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, _dmean: Any, _dvar: Any) -> tuple[Any, ...]:
-        x, w, mean, invstd = ctx.saved_tensors
+        with np.errstate(all="ignore"):
+            return _SplitBatchNorm._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        (x,) = ctx.saved_tensors
+        w, mean, invstd = ctx.stats
         count, c = max(ctx.count, 1), x.shape[1]
-        acc = mean.dtype
+        acc = _sums_dtype(x)
+        sums = np.zeros(2 * c, dtype=mean.dtype)
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(x.device)
+
         if x.numel():
-            # this rank's sum(dy) and sum(dy * xhat) = invstd (sum(dy x) - mean sum(dy))
+            # this rank's sum(dy) and sum(dy * xhat), by the global mean and invstd: one pass
             g, xs = dy.to(acc), x.to(acc)
-            db = g.sum([0, *range(2, x.ndim)])
-            dw = invstd * (_dots(g, xs) - mean * db)
-        else:
-            db = dw = torch.zeros(c, dtype=acc, device=x.device)
-        sums = _allreduce(torch.cat([db, dw]), ctx.comm)
+            _, dw_l, db_l = torch.ops.aten.native_batch_norm_backward(
+                g, xs, t(w), None, None, t(mean), t(invstd), True, 0.0, [False, True, True])
+            sums[:c], sums[c:] = _host(db_l), _host(dw_l)
+        db, dw = sums[:c].copy(), sums[c:].copy()  # this rank's parts, for the parameters
+        if ctx.comm.Get_size() > 1:
+            ctx.comm.Allreduce(MPI.IN_PLACE, sums)
         sum_dy, sum_dy_xhat = sums[:c], sums[c:]
         if x.numel():
             # dx = w invstd (dy - (sum(dy) + xhat sum(dy xhat)) / M) = s dy + a x + b
@@ -132,12 +147,13 @@ class _SplitBatchNorm(torch.autograd.Function):
             a = -s * invstd * sum_dy_xhat / count
             b = -s * sum_dy / count - a * mean
             # in the sums' dtype (the terms cancel: a 16-bit sum of them would not hold it)
-            dx = _affine(xs, a, b)
-            dx = dx.addcmul_(g, s.view((1, -1) + (1,) * (x.ndim - 2))).to(x.dtype)
+            dx = _affine(xs, t(a), t(b))
+            dx = dx.addcmul_(g, t(s).view((1, -1) + (1,) * (x.ndim - 2))).to(x.dtype)
         else:
             dx = torch.empty_like(x)
         wt, bt = ctx.dtypes
-        return (dx, None if wt is None else dw.to(wt), None if bt is None else db.to(bt),
+        return (dx, None if wt is None else torch.from_numpy(dw).to(x.device, wt),
+                None if bt is None else torch.from_numpy(db).to(x.device, bt),
                 None, None, None)
 
 
