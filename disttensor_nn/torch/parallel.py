@@ -10,7 +10,10 @@ block:
   the halo that :mod:`disttensor_nn.window` computes (:func:`geometry`,
   :func:`transposed_geometry`: output boundaries and widths for any kernel,
   stride, padding, dilation and uneven blocks) with :func:`halo_exchange`,
-  then run the module's own functional operation with padding 0;
+  then run the module's own functional operation with padding 0; a
+  zero-padded convolution of large blocks split along one dimension runs on
+  the block as it is instead, its edges corrected from the halo's faces
+  (:mod:`disttensor_nn.torch.halo_conv`);
 - batch and group norms take their statistics over the split dimensions with
   ``broadcast(all_reduce(.))``;
 - element-wise operations run on the blocks unchanged, after the operands of
@@ -70,6 +73,7 @@ from .autoplan import (
     relayout,
 )
 from .functional import _exchange_planned, all_reduce, broadcast, redistribute
+from .halo_conv import HALO_CONV_MIN_ELEMENTS, halo_conv_plan
 from .norm import split_batch_norm
 
 __all__ = ["ParallelModule", "parallelize"]
@@ -730,6 +734,14 @@ class _Compiler:
         slices = tuple(slices)
 
         view = self.view
+        # one split dimension of large blocks: the kernel pads the block itself, its halo's
+        # faces correct the edges (disttensor_nn.torch.halo_conv), and no extended copy of
+        # the block is made (smaller blocks are copied: cheaper than the edges' convolutions)
+        large = math.prod(dist.global_shape) >= HALO_CONV_MIN_ELEMENTS * max(dist.nblocks)
+        halo = None if native or mode != "constant" or not large else \
+            halo_conv_plan(spec, dist, fn, tuple(m.weight.shape), m.groups)
+        if halo is not None:
+            return lambda args: halo(args[0][0], view(m.weight), view(m.bias))
         pad_list = list(pads) if isinstance(pads, tuple) else [0] * nd
 
         extend = _extend(dist, widths, mode)
