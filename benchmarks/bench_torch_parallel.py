@@ -15,7 +15,10 @@ interleaved in ``--rounds`` blocks; medians and ranges of the slowest rank.
 ranks, ``--split H``) also times the plain model on the whole batch on rank 0 alone (the
 others idle) and the two-process ceiling: every rank training the plain model on its
 own H-slice at once, with no message and no halo; it prints the speedup of the
-parallelized model over one rank and its share of the ceiling's.
+parallelized model over one rank and its share of the ceiling's. The ceiling's rounds
+are interleaved with the others' (a noisy machine drifts between phases), and the share
+is also given round by round: the halves' median over the parallelized steps' median in
+the same round (the one-rank time cancels out of the share).
 
 ``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
 weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
@@ -33,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as tdist
@@ -141,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     steps["torch" if size == 1 else "ddp"] = theirs
     samples: dict[str, list[float]] = {k: [] for k in steps}
     per = max(1, a.reps // a.rounds)
+    # the ceiling's rounds interleaved with these, so that both see the same machine: its
+    # share of a round is that round's halves' median over its parallelized steps' median
+    ceiling_round = _ceiling_round(a, comm, solo, x_all, t_all, cast) if a.ceiling else None
+    ones: list[float] = []
+    halves: list[float] = []
+    shares: list[float] = []
     for _ in range(a.rounds):
         for k, fn in steps.items():
             fn()  # untimed
@@ -149,9 +159,16 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 fn()
                 samples[k].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        if ceiling_round is not None:
+            one, half = ceiling_round()
+            ones += one
+            halves += half
+            mine = samples["parallelize"][-per:]
+            shares.append(statistics.median(half) / statistics.median(mine))
     ceiling = None
     if a.ceiling:
-        ceiling = _ceiling(a, comm, solo, x_all, t_all, cast)
+        ceiling = (comm.bcast(statistics.median(ones) if rank == 0 else None),
+                   statistics.median(halves))
     if rank == 0:
         med = {k: statistics.median(v) for k, v in samples.items()}
         base = "torch" if size == 1 else "ddp"
@@ -167,11 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             speedup, best = one / med["parallelize"], one / half
             print(f"1 rank, plain model: {1e3 * one:.1f} ms; each rank its H-slice alone, at "
                   f"once: {1e3 * half:.1f} ms; speedup {speedup:.2f} of a ceiling of "
-                  f"{best:.2f}: {speedup / best:.0%}")
+                  f"{best:.2f}: {speedup / best:.0%}; by round (the halves' median over the "
+                  f"parallelized steps' in the same round): median {statistics.median(shares):.0%}"
+                  f", {min(shares):.0%}-{max(shares):.0%}")
         with open(a.json, "w") as f:
             json.dump({"ranks": size, "batch": a.batch, "split": a.split, "size": a.size,
                        "precision": a.precision, "model": a.model,
                        "ceiling_s": ceiling,
+                       "ceiling_share_by_round": shares,
                        "samples_s": samples,
                        "ratio": med["parallelize"] / med[base]}, f, indent=1)
     return 0
@@ -184,15 +204,19 @@ def _idle(comm: MPI.Comm) -> None:
         time.sleep(0.005)
 
 
-def _ceiling(a: argparse.Namespace, comm: MPI.Comm, model: nn.Module, x_all: torch.Tensor,
-             t_all: torch.Tensor, cast) -> tuple[float, float]:
-    """Seconds per step (medians) of the plain model on the whole batch on rank 0 alone, and
-    of every rank training it on its own H-slice at once (the slowest rank)."""
+def _ceiling_round(a: argparse.Namespace, comm: MPI.Comm, model: nn.Module,
+                   x_all: torch.Tensor, t_all: torch.Tensor, cast
+                   ) -> Callable[[], tuple[list[float], list[float]]]:
+    """One round of the ceiling: seconds per step of the plain model on the whole batch on
+    rank 0 alone (empty elsewhere), and of every rank training it on its own H-slice at
+    once (the slowest rank's)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     h, oh = x_all.shape[2], t_all.shape[2]
     lo, hi = h * rank // size, h * (rank + 1) // size
     olo, ohi = oh * rank // size, oh * (rank + 1) // size
+    xs, ts = x_all[:, :, lo:hi].contiguous(), t_all[:, :, olo:ohi].contiguous()
+    per = max(1, a.reps // a.rounds)
 
     def step(x: torch.Tensor, t: torch.Tensor) -> None:
         opt.zero_grad()
@@ -201,27 +225,27 @@ def _ceiling(a: argparse.Namespace, comm: MPI.Comm, model: nn.Module, x_all: tor
         ((out.float() - t) ** 2).mean().backward()
         opt.step()
 
-    ones, halves = [], []
-    for _ in range(a.rounds):
+    def one_round() -> tuple[list[float], list[float]]:
+        ones, halves = [], []
         comm.Barrier()
         if rank == 0:
             step(x_all, t_all)
-            for _ in range(max(1, a.reps // a.rounds)):
+            for _ in range(per):
                 t0 = time.perf_counter()
                 step(x_all, t_all)
                 ones.append(time.perf_counter() - t0)
             comm.Ibarrier().Wait()
         else:
             _idle(comm)
-        xs, ts = x_all[:, :, lo:hi].contiguous(), t_all[:, :, olo:ohi].contiguous()
         step(xs, ts)
-        for _ in range(max(1, a.reps // a.rounds)):
+        for _ in range(per):
             comm.Barrier()
             t0 = time.perf_counter()
             step(xs, ts)
             halves.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    one = comm.bcast(statistics.median(ones) if rank == 0 else None)
-    return one, statistics.median(halves)
+        return ones, halves
+
+    return one_round
 
 
 if __name__ == "__main__":
