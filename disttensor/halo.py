@@ -649,7 +649,7 @@ class FacesRequest(_DimRequest):
         else:
             self.faces = (_empty_like(xp, block, shapes[0]), _empty_like(xp, block, shapes[1]))
             buffers = (block, *self.faces)
-        self.transport, self._buffers = transport_for_arrays(xp, *buffers)
+        self.transport, self._face_arrays = transport_for_arrays(xp, *buffers)
         self._faces_bound = bound
         self.constants = constants
         self._incoming: list[tuple[Any, Any]] = []
@@ -658,7 +658,7 @@ class FacesRequest(_DimRequest):
         super().__init__(plan, [0])
 
     def _post_dim(self, _: Any) -> list[MPI.Request]:
-        bf, bufs, t, tag = self._faces_bound, self._buffers, self.transport, self._tag
+        bf, bufs, t, tag = self._faces_bound, self._face_arrays, self.transport, self._tag
         recvs, sends = [], []
         for which, idx, peer, k in bf.recvs:
             view = bufs[which][idx]
@@ -699,14 +699,18 @@ class FacesAccumulation(_DimRequest):
     :meth:`finish` adds what came back into a block."""
 
     def __init__(self, plan: HaloPlan, bound: _BoundFaces, before: Any, after: Any):
-        xp = self._xp = array_namespace(before)
-        if bound.joint:
-            joint = xp.concat([before, after], axis=bound.dim)
+        xp = array_namespace(before)
+        if bound.joint:  # one buffer, the faces side by side (a run may span both)
+            d, lo = bound.dim, before.shape[bound.dim]
+            joint = _empty_like(xp, before, tuple(
+                a + b if e == d else a for e, (a, b) in enumerate(zip(*bound.shapes))))
+            copy_view(joint[(slice(None),) * d + (slice(0, lo),)], before)
+            copy_view(joint[(slice(None),) * d + (slice(lo, None),)], after)
             buffers = (joint, joint)
         else:
             buffers = (before, after)
         self.transport, faces = transport_for_arrays(xp, *buffers)
-        self._buffers = (None, *faces)
+        self._face_arrays = (None, *faces)
         self._faces_bound = bound
         self._pending: list[tuple[tuple[slice, ...], Any]] = []  # (target cells, message)
         self._outgoing: list[Any] = []
@@ -714,7 +718,7 @@ class FacesAccumulation(_DimRequest):
         super().__init__(plan, [0])
 
     def _post_dim(self, _: Any) -> list[MPI.Request]:
-        bf, bufs, t, tag = self._faces_bound, self._buffers, self.transport, self._tag
+        bf, bufs, t, tag = self._faces_bound, self._face_arrays, self.transport, self._tag
         shape = self.plan.dist.local_shape()
         face = bufs[1]
         fxp = array_namespace(face)
@@ -749,7 +753,7 @@ class FacesAccumulation(_DimRequest):
             raise ValueError(f"halo faces: the target has shape {tuple(target.shape)}, "
                              f"expected {shape}")
         self._wait()
-        t, bufs = self.transport, self._buffers
+        t, bufs = self.transport, self._face_arrays
         _, (work,) = transport_for_arrays(array_namespace(target), target)
         for idx, msg in self._pending:
             cells = work[idx]
