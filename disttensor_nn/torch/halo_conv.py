@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from disttensor import Distribution, halo_plan
 from disttensor.halo import HaloPlan
@@ -202,6 +203,7 @@ class _HaloConvFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the faces' messages are not differentiated again: refused, not wrong
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         hc: HaloConv = ctx.hc
         x, weight, before, after = ctx.saved_tensors
