@@ -311,16 +311,22 @@ class HaloPlan:
         """
         if x.dist != self.dist:
             raise ValueError(f"halo plan is for {self.dist}, got an array with {x.dist}")
-        kind = type(constant_values)
-        key = (kind, constant_values, x.dtype) if kind in (int, float, bool) else None
-        constants = None if key is None else self._fills.get(key)
-        if constants is None:
-            constants = _python_scalars(_constants(constant_values, x.dtype, len(self.widths)))
-            if key is not None and len(self._fills) < _CACHED_FILLS:
-                self._fills[key] = constants
+        constants = self._constants(constant_values, x.dtype)
         if x.margins != self.widths:
             x.reserve_halo(self.widths)
         return HaloRequest(self, x, constants)
+
+    def _constants(self, constant_values: Any, dtype: np.dtype) -> list[list[Any]]:
+        """The fill values per dimension and side as Python scalars (those given as one
+        Python scalar converted once per plan and dtype)."""
+        kind = type(constant_values)
+        key = (kind, constant_values, dtype) if kind in (int, float, bool) else None
+        constants = None if key is None else self._fills.get(key)
+        if constants is None:
+            constants = _python_scalars(_constants(constant_values, dtype, len(self.widths)))
+            if key is not None and len(self._fills) < _CACHED_FILLS:
+                self._fills[key] = constants
+        return constants
 
     def exchange(self, x: DistArray, constant_values: Any = 0) -> Any:
         """Fill the halo of ``x`` and return the extended block (blocking)."""
@@ -366,7 +372,28 @@ class HaloPlan:
         self._bound[key] = bound
         return bound
 
-    @collective(ignore=("block",))
+    def check_faces(self, block: Any, constant_values: Any = 0) -> None:
+        """Raise ValueError unless the plan exchanges one dimension and ``block`` has this
+        rank's block shape (local): :meth:`start_faces`'s validation, which check mode
+        agrees on across the ranks before any of them raises."""
+        if len(self.dims) != 1:
+            raise ValueError(f"halo faces are for a plan that exchanges one dimension; this one "
+                             f"exchanges {len(self.dims)}")
+        if tuple(block.shape) != self.dist.local_shape():
+            raise ValueError(f"halo faces: the block has shape {tuple(block.shape)}, expected "
+                             f"{self.dist.local_shape()}")
+
+    def check_face_gradients(self, before: Any, after: Any) -> None:
+        """Raise ValueError unless ``before`` and ``after`` have the faces' shapes (local):
+        :meth:`start_accumulate_faces`'s validation."""
+        bound = self._bind_faces(self.dist.local_shape())
+        for what, a, want in (("before", before, bound.shapes[0]),
+                              ("after", after, bound.shapes[1])):
+            if tuple(a.shape) != want:
+                raise ValueError(f"halo faces: {what} has shape {tuple(a.shape)}, expected "
+                                 f"{want}")
+
+    @collective(ignore=("block",), check=check_faces)
     def start_faces(self, block: Any, constant_values: Any = 0) -> FacesRequest:
         """Begin receiving the halo of ``block`` as two separate arrays, its faces.
 
@@ -395,15 +422,12 @@ class HaloPlan:
             If the plan exchanges more or fewer than one dimension, or
             ``block`` has another shape than this rank's block (local).
         """
-        if tuple(block.shape) != self.dist.local_shape():
-            raise ValueError(f"halo faces: the block has shape {tuple(block.shape)}, expected "
-                             f"{self.dist.local_shape()}")
+        self.check_faces(block)
         bound = self._bind_faces(tuple(block.shape))
-        dtype = np.dtype(numpy_dtype(block.dtype))
-        constants = _python_scalars(_constants(constant_values, dtype, len(self.widths)))
+        constants = self._constants(constant_values, np.dtype(numpy_dtype(block.dtype)))
         return FacesRequest(self, bound, block, constants)
 
-    @collective(ignore=("before", "after"))
+    @collective(ignore=("before", "after"), check=check_face_gradients)
     def start_accumulate_faces(self, before: Any, after: Any) -> FacesAccumulation:
         """Adjoint of :meth:`start_faces`: send the faces' cells back to their sources.
 
@@ -418,13 +442,8 @@ class HaloPlan:
         -------
         FacesAccumulation
         """
-        bound = self._bind_faces(self.dist.local_shape())
-        for what, a, want in (("before", before, bound.shapes[0]),
-                              ("after", after, bound.shapes[1])):
-            if tuple(a.shape) != want:
-                raise ValueError(f"halo faces: {what} has shape {tuple(a.shape)}, expected "
-                                 f"{want}")
-        return FacesAccumulation(self, bound, before, after)
+        self.check_face_gradients(before, after)
+        return FacesAccumulation(self, self._bind_faces(self.dist.local_shape()), before, after)
 
     # ------------------------------------------------------------- adjoint
     def accumulate(self, extended: Any, overwrite_input: bool = False) -> DistArray:

@@ -429,6 +429,21 @@ def test_faces_are_the_exchanged_halo_and_their_adjoint(case, which, seed):
     collective_assert(got is target, "the faces are added into the target in place")
 
 
+@pytest.mark.parallel(SIZES)
+def test_faces_refuse_bad_blocks_and_plans_on_every_rank():
+    dist = dt.Distribution((7, 3), dt.ProcessGrid((comm.Get_size(),)), axes=(0, None))
+    plan = dt.halo_plan(dist, ((1, 2), (0, 0)))
+    block = np.zeros(dist.local_shape())
+    cases = [lambda: plan.start_faces(np.zeros((dist.local_shape()[0] + 1, 3))),
+             lambda: dt.halo_plan(dist, 1).start_faces(block),
+             lambda: plan.start_accumulate_faces(np.zeros((2, 3)), np.zeros((2, 3)))]
+    for case in cases:
+        with pytest.raises(ValueError, match="halo faces"):
+            case()
+    before, after = plan.start_faces(block).finish()  # nothing left in flight
+    collective_assert(before.shape == (1, 3) and after.shape == (2, 3), "faces' shapes")
+
+
 # --------------------------------------------------------------------------- bad input
 def _small_dist():
     return dt.Distribution((5, 4), dt.ProcessGrid((comm.Get_size(),)), axes=(0, None))
