@@ -539,7 +539,24 @@ class _DimRequest:
         """Called once every dimension has completed."""
 
 
-class HaloRequest(_DimRequest):
+class _Receiving(_DimRequest):
+    """A request that receives into views: ``_incoming`` messages are delivered into their
+    views, and ``_outgoing`` packed copies released, when a dimension completes."""
+
+    _incoming: list[tuple[Any, Any]]  # (view, message buffer)
+    _outgoing: list[Any]  # packed or staged copies being sent
+    transport: Any
+
+    def _complete_dim(self) -> None:
+        t = self.transport
+        for view, msg in self._incoming:
+            t.deliver(view, msg)
+        for msg in self._outgoing:
+            t.release(msg)
+        self._incoming, self._outgoing = [], []
+
+
+class HaloRequest(_Receiving):
     """A halo exchange in flight; :meth:`finish` completes it and returns the extended block."""
 
     def __init__(self, plan: HaloPlan, x: DistArray, constants: list[list[Any]]):
@@ -576,14 +593,6 @@ class HaloRequest(_DimRequest):
             for idx, side in bd.fills:
                 fill_view(buf[idx], values[side])
         return reqs
-
-    def _complete_dim(self) -> None:
-        t = self.transport
-        for view, msg in self._incoming:
-            t.deliver(view, msg)
-        for msg in self._outgoing:
-            t.release(msg)
-        self._incoming, self._outgoing = [], []
 
     def _done(self) -> None:
         self.x.mark_halo_filled()  # a new fill: layers compare tokens to detect overwrites
@@ -650,7 +659,7 @@ class AccumulateRequest(_DimRequest):
 
 
 
-class FacesRequest(_DimRequest):
+class FacesRequest(_Receiving):
     """A halo exchange into separate faces in flight (:meth:`HaloPlan.start_faces`);
     :meth:`finish` returns ``(before, after)``."""
 
@@ -658,12 +667,8 @@ class FacesRequest(_DimRequest):
         xp = array_namespace(block)
         shapes = bound.shapes
         if bound.joint:
-            d = bound.dim
-            joint = _empty_like(xp, block, tuple(a + b if e == d else a for e, (a, b)
-                                                 in enumerate(zip(*shapes))))
-            lo = shapes[0][d]
-            self.faces = (joint[(slice(None),) * d + (slice(0, lo),)],
-                          joint[(slice(None),) * d + (slice(lo, None),)])
+            joint, *faces = _joint_faces(bound, xp, block)
+            self.faces = tuple(faces)
             buffers = (block, joint, joint)
         else:
             self.faces = (_empty_like(xp, block, shapes[0]), _empty_like(xp, block, shapes[1]))
@@ -699,14 +704,6 @@ class FacesRequest(_DimRequest):
             fill_view(bufs[which][idx], values[side])
         return reqs
 
-    def _complete_dim(self) -> None:
-        t = self.transport
-        for view, msg in self._incoming:
-            t.deliver(view, msg)
-        for msg in self._outgoing:
-            t.release(msg)
-        self._incoming, self._outgoing = [], []
-
     def finish(self) -> tuple[Any, Any]:
         """Wait for the messages; return the faces ``(before, after)``."""
         self._wait()
@@ -720,11 +717,9 @@ class FacesAccumulation(_DimRequest):
     def __init__(self, plan: HaloPlan, bound: _BoundFaces, before: Any, after: Any):
         xp = array_namespace(before)
         if bound.joint:  # one buffer, the faces side by side (a run may span both)
-            d, lo = bound.dim, before.shape[bound.dim]
-            joint = _empty_like(xp, before, tuple(
-                a + b if e == d else a for e, (a, b) in enumerate(zip(*bound.shapes))))
-            copy_view(joint[(slice(None),) * d + (slice(0, lo),)], before)
-            copy_view(joint[(slice(None),) * d + (slice(lo, None),)], after)
+            joint, first, second = _joint_faces(bound, xp, before)
+            copy_view(first, before)
+            copy_view(second, after)
             buffers = (joint, joint)
         else:
             buffers = (before, after)
@@ -783,6 +778,16 @@ class FacesAccumulation(_DimRequest):
             cells = work[src]
             cells += bufs[which][dst]
         return target
+
+
+def _joint_faces(bound: _BoundFaces, xp: Any, like: Any) -> tuple[Any, Any, Any]:
+    """An empty block's faces in one new buffer, side by side: the buffer and the two views."""
+    d = bound.dim
+    lo = bound.shapes[0][d]
+    joint = _empty_like(xp, like, tuple(a + b if e == d else a
+                                        for e, (a, b) in enumerate(zip(*bound.shapes))))
+    cut = (slice(None),) * d
+    return joint, joint[cut + (slice(0, lo),)], joint[cut + (slice(lo, None),)]
 
 
 def _empty_like(xp: Any, like: Any, shape: tuple[int, ...]) -> Any:
