@@ -219,6 +219,25 @@ def test_upsample_matches_loop_and_finite_differences(shape, kw, _):
     chk.finish()
 
 
+@pytest.mark.parallel([1, 3])
+@pytest.mark.parametrize("shape,kw", [
+    ((2, 3, 3, 7), dict(scale_factor=1.3, mode="bilinear")),  # H kept: copied
+    ((2, 3, 7), dict(scale_factor=2.5, mode="linear")),
+    ((2, 2, 9, 6), dict(scale_factor=(0.6, 1.5), mode="nearest")),
+    ((2, 2, 5, 6), dict(size=(11, 4), mode="bilinear", align_corners=True)),
+    ((1, 2, 4, 3, 5), dict(scale_factor=(1.5, 1.0, 2.5), mode="trilinear")),
+])
+def test_upsample_equals_torch_interpolate(shape, kw):
+    torch = pytest.importorskip("torch")
+    layer = nn.Upsample(**kw)
+    xg = np.random.default_rng(4).standard_normal(shape)
+    want = torch.nn.functional.interpolate(torch.from_numpy(xg), **kw).numpy()
+    chk = Checks()
+    for name, dist in layouts(shape):
+        chk.close(layer(dt.DistArray.from_global(xg, dist)), want, f"{name} forward")
+    chk.finish()
+
+
 @pytest.mark.parallel([1, 2])
 def test_upsample_bad_arguments():
     with pytest.raises(ValueError, match="exactly one"):

@@ -27,10 +27,14 @@ def _sources(mode: str, align_corners: bool, n_in: int, n_out: int, scale: float
 
     PyTorch's rule: ``scale`` is ``1 / scale_factor`` when a factor was given,
     else ``n_in / n_out``; with ``align_corners`` the corners of input and
-    output coincide (``(n_in - 1) / (n_out - 1)``).
+    output coincide (``(n_in - 1) / (n_out - 1)``); the linear modes copy a
+    dimension whose length is kept (a factor of 1.3 on 3 elements).
     """
     o = np.arange(n_out, dtype=np.float64)
     ratio = scale if scale is not None else n_in / max(n_out, 1)
+    if mode != "nearest" and n_out == n_in:  # PyTorch copies such a dimension, whatever
+        i0 = np.arange(n_in)                 # scale was given
+        return i0, i0, np.zeros(n_out)
     if mode == "nearest":
         i0 = np.minimum(np.floor(o * ratio).astype(np.int64), n_in - 1)
         return i0, i0, np.zeros(n_out)
