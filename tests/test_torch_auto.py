@@ -157,7 +157,23 @@ class Pooled(nn.Module):
         return F.max_pool2d(y, 3, 1, 1) + F.avg_pool2d(y, 3, stride=1, padding=1)
 
 
+class Fractional(nn.Module):
+    """Interpolation by scales that are not integers (a U-Net's upsampling to a skip's
+    odd size, a scale of 1.5), which the planner may split."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.head = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = F.interpolate(self.conv(x), size=(19, 13), mode="bilinear")
+        return F.interpolate(self.head(y), scale_factor=1.5, mode="nearest")
+
+
 MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
+          "fractional": (Fractional, (2, 2, 12, 10), ["conv", "interpolate", "head",
+                                                      "interpolate_1"]),
           "pooled": (Pooled, (2, 2, 12, 10), ["conv", "pool", "head", "interpolate",
                                                "max_pool2d", "avg_pool2d"]),
           "layernorm": (Normed, (2, 2, 12, 10), ["conv", "norm", "head"]),

@@ -63,6 +63,7 @@ from ..plan import Plan, load_profile, make_plan
 from ..plan.costmodel import dist_for
 from ..plan.tracing import leaf_nodes, trace
 from ..window import WindowSpec
+from .interpolation import INTERPOLATION_MODES
 
 __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout"]
 
@@ -82,7 +83,6 @@ _FEATURE_DROPOUT_MODULES = {nn.Dropout1d: 1, nn.Dropout2d: 2, nn.Dropout3d: 3}
 _FEATURE_DROPOUT_FUNCTIONS = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
 _BATCHNORM = {nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d,
               nn.BatchNorm3d: BatchNorm3d}
-_LINEAR_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic")
 _RESHAPES = frozenset(("view", "reshape", "flatten"))
 _ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
                         "softmin"))
@@ -479,7 +479,8 @@ class _Mirror:
             return Sigmoid(), [], kind
         if fn is F.interpolate:
             return self.upsample(node, shape, out, _arg(node, 3, "mode", "nearest"),
-                                 _arg(node, 4, "align_corners", None), kind)
+                                 _arg(node, 4, "align_corners", None), kind,
+                                 bool(_arg(node, 6, "antialias", False)))
         if fn is F.dropout or len(shape) == _FEATURE_DROPOUT_FUNCTIONS.get(fn, -3) + 2:
             p = _arg(node, 1, "p", 0.5)
             if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1:
@@ -547,15 +548,18 @@ class _Mirror:
         return self.traced(kind, out, node)  # windows of any sizes, over a halo
 
     def upsample(self, node: Node, shape: tuple[int, ...], out: tuple[int, ...], mode: str,
-                 align_corners: Any, kind: str) -> tuple[Layer, list[int], str]:
+                 align_corners: Any, kind: str, antialias: bool = False
+                 ) -> tuple[Layer, list[int], str]:
         nd = len(shape) - 2
         uneven = [2 + i for i in range(nd) if out[2 + i] % shape[2 + i]]
         if mode == "area":  # adaptive average pooling
             return self.adaptive(node, shape, out, kind)
-        if mode not in _LINEAR_MODES:
+        if mode not in INTERPOLATION_MODES:
             return self.traced(kind, out, node, range(2, 2 + nd))
-        if uneven:
-            return self.traced(kind, out, node, uneven)
+        if antialias and (uneven or align_corners):  # the runtime does not split these
+            return self.traced(kind, out, node, range(2, 2 + nd) if align_corners else uneven)
+        if uneven:  # rows read about each block, priced as a traced operation
+            return self.traced(kind, out, node)
         try:
             return Upsample(size=tuple(out[2:]), mode=mode), [], kind
         except ValueError:  # a mode the built-in layer has not: its halo, untimed

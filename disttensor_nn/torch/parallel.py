@@ -74,6 +74,7 @@ from .autoplan import (
 )
 from .functional import _exchange_planned, all_reduce, broadcast, redistribute
 from .halo_conv import HALO_CONV_MIN_ELEMENTS, halo_conv_plan
+from .interpolation import INTERPOLATION_MODES, source_taps, taps_reach
 from .norm import split_batch_norm
 
 __all__ = ["ParallelModule", "parallelize"]
@@ -118,11 +119,9 @@ _ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_sof
 _ELEMENTWISE_F = (F.relu, F.relu6, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.leaky_relu,
                   F.hardtanh, F.hardswish, F.hardsigmoid, F.sigmoid, F.tanh, F.softplus,
                   F.logsigmoid, F.threshold)
-_LINEAR_MODES = {"nearest": 0, "nearest-exact": 0, "linear": 1, "bilinear": 1,
-                 "trilinear": 1, "bicubic": 2}
-# align_corners=True on a split dimension: the rows of halo each side of a block
-_CORNER_MODES = {"linear": 1, "bilinear": 1, "trilinear": 1, "bicubic": 2}
-_CUBIC_A = -0.75  # PyTorch's bicubic convolution coefficient
+# the rows of halo each side of a block that interpolation by an integer scale reads
+_REACH = {"nearest": 0, "nearest-exact": 0, "linear": 1, "bilinear": 1, "trilinear": 1,
+          "bicubic": 2}
 
 # parameters that a ParallelModule replaced: an optimizer over them is refused at its step
 _RETIRED: dict[int, weakref.ref] = {}  # id -> the parameter (tensors compare by value)
@@ -664,7 +663,8 @@ class _Compiler:
                     lambda args: None if m.bias is None else view(m.bias))
             return self.same(node, m, dist)
         if isinstance(m, nn.Upsample):
-            return self.interpolate(node, dist, m.mode, m.align_corners)
+            return self.interpolate(node, dist, m.mode, m.align_corners, False,
+                                    m.scale_factor, m.recompute_scale_factor)
         if isinstance(m, nn.PixelShuffle):
             return self.pixel_shuffle(node, dist, m.upscale_factor, F.pixel_shuffle)
         if isinstance(m, nn.PixelUnshuffle):
@@ -1167,105 +1167,140 @@ class _Compiler:
         self.set(node, dist)
         return lambda args: F.layer_norm(*args[0], **args[1])
 
-    def interpolate(self, node: Node, dist: Distribution, mode: str,
-                    align_corners: Any, antialias: bool = False) -> Step:
+    def interpolate(self, node: Node, dist: Distribution, mode: str, align_corners: Any,
+                    antialias: bool = False, scale_factor: Any = None,
+                    recompute_scale_factor: Any = None) -> Step:
+        """``F.interpolate`` (or ``nn.Upsample``) of any scale in any mode but ``'area'``
+        (adaptive average pooling, :meth:`adaptive`).
+
+        Each split dimension's output cuts are its input cuts scaled (rounded up), so a
+        rank's output rows read its own block and a few rows about it. Where those
+        scales are integers and corners are not aligned, each rank interpolates its
+        block extended by the kernel's reach and crops; otherwise, each output row along
+        a split dimension is the weighted sum of the input rows PyTorch reads for it
+        (:func:`~disttensor_nn.torch.interpolation.source_taps`), from the block and a
+        halo as wide as the farthest of those rows on any rank. The dimensions no rank
+        splits are interpolated by ``F.interpolate`` itself, with the caller's scales.
+        """
         nd = dist.ndim - 2
         shape = _shape_of(node)
         split = [i for i in range(nd) if _split(dist, 2 + i)]
         if mode == "area" and split:  # PyTorch's 'area' is adaptive average pooling
             return self.adaptive(node, None, dist, nd)
-        if mode not in _LINEAR_MODES and split:
+        if mode not in INTERPOLATION_MODES and split:
             self.fail(node, f"interpolation mode '{mode}' on split dimension {2 + split[0]}")
-        corners = bool(align_corners) and bool(split)  # split dimensions interpolated here
-        if corners and mode not in _CORNER_MODES:
-            self.fail(node, f"align_corners=True in mode '{mode}' on split dimension "
-                            f"{2 + split[0]}")
-        factors = {}
-        for i in split:
-            n, o = dist.global_shape[2 + i], shape[2 + i]
-            if o % n:
-                self.fail(node, f"a scale that is not an integer ({n} -> {o}) on split "
-                                f"dimension {2 + i}")
-            factors[i] = o // n
-        h = _LINEAR_MODES.get(mode, 0)
+        ins = dist.global_shape
+        scales = _interpolation_scales(scale_factor, recompute_scale_factor, nd)
+        corners = bool(align_corners) and not mode.startswith("nearest")
+        factors = {i: shape[2 + i] // ins[2 + i] for i in split
+                   if ins[2 + i] and shape[2 + i] % ins[2 + i] == 0}
+        aligned = not corners and len(factors) == len(split) and all(
+            scales is None or scales[i] == factors[i] for i in split)
+        if not aligned and antialias:
+            self.fail(node, f"antialias=True with a scale of {ins[2 + split[0]]} -> "
+                            f"{shape[2 + split[0]]} on split dimension {2 + split[0]}")
         out = _with_shape(dist, shape, {2 + i: (
-            [c * factors[i] for c in dist.boundaries[2 + i][1:-1]] if i in factors else None)
-            for i in range(nd)})
+            [-(-c * shape[2 + i] // ins[2 + i]) for c in dist.boundaries[2 + i][1:-1]]
+            if i in split else None) for i in range(nd)})
         self._check_shape(node, out, shape)
-        widths = [(0, 0), (0, 0)] + [(h, h) if i in factors else (0, 0) for i in range(nd)]
-        halo = h > 0 and bool(factors)
-        local_out = out.local_shape()
-        size = tuple(local_out[2 + i] + (2 * h * factors[i] if i in factors and h else 0)
-                     for i in range(nd))
-        crop = tuple(slice(h * factors[i], h * factors[i] + local_out[2 + i])
-                     if i in factors and h else slice(None) for i in range(nd))
+        self.set(node, out)
         kwargs = {} if mode.startswith("nearest") or mode == "area" else \
             {"align_corners": align_corners, "antialias": antialias}
-        self.set(node, out)
-        if corners:
-            return self._corners_step(dist, out, split, mode, kwargs)
-
+        local_out = out.local_shape()
+        if not aligned:
+            return self._taps_step(dist, out, split, mode, corners, scales, kwargs)
+        h = _REACH.get(mode, 0)
+        widths = [(0, 0), (0, 0)] + [(h, h) if i in split else (0, 0) for i in range(nd)]
+        halo = h > 0 and bool(split)
+        size = tuple(local_out[2 + i] + (2 * h * factors[i] if i in split and h else 0)
+                     for i in range(nd))
+        crop = tuple(slice(h * factors[i], h * factors[i] + local_out[2 + i])
+                     if i in split and h else slice(None) for i in range(nd))
+        if scales is not None:  # PyTorch maps rows by the scales given, where they are
+            kwargs.update(recompute_scale_factor=False, scale_factor=tuple(
+                float(factors[i]) if i in split else scales[i] for i in range(nd)))
+        else:
+            kwargs["size"] = size
         extend = _extend(dist, widths if halo else [(0, 0)] * dist.ndim, "edge")
 
         def step(args: Any) -> torch.Tensor:
             ext = extend(args[0][0])
             if 0 in local_out:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
-            y = F.interpolate(ext, size=size, mode=mode, **kwargs)
+            y = F.interpolate(ext, mode=mode, **kwargs)
             return y[(slice(None), slice(None)) + crop] if halo else y
 
         return step
 
     @staticmethod
-    def _corners_step(dist: Distribution, out: Distribution, split: list[int], mode: str,
-                      kwargs: dict[str, Any]) -> Step:
-        """Interpolation with ``align_corners=True`` where ``split`` dimensions are split:
-        along each of them, each output row ``o`` of this rank reads the input at
-        ``o (n - 1) / (m - 1)`` (``n`` rows in, ``m`` out), which lies within a row of
-        this rank's block (its cuts scaled by an integer factor), so a halo of the
-        kernel's reach (1 row each side, 2 for bicubic; replicated at the global edges,
-        as PyTorch clamps) serves it; the rows are weighted as PyTorch weighs them
-        (linear: ``a (1 - t) + b t``; bicubic: its cubic convolution, ``A = -0.75``); the
-        dimensions no rank splits are interpolated by ``F.interpolate`` itself."""
+    def _taps_step(dist: Distribution, out: Distribution, split: list[int], mode: str,
+                   corners: bool, scales: tuple[float, ...] | None,
+                   kwargs: dict[str, Any]) -> Step:
+        """Interpolation along the ``split`` dimensions as weighted sums of input rows
+        (:func:`~disttensor_nn.torch.interpolation.source_taps`): the rows each rank's
+        output rows read, found for every rank, set the halo's widths (the reads are
+        clamped inside the array, as PyTorch clamps them); the other dimensions by
+        ``F.interpolate``."""
         nd = dist.ndim - 2
         local_out = out.local_shape()
-        h = _CORNER_MODES[mode]
-        widths = [(0, 0), (0, 0)] + [(h, h) if i in split else (0, 0) for i in range(nd)]
-        rows = []  # per split dimension: its axis and (rows of ext read, weight) per tap
+        widths: list[tuple[int, int]] = [(0, 0)] * dist.ndim
+        per_dim = []  # (axis, [(rows of the extended block, weights)]) per split dimension
         for i in split:
             d = 2 + i
             n, m = dist.global_shape[d], out.global_shape[d]
+            cut_in, cut_out = dist.boundaries[d], out.boundaries[d]
+            scale = None if scales is None else scales[i]
+            before = after = 0
+            for j in range(len(cut_in) - 1):  # every rank's reads along d, either precision
+                for double in (True, False):
+                    reach = taps_reach(source_taps(mode, n, m, range(cut_out[j], cut_out[j + 1]),
+                                                   corners, scale, double=double))
+                    if reach is not None:
+                        before = max(before, cut_in[j] - reach[0])
+                        after = max(after, reach[1] - cut_in[j + 1] + 1)
+            widths[d] = (before, after)
             first, o = dist.local_slices()[d].start, out.local_slices()[d]
-            src = torch.arange(o.start, o.stop, dtype=torch.float64) * (
-                (n - 1) / (m - 1) if m > 1 else 0.0)
-            i0 = src.floor()
-            if h == 1:
-                i0 = i0.clamp(max=max(n - 2, 0))
-            t = (src - i0).view((-1,) + (1,) * (nd - 1 - i))
-            i0 = i0.to(torch.int64) - first + h  # ext's row h is the block's first
-            if h == 1:
-                taps = [(i0, 1 - t), (i0 + 1, t)]
+            per_dim.append((d, n, m, scale, first - before, range(o.start, o.stop)))
+        shape_now = list(dist.local_shape())
+        for d, *_ in per_dim:
+            shape_now[d] = local_out[d]
+        rest = {}  # the dimensions no rank splits, interpolated as PyTorch would
+        if any(shape_now[2 + i] != local_out[2 + i] or (
+                scales is not None and scales[i] != 1.0) for i in range(nd) if i not in split):
+            if scales is not None:
+                rest = dict(kwargs, recompute_scale_factor=False, scale_factor=tuple(
+                    1.0 if i in split else scales[i] for i in range(nd)))
             else:
-                a = _CUBIC_A
-                near = [((a + 2) * u - (a + 3)) * u * u + 1 for u in (t, 1 - t)]
-                far = [((a * u - 5 * a) * u + 8 * a) * u - 4 * a for u in (t + 1, 2 - t)]
-                taps = [(i0 - 1, far[0]), (i0, near[0]), (i0 + 1, near[1]), (i0 + 2, far[1])]
-            rows.append((d, taps))
-        whole = tuple(local_out[2:])
+                rest = dict(kwargs, size=tuple(local_out[2:]))
         extend = _extend(dist, widths, "edge")
+        cached: dict[bool, list] = {}
+
+        def taps(is_double: bool) -> list:
+            if is_double not in cached:  # the nearest modes' rows depend on the precision
+                cached[is_double] = [
+                    (d, [(torch.from_numpy(idx - offset),
+                          torch.from_numpy(w).view((-1,) + (1,) * (dist.ndim - 1 - d)))
+                         for idx, w in source_taps(mode, n, m, rows, corners, scale,
+                                                   double=is_double)])
+                    for d, n, m, scale, offset, rows in per_dim]
+            return cached[is_double]
 
         def step(args: Any) -> torch.Tensor:
             ext = extend(args[0][0])
             if 0 in local_out:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
             y = ext
-            for d, taps in rows:
-                parts = [y.index_select(d, r) * w.to(y.dtype) for r, w in taps]
-                y = parts[0]
-                for q in parts[1:]:
-                    y = y + q
-            if tuple(y.shape[2:]) != whole:  # the dimensions no rank splits
-                y = F.interpolate(y, size=whole, mode=mode, **kwargs)
+            for d, pairs in taps(ext.dtype == torch.float64):
+                if len(pairs) == 1:  # the nearest modes: one row, weight 1
+                    y = y.index_select(d, pairs[0][0].to(y.device))
+                    continue
+                acc = None
+                for idx, w in pairs:
+                    term = y.index_select(d, idx.to(y.device)) * w.to(y.dtype).to(y.device)
+                    acc = term if acc is None else acc + term
+                y = acc
+            if rest:
+                y = F.interpolate(y, mode=mode, **rest)
             return y
 
         return step
@@ -1423,7 +1458,9 @@ class _Compiler:
         if fn is F.interpolate:
             mode = _arg(node, 3, "mode", "nearest")
             return self.interpolate(node, dist, mode, _arg(node, 4, "align_corners", None),
-                                    bool(_arg(node, 6, "antialias", False)))
+                                    bool(_arg(node, 6, "antialias", False)),
+                                    _arg(node, 2, "scale_factor", None),
+                                    _arg(node, 5, "recompute_scale_factor", None))
         if fn in (F.pixel_shuffle, F.pixel_unshuffle, torch.pixel_shuffle,
                   torch.pixel_unshuffle):
             unshuffle = fn in (F.pixel_unshuffle, torch.pixel_unshuffle)
@@ -1584,6 +1621,17 @@ def getattr_path(obj: Any, target: str) -> Any:
 
 def _method(name: str) -> Callable[..., Any]:
     return lambda self, *a, **kw: getattr(self, name)(*a, **kw)
+
+
+def _interpolation_scales(scale_factor: Any, recompute: Any, nd: int
+                          ) -> tuple[float, ...] | None:
+    """The scales ``F.interpolate`` maps rows by, per spatial dimension (None: the
+    sizes' ratios, as where a size was given or ``recompute_scale_factor`` set)."""
+    if scale_factor is None or recompute:
+        return None
+    if isinstance(scale_factor, (tuple, list)):
+        return tuple(float(v) for v in scale_factor)
+    return (float(scale_factor),) * nd
 
 
 def _arg(node: Node, index: int, name: str, default: Any) -> Any:
