@@ -33,7 +33,7 @@ def pytorch_weights(mode: str, n: int, size: int | None, scale: float | None,
     return y.double().numpy()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(mode=st.sampled_from(["nearest", "nearest-exact", "linear", "bicubic"]),
        n=st.integers(1, 40), by_size=st.booleans(), size=st.integers(1, 60), scale=SCALES,
        corners=st.booleans(), double=st.booleans())
