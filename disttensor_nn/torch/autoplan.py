@@ -5,7 +5,9 @@ A traced, shape-propagated graph is described to the project's planner
 :class:`~disttensor_nn.Sequential` chain of layers, with a
 :class:`~disttensor_nn.Residual` block for each merge of two paths (``+``
 of a residual connection, ``torch.cat`` of skip connections or branches,
-nested one path at a time). Each traced
+nested one path at a time; max unpooling of a path's values by the indices of
+a max pooling before it, whose values are what the pooling's leaf lays out).
+Each traced
 operation is stood for by the built-in layer that does the same work, made
 from the module's attributes (a convolution's kernel, stride, padding,
 dilation and groups, a pool's window, a norm's features), so its cost spec,
@@ -70,6 +72,8 @@ __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout
 #: The key of a relayout node's ``meta`` that holds the Distribution it moves its input to.
 LAYOUT_KEY = "disttensor_layout"
 
+_UNPOOL_MODULES = (nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d)
+_UNPOOL_FUNCTIONS = (F.max_unpool1d, F.max_unpool2d, F.max_unpool3d)
 _CONV = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
 _CONV_T = {nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d,
            nn.ConvTranspose3d: ConvTranspose3d}
@@ -162,6 +166,18 @@ class TracedOp(Layer):
         return f"TracedOp({self.name})"
 
 
+class _Unpooled:
+    """The planner's merge of max unpooling: the values of one path scattered by the
+    indices of a max pooling before it (its shape is the unpooled output's; the scatter
+    is not priced, as a residual '+' is not)."""
+
+    def __init__(self, out_shape: tuple[int, ...]):
+        self.out_shape = tuple(out_shape)
+
+    def output_shape(self, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+        return self.out_shape
+
+
 class _GlobalMean(GlobalAvgPool):
     """:class:`GlobalAvgPool` whose output keeps the spatial dimensions (of length 1)."""
 
@@ -192,9 +208,29 @@ def _fail(node: Node | None, why: str) -> None:
                               "as the layout instead")
 
 
+# the key of a max pooling node's meta (one with return_indices) that holds its values'
+# metadata: the planner lays out the values (the indices follow them)
+_VALUES_KEY = "disttensor_pooled_values"
+
+
 def _shape(node: Node) -> tuple[int, ...] | None:
-    meta = node.meta.get("tensor_meta")
+    meta = node.meta.get(_VALUES_KEY, node.meta.get("tensor_meta"))
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _pooled_with_indices(gm: GraphModule, node: Node) -> bool:
+    """Whether ``node`` is max pooling that returns ``(values, indices)``."""
+    if node.op == "call_module":
+        m = gm.get_submodule(node.target)
+        return type(m) in _POOL and bool(getattr(m, "return_indices", False))
+    pool = pool_module(node)
+    return pool is not None and bool(getattr(pool, "return_indices", False))
+
+
+def _is_unpool(gm: GraphModule, node: Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), _UNPOOL_MODULES)
+    return node.op == "call_function" and node.target in _UNPOOL_FUNCTIONS
 
 
 def _inputs(node: Node) -> list[Node]:
@@ -212,14 +248,25 @@ class _Graph:
         places = [n for n in nodes if n.op == "placeholder"]
         self.source = places[0]
         self.data: dict[Node, list[Node]] = {self.source: []}
+        # the values and the indices of max pooling that returns both: no operation
+        self.alias: set[Node] = set()
+        pooled: set[Node] = set()
         for n in nodes:
             if n.op in ("placeholder", "output"):
                 continue
             preds = [a for a in _inputs(n) if a in self.data]
             meta = n.meta.get("tensor_meta")
             if preds and isinstance(meta, (tuple, list)) and not hasattr(meta, "shape"):
-                _fail(n, "the planner plans operations of one output (this one returns "
-                         "several, as max pooling with return_indices does)")
+                if not (_pooled_with_indices(gm, n) and len(meta) == 2):
+                    _fail(n, "the planner plans operations of one output, and max pooling "
+                             "with return_indices (this one returns several)")
+                n.meta[_VALUES_KEY] = meta[0]
+                pooled.add(n)
+            if preds and n.op == "call_function" and n.target is operator.getitem and \
+                    preds[0] in pooled:
+                if not isinstance(n.args[1], int) or n.args[1] not in (0, 1, -1, -2):
+                    _fail(n, "it takes other than the values or the indices of max pooling")
+                self.alias.add(n)
             if preds and _shape(n) is not None:
                 self.data[n] = preds
         out = [n for n in nodes if n.op == "output"][0]
@@ -335,6 +382,9 @@ class _Mirror:
             preds = self.graph.data[cur]
             if cur is self.graph.source:  # pragma: no cover - start dominates end
                 _fail(end, "the graph is not a chain of blocks")
+            if cur in self.graph.alias:  # a pooling's values or indices: no operation
+                cur = preds[0]
+                continue
             if len(preds) == 1:
                 items.append(cur)
                 cur = preds[0]
@@ -358,6 +408,14 @@ class _Mirror:
         several paths, as nested blocks, each joining one more)."""
         shape = _shape(node)
         preds = self.graph.data[node]
+        if _is_unpool(self.gm, node):  # values and the indices of a max pooling before
+            values, indices = _arg(node, 0, "input", None), _arg(node, 1, "indices", None)
+            if values not in preds or indices not in preds or values is indices:
+                _fail(node, "max unpooling of other than a path's values and the indices "
+                            "of a max pooling")
+            side = self.build(fork, indices)
+            return Residual(self.build(fork, values), side if len(side) else None,
+                            merge=_Unpooled(shape))
         if node.op == "call_function" and node.target in (torch.cat, torch.concat):
             operands = list(node.args[0])
             if _arg(node, 1, "dim", 0) % len(shape) != 1:
@@ -488,7 +546,7 @@ class _Mirror:
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, shape, out, kind)
         pool = pool_module(node)
-        if pool is not None and not getattr(pool, "return_indices", False):
+        if pool is not None:  # priced by its values (with return_indices too)
             return self.pool(_POOL[type(pool)], pool, shape, out), [], kind
         if fn is F.layer_norm:  # its sums all-reduced where it is split (parameters or none)
             norm = _arg(node, 1, "normalized_shape", None)
@@ -649,8 +707,8 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     NotImplementedError
         For a graph the planner cannot describe (naming the node): paths
         that share a layer and merge elsewhere, an element-wise merge of
-        more than two tensors, a cat along other than the channels, several
-        outputs.
+        more than two tensors, a cat along other than the channels, an
+        operation of several outputs (but max pooling with its indices).
     ValueError
         When no plan fits the memory budget, or for a plan of another model,
         input shape or rank count.
@@ -670,7 +728,8 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
                              "or skip connections of one block")
         seen.add(leaf.node)
     if len(leaves) != sum(1 for n in mirror.graph.data if n is not mirror.graph.source
-                          and not _is_merge(mirror.graph, n) and _reaches(mirror.graph, n)):
+                          and n not in mirror.graph.alias and not _is_merge(mirror.graph, n)
+                          and _reaches(mirror.graph, n)):
         _fail(None, "its graph is not a chain of layers with residual and skip connections")
     plan = _given_plan(layout)
     nprocs = comm.Get_size()

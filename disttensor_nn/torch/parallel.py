@@ -1816,7 +1816,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     NotImplementedError
         With ``layout='auto'``, for a graph the planner cannot describe
         (naming the node): paths that share a layer and merge elsewhere, a
-        ``torch.cat`` along other than the channels, several outputs.
+        ``torch.cat`` along other than the channels, an operation of several
+        outputs (but max pooling with its indices).
 
     All are raised on every rank alike, before any message (on a measured
     machine profile, after the kernels are timed on all ranks together).
