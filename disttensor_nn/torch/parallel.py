@@ -1244,7 +1244,9 @@ class _Compiler:
         nd = dist.ndim - 2
         local_out = out.local_shape()
         widths: list[tuple[int, int]] = [(0, 0)] * dist.ndim
-        per_dim = []  # (axis, [(rows of the extended block, weights)]) per split dimension
+        # per split dimension: its axis, lengths, scale, the extended block's first global
+        # row, and this rank's output rows
+        per_dim = []
         for i in split:
             d = 2 + i
             n, m = dist.global_shape[d], out.global_shape[d]
