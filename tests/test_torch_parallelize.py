@@ -476,6 +476,26 @@ class AntialiasedDownsample(nn.Module):
         return F.interpolate(x, scale_factor=0.6, mode="bilinear", antialias=True)
 
 
+class AntialiasedBicubic(nn.Module):
+    def forward(self, x):  # renormalised at the edges: not split, even by an integer
+        return F.interpolate(x, scale_factor=2, mode="bicubic", antialias=True)
+
+
+class ScaleInForward(nn.Module):
+    def forward(self, x):
+        return F.interpolate(x, scale_factor=x.shape[2] / 4, mode="bilinear")
+
+
+class CornersAntialiased(nn.Module):
+    """Interpolation with align_corners=True and antialias=True where no rank splits
+    space (samples split): PyTorch's own call on each block."""
+
+    def forward(self, x):
+        y = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True,
+                          antialias=True)
+        return y + F.interpolate(x, scale_factor=x.shape[2] / 2, mode="bilinear")
+
+
 class Fractions(nn.Module):
     """Interpolation by scales that are not integers on split dimensions: up and down,
     every mode, corners aligned or not, to a size and by scales (PyTorch then maps rows
@@ -496,8 +516,12 @@ class Fractions(nn.Module):
         f = F.interpolate(e, size=y.shape[2:], mode="bicubic", align_corners=True)
         g = F.interpolate(y, scale_factor=(0.7, 1.45), mode="nearest")
         h = F.interpolate(y, scale_factor=(2, 1.45), mode="bilinear")
+        # 2-D nearest: PyTorch copies a kept length and halves a doubled one, whatever
+        # the scale given (1.05 on 11 rows keeps 11, 2.05 on 9 columns gives 18)
+        k = F.interpolate(y, scale_factor=(1.05, 2.05), mode="nearest")
         return a + d + f + F.interpolate(g, size=y.shape[2:], mode="bilinear") + \
-            F.interpolate(h, size=y.shape[2:], mode="nearest")
+            F.interpolate(h, size=y.shape[2:], mode="nearest") + \
+            F.interpolate(k, size=y.shape[2:], mode="nearest-exact")
 
 
 class Fractions1d(nn.Module):
@@ -721,6 +745,14 @@ def test_float32_resnet(name):
         collective_assert(not bad, f"{grid}: {bad}")
 
 
+@pytest.mark.parallel([1, 2, 3])
+def test_interpolation_where_no_rank_splits_space_is_pytorchs_own_call():
+    """align_corners with antialias, and a scale computed in forward: refused on split
+    space, run as the model's own call where only the samples are split."""
+    _, _, bad = run_both(CornersAntialiased(), (4, 2, 4, 5), (comm.Get_size(), 1, 1, 1))
+    collective_assert(not bad, f"{bad}")
+
+
 @pytest.mark.parallel([2, 3])
 @pytest.mark.parametrize("name", ["fractions", "fractions1d", "fractions3d"])
 def test_float32_interpolation_by_any_scale(name):
@@ -758,7 +790,7 @@ def autocast_run(model, shape, grid, seed=1):
 
 
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("name", ["resnet", "unet2d", "layernorms"])
+@pytest.mark.parametrize("name", ["resnet", "unet2d", "layernorms", "fractions"])
 def test_bf16_autocast_matches_one_process_within_bf16_rounding(name):
     """Activations, halos and redistributed blocks in bf16 (the block tensors' dtype), batch-norm
     statistics in float32: the parallel model differs from the one-process autocast run by no
@@ -947,6 +979,13 @@ def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
         collective_assert(isinstance(exc, ValueError) and "'interpolate'" in str(exc)
                           and "antialias" in str(exc) and "dimension 2" in str(exc),
                           repr(exc))
+        exc = outcome(lambda: parallelize(AntialiasedBicubic(), (1, 1, 9, 5), (1, 1, p, 1)))
+        collective_assert(isinstance(exc, ValueError) and "bicubic" in str(exc)
+                          and "antialias" in str(exc) and "dimension 2" in str(exc),
+                          repr(exc))
+        exc = outcome(lambda: parallelize(ScaleInForward(), (1, 1, 8, 5), (1, 1, p, 1)))
+        collective_assert(isinstance(exc, ValueError) and "computed in forward" in str(exc)
+                          and "dimension 2" in str(exc), repr(exc))
 
 
 @pytest.mark.parallel([2, 3])

@@ -504,7 +504,8 @@ class _Mirror:
                 return self.traced(kind, out, node, reduced=range(
                     nd + 2 - len(m.normalized_shape), nd + 2))
             if isinstance(m, nn.Upsample):
-                return self.upsample(node, shape, out, m.mode, m.align_corners, kind)
+                return self.upsample(node, shape, out, m.mode, m.align_corners, kind, False,
+                                     m.scale_factor, m.recompute_scale_factor)
             if (type(m) is nn.Dropout or len(shape) == _FEATURE_DROPOUT_MODULES.get(
                     type(m), -3) + 2) and 0 <= m.p < 1:  # priced as element-wise dropout
                 return Dropout(m.p), [], kind
@@ -538,7 +539,9 @@ class _Mirror:
         if fn is F.interpolate:
             return self.upsample(node, shape, out, _arg(node, 3, "mode", "nearest"),
                                  _arg(node, 4, "align_corners", None), kind,
-                                 bool(_arg(node, 6, "antialias", False)))
+                                 bool(_arg(node, 6, "antialias", False)),
+                                 _arg(node, 2, "scale_factor", None),
+                                 _arg(node, 5, "recompute_scale_factor", None))
         if fn is F.dropout or len(shape) == _FEATURE_DROPOUT_FUNCTIONS.get(fn, -3) + 2:
             p = _arg(node, 1, "p", 0.5)
             if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1:
@@ -606,16 +609,23 @@ class _Mirror:
         return self.traced(kind, out, node)  # windows of any sizes, over a halo
 
     def upsample(self, node: Node, shape: tuple[int, ...], out: tuple[int, ...], mode: str,
-                 align_corners: Any, kind: str, antialias: bool = False
-                 ) -> tuple[Layer, list[int], str]:
+                 align_corners: Any, kind: str, antialias: bool, scale_factor: Any,
+                 recompute_scale_factor: Any) -> tuple[Layer, list[int], str]:
+        """The interpolation's layer, and the dimensions the runtime needs whole for it
+        (as ``parallelize`` compiles it: a scale computed in forward, or antialiasing
+        other than by an integer scale in a linear mode, splits nothing)."""
         nd = len(shape) - 2
         uneven = [2 + i for i in range(nd) if out[2 + i] % shape[2 + i]]
         if mode == "area":  # adaptive average pooling
             return self.adaptive(node, shape, out, kind)
-        if mode not in INTERPOLATION_MODES:
+        given = scale_factor if isinstance(scale_factor, (tuple, list)) else \
+            (scale_factor,) * nd
+        if mode not in INTERPOLATION_MODES or any(isinstance(v, Node) for v in given):
             return self.traced(kind, out, node, range(2, 2 + nd))
-        if antialias and (uneven or align_corners):  # the runtime does not split these
-            return self.traced(kind, out, node, range(2, 2 + nd) if align_corners else uneven)
+        exact = scale_factor is None or bool(recompute_scale_factor) or all(
+            float(v) * shape[2 + i] == out[2 + i] for i, v in enumerate(given))
+        if antialias and (mode == "bicubic" or uneven or align_corners or not exact):
+            return self.traced(kind, out, node, range(2, 2 + nd))
         if uneven:  # rows read about each block, priced as a traced operation
             return self.traced(kind, out, node)
         try:

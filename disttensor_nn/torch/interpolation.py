@@ -39,7 +39,7 @@ def _linear_scale(n: int, m: int, align_corners: bool, scale_factor: float | Non
 
 def source_taps(mode: str, n: int, m: int, rows: Sequence[int] | np.ndarray,
                 align_corners: bool = False, scale_factor: float | None = None,
-                double: bool = False) -> Taps:
+                double: bool = False, ndim: int = 1, axis: int = 0) -> Taps:
     """The input rows and weights of output ``rows`` along one dimension.
 
     Parameters
@@ -63,6 +63,12 @@ def source_taps(mode: str, n: int, m: int, rows: Sequence[int] | np.ndarray,
         precision PyTorch finds them in (a row whose coordinate is an integer in
         exact arithmetic may fall either side of it), so they are PyTorch's own:
         the interpolation of the row numbers, in float64 or float32.
+    ndim, axis : int
+        The interpolated tensor's number of spatial dimensions and which of them
+        this is. PyTorch's nearest kernels follow other rules for 2-D images than
+        for 1-D and 3-D data (a length kept or doubled is copied or halved whatever
+        the scale given; coordinates in float32 even for float64), so the row
+        numbers are interpolated in a tensor of as many dimensions, along ``axis``.
 
     Returns
     -------
@@ -75,7 +81,8 @@ def source_taps(mode: str, n: int, m: int, rows: Sequence[int] | np.ndarray,
     if mode not in INTERPOLATION_MODES:
         raise ValueError(f"interpolation mode {mode!r} is not one of {INTERPOLATION_MODES}")
     if mode.startswith("nearest"):
-        return [(_nearest_rows(mode, n, m, scale_factor, double)[o], np.ones(o.shape))]
+        rows_read = _nearest_rows(mode, n, m, scale_factor, double, int(ndim), int(axis))
+        return [(rows_read[o], np.ones(o.shape))]
     if m == n and mode != "bicubic":  # the linear modes copy a dimension of equal lengths
         return [(o.copy(), np.ones(o.shape))]
     scale = _linear_scale(n, m, align_corners, scale_factor)
@@ -96,19 +103,30 @@ def source_taps(mode: str, n: int, m: int, rows: Sequence[int] | np.ndarray,
 
 
 @functools.lru_cache(maxsize=256)
-def _nearest_rows(mode: str, n: int, m: int, scale_factor: float | None,
-                  double: bool) -> np.ndarray:
+def _nearest_rows(mode: str, n: int, m: int, scale_factor: float | None, double: bool,
+                  ndim: int, axis: int) -> np.ndarray:
     """The input row of each of the ``m`` output rows in a nearest mode: ``F.interpolate``
-    of the row numbers (exact integers in float32 up to 2^24) with the same arguments."""
+    of the row numbers (exact integers in float32 up to 2^24) along ``axis`` of a tensor
+    of ``ndim`` spatial dimensions (the others of length 1, kept), with the same
+    arguments."""
     if n > 1 << 24:
         raise ValueError(f"a split dimension of {n} rows interpolated in mode {mode!r}")
-    rows = torch.arange(n, dtype=torch.float64 if double else torch.float32).view(1, 1, n)
-    out = F.interpolate(rows, size=None if scale_factor else m, mode=mode,
-                        scale_factor=scale_factor or None)
-    if out.shape[-1] != m:
-        raise ValueError(f"a scale of {scale_factor} takes {n} rows to {out.shape[-1]}, "
-                         f"not {m}")
-    return out.view(m).to(torch.int64).numpy()
+    if not 0 <= axis < ndim <= 3:
+        raise ValueError(f"axis {axis} of {ndim} spatial dimensions")
+    shape = [1] * ndim
+    shape[axis] = n
+    rows = torch.arange(n, dtype=torch.float64 if double else torch.float32).view(
+        1, 1, *shape)
+    if scale_factor:
+        out = F.interpolate(rows, mode=mode, scale_factor=tuple(
+            float(scale_factor) if k == axis else 1.0 for k in range(ndim)))
+    else:
+        out = F.interpolate(rows, mode=mode, size=tuple(
+            m if k == axis else 1 for k in range(ndim)))
+    if out.shape[2 + axis] != m:
+        raise ValueError(f"a scale of {scale_factor} takes {n} rows to "
+                         f"{out.shape[2 + axis]}, not {m}")
+    return out.reshape(m).to(torch.int64).numpy()
 
 
 def taps_reach(taps: Taps) -> tuple[int, int] | None:

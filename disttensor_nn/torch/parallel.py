@@ -664,7 +664,8 @@ class _Compiler:
             return self.same(node, m, dist)
         if isinstance(m, nn.Upsample):
             return self.interpolate(node, dist, m.mode, m.align_corners, False,
-                                    m.scale_factor, m.recompute_scale_factor)
+                                    m.scale_factor, m.recompute_scale_factor,
+                                    lambda args: m(*args[0], **args[1]))
         if isinstance(m, nn.PixelShuffle):
             return self.pixel_shuffle(node, dist, m.upscale_factor, F.pixel_shuffle)
         if isinstance(m, nn.PixelUnshuffle):
@@ -1168,16 +1169,18 @@ class _Compiler:
         return lambda args: F.layer_norm(*args[0], **args[1])
 
     def interpolate(self, node: Node, dist: Distribution, mode: str, align_corners: Any,
-                    antialias: bool = False, scale_factor: Any = None,
-                    recompute_scale_factor: Any = None) -> Step:
+                    antialias: bool, scale_factor: Any, recompute_scale_factor: Any,
+                    local: Step) -> Step:
         """``F.interpolate`` (or ``nn.Upsample``) of any scale in any mode but ``'area'``
-        (adaptive average pooling, :meth:`adaptive`).
+        (adaptive average pooling, :meth:`adaptive`); ``local`` is the call itself.
 
-        Each split dimension's output cuts are its input cuts scaled (rounded up), so a
-        rank's output rows read its own block and a few rows about it. Where those
-        scales are integers and corners are not aligned, each rank interpolates its
-        block extended by the kernel's reach and crops; otherwise, each output row along
-        a split dimension is the weighted sum of the input rows PyTorch reads for it
+        Where no rank splits a spatial dimension, each rank makes the call on its block.
+        Otherwise each split dimension's output cuts are its input cuts scaled (rounded
+        up), so a rank's output rows read its own block and a few rows about it. Where
+        those scales are integers (and any scale given is that integer) and corners are
+        not aligned, each rank interpolates its block extended by the kernel's reach and
+        crops; otherwise, each output row along a split dimension is the weighted sum of
+        the input rows PyTorch reads for it
         (:func:`~disttensor_nn.torch.interpolation.source_taps`), from the block and a
         halo as wide as the farthest of those rows on any rank. The dimensions no rank
         splits are interpolated by ``F.interpolate`` itself, with the caller's scales.
@@ -1185,10 +1188,20 @@ class _Compiler:
         nd = dist.ndim - 2
         shape = _shape_of(node)
         split = [i for i in range(nd) if _split(dist, 2 + i)]
-        if mode == "area" and split:  # PyTorch's 'area' is adaptive average pooling
+        if not split:  # nothing to exchange: PyTorch's own call on the block
+            out = _with_shape(dist, shape)
+            self._check_shape(node, out, shape)
+            self.set(node, out)
+            return local
+        if mode == "area":  # PyTorch's 'area' is adaptive average pooling
             return self.adaptive(node, None, dist, nd)
-        if mode not in INTERPOLATION_MODES and split:
-            self.fail(node, f"interpolation mode '{mode}' on split dimension {2 + split[0]}")
+        where = f"on split dimension {2 + split[0]}"
+        if mode not in INTERPOLATION_MODES:
+            self.fail(node, f"interpolation mode '{mode}' {where}")
+        given = scale_factor if isinstance(scale_factor, (tuple, list)) else [scale_factor]
+        if any(isinstance(v, Node) for v in given):
+            self.fail(node, f"a scale factor computed in forward {where} (give the size, "
+                            "or a scale known when the model is traced)")
         ins = dist.global_shape
         scales = _interpolation_scales(scale_factor, recompute_scale_factor, nd)
         corners = bool(align_corners) and not mode.startswith("nearest")
@@ -1196,9 +1209,10 @@ class _Compiler:
                    if ins[2 + i] and shape[2 + i] % ins[2 + i] == 0}
         aligned = not corners and len(factors) == len(split) and all(
             scales is None or scales[i] == factors[i] for i in split)
-        if not aligned and antialias:
-            self.fail(node, f"antialias=True with a scale of {ins[2 + split[0]]} -> "
-                            f"{shape[2 + split[0]]} on split dimension {2 + split[0]}")
+        if antialias and (mode == "bicubic" or not aligned):
+            self.fail(node, f"antialias=True in mode '{mode}' with a scale of "
+                            f"{ins[2 + split[0]]} -> {shape[2 + split[0]]} {where} (split only "
+                            "for the linear modes and integer scales)")
         out = _with_shape(dist, shape, {2 + i: (
             [-(-c * shape[2 + i] // ins[2 + i]) for c in dist.boundaries[2 + i][1:-1]]
             if i in split else None) for i in range(nd)})
@@ -1245,7 +1259,7 @@ class _Compiler:
         local_out = out.local_shape()
         widths: list[tuple[int, int]] = [(0, 0)] * dist.ndim
         # per split dimension: its axis, lengths, scale, the extended block's first global
-        # row, and this rank's output rows
+        # row, this rank's output rows, and which spatial dimension it is
         per_dim = []
         for i in split:
             d = 2 + i
@@ -1256,13 +1270,13 @@ class _Compiler:
             for j in range(len(cut_in) - 1):  # every rank's reads along d, either precision
                 for double in (True, False):
                     reach = taps_reach(source_taps(mode, n, m, range(cut_out[j], cut_out[j + 1]),
-                                                   corners, scale, double=double))
+                                                   corners, scale, double, nd, i))
                     if reach is not None:
                         before = max(before, cut_in[j] - reach[0])
                         after = max(after, reach[1] - cut_in[j + 1] + 1)
             widths[d] = (before, after)
             first, o = dist.local_slices()[d].start, out.local_slices()[d]
-            per_dim.append((d, n, m, scale, first - before, range(o.start, o.stop)))
+            per_dim.append((d, n, m, scale, first - before, range(o.start, o.stop), i))
         shape_now = list(dist.local_shape())
         for d, *_ in per_dim:
             shape_now[d] = local_out[d]
@@ -1283,15 +1297,16 @@ class _Compiler:
                     (d, [(torch.from_numpy(idx - offset),
                           torch.from_numpy(w).view((-1,) + (1,) * (dist.ndim - 1 - d)))
                          for idx, w in source_taps(mode, n, m, rows, corners, scale,
-                                                   double=is_double)])
-                    for d, n, m, scale, offset, rows in per_dim]
+                                                   is_double, nd, axis)])
+                    for d, n, m, scale, offset, rows, axis in per_dim]
             return cached[is_double]
 
         def step(args: Any) -> torch.Tensor:
             ext = extend(args[0][0])
             if 0 in local_out:
                 return ext.new_zeros(local_out) + 0 * ext.sum()
-            y = ext
+            # 16-bit blocks summed in float32 and rounded once, as PyTorch's kernels do
+            y = ext.float() if ext.dtype in (torch.bfloat16, torch.float16) else ext
             for d, pairs in taps(ext.dtype == torch.float64):
                 if len(pairs) == 1:  # the nearest modes: one row, weight 1
                     y = y.index_select(d, pairs[0][0].to(y.device))
@@ -1303,7 +1318,7 @@ class _Compiler:
                 y = acc
             if rest:
                 y = F.interpolate(y, mode=mode, **rest)
-            return y
+            return y.to(ext.dtype)
 
         return step
 
@@ -1462,7 +1477,8 @@ class _Compiler:
             return self.interpolate(node, dist, mode, _arg(node, 4, "align_corners", None),
                                     bool(_arg(node, 6, "antialias", False)),
                                     _arg(node, 2, "scale_factor", None),
-                                    _arg(node, 5, "recompute_scale_factor", None))
+                                    _arg(node, 5, "recompute_scale_factor", None),
+                                    lambda args: F.interpolate(*args[0], **args[1]))
         if fn in (F.pixel_shuffle, F.pixel_unshuffle, torch.pixel_shuffle,
                   torch.pixel_unshuffle):
             unshuffle = fn in (F.pixel_unshuffle, torch.pixel_unshuffle)
