@@ -168,7 +168,9 @@ class Fractional(nn.Module):
 
     def forward(self, x):
         y = F.interpolate(self.conv(x), size=(19, 13), mode="bilinear")
-        return F.interpolate(self.head(y), scale_factor=1.5, mode="nearest")
+        z = F.interpolate(self.head(y), scale_factor=1.5, mode="nearest")
+        # not split (the planner keeps space whole for it): antialiased bicubic
+        return F.interpolate(z, scale_factor=2, mode="bicubic", antialias=True)
 
 
 class SegNet(nn.Module):
@@ -201,7 +203,7 @@ MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
                                               "max_pool2d_with_indices", "mid", "dec2",
                                               "head"]),
           "fractional": (Fractional, (2, 2, 12, 10), ["conv", "interpolate", "head",
-                                                      "interpolate_1"]),
+                                                      "interpolate_1", "interpolate_2"]),
           "pooled": (Pooled, (2, 2, 12, 10), ["conv", "pool", "head", "interpolate",
                                                "max_pool2d", "avg_pool2d"]),
           "layernorm": (Normed, (2, 2, 12, 10), ["conv", "norm", "head"]),
