@@ -224,6 +224,9 @@ def test_upsample_matches_loop_and_finite_differences(shape, kw, _):
     ((2, 3, 3, 7), dict(scale_factor=1.3, mode="bilinear")),  # H kept: copied
     ((2, 3, 7), dict(scale_factor=2.5, mode="linear")),
     ((2, 2, 9, 6), dict(scale_factor=(0.6, 1.5), mode="nearest")),
+    ((1, 2, 11, 10), dict(scale_factor=(1.05, 2.05), mode="nearest")),  # kept, doubled
+    ((1, 2, 45), dict(scale_factor=1.3, mode="nearest")),  # a row found in float32
+    ((1, 2, 7), dict(scale_factor=0.6, mode="nearest")),
     ((2, 2, 5, 6), dict(size=(11, 4), mode="bilinear", align_corners=True)),
     ((1, 2, 4, 3, 5), dict(scale_factor=(1.5, 1.0, 2.5), mode="trilinear")),
 ])

@@ -21,14 +21,17 @@ _LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
 
 @lru_cache(maxsize=256)
-def _sources(mode: str, align_corners: bool, n_in: int, n_out: int, scale: float | None
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sources(mode: str, align_corners: bool, n_in: int, n_out: int, scale: float | None,
+             nd: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per output position: the two inputs it interpolates and the weight of the second.
 
     PyTorch's rule: ``scale`` is ``1 / scale_factor`` when a factor was given,
     else ``n_in / n_out``; with ``align_corners`` the corners of input and
     output coincide (``(n_in - 1) / (n_out - 1)``); the linear modes copy a
-    dimension whose length is kept (a factor of 1.3 on 3 elements).
+    dimension whose length is kept (a factor of 1.3 on 3 elements). Mode
+    ``'nearest'`` finds its sources in float32, as PyTorch's kernels do, and on
+    ``nd = 2`` spatial dimensions copies a kept length and halves a doubled
+    one whatever the scale given, as PyTorch's 2-D kernel does.
     """
     o = np.arange(n_out, dtype=np.float64)
     ratio = scale if scale is not None else n_in / max(n_out, 1)
@@ -36,7 +39,13 @@ def _sources(mode: str, align_corners: bool, n_in: int, n_out: int, scale: float
         i0 = np.arange(n_in)                 # scale was given
         return i0, i0, np.zeros(n_out)
     if mode == "nearest":
-        i0 = np.minimum(np.floor(o * ratio).astype(np.int64), n_in - 1)
+        if nd == 2 and n_out in (n_in, 2 * n_in):
+            i0 = np.arange(n_out) // (n_out // n_in)
+        else:
+            scale32 = np.float32(scale) if scale is not None else \
+                np.float32(n_in) / np.float32(max(n_out, 1))
+            i0 = np.minimum(np.floor(o.astype(np.float32) * scale32).astype(np.int64),
+                            n_in - 1)
         return i0, i0, np.zeros(n_out)
     if align_corners:
         src = o * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
@@ -120,7 +129,8 @@ class Upsample(Layer):
         sources = []
         for i, (n_out, scale) in enumerate(zip(out, scales)):
             n_in = shape[2 + i]
-            i0, i1, lam = _sources(self.mode, bool(self.align_corners), n_in, n_out, scale)
+            i0, i1, lam = _sources(self.mode, bool(self.align_corners), n_in, n_out, scale,
+                                   len(out))
             sources.append((i0, i1, lam))
             ib = dist.boundaries[2 + i]
             ob = [0, *(int(np.searchsorted(i0, b, "left")) for b in ib[1:-1]), n_out]
