@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--model", choices=("mesh-demo", "mesh-small"), default="mesh-demo")
     p.add_argument("--ceiling", action="store_true")
-    p.add_argument("--json", default="bench_torch_parallel.json")
+    p.add_argument("--json", default=os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", "bench_torch_parallel.json"))
     a = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{best:.2f}: {speedup / best:.0%}; by round (the halves' median over the "
                   f"parallelized steps' in the same round): median {statistics.median(shares):.0%}"
                   f", {min(shares):.0%}-{max(shares):.0%}")
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"ranks": size, "batch": a.batch, "split": a.split, "size": a.size,
                        "precision": a.precision, "model": a.model,
