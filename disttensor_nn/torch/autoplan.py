@@ -72,8 +72,10 @@ __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout
 #: The key of a relayout node's ``meta`` that holds the Distribution it moves its input to.
 LAYOUT_KEY = "disttensor_layout"
 
-_UNPOOL_MODULES = (nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d)
-_UNPOOL_FUNCTIONS = (F.max_unpool1d, F.max_unpool2d, F.max_unpool3d)
+# max unpooling: each module's function, and each function's module
+_UNPOOL = {nn.MaxUnpool1d: F.max_unpool1d, nn.MaxUnpool2d: F.max_unpool2d,
+           nn.MaxUnpool3d: F.max_unpool3d}
+_UNPOOL_F = {f: m for m, f in _UNPOOL.items()}
 _CONV = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
 _CONV_T = {nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d,
            nn.ConvTranspose3d: ConvTranspose3d}
@@ -229,8 +231,8 @@ def _pooled_with_indices(gm: GraphModule, node: Node) -> bool:
 
 def _is_unpool(gm: GraphModule, node: Node) -> bool:
     if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), _UNPOOL_MODULES)
-    return node.op == "call_function" and node.target in _UNPOOL_FUNCTIONS
+        return type(gm.get_submodule(node.target)) in _UNPOOL
+    return node.op == "call_function" and node.target in _UNPOOL_F
 
 
 def _inputs(node: Node) -> list[Node]:

@@ -66,6 +66,8 @@ from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
 from .autoplan import (
     _FEATURE_DROPOUT_FUNCTIONS,
     _FEATURE_DROPOUT_MODULES,
+    _UNPOOL,
+    _UNPOOL_F,
     LAYOUT_KEY,
     is_plan_layout,
     plan_layouts,
@@ -85,10 +87,6 @@ _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
            nn.ConvTranspose3d: F.conv_transpose3d}
 _MAXPOOL = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
-_UNPOOL = {nn.MaxUnpool1d: F.max_unpool1d, nn.MaxUnpool2d: F.max_unpool2d,
-           nn.MaxUnpool3d: F.max_unpool3d}
-_UNPOOL_F = {F.max_unpool1d: nn.MaxUnpool1d, F.max_unpool2d: nn.MaxUnpool2d,
-             F.max_unpool3d: nn.MaxUnpool3d}
 _AVGPOOL = {nn.AvgPool1d: F.avg_pool1d, nn.AvgPool2d: F.avg_pool2d, nn.AvgPool3d: F.avg_pool3d}
 _ADAPTIVE = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _ADAPTIVE_F = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
