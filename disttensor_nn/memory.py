@@ -96,17 +96,28 @@ def _libc() -> Any:
 _LIBC = _libc()
 
 
-def release_free_memory() -> bool:
+def release_free_memory(keep: int = 0) -> bool:
     """Give the memory the C allocator keeps after frees back to the operating system.
 
     Arrays freed by one phase (the planner's kernel measurement) would
     otherwise stay resident in the allocator's heap. Returns whether the
     allocator supports it (glibc's ``malloc_trim``).
+
+    Parameters
+    ----------
+    keep : int
+        Free bytes left resident at the top of the heap, where the next
+        arrays of a few MiB are carved (the training driver keeps
+        :data:`HEAP_TOP_KEPT` between steps, so that kernels' scratch is
+        not faulted in afresh each step). Free pages below the top are
+        given back whatever ``keep`` is.
     """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"keep must be a non-negative number of bytes, got {keep!r}")
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is None:
         return False
-    trim(0)
+    trim(ctypes.c_size_t(keep))
     return True
 
 

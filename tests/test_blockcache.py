@@ -146,3 +146,43 @@ def test_allocator_settings_refuse_bad_sizes_and_keep_scratch_warm():
     b = np.ones(3 * MiB // 8)  # the same pages again: resident already
     assert resident_bytes() - before < MiB, "the freed heap top was given back"
     del b
+
+
+def test_the_training_heap_keeps_kernel_scratch_warm_across_the_per_step_trim():
+    """With the block cache, scratch up to HEAP_TOP_KEPT comes from the heap and stays
+    resident across the driver's per-step trim (which keeps the heap's top), where a 4 MiB
+    mapping threshold faulted it in at every call; a full trim gives it back."""
+    from disttensor_nn.memory import (
+        HEAP_TOP_KEPT,
+        keep_heap_top,
+        map_large_allocations,
+        release_free_memory,
+        resident_bytes,
+    )
+    from disttensor_nn.training.loop import mapping_threshold
+    assert mapping_threshold(True, None) == mapping_threshold(True, 2**30) == HEAP_TOP_KEPT
+    assert mapping_threshold(False, None) == 2**22 and mapping_threshold(False, 1e9) == 2**20
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="number of bytes"):
+            release_free_memory(bad)
+    if not (map_large_allocations(mapping_threshold(True, None)) and keep_heap_top()):
+        pytest.skip("the C allocator has no mallopt")
+    try:
+        release_free_memory()
+        a = np.ones(24 * MiB // 8)  # a oneDNN reorder's size: from the heap now
+        del a
+        release_free_memory(HEAP_TOP_KEPT)  # what the driver does before each step
+        before = resident_bytes()
+        b = np.ones(24 * MiB // 8)
+        grown = resident_bytes() - before
+        del b
+        assert grown < 4 * MiB, f"{grown / MiB:.1f} MiB faulted in again"
+        release_free_memory()
+        before = resident_bytes()
+        c = np.ones(24 * MiB // 8)
+        grown = resident_bytes() - before
+        del c
+        assert grown > 16 * MiB, f"a full trim kept {24 - grown / MiB:.1f} MiB"
+    finally:
+        map_large_allocations(2**22)
+        release_free_memory()

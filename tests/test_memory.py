@@ -631,10 +631,11 @@ def test_memory_released_before_each_step_leaves_the_training_unchanged(monkeypa
     every step; the losses (so the gradients) are those of a run that keeps it."""
     calls = []
     release = loop.release_free_memory  # before each batch, in the step loop
-    monkeypatch.setattr(loop, "release_free_memory", lambda: calls.append(1) or release())
+    monkeypatch.setattr(loop, "release_free_memory",
+                        lambda *keep: calls.append(1) or release(*keep))
     kept = train(_config(steps=2, size=(32, 32)))
     collective_assert(len(calls) >= 2, f"released {len(calls)} times in 2 steps")
-    monkeypatch.setattr(loop, "release_free_memory", lambda: True)
+    monkeypatch.setattr(loop, "release_free_memory", lambda *keep: True)
     not_kept = train(_config(steps=2, size=(32, 32)))
     collective_assert(kept["history"] == not_kept["history"],
                       f"{kept['history']} {not_kept['history']}")

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from disttensor import DistArray, Distribution, ProcessGrid, block_cache
 from disttensor.backend import is_numpy
+from disttensor.blockcache import active_block_cache
 
 from ..costspec import CostSpec
 from ..kernels import kernels_for, layer_supports, synchronize, threads_now, with_backend
@@ -47,7 +48,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 or what a time means, so that older times are not reused (they live in another file)."""
 
@@ -640,8 +641,20 @@ def _least_spatial(layer: Layer, shape: tuple[int, ...]) -> list[int]:
 
 def _fresh(source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     """A newly written array of ``shape`` filled from ``source`` (random values; sized
-    to the largest input or output of the segment, so it holds enough)."""
-    return source[:math.prod(shape)].reshape(shape).astype(dtype, copy=True)
+    to the largest input or output of the segment, so it holds enough).
+
+    Inside a block cache (NumPy) the array is one of its blocks, as a layer's
+    input and output gradient are in training: from the C heap, it would move
+    the heap's top under the kernels' scratch, faulting pages in that the
+    training step does not.
+    """
+    values = source[:math.prod(shape)].reshape(shape)
+    cache = active_block_cache()
+    if cache is None or not is_numpy(values):
+        return values.astype(dtype, copy=True)
+    out = cache.empty(shape, dtype)
+    out[...] = values
+    return out
 
 
 def _nothing() -> None:

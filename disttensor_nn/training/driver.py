@@ -47,6 +47,7 @@ from .loop import (  # noqa: F401 - importable from here as before
     StepResult,
     check_resume_step,
     machine_profile,
+    mapping_threshold,
     memory_summary,
     metrics_problem,
     next_batch,
@@ -503,11 +504,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, *,
         CuPy or a GPU is missing.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    # freed arrays leave the process, so the resident peak follows the live arrays (what
-    # the plan predicts): under a budget every array from 1 MiB on is mapped on its own,
-    # at the price of page faults on each new one; otherwise from 4 MiB on (fewer arrays,
-    # so fewer faults)
-    map_large_allocations(2**20 if cfg.memory_per_rank is not None else 2**22)
+    map_large_allocations(mapping_threshold(cfg.block_cache, cfg.memory_per_rank))
     keep_heap_top()  # scratch of a few MiB reused warm between the per-step trims
     memory = MemoryProfile(top=8 if cfg.profile_memory else 0)
     previous = _on_sigterm()
