@@ -29,6 +29,7 @@ from typing import Any
 
 __all__ = ["resident_bytes", "peak_resident_bytes", "reset_peak", "available_bytes",
            "release_free_memory", "map_large_allocations", "keep_heap_top", "HEAP_TOP_KEPT",
+           "MALLOPT_MAX",
            "MemoryProfile", "PhaseMemory"]
 
 _PAGE = resource.getpagesize()
@@ -123,6 +124,10 @@ def release_free_memory(keep: int = 0) -> bool:
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
+MALLOPT_MAX = 2**31 - 1
+"""The largest size :func:`map_large_allocations` and :func:`keep_heap_top` set (``mallopt``
+takes a C ``int``); larger ones are set to it."""
+
 
 def map_large_allocations(threshold: int = 2**20) -> bool:
     """Have the C allocator map every allocation of ``threshold`` bytes or more on its own.
@@ -148,7 +153,7 @@ def map_large_allocations(threshold: int = 2**20) -> bool:
     mallopt = getattr(_LIBC, "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, min(threshold, 2**30)))
+    return bool(mallopt(_M_MMAP_THRESHOLD, min(threshold, MALLOPT_MAX)))
 
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter
@@ -181,7 +186,7 @@ def keep_heap_top(nbytes: int = HEAP_TOP_KEPT) -> bool:
     mallopt = getattr(_LIBC, "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, min(nbytes, 2**30)))
+    return bool(mallopt(_M_TRIM_THRESHOLD, min(nbytes, MALLOPT_MAX)))
 
 
 @dataclass

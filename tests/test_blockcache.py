@@ -154,6 +154,7 @@ def test_the_training_heap_keeps_kernel_scratch_warm_across_the_per_step_trim():
     mapping threshold faulted it in at every call; a full trim gives it back."""
     from disttensor_nn.memory import (
         HEAP_TOP_KEPT,
+        MALLOPT_MAX,
         keep_heap_top,
         map_large_allocations,
         release_free_memory,
@@ -161,6 +162,8 @@ def test_the_training_heap_keeps_kernel_scratch_warm_across_the_per_step_trim():
     )
     from disttensor_nn.training.loop import mapping_threshold
     assert mapping_threshold(True, None) == mapping_threshold(True, 2**30) == HEAP_TOP_KEPT
+    assert mapping_threshold(True, None, 100.5 * MiB) == 100 * MiB + MiB // 2  # the plan's pass
+    assert mapping_threshold(True, 2**30, 3e9) == MALLOPT_MAX  # what mallopt can take
     assert mapping_threshold(False, None) == 2**22 and mapping_threshold(False, 1e9) == 2**20
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="number of bytes"):

@@ -19,6 +19,7 @@ from disttensor.blockcache import active_block_cache, block_cache
 from ..container import Sequential
 from ..kernels import synchronize
 from ..memory import (
+    HEAP_TOP_KEPT,
     MemoryProfile,
     available_bytes,
     keep_heap_top,
@@ -569,10 +570,16 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         warm_misses[0] = cache.stats.misses if cache is not None else 0
     cache_limit = _cache_limit(plan, model, comm, plan.shard_state) \
         if cfg.block_cache else None
+    heap_top = HEAP_TOP_KEPT
+    if cfg.block_cache:  # the largest pass's scratch from the heap, kept warm (see there)
+        heap_top = mapping_threshold(True, cfg.memory_per_rank,
+                                     max((e.transient for e in plan.entries), default=0))
+        map_large_allocations(heap_top)
+        keep_heap_top(heap_top)
     try:
         with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
                 as cache:
-            step = run_steps(cfg, comm, Batches(loader, it),
+            step = run_steps(cfg, comm, Batches(loader, it, heap_top),
                              _layer_step(cfg, memory, xp, model, loss_fn, opt, sched, scaler),
                              step, history, times, data_times, bar, model=model,
                              optimizer=opt, scheduler=sched,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from tqdm import tqdm
 from disttensor import node_share
 
 from ..kernels import limit_threads
-from ..memory import HEAP_TOP_KEPT, MemoryProfile, release_free_memory
+from ..memory import HEAP_TOP_KEPT, MALLOPT_MAX, MemoryProfile, release_free_memory
 from ..plan.calibrate import calibrate, calibrate_compute, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from .checkpoint import save_checkpoint
@@ -56,7 +57,8 @@ def say(comm: MPI.Comm, text: str) -> None:
 
 
 # ------------------------------------------------------------------ setup
-def mapping_threshold(block_cache: bool, memory_per_rank: float | None) -> int:
+def mapping_threshold(block_cache: bool, memory_per_rank: float | None,
+                      scratch: float = 0) -> int:
     """Bytes from which the C allocator maps an allocation on its own during training.
 
     Mapped allocations leave the process when freed, so the resident peak
@@ -64,15 +66,19 @@ def mapping_threshold(block_cache: bool, memory_per_rank: float | None) -> int:
     faults on each new one. With the block cache, the step's blocks come
     from the cache's own mappings; what the heap serves is the kernels'
     scratch (oneDNN's reordered inputs and weights, workspaces), which would
-    otherwise be faulted in at every call: up to :data:`HEAP_TOP_KEPT`, it
-    is carved from the heap and reused warm (mesh-demo, one rank, the torch
-    kernels: 37 thousand faults and 80 ms a step with 4 MiB, 5 thousand and
-    53 ms with this). Without the cache every array from 1 MiB on is mapped
-    under a memory budget, from 4 MiB on otherwise (fewer arrays, so fewer
-    faults).
+    otherwise be faulted in at every call. Up to ``scratch`` (the plan's
+    largest pass: the driver passes the largest of its entries' transient
+    bytes) and at least :data:`~disttensor_nn.memory.HEAP_TOP_KEPT`, it is
+    carved from the heap, whose top the driver keeps as large between steps,
+    so it is reused warm (mesh-demo, one rank, the torch kernels: 37
+    thousand faults and 80 ms a step with 4 MiB, 5 thousand and 53 ms with
+    64 MiB; mesh at 2048 x 2048 on 2 ranks: the convolutions' gigabyte
+    reorders faulted in every step before). Without the cache every array
+    from 1 MiB on is mapped under a memory budget, from 4 MiB on otherwise
+    (fewer arrays, so fewer faults).
     """
     if block_cache:
-        return HEAP_TOP_KEPT
+        return int(min(max(HEAP_TOP_KEPT, math.ceil(scratch)), MALLOPT_MAX))
     return 2**20 if memory_per_rank is not None else 2**22
 
 
@@ -253,8 +259,9 @@ class Batches:
     the start of each step.
     """
 
-    def __init__(self, loader: Loader, it: Prefetcher | None = None):
-        self.loader, self.it = loader, it
+    def __init__(self, loader: Loader, it: Prefetcher | None = None,
+                 keep: int = HEAP_TOP_KEPT):
+        self.loader, self.it, self.keep = loader, it, keep
         self.plain = iter(loader) if it is None else None
         self.wait_s = 0.0
 
@@ -263,11 +270,12 @@ class Batches:
 
         The loader's scratch and the last step's arrays, freed, leave the
         process before this step's peak (the C allocator would keep them
-        resident), but for the heap's top of :data:`~disttensor_nn.memory.HEAP_TOP_KEPT`.
+        resident), but for ``keep`` bytes at the heap's top (see
+        :func:`mapping_threshold`).
         """
         t_data = time.perf_counter()
         x, y, self.plain = next_batch(self.loader, self.it, self.plain)
-        release_free_memory(HEAP_TOP_KEPT)  # the heap's top stays warm for kernels' scratch
+        release_free_memory(self.keep)  # the heap's top stays warm for kernels' scratch
         self.wait_s += time.perf_counter() - t_data
         return x, y
 
