@@ -303,15 +303,24 @@ def test_synthetic_data_are_noise_of_the_model_shapes(capsys):
     path = model_file(tmp)
     ck = os.path.join(tmp, "ck")
     metrics = os.path.join(tmp, "run")
-    assert train_main(base(path, "--in-channels", str(C), "--size", f"{H}x{W}", "--batch",
-                           "2", "--samples", "2", "--steps", "3", "--lr", "0.05",
-                           "--checkpoint", ck, "--metrics", metrics)) == 0
-    capsys.readouterr()
+    run = base(path, "--in-channels", str(C), "--size", f"{H}x{W}", "--batch", "2",
+               "--samples", "2", "--steps", "3", "--lr", "0.05")
+    assert train_main(run + ["--checkpoint", ck, "--metrics", metrics]) == 0
+    out = capsys.readouterr().out
+    if comm.Get_rank() == 0:  # the blocks made once, before the first step, and kept
+        assert "a rank takes in this run made ahead and kept" in out, out
     data = NoiseDataset(2, (C, H, W), (1, H, W), seed=0)
     x, t = (np.stack(a) for a in zip(*(data.sample(i) for i in range(2))))
     assert x.shape == (2, C, H, W) and t.shape == (2, 1, H, W)
     assert -1 <= x.min() < -0.5 and 0.5 < x.max() < 1
     assert_close(checkpoint_state(ck), reference(x, t, 3, "sgd", 0.05))
+    # made in every step instead: the same weights
+    fresh = os.path.join(tmp, "fresh")
+    assert train_main(run + ["--checkpoint", fresh, "--no-keep-data"]) == 0
+    out = capsys.readouterr().out
+    assert "made ahead" not in out, out
+    a, b = checkpoint_state(ck), checkpoint_state(fresh)
+    collective_assert(all(np.array_equal(a[k], b[k]) for k in a), "kept data changed a weight")
     with open(metrics + ".json") as f:
         summary = json.load(f)["summary"]
     assert summary["output_shape"] == [2, 1, H, W] and len(summary["history"]) == 3

@@ -44,10 +44,13 @@ from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint
 from .data import Loader, Prefetcher, open_dataset
 from .loop import (  # noqa: F401 - importable from here as before
+    KEEP_SHARE,
     Batches,
     StepResult,
     check_resume_step,
+    keep_data,
     machine_profile,
+    make_kept,
     mapping_threshold,
     memory_summary,
     metrics_problem,
@@ -325,7 +328,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     loader = Loader(data, cfg.batch, first, shuffle=True, seed=cfg.seed,
                     target_layout=target_layout, xp=None if is_numpy(xp) else xp,
                     dtype=activation_dtype(model))
-    _keep_data(cfg, loader, plan, comm)
+    keep_data(cfg, loader, plan, comm)
     lr = cfg.lr if cfg.lr is not None else spec.lr
     opt = make_optimizer(replace(cfg, shard_state=stage), model.parameters(), lr)
     sched = make_scheduler(cfg, opt)
@@ -344,7 +347,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
         if scaler.is_enabled() and state["extra"].get("grad_scaler"):
             scaler.load_state_dict(state["extra"]["grad_scaler"])
         say(comm, f"resumed from step {step} ({cfg.checkpoint})")
-    _make_kept(cfg, loader, step, comm)
+    make_kept(cfg, loader, step, comm)
     release_free_memory()  # what planning freed, before the step's peak is measured
     _check_budget(plan, model, comm, plan.shard_state)
     return model, shape, plan, nodes, loss_fn, loader, (opt, sched, scaler), step, history
@@ -369,36 +372,6 @@ def _planned_blocks(plan: Plan, model: Layer, comm: MPI.Comm, stage: str) -> flo
     process besides its parameters and their gradients: the step's blocks."""
     return plan.peak_memory - plan.baseline_memory - _planned_params(model, stage,
                                                                      comm.Get_size())
-
-
-KEEP_SHARE = 0.25
-"""Share of the memory a plan leaves free that a synthetic data set's kept blocks may take."""
-
-
-def _keep_data(cfg: TrainConfig, loader: Loader, plan: Plan, comm: MPI.Comm) -> int:
-    """Let a generated data set keep its blocks (:meth:`Dataset.keep`) where every rank's
-    blocks of every sample fit :data:`KEEP_SHARE` of the memory the plan leaves free; the
-    same decision on every rank. Returns the most bytes a rank keeps (0: none)."""
-    data = loader.dataset
-    need = comm.allreduce(loader.keep_bytes(), op=MPI.MAX)
-    room = (plan.memory_budget or 0) - plan.peak_memory
-    if not (cfg.keep_data and data.generated and 0 < need <= KEEP_SHARE * room):
-        return 0
-    data.keep(loader.keep_bytes())
-    return need
-
-
-def _make_kept(cfg: TrainConfig, loader: Loader, step: int, comm: MPI.Comm) -> None:
-    """Make, before the first step, the kept blocks of the samples the run's remaining steps
-    take on this rank (:meth:`Loader.make_kept`), and say how long it took; collective."""
-    t0 = time.perf_counter()
-    made = loader.make_kept(loader.upcoming((cfg.steps - step) * cfg.accumulate))
-    took = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-    made = comm.allreduce(made, op=MPI.MAX)
-    if made:
-        say(comm, f"synthetic data: the blocks of the {plural(made, 'sample')} a rank takes "
-                  f"in this run made ahead and kept ({took:.2f} s; --no-keep-data makes them "
-                  "in each step instead)")
 
 
 def _cache_limit(plan: Plan, model: Layer, comm: MPI.Comm, stage: str = "none") -> int:

@@ -30,6 +30,7 @@ from disttensor import node_share
 
 from ..kernels import limit_threads
 from ..memory import HEAP_TOP_KEPT, MALLOPT_MAX, MemoryProfile, release_free_memory
+from ..plan import Plan
 from ..plan.calibrate import calibrate, calibrate_compute, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from .checkpoint import save_checkpoint
@@ -39,7 +40,7 @@ __all__ = ["HEAVY_LOAD", "plural", "say", "metrics_problem", "prefetch_depth", "
            "threads_note", "machine_profile", "progress_bar", "next_batch", "Batches", "StepResult",
            "run_steps", "check_resume_step", "peak_memory", "phase_line", "say_peak_memory",
            "timing_summary", "memory_summary", "prediction_warning", "print_summary",
-           "write_metrics", "mapping_threshold"]
+           "write_metrics", "mapping_threshold", "keep_data", "make_kept", "KEEP_SHARE"]
 
 HEAVY_LOAD = 0.5
 """Load average per core above which a calibration is flagged as measured under load."""
@@ -80,6 +81,36 @@ def mapping_threshold(block_cache: bool, memory_per_rank: float | None,
     if block_cache:
         return int(min(max(HEAP_TOP_KEPT, math.ceil(scratch)), MALLOPT_MAX))
     return 2**20 if memory_per_rank is not None else 2**22
+
+
+KEEP_SHARE = 0.25
+"""Share of the memory a plan leaves free that a synthetic data set's kept blocks may take."""
+
+
+def keep_data(cfg: Any, loader: Loader, plan: Plan, comm: MPI.Comm) -> int:
+    """Let a generated data set keep its blocks (:meth:`Dataset.keep`) where every rank's
+    blocks of every sample fit :data:`KEEP_SHARE` of the memory the plan leaves free; the
+    same decision on every rank. Returns the most bytes a rank keeps (0: none)."""
+    data = loader.dataset
+    need = comm.allreduce(loader.keep_bytes(), op=MPI.MAX)
+    room = (plan.memory_budget or 0) - plan.peak_memory
+    if not (cfg.keep_data and data.generated and 0 < need <= KEEP_SHARE * room):
+        return 0
+    data.keep(loader.keep_bytes())
+    return need
+
+
+def make_kept(cfg: Any, loader: Loader, step: int, comm: MPI.Comm) -> None:
+    """Make, before the first step, the kept blocks of the samples the run's remaining steps
+    take on this rank (:meth:`Loader.make_kept`), and say how long it took; collective."""
+    t0 = time.perf_counter()
+    made = loader.make_kept(loader.upcoming((cfg.steps - step) * cfg.accumulate))
+    took = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    made = comm.allreduce(made, op=MPI.MAX)
+    if made:
+        say(comm, f"synthetic data: the blocks of the {plural(made, 'sample')} a rank takes "
+                  f"in this run made ahead and kept ({took:.2f} s; --no-keep-data makes them "
+                  "in each step instead)")
 
 
 def prefetch_depth(cfg: Any, comm: MPI.Comm) -> int:

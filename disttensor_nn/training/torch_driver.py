@@ -65,7 +65,9 @@ from .loop import (
     Batches,
     StepResult,
     check_resume_step,
+    keep_data,
     machine_profile,
+    make_kept,
     memory_summary,
     metrics_problem,
     plural,
@@ -266,7 +268,8 @@ class _ModelLoader(Loader):
 
     def __init__(self, dataset: Dataset, batch: int, dist_x: Distribution,
                  dist_y: Distribution, seed: int):
-        super().__init__(dataset, batch, Layout.of(dist_x), shuffle=True, seed=seed)
+        super().__init__(dataset, batch, Layout.of(dist_x), shuffle=True, seed=seed,
+                         target_layout=Layout.of(dist_y))
         self.dist_x, self.dist_y = dist_x, dist_y
 
     def load(self, indices: np.ndarray) -> tuple[DistArray, DistArray | np.ndarray]:
@@ -472,6 +475,7 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
               f"{plural(comm.Get_size(), 'rank')}")
         print(plan.table(), flush=True)
     loader = _ModelLoader(dataset, cfg.batch, pm.input_dist, pm.output_dist, cfg.seed)
+    keep_data(cfg, loader, plan, comm)  # synthetic blocks made once, as the built-in models'
     opt = _optimizer(cfg, pm.parameters())
     sched = _scheduler(cfg, opt)
     scaler = torch.amp.GradScaler("cpu", enabled=cfg.precision == "fp16")
@@ -488,6 +492,7 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
             scaler.load_state_dict(state["extra"]["grad_scaler"])
         history = [dict(h) for h in state["extra"].get("history", [])]
         say(comm, f"resumed from step {step} ({cfg.checkpoint})")
+    make_kept(cfg, loader, step, comm)
     release_free_memory()
     return pm, shape, plan, loader, opt, sched, scaler, step, history
 
