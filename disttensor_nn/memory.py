@@ -107,11 +107,11 @@ def release_free_memory(keep: int = 0) -> bool:
     Parameters
     ----------
     keep : int
-        Free bytes left resident at the top of the heap, where the next
-        arrays of a few MiB are carved (the training driver keeps
-        :data:`HEAP_TOP_KEPT` between steps, so that kernels' scratch is
-        not faulted in afresh each step). Free pages below the top are
-        given back whatever ``keep`` is.
+        Free bytes left resident at the top of the main heap, where the
+        next arrays are carved (the training driver keeps the kernels'
+        scratch there between steps, so that it is not faulted in afresh
+        each step). Free pages below the top, and the heaps of other
+        threads, are given back whatever ``keep`` is.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise ValueError(f"keep must be a non-negative number of bytes, got {keep!r}")
@@ -143,6 +143,9 @@ def map_large_allocations(threshold: int = 2**20) -> bool:
     page fault per 4 KiB page of each new large array. Returns whether the
     allocator supports it (glibc's ``mallopt``).
 
+    Some glibc versions refuse a threshold above 32 MiB (the largest their
+    own adjustment reaches); there 32 MiB is set instead.
+
     Parameters
     ----------
     threshold : int
@@ -153,7 +156,10 @@ def map_large_allocations(threshold: int = 2**20) -> bool:
     mallopt = getattr(_LIBC, "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, min(threshold, MALLOPT_MAX)))
+    value = min(threshold, MALLOPT_MAX)
+    if mallopt(_M_MMAP_THRESHOLD, value):
+        return True
+    return value > 2**25 and bool(mallopt(_M_MMAP_THRESHOLD, 2**25))
 
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter

@@ -543,10 +543,12 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         warm_misses[0] = cache.stats.misses if cache is not None else 0
     cache_limit = _cache_limit(plan, model, comm, plan.shard_state) \
         if cfg.block_cache else None
-    heap_top = HEAP_TOP_KEPT
+    heap_top = 0 if cfg.memory_per_rank is not None else HEAP_TOP_KEPT
     if cfg.block_cache:  # the largest pass's scratch from the heap, kept warm (see there)
-        heap_top = mapping_threshold(True, cfg.memory_per_rank,
-                                     max((e.transient for e in plan.entries), default=0))
+        scratch = max((e.transient for e in plan.entries), default=0)
+        if plan.memory_budget:  # never more than the budget leaves above the plan's peak
+            scratch = min(scratch, max(plan.memory_budget - plan.peak_memory, 0))
+        heap_top = mapping_threshold(True, cfg.memory_per_rank, scratch)
         map_large_allocations(heap_top)
         keep_heap_top(heap_top)
     try:

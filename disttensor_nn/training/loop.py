@@ -290,8 +290,7 @@ class Batches:
     the start of each step.
     """
 
-    def __init__(self, loader: Loader, it: Prefetcher | None = None,
-                 keep: int = HEAP_TOP_KEPT):
+    def __init__(self, loader: Loader, it: Prefetcher | None = None, keep: int = 0):
         self.loader, self.it, self.keep = loader, it, keep
         self.plain = iter(loader) if it is None else None
         self.wait_s = 0.0

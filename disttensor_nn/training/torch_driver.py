@@ -262,6 +262,12 @@ def _parallel(cfg: ModelFileConfig, model: nn.Module, shape: tuple[int, ...],
 
 
 # ------------------------------------------------------------------ data
+def _heap_top(cfg: ModelFileConfig) -> int:
+    """Bytes PyTorch's arrays may take from the C heap, and the heap keeps at its top across
+    the per-step trim: none under a memory budget (freed arrays leave the process)."""
+    return 0 if cfg.memory_per_rank is not None else HEAP_TOP_KEPT
+
+
 class _ModelLoader(Loader):
     """The batches of a :class:`Loader`, inputs in the parallel model's input distribution,
     targets in its output's (the loss compares the blocks without moving them)."""
@@ -271,6 +277,14 @@ class _ModelLoader(Loader):
         super().__init__(dataset, batch, Layout.of(dist_x), shuffle=True, seed=seed,
                          target_layout=Layout.of(dist_y))
         self.dist_x, self.dist_y = dist_x, dist_y
+
+    @property
+    def keeps_exactly(self) -> bool:
+        """Whether the layouts give the blocks :meth:`load` asks for (kept blocks are found
+        by their place; a distribution with explicit splits, such as a strided layer's
+        output, is not its layout's); the same on every rank."""
+        return all(Layout.of(d).distribution(d.global_shape) == d
+                   for d in (self.dist_x, self.dist_y))
 
     def load(self, indices: np.ndarray) -> tuple[DistArray, DistArray | np.ndarray]:
         return self.dataset.batch(indices, self.dist_x, self.dist_y)
@@ -475,7 +489,8 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
               f"{plural(comm.Get_size(), 'rank')}")
         print(plan.table(), flush=True)
     loader = _ModelLoader(dataset, cfg.batch, pm.input_dist, pm.output_dist, cfg.seed)
-    keep_data(cfg, loader, plan, comm)  # synthetic blocks made once, as the built-in models'
+    if loader.keeps_exactly:  # synthetic blocks made once, as the built-in models'
+        keep_data(cfg, loader, plan, comm)
     opt = _optimizer(cfg, pm.parameters())
     sched = _scheduler(cfg, opt)
     scaler = torch.amp.GradScaler("cpu", enabled=cfg.precision == "fp16")
@@ -579,7 +594,7 @@ def _train(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[
     data_times: list[float] = []
     try:
         pm.train()
-        step = run_steps(cfg, comm, Batches(loader, it),
+        step = run_steps(cfg, comm, Batches(loader, it, _heap_top(cfg)),
                          _torch_step(cfg, memory, pm, opt, sched, scaler),
                          step, history, times, data_times, bar, model=_ModelState(pm),
                          optimizer=_STATES[cfg.optimizer](opt), scheduler=sched,
@@ -644,7 +659,7 @@ def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict
     # (the mesh-demo FCN in plain torch, batch 4, one rank: 81-86 ms of compute a step and
     # 48-57 thousand page faults with 4 MiB, 62 ms and 7-9 thousand with 64 MiB; the peak
     # 3% higher)
-    map_large_allocations(2**20 if cfg.memory_per_rank is not None else HEAP_TOP_KEPT)
+    map_large_allocations(_heap_top(cfg) or 2**20)
     keep_heap_top()  # scratch of a few MiB reused warm between the per-step trims
     memory = MemoryProfile()
     if cfg.prefetch is None:
