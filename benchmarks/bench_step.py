@@ -17,7 +17,9 @@ must agree (checked and printed).
 With one rank, both run in this process with ``--threads`` threads: torch's
 intra-op threads, and ours in the kernels' pool
 (``disttensor_nn.kernels.set_num_threads``, BLAS single-threaded) or, with
-``--threads-in blas``, in BLAS alone. With several ranks, ours splits
+``--threads-in blas``, in BLAS alone; with ``--kernels torch``, as the
+training driver sets them (``disttensor_nn.kernels.limit_threads``):
+PyTorch's and the NumPy kernels' pool both. With several ranks, ours splits
 the batch over the ranks (sample parallelism, gradients summed by the
 layers) and torch runs DistributedDataParallel over gloo on the same ranks,
 one thread each. Our step reduces the gradients in ``GradientBuckets`` of
@@ -335,10 +337,11 @@ def main(argv=None) -> int:
         return 2
     threads = 1 if comm.Get_size() > 1 else args.threads
     args.threads = threads
-    if args.kernels == "torch":  # PyTorch's intra-op threads, a one-thread BLAS beside them
+    if args.kernels == "torch":  # as the training driver sets them: PyTorch's intra-op
+        # threads, the NumPy kernels' pool of as many (the optimizer's sweep, NumPy layers)
+        # and a one-thread BLAS beside them
         nn_kernels.check_backend("torch")
-        dt.limit_blas_threads(1)
-        nn_kernels.torch_kernels.set_num_threads(threads)
+        nn_kernels.limit_threads(threads, kernels="torch")
     elif args.threads_in == "blas":
         dt.limit_blas_threads(threads)
     else:  # our kernels' pool of threads, each calling a one-thread BLAS
