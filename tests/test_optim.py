@@ -286,6 +286,45 @@ def test_param_groups_and_attributes_are_one_thing():
     assert Adam([p]).weight_decay == 0.0 and SGD([p], lr=0.1).nesterov is False
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("momentum,dampening,decay", [(0.9, 0.0, 1e-3), (0.9, 0.5, 0.0),
+                                                       (0.0, 0.0, 1e-2)])
+def test_sgd_in_pieces_over_threads_is_the_formula_element_for_element(threads, momentum,
+                                                                      dampening, decay):
+    """SGD sweeps large float32 parameters in pieces shared out over the NumPy kernels'
+    threads (by_chunks): every element as the whole-array formula gives it, bit for bit,
+    with a length that is no multiple of a piece and a parameter smaller than one."""
+    from disttensor_nn.kernels import numpy_kernels
+    from disttensor_nn.optim.optimizer import CHUNK
+    rng = np.random.default_rng(3)
+    shapes = [(5 * CHUNK + 123,), (7, 3)]
+    w0 = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    before = numpy_kernels.get_num_threads()
+    numpy_kernels.set_num_threads(threads)
+    try:
+        params = [nn.Parameter(w.copy()) for w in w0]
+        opt = SGD(params, lr=0.1, momentum=momentum, dampening=dampening,
+                  weight_decay=decay)
+        for g in grads:
+            for p, gi in zip(params, g):
+                p.grad[...] = gi
+            opt.step()
+    finally:
+        numpy_kernels.set_num_threads(before)
+    lr, m, dmp, wd = (np.float32(v) for v in (0.1, momentum, dampening, decay))
+    for i, w in enumerate(w0):
+        w, buf = w.copy(), None
+        for g in grads:
+            d = (w * wd + g[i]) if decay else g[i]
+            if momentum:
+                buf = d.copy() if buf is None else buf * m + (d if dampening == 0 else
+                                                             (1 - dmp) * d)
+                d = buf
+            w = w - d * lr
+        assert np.array_equal(params[i].data, w), (i, np.abs(params[i].data - w).max())
+
+
 def test_sgd_state_dict_keeps_its_format():
     p = nn.Parameter(np.ones(3))
     opt = SGD([p], lr=0.1, momentum=0.9)

@@ -19,6 +19,7 @@ from disttensor.backend import (
     to_numpy,
 )
 
+from ..kernels.numpy_kernels import run_split
 from ..layout import full_array, local_block
 from ..parameter import Parameter
 from ..shards import gather_shards, shard_range
@@ -75,8 +76,11 @@ def _like(ref: Any, buf: Any) -> Any:
     return contiguous(moved, copy=True) if moved is buf else moved
 
 
-CHUNK = 2**15
-"""Elements per piece in which :func:`by_chunks` runs NumPy arrays (a few pieces fit a cache)."""
+CHUNK = 2**17
+"""Elements per piece in which :func:`by_chunks` runs NumPy arrays (a few pieces fit a core's
+cache). SGD with momentum over 16.6 M float32 parameters, one thread: 26.3 ms in pieces of
+2**15, 24.6 ms of 2**17, 33.7 ms of 2**19; two threads: 27.9, 17.7 and 26.2 ms (small
+pieces leave the GIL little time released)."""
 
 
 def by_chunks(fn: Callable[..., None], *arrays: Any) -> None:
@@ -86,8 +90,11 @@ def by_chunks(fn: Callable[..., None], *arrays: Any) -> None:
     ``CHUNK`` elements long and ``scratch`` a buffer of a piece's size, so
     that an update of several passes reads and writes each array once while
     a piece is in cache, and makes no temporary of the arrays' size (one is
-    mapped afresh and faulted in at every step). Otherwise ``fn`` runs once
-    on the whole arrays with ``scratch`` None.
+    mapped afresh and faulted in at every step). The pieces are shared out in
+    contiguous runs over the NumPy kernels' threads
+    (:func:`disttensor_nn.kernels.numpy_kernels.run_split`), each run with a
+    scratch of its own, so ``fn`` must touch nothing but its pieces.
+    Otherwise ``fn`` runs once on the whole arrays with ``scratch`` None.
     """
     first = arrays[0]
     if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.shape == first.shape
@@ -95,10 +102,14 @@ def by_chunks(fn: Callable[..., None], *arrays: Any) -> None:
         fn(*arrays, None)
         return
     flat = [a.reshape(-1) for a in arrays]
-    scratch = np.empty(CHUNK, first.dtype)
-    for i in range(0, first.size, CHUNK):
-        n = min(CHUNK, first.size - i)
-        fn(*(a[i:i + n] for a in flat), scratch[:n])
+
+    def run(start: int, stop: int) -> None:
+        scratch = np.empty(min(CHUNK, stop - start), first.dtype)
+        for i in range(start, stop, CHUNK):
+            n = min(CHUNK, stop - i)
+            fn(*(a[i:i + n] for a in flat), scratch[:n])
+
+    run_split(run, first.size, CHUNK)
 
 
 def _scaled(scratch: Any | None, x: Any, alpha: float) -> Any:

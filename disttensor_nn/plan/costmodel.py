@@ -41,6 +41,7 @@ from disttensor.backend import numpy_dtype
 
 from ..costspec import CostSpec, largest_block
 from ..kernels import BACKENDS, layer_supports, with_backend
+from ..kernels.numpy_kernels import get_num_threads
 from ..module import Layer
 from ..optim.optimizer import CHUNK, STAGES
 from .machine import MachineProfile
@@ -558,12 +559,12 @@ class CostModel:
         if stage >= 3:  # 1/P of the weights; a layer's gathered for its pass, and the
             # next one's gathered meanwhile: at most the two largest whole
             weights = weights * share + sum(sorted(sizes)[-2:])
-        # the update's temporaries: SGD's sweep over pieces needs a piece's scratch, Adam's
-        # a temporary of the parameter's size
+        # the update's temporaries: SGD's sweep over pieces needs a piece's scratch per
+        # thread of the NumPy kernels, Adam's a temporary of the parameter's size
         temp = max(sizes, default=0) * share
         if self.state_slots < 2:
-            temp = min(temp, CHUNK * max((numpy_dtype(p.dtype).itemsize
-                                          for p in model.parameters()), default=4))
+            temp = min(temp, CHUNK * get_num_threads() * max(
+                (numpy_dtype(p.dtype).itemsize for p in model.parameters()), default=4))
         return float(weights + held + state + max(pending, temp))
 
     def update_time(self, model: Layer) -> float:
