@@ -210,6 +210,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     torch_model = to_torch(model) if torch is not None else None  # before any update
     model[0].input_grad = False  # fed data, as torch's input that requires no gradient
     opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt.kernel_backend = nn_kernels.optimizer_backend((args.kernels,))  # as the driver's
 
     def ours_step() -> float:
         opt.zero_grad()

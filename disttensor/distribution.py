@@ -271,7 +271,18 @@ class Distribution:
     # ----------------------------------------------------------- block lookup
     def block_index(self, rank: int | None = None) -> tuple[int, ...]:
         """Index of ``rank``'s block along each dimension."""
+        if rank is None and self.grid is not None:
+            return self._own_index
         c = coords_of(self._rank(rank), self.grid_shape)
+        return tuple(
+            rank_of([c[a] for a in e], [self.grid_shape[a] for a in e]) if e else 0
+            for e in self._axes
+        )
+
+    @cached_property
+    def _own_index(self) -> tuple[int, ...]:
+        # asked for by every layer on every call: computed once per Distribution
+        c = coords_of(self.grid.rank, self.grid_shape)
         return tuple(
             rank_of([c[a] for a in e], [self.grid_shape[a] for a in e]) if e else 0
             for e in self._axes
@@ -279,7 +290,14 @@ class Distribution:
 
     def local_slices(self, rank: int | None = None) -> tuple[slice, ...]:
         """Global slices of ``rank``'s block (this process's rank by default)."""
+        if rank is None and self.grid is not None:
+            return self._own_slices
         bi = self.block_index(rank)
+        return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.boundaries, bi))
+
+    @cached_property
+    def _own_slices(self) -> tuple[slice, ...]:
+        bi = self._own_index
         return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.boundaries, bi))
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:

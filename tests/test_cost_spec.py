@@ -150,9 +150,9 @@ def test_global_pool_flatten_linear_specs_by_hand():
     s = nn.Linear(12, 5).cost_spec(pure((6, 12), (3, 2, 1)))
     assert (s.local_shape, s.flops, s.nbytes, s.saved) == ((2, 12), 2 * 2 * 12 * 5, 24 * 4, 0)
     assert s.keeps_input and s.kept(24 * 4, 10 * 4) == 24 * 4
-    # the gradients summed in float64; the weights they update (what sharded state gathers)
-    # in float32
-    assert s.allreduces == (Allreduce((12 * 5 + 5) * 8, (0,), gradient=True,
+    # the gradients summed in the parameters' float32, as the weights they update (what
+    # sharded state gathers)
+    assert s.allreduces == (Allreduce((12 * 5 + 5) * 4, (0,), gradient=True,
                                       weights=(12 * 5 + 5) * 4),)
 
 

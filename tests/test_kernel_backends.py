@@ -26,6 +26,7 @@ from disttensor_nn.kernels import (
     check_backend,
     kernels_for,
     limit_threads,
+    optimizer_backend,
     threads_now,
     torch_kernels,
     use_kernels,
@@ -144,6 +145,13 @@ def test_backend_names_are_checked():
     assert set(available_backends()) <= set(BACKENDS) and "numpy" in available_backends()
     with pytest.raises(ValueError):
         use_kernels(small_net(), "fast")
+    opt = nn.SGD(small_net().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="unknown kernel backend 'fast'"):
+        opt.kernel_backend = "fast"
+    opt.kernel_backend = "numpy"  # the arrays' own module's, as None
+    assert opt.kernel_backend is None
+    assert optimizer_backend(("numpy", "torch")) == "torch"
+    assert optimizer_backend(("numpy",)) is None and optimizer_backend(None) is None
 
 
 def _hide_torch(monkeypatch):
@@ -158,11 +166,18 @@ def test_without_torch_every_way_to_ask_for_it_raises_the_import_error_naming_th
     assert not torch_kernels.available() and available_backends() == ("numpy",)
     hint = r'pip install "disttensor\[torch\]"'
     net = small_net()
+    opt = nn.SGD(net.parameters(), lr=0.1)
+
+    def optimizer_kernels():
+        opt.kernel_backend = "torch"
+
     for call in (lambda: check_backend("torch"), lambda: kernel_choice("torch"),
-                 lambda: use_kernels(net, "torch"), lambda: kernels_for(np.zeros(1), "torch")):
+                 lambda: use_kernels(net, "torch"), lambda: kernels_for(np.zeros(1), "torch"),
+                 optimizer_kernels):
         with pytest.raises(ImportError, match=hint):
             call()
-    collective_assert(all(layer.kernel_backend is None for layer in net), "changed")
+    collective_assert(all(layer.kernel_backend is None for layer in net) and
+                      opt.kernel_backend is None, "changed")
     conv = nn.Conv2d(2, 2, 3)
     conv.kernel_backend = "torch"
     x = dt.DistArray.from_global(np.ones((2, 2, 5, 5), np.float32),

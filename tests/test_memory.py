@@ -605,9 +605,9 @@ def test_parameter_state_of_a_step_is_what_the_model_counts(monkeypatch):
         finally:
             tracemalloc.stop()
     activations = 4 * (64 + 128 + 2048) * 4  # every block at once, at most
-    # Linear sums its local gradients in float64: twice the parameters' bytes, and the
-    # small ones also copied into a fused bucket (by hand: only the 2 MiB weight is not)
-    grads = [2 * n for n in sizes]
+    # Linear's local gradients are of the parameters' dtype, the small ones also copied
+    # into a fused bucket (by hand: only the 1 MiB weight is not)
+    grads = list(sizes)
     pending = sum(grads) + sum(n for n in grads if n < 2**20)
     assert pending - SLACK <= peaks[0] <= pending + activations + SLACK, (peaks, pending)
     # SGD's update sweeps each parameter a piece at a time through a piece's scratch

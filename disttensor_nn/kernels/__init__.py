@@ -43,7 +43,8 @@ from . import array_api_kernels, cupy_kernels, numpy_kernels, torch_kernels, xp_
 
 __all__ = ["kernels_for", "synchronize", "set_num_threads", "get_num_threads", "BACKENDS",
            "available_backends", "check_backend", "with_backend", "use_kernels",
-           "backend_supports", "layer_supports", "limit_threads", "threads_now"]
+           "backend_supports", "layer_supports", "limit_threads", "threads_now",
+           "optimizer_backend"]
 
 BACKENDS = ("numpy", "torch")
 """Names of the kernel backends a layer may name (``layer.kernel_backend``)."""
@@ -103,6 +104,15 @@ def threads_now() -> tuple[int, int]:
 def available_backends() -> tuple[str, ...]:
     """The backends of :data:`BACKENDS` this process can run (``"torch"`` needs PyTorch)."""
     return tuple(b for b in BACKENDS if b != "torch" or torch_kernels.available())
+
+
+def optimizer_backend(backends: Any) -> str | None:
+    """The kernels an optimizer's update runs (:attr:`disttensor_nn.optim.Optimizer.
+    kernel_backend`) where layers choose among ``backends``: ``"torch"`` when it is one
+    of them (PyTorch's element-wise kernels spread an update over its intra-op threads),
+    else None (the array module's). The training driver sets its optimizer's, and the
+    cost model times the update, by this one rule."""
+    return "torch" if backends and "torch" in backends else None
 
 
 def check_backend(name: str | None) -> str | None:

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import astype, contiguous, namespace_dtype, numpy_dtype
+from disttensor.backend import contiguous, numpy_dtype
 
 from ..costspec import Allreduce, CostSpec, largest_block
+from ..kernels import kernels_for
 from ..module import Layer, Parameter, check_int, reduce_gradients_, split_axes_comm
 from ..precision import io_dtype, is_half, to_dtype
 from .sharding import (
@@ -88,7 +89,11 @@ class Linear(Layer):
     outputs; the input gradient's partial sums are summed over them). With
     both over the same axes the input is gathered first. The weight
     gradient is summed over the grid axes that split N, each rank's shard
-    only.
+    only, in the parameters' dtype.
+
+    The products are the array module's ``matmul`` or, with the torch
+    kernels (``kernel_backend = "torch"``), ATen's ``addmm`` and ``mm`` over
+    PyTorch's intra-op threads.
 
     Parameters
     ----------
@@ -102,6 +107,7 @@ class Linear(Layer):
     """
 
     saved_for_backward = ("_x",)
+    kernel_backends = ("numpy", "torch")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  dtype: Any = np.float32, seed: int = 0, out_axes: Any = ()):
@@ -139,9 +145,14 @@ class Linear(Layer):
         xin, x = x, gather_channels(x, a_c)
         self._x, self._splits = (xin, x), (a_f, a_c)
         # 16-bit activations: the product in the parameters' dtype, the output in 16 bits
-        y = to_dtype(x.local, self.dtype) @ self.weight.data.T
-        if self.bias is not None and not a_c:
-            y = y + self.bias.data
+        xl, w = to_dtype(x.local, self.dtype), self.weight.data
+        b = self.bias.data if self.bias is not None and not a_c else None
+        if self.kernel_backend == "torch":  # ATen's addmm, over PyTorch's threads
+            y = kernels_for(xl, "torch").linear_forward(xl, w, b)
+        else:
+            y = xl @ w.T
+            if b is not None:
+                y = y + b
         y = to_dtype(y, x.dtype)
         out = Distribution((x.shape[0], self.out_features), x.grid,
                            (x.dist.axes[0], a_f or None), [x.dist.splits[0], None])
@@ -152,20 +163,26 @@ class Linear(Layer):
     def backward(self, dy: DistArray) -> DistArray:
         xin, x = self._x
         xp = x.xp
-        g = to_dtype(dy.local, self.dtype)
-        # summed in float64 over the ranks that split N (each rank's shard)
-        reduce_gradients_([(self.weight, astype(g.T @ to_dtype(x.local, self.dtype),
-                                                np.float64)),
-                           (self.bias, xp.sum(g, axis=0, dtype=namespace_dtype(xp, np.float64)))],
-                          split_axes_comm(x.dist, (0,)))
-        dx = DistArray(contiguous(to_dtype(g @ self.weight.data, dy.dtype)), x.dist)
+        g, xl, w = to_dtype(dy.local, self.dtype), to_dtype(x.local, self.dtype), \
+            self.weight.data
+        if self.kernel_backend == "torch":
+            dxl, dw, db = kernels_for(g, "torch").linear_backward(
+                g, xl, w, need_db=self.bias is not None)
+        else:
+            dw, dxl = g.T @ xl, g @ w
+            db = xp.sum(g, axis=0) if self.bias is not None else None
+        # in the parameters' dtype, summed over the ranks that split N (each rank's shard);
+        # fresh products, given to the parameters where they are their first gradients
+        reduce_gradients_([(self.weight, dw), (self.bias, db)], split_axes_comm(x.dist, (0,)),
+                          owned=True)
+        dx = DistArray(contiguous(to_dtype(dxl, dy.dtype)), x.dist)
         return sum_input_grad(dx, xin, self._splits[0])
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """A GEMM on the sample block, which is kept for backward.
 
-        The weight and bias gradients (float64) are summed over the ranks
-        that split N (the parameters themselves are in the layer's dtype).
+        The weight and bias gradients, in the parameters' dtype, are summed
+        over the ranks that split N.
         """
         block = largest_block(dist)
         n = math.prod(block)
@@ -173,7 +190,7 @@ class Linear(Layer):
         weights = params * self.dtype.itemsize
         return CostSpec(block, flops=2.0 * block[0] * self.in_features * self.out_features,
                         nbytes=n * itemsize,
-                        allreduces=(Allreduce(params * 8, (0,), gradient=True, weights=weights),),
+                        allreduces=(Allreduce(weights, (0,), gradient=True, weights=weights),),
                         keeps_input=True)
 
     def kernel_signature(self) -> str:

@@ -46,10 +46,12 @@ def _into(xp: ModuleType, op: str, a: Any, b: Any, out: Any | None) -> Any:
 
 NATIVE_BATCH_NORM_MAX = 2**18
 """Elements of a block up to which the torch kernels normalise a block whose statistics
-are its own by ATen's training-mode kernel in one call (Welford's statistics); a larger
-one takes the centred passes, faster there (a 2-core AVX-512 machine: ATen's one call
-0.12 ms against 0.16 at 64 Ki elements, 2.8 ms against 2.1 at 1.5 Mi, before the
-per-channel arithmetic the centred passes add, some 0.1 ms)."""
+are its own by ATen's training-mode kernel in one call (Welford's statistics) on one
+thread; a larger one takes the centred passes there, faster on one thread (a 2-core
+AVX-512 machine: ATen's one call 0.12 ms against 0.16 at 64 Ki elements, 2.8 ms against
+2.1 at 1.5 Mi, before the per-channel arithmetic the centred passes add, some 0.1 ms).
+With more than one PyTorch thread every size takes the one call, which spreads over them
+(forward and backward of ``(8, 64, 56, 56)`` on 2 threads: 1.95 ms against 3.28)."""
 
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 """Blocks the one-call path takes (its running statistics are updated in the block's dtype:
@@ -160,13 +162,13 @@ class BatchNormNd(Layer):
     from it, ATen's fused batch-norm reduction over them and its
     evaluation-mode kernel as the per-channel affine map forward (two passes
     over the block and two reductions), or, for a block of up to
-    :data:`NATIVE_BATCH_NORM_MAX` elements whose statistics no other rank
-    shares, ATen's training-mode kernel in one call (as PyTorch in one
-    process); backward, ATen's batch-norm backward in one call where no
-    other rank shares the statistics, else its fused reduction and the
-    centred input gradient; the running
-    statistics (float64 buffers ``running_mean`` and ``running_var``, in the
-    :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
+    :data:`NATIVE_BATCH_NORM_MAX` elements (any size where PyTorch runs more
+    than one thread) whose statistics no other rank shares, ATen's
+    training-mode kernel in one call (as PyTorch in one process); backward,
+    ATen's batch-norm backward in one call where no other rank shares the
+    statistics, else its fused reduction and the centred input gradient; the
+    running statistics (float64 buffers ``running_mean`` and ``running_var``,
+    in the :meth:`~disttensor_nn.Layer.state_dict`) move to it on first use.
 
     Parameters
     ----------
@@ -232,7 +234,8 @@ class BatchNormNd(Layer):
             comm = split_axes_comm(x.dist, (1, *(axes if self.stats == "global" else spatial)))
             count = math.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * math.prod(x.shape[2:]))
-            if fused and not converted and 0 < kept.size <= NATIVE_BATCH_NORM_MAX and \
+            if fused and not converted and 0 < kept.size and (
+                    kept.size <= NATIVE_BATCH_NORM_MAX or kernels.num_threads() > 1) and \
                     self.dtype in _NATIVE_DTYPES and self.stats == "global" and \
                     not self.shared_statistics and comm.Get_size() == 1:
                 return self._native_forward(x, kernels, x3)

@@ -19,6 +19,7 @@ from disttensor.backend import (
     to_numpy,
 )
 
+from ..kernels import check_backend
 from ..kernels.numpy_kernels import run_split
 from ..layout import full_array, local_block
 from ..parameter import Parameter
@@ -190,12 +191,31 @@ class Optimizer:
     (``_update`` runs on that piece), and :meth:`step` all-gathers the
     updated pieces.
 
+    :attr:`kernel_backend` names the kernels of the update (None: the
+    arrays' module's; ``"torch"``: PyTorch's element-wise kernels on NumPy
+    parameters, shared zero-copy and spread over PyTorch's intra-op threads,
+    where the optimizer has them).
+
     Subclasses give ``_saved`` (the hyper-parameters that :meth:`state_dict`
     stores) and ``_update(i, p)``; the constructor validates every
     hyper-parameter before anything is kept.
     """
 
     _saved: tuple[str, ...] = ("lr",)
+    _kernel_backend: str | None = None
+
+    @property
+    def kernel_backend(self) -> str | None:
+        """The update's kernels: None (the arrays' module's) or ``"torch"``.
+
+        Setting it validates the name first (ValueError for an unknown one,
+        ImportError naming the extra for ``"torch"`` without PyTorch).
+        """
+        return self._kernel_backend
+
+    @kernel_backend.setter
+    def kernel_backend(self, name: str | None) -> None:
+        self._kernel_backend = None if check_backend(name) == "numpy" else name
 
     def __init__(self, params: Iterable[Parameter], defaults: dict[str, Any]):
         if isinstance(params, Parameter):

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from disttensor.backend import array_namespace, astype
 
+from ..kernels import torch_kernels
 from ..parameter import Parameter
 from .optimizer import Optimizer, _like, _scaled, add_scaled_, by_chunks, check_number
 
@@ -32,6 +35,14 @@ class SGD(Optimizer):
     momentum, dampening, weight_decay : float
         Each >= 0.
     nesterov : bool
+
+    Notes
+    -----
+    With :attr:`~Optimizer.kernel_backend` ``"torch"`` a NumPy parameter of
+    float32 or float64 is updated by ATen's in-place element-wise kernels
+    over PyTorch's threads (``torch.optim.SGD``'s arithmetic); otherwise by
+    the array module in one sweep over cache-sized pieces shared out over the
+    NumPy kernels' threads.
 
     Raises
     ------
@@ -72,6 +83,11 @@ class SGD(Optimizer):
             elif buf is None:
                 buf = self.state[i] = array_namespace(g).empty_like(g)
                 fresh = True
+        if self.kernel_backend == "torch" and g.dtype == p.data.dtype and \
+                isinstance(p.data, np.ndarray) and torch_kernels.supports(g.dtype):
+            torch_kernels.sgd_update_(p.data, g, buf, lr, momentum, dampening, decay,
+                                      self.nesterov, fresh)
+            return
         if not self.nesterov and g.dtype == p.data.dtype:
             # d = g + decay * p; buf = momentum * buf + (1 - dampening) * d; p -= lr * buf,
             # in one sweep over cache-sized pieces (no temporary of the parameter's size)

@@ -40,7 +40,7 @@ from disttensor import Distribution, factorizations
 from disttensor.backend import numpy_dtype
 
 from ..costspec import CostSpec, largest_block
-from ..kernels import BACKENDS, layer_supports, with_backend
+from ..kernels import BACKENDS, layer_supports, optimizer_backend, with_backend
 from ..kernels.numpy_kernels import get_num_threads
 from ..module import Layer
 from ..optim.optimizer import CHUNK, STAGES
@@ -571,7 +571,9 @@ class CostModel:
         """Seconds per training step of the optimizer's update of ``model``'s parameters
         (and their gradients zeroed for the next step), as the kernel timer measures it
         (:meth:`KernelTimer.update_time`: the optimizer that keeps ``state_slots`` arrays
-        per parameter, this rank's pieces under sharded state); 0 in inference and
+        per parameter, this rank's pieces under sharded state, in the kernels
+        :func:`~disttensor_nn.kernels.optimizer_backend` picks from the backends the
+        layers choose among); 0 in inference and
         without a timer that measures it (rate profiles)."""
         update = getattr(self.timer, "update_time", None)
         if not self.training or update is None:
@@ -580,7 +582,8 @@ class CostModel:
         share = 1.0 / self.nprocs if STAGES.index(self.shard_state) >= 1 else 1.0
         elements = sum(math.prod(p.shape) for p in params) * share
         dtype = numpy_dtype(params[0].dtype) if params else np.dtype(np.float32)
-        return update(self.state_slots, len(params), int(elements), dtype, self.corun)
+        return update(self.state_slots, len(params), int(elements), dtype, self.corun,
+                      optimizer_backend(self.backends))
 
     def local_gradient_bytes(self, layer: Layer, in_shape: tuple[int, ...]) -> list[float]:
         """Bytes of the local gradients ``layer`` hands to the reduction (its gradient

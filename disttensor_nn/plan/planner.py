@@ -42,6 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..costspec import largest_block
+from ..kernels import optimizer_backend
 from ..module import Layer
 from ..precision import is_half, precision_of
 from .apply import apply_plan
@@ -413,7 +414,8 @@ class Planner:
         if self.cost.training and params and (
                 self.budget is None or self.budget >= self.base_memory +
                 timer.update_bytes(slots, params[0].dtype)):
-            if timer.measure_update(slots, params[0].dtype, comm):
+            if timer.measure_update(slots, params[0].dtype, comm,
+                                    optimizer_backend(self.cost.backends)):
                 self.notes.append(f"optimizer update timed on {corun} "
                                   f"rank{'' if corun == 1 else 's'} at once")
         queries, news = [], 0

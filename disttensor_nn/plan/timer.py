@@ -165,15 +165,18 @@ class KernelTimer:
     update_params: int = 64
     """Small parameters on which :meth:`update_time` times the per-parameter cost."""
 
-    def update_key(self, slots: int, dtype: Any, corun: int = 0) -> str:
+    def update_key(self, slots: int, dtype: Any, corun: int = 0,
+                   kernels: str | None = None) -> str:
         """Cache key of an optimizer update's costs (:meth:`update_time`): alone
-        (``corun=0``) or on ``corun`` ranks at once, with this rank's threads now."""
+        (``corun=0``) or on ``corun`` ranks at once, with this rank's threads now, in the
+        optimizer's ``kernels`` (:attr:`~disttensor_nn.optim.Optimizer.kernel_backend`)."""
         pool, blas = threads_now()
         where = (f"seq{corun}" if corun else "alone") + f"|t{pool}.{blas}"
-        return f"update:{int(slots)}|{np.dtype(dtype).str}|{where}{self._where}"
+        backend = f"|{kernels}" if kernels not in (None, "numpy") else ""
+        return f"update:{int(slots)}|{np.dtype(dtype).str}|{where}{backend}{self._where}"
 
     def update_time(self, slots: int, params: int, elements: int, dtype: Any = np.float32,
-                    corun: int = 1) -> float:
+                    corun: int = 1, kernels: str | None = None) -> float:
         """Seconds of one optimizer step (and the gradients zeroed for the next) over
         ``params`` parameters of ``elements`` elements in all, of ``dtype``.
 
@@ -183,16 +186,18 @@ class KernelTimer:
         one per parameter plus one per element, timed on ``update_params``
         small parameters and on ``update_elements`` elements: on ``corun`` ranks
         at once where :meth:`measure_update` took it, else on one, else alone
-        now (kept in the cache with the kernels; with ``measure`` off, 0).
+        now (kept in the cache with the kernels; with ``measure`` off, 0); the
+        optimizer's ``kernels`` are its ``kernel_backend``.
         """
         for co in dict.fromkeys((corun, 1, 0)):
-            entry = self.table.get(self.update_key(slots, dtype, co))
+            entry = self.table.get(self.update_key(slots, dtype, co, kernels))
             if entry is not None:
                 break
         else:
             if not self.measure:
                 return 0.0
-            entry = self.table[self.update_key(slots, dtype)] = self._update_costs(slots, dtype)
+            entry = self.table[self.update_key(slots, dtype, 0, kernels)] = \
+                self._update_costs(slots, dtype, kernels)
             self._dirty = True
         per_param, per_element = entry[:2]
         return params * per_param + elements * per_element
@@ -201,21 +206,23 @@ class KernelTimer:
         """Bytes :meth:`measure_update` allocates: the parameter, its gradient and state."""
         return float((2 + slots) * self.update_elements * np.dtype(dtype).itemsize)
 
-    def measure_update(self, slots: int, dtype: Any, comm: Any) -> bool:
+    def measure_update(self, slots: int, dtype: Any, comm: Any,
+                       kernels: str | None = None) -> bool:
         """Time the update costs of :meth:`update_time` on every rank of ``comm`` at once
         (the slowest rank's), unless every rank has them for this many ranks already.
         Collective; whether anything was timed."""
-        key = self.update_key(slots, dtype, comm.Get_size())
+        key = self.update_key(slots, dtype, comm.Get_size(), kernels)
         if not comm.allreduce(key not in self.table, op=MPI.LOR):
             return False
         comm.Barrier()
-        costs = np.array(self._update_costs(slots, dtype))
+        costs = np.array(self._update_costs(slots, dtype, kernels))
         comm.Allreduce(MPI.IN_PLACE, costs, op=MPI.MAX)
         self.table[key] = [float(c) for c in costs]
         self._dirty = True
         return True
 
-    def _update_costs(self, slots: int, dtype: Any) -> list[float]:
+    def _update_costs(self, slots: int, dtype: Any, kernels: str | None = None
+                      ) -> list[float]:
         """``[seconds per parameter, seconds per element]`` of the optimizer of ``slots``.
 
         The elements are timed on parameters of under 128 KiB each (``update_elements``
@@ -224,20 +231,23 @@ class KernelTimer:
         """
         piece = max(1, (2**17 - 4096) // np.dtype(dtype).itemsize)
         count = max(1, self.update_elements // piece)
-        small = self._time_update(slots, [16] * self.update_params, dtype)
+        small = self._time_update(slots, [16] * self.update_params, dtype, kernels)
         per_param = small / self.update_params
-        big = self._time_update(slots, [piece] * count, dtype)
+        big = self._time_update(slots, [piece] * count, dtype, kernels)
         return [per_param, max(big - count * per_param, 0.0) / (count * piece)]
 
-    def _time_update(self, slots: int, sizes: Sequence[int], dtype: Any) -> float:
+    def _time_update(self, slots: int, sizes: Sequence[int], dtype: Any,
+                     kernels: str | None = None) -> float:
         """Median seconds of ``step()`` and ``zero_grad()`` of the optimizer of ``slots``
-        over parameters of ``sizes`` (their gradients filled, the state made first)."""
+        (in ``kernels``) over parameters of ``sizes`` (their gradients filled, the state
+        made first)."""
         xp = self.xp
         params = [Parameter(xp.zeros(n, dtype=dtype)) for n in sizes]
         for q in params:
             q.grad[...] = 1e-3
         opt = SGD(params, lr=1e-3, momentum=0.9 if slots else 0.0) if slots < 2 else \
             Adam(params, lr=1e-3, amsgrad=slots > 2)
+        opt.kernel_backend = kernels
         runs = []
         for r in range(self.reps + 1):
             t0 = self._clock()

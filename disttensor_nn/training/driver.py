@@ -17,7 +17,7 @@ from disttensor.backend import is_numpy, nbytes, numpy_dtype
 from disttensor.blockcache import active_block_cache, block_cache
 
 from ..container import Sequential
-from ..kernels import synchronize
+from ..kernels import optimizer_backend, synchronize
 from ..memory import (
     HEAP_TOP_KEPT,
     MemoryProfile,
@@ -331,6 +331,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     keep_data(cfg, loader, plan, comm)
     lr = cfg.lr if cfg.lr is not None else spec.lr
     opt = make_optimizer(replace(cfg, shard_state=stage), model.parameters(), lr)
+    opt.kernel_backend = optimizer_backend(kernel_choice(cfg.kernels))  # as the plan timed
     sched = make_scheduler(cfg, opt)
     # float16 activations: the loss gradient scaled so that small gradients do not underflow
     scaler = GradScaler(enabled=cfg.precision == "fp16", comm=comm)
