@@ -31,6 +31,7 @@ from nn_reference import (
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import assert_allclose
+from disttensor_nn.optim.optimizer import CHUNK
 
 SIZES = [1, 2, 3, 4]
 comm = MPI.COMM_WORLD
@@ -737,16 +738,25 @@ SGD_CASES = [dict(), dict(momentum=0.9), dict(momentum=0.8, dampening=0.5),
 @pytest.mark.parametrize("kw", SGD_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in
                                                                    kw.items()) or "plain")
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_sgd_against_hand_written_update(kw, kernels):
+def test_sgd_against_hand_written_update(kw, kernels, monkeypatch):
+    """SGD's update against the formula over five steps and a checkpoint round trip; with
+    the torch kernels the parameter of more than CHUNK elements goes through ATen (its
+    calls counted), the small ones through NumPy."""
     lr = 0.1
     mom, damp = kw.get("momentum", 0.0), kw.get("dampening", 0.0)
     wd, nesterov = kw.get("weight_decay", 0.0), kw.get("nesterov", False)
     rng = np.random.default_rng(23)
-    params = [nn.Parameter(rng.standard_normal(s)) for s in ((3, 2), (4,))]
+    params = [nn.Parameter(rng.standard_normal(s)) for s in ((3, 2), (4,), (CHUNK + 3,))]
     ref = [prm.data.copy() for prm in params]
-    bufs = [None, None]
+    bufs = [None] * len(params)
     opt = nn.SGD(params, lr=lr, **kw)
     opt.kernel_backend = kernels
+    calls = []
+    if kernels == "torch":
+        from disttensor_nn.kernels import torch_kernels
+        update = torch_kernels.sgd_update_
+        monkeypatch.setattr(torch_kernels, "sgd_update_",
+                            lambda *a, **k: calls.append(a[0].size) or update(*a, **k))
     check = Checks()
     for step in range(5):
         grads = [rng.standard_normal(prm.shape) for prm in params]
@@ -776,6 +786,7 @@ def test_sgd_against_hand_written_update(kw, kernels):
     other.step()
     for a, b in zip(params, other.params):
         check.equal(a.data, b.data, "after load_state_dict")
+    check.true(calls == ([CHUNK + 3] * 7 if kernels == "torch" else []), f"ATen calls {calls}")
     check.finish()
 
 

@@ -176,7 +176,7 @@ def test_sample_inner_placement_moves_the_sample_split_into_the_nodes():
     # Linear on (N, F) split by N alone (the spatial axes hold replicas): its weight
     # gradient is summed over the 4 ranks of N, inside one node under "sample"
     lin = nn.Linear(64, 32)
-    lp = (64 * 32 + 32) * 8  # summed in float64
+    lp = (64 * 32 + 32) * 4  # summed in float32, the parameters' dtype
     assert cm.layer(lin, (8, 64), (4, 2, 1)).comm == pytest.approx(p.allreduce(lp, 4, local=4))
     cm.inner = "space"
     assert cm.layer(lin, (8, 64), (4, 2, 1)).comm == pytest.approx(p.allreduce(lp, 4, local=2))

@@ -645,9 +645,9 @@ def test_the_cost_model_charges_each_stage_the_collectives_it_runs(nprocs):
     conv = nn.Conv2d(4, 8, 3, padding=1)
     lin = nn.Linear(16, 5)
     w_conv = (8 * 4 * 9 + 8) * 4  # float32 weights, gradients summed in float32
-    w_lin = (16 * 5 + 5) * 4  # float32 weights, gradients summed in float64
+    w_lin = (16 * 5 + 5) * 4  # float32 weights, gradients summed in float32
     for layer, shape, g, w in ((conv, (8, 4, 6, 6), w_conv, w_conv),
-                               (lin, (8, 16), 2 * w_lin, w_lin)):
+                               (lin, (8, 16), w_lin, w_lin)):
         cand = (nprocs, 1, 1)  # the samples split, the weights replicated on every rank
         want = {"none": 2 * half(g), "optimizer": 2 * half(g) + half(w),
                 "gradients": half(g) + half(w), "full": half(g) + 2 * half(w)}

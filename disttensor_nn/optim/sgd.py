@@ -11,7 +11,7 @@ from disttensor.backend import array_namespace, astype
 
 from ..kernels import torch_kernels
 from ..parameter import Parameter
-from .optimizer import Optimizer, _like, _scaled, add_scaled_, by_chunks, check_number
+from .optimizer import CHUNK, Optimizer, _like, _scaled, add_scaled_, by_chunks, check_number
 
 __all__ = ["SGD"]
 
@@ -39,10 +39,12 @@ class SGD(Optimizer):
     Notes
     -----
     With :attr:`~Optimizer.kernel_backend` ``"torch"`` a NumPy parameter of
-    float32 or float64 is updated by ATen's in-place element-wise kernels
-    over PyTorch's threads (``torch.optim.SGD``'s arithmetic); otherwise by
-    the array module in one sweep over cache-sized pieces shared out over the
-    NumPy kernels' threads.
+    float32 or float64 and more than :data:`~disttensor_nn.optim.optimizer.CHUNK`
+    elements is updated by ATen's in-place element-wise kernels over
+    PyTorch's threads (``torch.optim.SGD``'s arithmetic); otherwise by the
+    array module in one sweep over cache-sized pieces shared out over the
+    NumPy kernels' threads (a small one in one piece, where NumPy's calls
+    cost less than ATen's).
 
     Raises
     ------
@@ -83,8 +85,8 @@ class SGD(Optimizer):
             elif buf is None:
                 buf = self.state[i] = array_namespace(g).empty_like(g)
                 fresh = True
-        if self.kernel_backend == "torch" and g.dtype == p.data.dtype and \
-                isinstance(p.data, np.ndarray) and torch_kernels.supports(g.dtype):
+        if self.kernel_backend == "torch" and g.dtype == p.data.dtype and g.size > CHUNK \
+                and isinstance(p.data, np.ndarray) and torch_kernels.supports(g.dtype):
             torch_kernels.sgd_update_(p.data, g, buf, lr, momentum, dampening, decay,
                                       self.nesterov, fresh)
             return

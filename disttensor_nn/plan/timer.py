@@ -42,6 +42,7 @@ from ..kernels import kernels_for, layer_supports, synchronize, threads_now, wit
 from ..memory import release_free_memory
 from ..module import Layer
 from ..optim import SGD, Adam
+from ..optim.optimizer import CHUNK
 from ..parameter import Parameter
 from ..window import WindowSpec
 from .machine import MachineProfile, default_cache_dir
@@ -225,11 +226,15 @@ class KernelTimer:
                       ) -> list[float]:
         """``[seconds per parameter, seconds per element]`` of the optimizer of ``slots``.
 
-        The elements are timed on parameters of under 128 KiB each (``update_elements``
-        in all, more than a cache holds): a larger array would be mapped by the C
-        allocator, whose threshold for mapping then rises for the rest of the process.
+        The elements are timed on parameters of ``4 * CHUNK`` elements each
+        (``update_elements`` in all, more than a cache holds), which the update sweeps
+        as it sweeps a model's large parameters: over the threads (the NumPy kernels'
+        pool in pieces, or PyTorch's with the torch kernels). Parameters under 128 KiB
+        would take one piece on one thread and miss what the threads gain. (Their
+        arrays, mapped by the C allocator, raise its mapping threshold to their size
+        for the rest of planning; the training driver sets its own after planning.)
         """
-        piece = max(1, (2**17 - 4096) // np.dtype(dtype).itemsize)
+        piece = 4 * CHUNK
         count = max(1, self.update_elements // piece)
         small = self._time_update(slots, [16] * self.update_params, dtype, kernels)
         per_param = small / self.update_params
