@@ -24,7 +24,11 @@ the batch over the ranks (sample parallelism, gradients summed by the
 layers) and torch runs DistributedDataParallel over gloo on the same ranks,
 one thread each. Our step reduces the gradients in ``GradientBuckets`` of
 ``--bucket-bytes`` (non-blocking, overlapped with backward), as the training
-driver does.
+driver does. Our batch norms take their statistics over the whole batch (a sum
+over the ranks in each layer's forward and backward, as one process on the
+whole batch), where PyTorch's under DDP take each rank's own;
+``--bn-stats group`` gives ours PyTorch's semantics (``BatchNorm2d(stats=
+"group")``) for a like-for-like comparison.
 
 Timing: ``--rounds`` alternating blocks of ours and torch (an untimed step,
 then ``reps / rounds`` timed ones each), so that one library's idle thread
@@ -197,6 +201,9 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     x_all = rng.standard_normal((batch, *sample)).astype(np.float32)
     model = build()
     nn_kernels.use_kernels(model, args.kernels)
+    for _, layer in model.named_modules():
+        if isinstance(layer, BatchNorm2d):
+            layer.stats = args.bn_stats
     out_shape = model.output_shape(x_all.shape)
     if loss_kind == "mse":
         t_all = rng.random(out_shape).astype(np.float32)
@@ -265,6 +272,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
                 fn()
                 samples[key].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     row = {"model": name, "ranks": size, "threads": args.threads, "kernels": args.kernels,
+           "bn_stats": args.bn_stats,
            "bucket_bytes": args.bucket_bytes,
            "threads_in": args.threads_in, "batch": batch,
            "sample": "x".join(map(str, sample))}
@@ -327,6 +335,10 @@ def main(argv=None) -> int:
                    help="our steps' large blocks from a block cache kept warm between steps "
                         "(as disttensor-train), mapped afresh each step (off), or both, timed "
                         "in alternation (the disttensor_nocache column)")
+    p.add_argument("--bn-stats", choices=("global", "group"), default="global",
+                   help="our batch norms' statistics: over the whole batch (as one process "
+                        "on it; a sum over the ranks per layer and pass) or over each "
+                        "rank's samples (as PyTorch's BatchNorm under DDP)")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
@@ -383,7 +395,8 @@ def main(argv=None) -> int:
         for r in rows:
             for key in ("disttensor", "torch"):
                 r.pop(f"{key}_range", None)
-        tag = f"_{'-'.join(names)}_p{comm.Get_size()}_t{threads}_{args.kernels}"
+        tag = f"_{'-'.join(names)}_p{comm.Get_size()}_t{threads}_{args.kernels}" + (
+            "" if args.bn_stats == "global" else "_bngroup")
         path = write_json(f"bench_step{tag}", rows, layers=layers, reps=args.reps,
                           rounds=args.rounds)
         print(f"\nwrote {path}")
