@@ -11,7 +11,10 @@ cuDNN's on a GPU), ``max_pool*_with_indices`` and their backward, the
 average pools, ``relu``, ``sigmoid``, and batch normalisation's per-channel
 moments (a sum, then ``native_batch_norm_backward``'s fused reduction over
 the deviations from it) and per-channel affine passes (the evaluation-mode
-batch-norm kernel).
+batch-norm kernel), ``addmm``/``mm`` for the fully connected layer, and the
+in-place element-wise kernels of ``torch.optim.SGD``'s update
+(:func:`sgd_update_`, for :class:`~disttensor_nn.optim.SGD` with
+``kernel_backend = "torch"``).
 
 PyTorch is optional (the ``torch`` extra: ``pip install "disttensor[torch]"``);
 this module imports it on first use, so importing :mod:`disttensor_nn` never
@@ -69,6 +72,8 @@ __all__ = [
     "linear_backward",
     "sgd_update_",
     "num_threads",
+    "loaded",
+    "copy_",
     "release_workspace",
     "INSTALL_HINT",
 ]
@@ -125,6 +130,13 @@ def set_num_threads(n: int) -> None:
     _state["threads"] = int(n)
     if _state["torch"] is not None:
         _state["torch"].set_num_threads(int(n))
+
+
+def loaded() -> bool:
+    """Whether PyTorch is imported already (by these kernels or by anything else in the
+    process): a caller that only may use it asks this, to not import it."""
+    return _state["torch"] is not None or "torch" in sys.modules and \
+        sys.modules["torch"] is not None
 
 
 def num_threads() -> int:
@@ -601,3 +613,11 @@ def sgd_update_(data: Any, grad: Any, buf: Any | None, lr: float, momentum: floa
             b.mul_(momentum).add_(d, alpha=1 - dampening)
         d = d.add(b, alpha=momentum) if nesterov else b
     p.add_(d, alpha=-lr)
+
+
+def copy_(dst: Any, src: Any) -> Any:
+    """``dst[...] = src`` over PyTorch's threads (arrays of one shape; ``src`` cast to
+    ``dst``'s dtype); returns ``dst``."""
+    require()
+    _t(dst).copy_(_t(src))
+    return dst

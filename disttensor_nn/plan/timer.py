@@ -38,7 +38,14 @@ from disttensor.backend import is_numpy
 from disttensor.blockcache import active_block_cache
 
 from ..costspec import CostSpec
-from ..kernels import kernels_for, layer_supports, synchronize, threads_now, with_backend
+from ..kernels import (
+    kernels_for,
+    layer_supports,
+    synchronize,
+    threads_now,
+    torch_kernels,
+    with_backend,
+)
 from ..memory import release_free_memory
 from ..module import Layer
 from ..optim import SGD, Adam
@@ -661,14 +668,21 @@ def _fresh(source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     Inside a block cache (NumPy) the array is one of its blocks, as a layer's
     input and output gradient are in training: from the C heap, it would move
     the heap's top under the kernels' scratch, faulting pages in that the
-    training step does not.
+    training step does not. Where PyTorch is loaded and runs several threads,
+    they write it.
     """
     values = source[:math.prod(shape)].reshape(shape)
     cache = active_block_cache()
     if cache is None or not is_numpy(values):
         return values.astype(dtype, copy=True)
     out = cache.empty(shape, dtype)
-    out[...] = values
+    if torch_kernels.loaded() and torch_kernels.num_threads() > 1:
+        # written over PyTorch's threads, as the layer before in training writes it: each
+        # thread's part in its own core's cache (one-rank mesh-demo on two threads: the
+        # plan's step 75.0 ms against 66 measured when one thread wrote it, 71.0 now)
+        torch_kernels.copy_(out, values)
+    else:
+        out[...] = values
     return out
 
 
