@@ -421,6 +421,31 @@ def test_split_batch_norm_is_torchs_on_the_global_array(dtype):
     collective_assert(not bad, "; ".join(bad))
 
 
+@pytest.mark.parallel(SIZES)
+def test_split_batch_norm_moves_running_statistics_as_torch():
+    """The running mean and unbiased variance after two steps, against ``F.batch_norm``'s
+    buffers on the whole array in one process (float64, 1e-12), on every split."""
+    shape = (3, 4, 7, 5)
+    rng = np.random.default_rng(5)
+    xs = [torch.tensor(rng.standard_normal(shape) * 2 + 1) for _ in range(2)]
+    ref_mean, ref_var = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    for x in xs:
+        F.batch_norm(x, ref_mean, ref_var, None, None, True, 0.3, 1e-5)
+    bad = []
+    for name in ("N", "H", "HW", "H-uneven-empty"):
+        dist = distribution(name, shape)
+        group = split_axes_comm(dist, [0, 2, 3])
+        mean, var = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+        for x in xs:
+            split_batch_norm(x[dist.local_slices()], None, None, group, 3 * 7 * 5,
+                             running_mean=mean, running_var=var, momentum=0.3)
+        for what, a, ref in (("mean", mean, ref_mean), ("var", var, ref_var)):
+            err = float((a - ref).abs().max() / ref.abs().max())
+            if not err <= 1e-12:
+                bad.append(f"{name} {what}: {err:.2e}")
+    collective_assert(not bad, "; ".join(bad))
+
+
 class _Counting(MPI.Intracomm):
     """A handle on a communicator that counts its collectives."""
 
@@ -442,8 +467,8 @@ class _Counting(MPI.Intracomm):
 @pytest.mark.parallel(SIZES)
 def test_split_batch_norm_sends_one_message_each_way():
     """Forward: one allgather of every rank's (values, mean, variance), its statistics
-    combined alike on every rank; backward: one allreduce of the two sums (none over one
-    rank)."""
+    combined alike on every rank; backward: one allreduce of the two sums (neither over
+    one rank)."""
     dist = distribution("HW", (2, 3, 6, 5))
     group = _Counting(split_axes_comm(dist, [0, 2, 3]))
     x = torch.randn(dist.local_shape(), dtype=torch.float64, requires_grad=True)
@@ -452,7 +477,8 @@ def test_split_batch_norm_sends_one_message_each_way():
     forward = list(_Counting.calls)
     y.backward(torch.ones_like(y))
     backward = _Counting.calls[len(forward):]
-    collective_assert(forward == ["Allgather"] and len(backward) == (group.Get_size() > 1),
+    several = group.Get_size() > 1
+    collective_assert(forward == ["Allgather"] * several and len(backward) == several,
                       f"{forward}, {backward}")
     group.Free()
 
@@ -465,7 +491,10 @@ def test_split_batch_norm_refuses_bad_arguments_on_every_rank():
              (ValueError, lambda: split_batch_norm(x, torch.ones(4), None, comm, 32)),
              (TypeError, lambda: split_batch_norm(x, None, None, "world", 32)),
              (ValueError, lambda: split_batch_norm(x, None, None, comm, -1)),
-             (ValueError, lambda: split_batch_norm(x, None, None, comm, 32, eps=-1.0))]
+             (ValueError, lambda: split_batch_norm(x, None, None, comm, 32, eps=-1.0)),
+             (ValueError, lambda: split_batch_norm(x, None, None, comm, 32,
+                                                   running_mean=torch.zeros(4))),
+             (ValueError, lambda: split_batch_norm(x, None, None, comm, 32, momentum=1.5))]
     for error, call in cases:
         _, exc = collective_outcome(call)
         collective_assert(isinstance(exc, error), repr(exc))

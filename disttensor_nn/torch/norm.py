@@ -2,18 +2,20 @@
 
 :func:`split_batch_norm` normalizes a block of ``(N, C, *S)`` whose batch or
 spatial dimensions are split over the ranks of ``comm`` by the statistics of
-the global array, as ``torch.nn.BatchNorm`` does on the whole of it. Each
-pass over the block is one PyTorch kernel: the evaluation-mode batch-norm
-kernel as a per-channel affine map (the deviations from the mean forward,
-the input gradient backward), in-place products, and per-sample dot products
-for the sums of squares and of ``dy * x`` (no temporary block). The ranks
-share per-channel statistics, taken in float32 for 16-bit blocks (float64
-for float64 ones): forward, one allgather of each rank's count, mean and
-variance about its own mean, combined alike on every rank (Chan et al.: no
-sum cancels); backward, one all-reduce of ``2 C`` values.
+the global array, as ``torch.nn.BatchNorm`` does on the whole of it, in
+three passes over the block, each one PyTorch kernel: this block's mean and
+variance about it (``var_mean``), then the evaluation-mode batch-norm kernel
+with the global statistics; backward, the local sums of ``dy`` and
+``dy * xhat`` in one ``native_batch_norm_backward`` pass and the input
+gradient as ``s dy + a x + b`` per channel. The ranks share per-channel
+statistics, taken in float32 for 16-bit blocks (float64 for float64 ones):
+forward, one allgather of each rank's count, mean and variance about its
+own mean, combined alike on every rank (Chan et al.: no sum cancels);
+backward, one all-reduce of ``2 C`` values.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -35,23 +37,34 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def _affine(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor) -> torch.Tensor:
-    """``x * scale + shift`` per channel, in one pass: the evaluation-mode batch-norm kernel
-    with a mean of 0, a variance of 1 and no epsilon (``scale`` None: 1)."""
-    c = x.shape[1]
-    zero = torch.zeros(c, dtype=shift.dtype, device=shift.device)
-    one = torch.ones(c, dtype=shift.dtype, device=shift.device)
-    return torch.batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0, False)
+_UNITS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _unit(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros and ones per channel, ``(2, c)``, made once per size, dtype and device
+    (read only)."""
+    key = (c, dtype, device)
+    t = _UNITS.get(key)
+    if t is None:
+        t = _UNITS[key] = torch.stack((torch.zeros(c, dtype=dtype, device=device),
+                                       torch.ones(c, dtype=dtype, device=device)))
+    return t
+
+
+def _no_autocast(x: torch.Tensor) -> Any:
+    """Autocast off for ``x``'s device where it is on (entering it costs a few
+    microseconds a call otherwise)."""
+    kind = x.device.type
+    return torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) \
+        else contextlib.nullcontext()
 
 
 def _squares(d: torch.Tensor) -> torch.Tensor:
     """Per channel, the sum of ``d * d`` over the samples and space of an ``(n, C, *s)``
-    block: a dot product per sample, no temporary block."""
+    block: a dot product per sample and channel, no temporary block."""
     d3 = d.reshape(d.shape[0], d.shape[1], -1)
-    out = torch.linalg.vecdot(d3[0], d3[0])
-    for i in range(1, d.shape[0]):
-        out += torch.linalg.vecdot(d3[i], d3[i])
-    return out
+    out = torch.linalg.vecdot(d3, d3)
+    return out[0] if d.shape[0] == 1 else out.sum(0)
 
 
 def _combine(rows: np.ndarray, c: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -66,54 +79,82 @@ def _combine(rows: np.ndarray, c: int, count: int) -> tuple[np.ndarray, np.ndarr
     return mean, var
 
 
+def _track(running: tuple[Any, Any, float], mean: np.ndarray, var: np.ndarray,
+           count: int) -> None:
+    """Move the running mean and (unbiased) variance towards the batch's by ``momentum``,
+    in place, as ``torch.nn.functional.batch_norm`` does (NumPy views of CPU buffers)."""
+    running_mean, running_var, momentum = running
+    unbiased = var * (count / max(count - 1, 1))
+    for buf, value in ((running_mean, mean), (running_var, unbiased)):
+        if buf is None:
+            continue
+        if buf.device.type == "cpu":
+            view = buf.detach().numpy()
+            view *= 1 - momentum
+            view += (value * momentum).astype(view.dtype, copy=False)
+        else:
+            with torch.no_grad():
+                buf.mul_(1 - momentum).add_(torch.from_numpy(value * momentum).to(buf))
+
+
 class _SplitBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, comm: MPI.Intracomm, count: int,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # the sums in their own dtype: autocast would run the dot products in 16 bits; an
+                eps: float, running: tuple[Any, Any, float]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the statistics in their own dtype: autocast would take them in 16 bits; an
         # infinite or NaN statistic passes silently, as in PyTorch's own batch norm
-        with torch.autocast(x.device.type, enabled=False), np.errstate(all="ignore"):
-            return _SplitBatchNorm._forward(ctx, x, weight, bias, comm, count, eps)
+        with _no_autocast(x), np.errstate(all="ignore"):
+            return _SplitBatchNorm._forward(ctx, x, weight, bias, comm, count, eps, running)
 
     @staticmethod
     def _forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                  bias: torch.Tensor | None, comm: MPI.Intracomm, count: int,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 eps: float, running: tuple[Any, Any, float]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = _sums_dtype(x)
         c = x.shape[1]
         local = x.numel() // max(c, 1)
-        kw = {"dtype": acc, "device": x.device}
         row = np.zeros(2 * c + 1, dtype=numpy_dtype(acc))
         row[0] = local
-        xs = x.to(acc)
-        if local:  # the deviations from this block's mean, and their squares
+        xs = x if x.dtype == acc else x.to(acc)
+        unit = _unit(c, acc, x.device)  # zeros and ones per channel
+        if local:  # this block's mean, the deviations from it and their squares' sums
             mean_l = _host(xs.sum([0, *range(2, x.ndim)])) / local
             row[1:c + 1] = mean_l
-            d = _affine(xs, None, torch.from_numpy(-mean_l).to(x.device))
+            d = torch.batch_norm(xs, None, torch.from_numpy(-mean_l).to(x.device),
+                                 unit[0], unit[1], False, 0.0, 0.0, False)
             row[c + 1:] = _host(_squares(d)) / local
-        rows = np.empty((comm.Get_size(), row.size), dtype=row.dtype)
-        comm.Allgather(row, rows)
+        if comm.Get_size() > 1:
+            rows = np.empty((comm.Get_size(), row.size), dtype=row.dtype)
+            comm.Allgather(row, rows)
+        else:
+            rows = row[None]
         mean, var = _combine(rows, c, count)
         invstd = 1.0 / np.sqrt(var + eps)
-        w = np.ones(c, row.dtype) if weight is None else _host(weight).astype(row.dtype)
-        b = np.zeros(c, row.dtype) if bias is None else _host(bias).astype(row.dtype)
-        scale = w * invstd
-        if local:  # y = (x - mean) * scale + bias = d * scale + shift, in d's memory
-            shift = b + (row[1:c + 1] - mean) * scale
-            view = (1, -1) + (1,) * (x.ndim - 2)
-            y = d.mul_(torch.from_numpy(scale).to(x.device).view(view)).add_(
-                torch.from_numpy(shift).to(x.device).view(view)).to(x.dtype)
+        _track(running, mean, var, count)
+        w = None if weight is None else _host(weight).astype(row.dtype, copy=False)
+        b = None if bias is None else _host(bias).astype(row.dtype, copy=False)
+        scale = invstd if w is None else w * invstd
+        # y = (x - mean) * scale + bias = d * scale + shift: the evaluation-mode kernel as
+        # a per-channel affine map of d; every per-channel vector in one transfer
+        shift = (row[1:c + 1] - mean) * scale
+        if b is not None:
+            shift += b
+        stats = torch.from_numpy(np.stack((mean, var, invstd, scale, shift))).to(x.device)
+        if local:
+            y = torch.batch_norm(d, stats[3], stats[4], unit[0], unit[1], False, 0.0, 0.0,
+                                 False)
         else:
             y = torch.empty_like(x)
-        mean_t, var_t = torch.from_numpy(mean).to(**kw), torch.from_numpy(var).to(**kw)
         ctx.save_for_backward(x)
-        ctx.stats = (w, mean, invstd)
+        ctx.stats, ctx.host = stats, (mean, invstd, scale)
         ctx.comm, ctx.count = comm, count
         ctx.dtypes = (None if weight is None else weight.dtype,
                       None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(mean_t, var_t)
-        return y, mean_t, var_t
+        ctx.mark_non_differentiable(stats[0], stats[1])
+        return y.to(x.dtype), stats[0], stats[1]
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, _dmean: Any, _dvar: Any) -> tuple[Any, ...]:
@@ -123,42 +164,41 @@ class _SplitBatchNorm(torch.autograd.Function):
     @staticmethod
     def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
-        w, mean, invstd = ctx.stats
+        stats, (mean, invstd, s) = ctx.stats, ctx.host
         count, c = max(ctx.count, 1), x.shape[1]
-        acc = _sums_dtype(x)
-        sums = np.zeros(2 * c, dtype=mean.dtype)
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(x.device)
-
+        acc = stats.dtype
+        wt, bt = ctx.dtypes
         if x.numel():
-            # this rank's sum(dy) and sum(dy * xhat), by the global mean and invstd: one pass
-            g, xs = dy.to(acc), x.to(acc)
+            # this rank's sum(dy) and sum(dy * xhat), by the global mean and 1 / std: one pass
+            g = dy if dy.dtype == acc else dy.to(acc)
+            xs = x if x.dtype == acc else x.to(acc)
             _, dw_l, db_l = torch.ops.aten.native_batch_norm_backward(
-                g, xs, t(w), None, None, t(mean), t(invstd), True, 0.0, [False, True, True])
-            sums[:c], sums[c:] = _host(db_l), _host(dw_l)
-        db, dw = sums[:c].copy(), sums[c:].copy()  # this rank's parts, for the parameters
+                g, xs, None, None, None, stats[0], stats[2], True, 0.0, [False, True, True])
+            sums = _host(torch.cat((db_l, dw_l)))  # a new tensor: its own memory
+            dw, db = dw_l, db_l  # this rank's parts, for the parameters
+        else:
+            sums = np.zeros(2 * c, dtype=numpy_dtype(acc))
+            dw, db = (torch.zeros(c, dtype=acc, device=x.device) for _ in range(2))
         if ctx.comm.Get_size() > 1:
             ctx.comm.Allreduce(MPI.IN_PLACE, sums)
-        sum_dy, sum_dy_xhat = sums[:c], sums[c:]
         if x.numel():
             # dx = w invstd (dy - (sum(dy) + xhat sum(dy xhat)) / M) = s dy + a x + b
-            s = w * invstd
-            a = -s * invstd * sum_dy_xhat / count
-            b = -s * sum_dy / count - a * mean
+            a = -s * invstd * sums[c:] / count
+            b = -s * sums[:c] / count - a * mean
             # in the sums' dtype (the terms cancel: a 16-bit sum of them would not hold it)
-            dx = _affine(xs, t(a), t(b))
-            dx = dx.addcmul_(g, t(s).view((1, -1) + (1,) * (x.ndim - 2))).to(x.dtype)
+            coef = torch.from_numpy(np.stack((s, a, b))).to(x.device)
+            coef = coef.view((3, 1, c) + (1,) * (x.ndim - 2))
+            dx = torch.addcmul(coef[2], xs, coef[1]).addcmul_(g, coef[0]).to(x.dtype)
         else:
             dx = torch.empty_like(x)
-        wt, bt = ctx.dtypes
-        return (dx, None if wt is None else torch.from_numpy(dw).to(x.device, wt),
-                None if bt is None else torch.from_numpy(db).to(x.device, bt),
-                None, None, None)
+        return (dx, None if wt is None else dw.to(wt), None if bt is None else db.to(bt),
+                None, None, None, None)
 
 
 def split_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                     comm: MPI.Intracomm, count: int, eps: float = 1e-5
+                     comm: MPI.Intracomm, count: int, eps: float = 1e-5, *,
+                     running_mean: torch.Tensor | None = None,
+                     running_var: torch.Tensor | None = None, momentum: float = 0.1
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batch-normalize this rank's block by the statistics of every rank's blocks.
 
@@ -178,6 +218,13 @@ def split_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
         The number of values per channel over all of them.
     eps : float
         As ``torch.nn.BatchNorm2d``'s.
+    running_mean, running_var : torch.Tensor, optional
+        Buffers ``(C,)`` moved in place towards the batch's mean and
+        unbiased variance by ``momentum``, as in
+        ``torch.nn.functional.batch_norm`` in training mode (alike on every
+        rank: the statistics are the global ones).
+    momentum : float
+        The weight of the batch's statistics in the running ones, in [0, 1].
 
     Returns
     -------
@@ -190,17 +237,20 @@ def split_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     TypeError, ValueError
         Before any message, alike on every rank (what is checked is the same
         there): ``x`` not a floating tensor of at least 2 dimensions, a
-        weight or bias not of shape ``(C,)``, ``comm`` not an intracommunicator,
-        ``count`` not a non-negative integer, ``eps`` negative.
+        weight, bias or running buffer not of shape ``(C,)``, ``comm`` not an
+        intracommunicator, ``count`` not a non-negative integer, ``eps``
+        negative, ``momentum`` outside [0, 1].
     """
     name = "split_batch_norm"
-    arguments = {"count": count, "eps": eps, "ndim": getattr(x, "ndim", None),
+    arguments = {"count": count, "eps": eps, "momentum": momentum,
+                 "ndim": getattr(x, "ndim", None),
                  "channels": x.shape[1] if getattr(x, "ndim", 0) >= 2 else None}
     with validating(name, arguments, comm if isinstance(comm, MPI.Intracomm) else None):
         if not isinstance(x, torch.Tensor) or x.ndim < 2 or not x.dtype.is_floating_point:
             raise TypeError(f"{name}: x must be a floating torch.Tensor (N, C, ...), got "
                             f"{type(x).__name__}")
-        for what, p in (("weight", weight), ("bias", bias)):
+        for what, p in (("weight", weight), ("bias", bias), ("running_mean", running_mean),
+                        ("running_var", running_var)):
             if p is not None and (not isinstance(p, torch.Tensor)
                                   or tuple(p.shape) != (x.shape[1],)):
                 raise ValueError(f"{name}: {what} must be a tensor of shape ({x.shape[1]},), "
@@ -211,4 +261,7 @@ def split_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
             raise ValueError(f"{name}: count must be a non-negative integer, got {count!r}")
         if not eps >= 0:
             raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
-    return _SplitBatchNorm.apply(x, weight, bias, comm, count, eps)
+        if not 0 <= momentum <= 1:
+            raise ValueError(f"{name}: momentum must be in [0, 1], got {momentum!r}")
+    return _SplitBatchNorm.apply(x, weight, bias, comm, count, eps,
+                                 (running_mean, running_var, float(momentum)))

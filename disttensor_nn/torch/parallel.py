@@ -1071,14 +1071,10 @@ class _Compiler:
                 return F.batch_norm(x, m.running_mean if keep else None,
                                     m.running_var if keep else None, params(m.weight),
                                     params(m.bias), training, f, m.eps)
-            y, mean, var = split_batch_norm(x, params(m.weight), params(m.bias), comm, count,
-                                            m.eps)
-            if track:
-                with torch.no_grad():
-                    unbiased = var * (count / max(count - 1, 1))
-                    m.running_mean.mul_(1 - f).add_(mean.to(m.running_mean.dtype) * f)
-                    m.running_var.mul_(1 - f).add_(unbiased.to(m.running_var.dtype) * f)
-            return y
+            return split_batch_norm(x, params(m.weight), params(m.bias), comm, count, m.eps,
+                                    running_mean=m.running_mean if track else None,
+                                    running_var=m.running_var if track else None,
+                                    momentum=f)[0]
 
         return step
 
