@@ -319,6 +319,31 @@ def test_a_memory_budget_is_honoured():
                       pm.plan.table())
 
 
+@pytest.mark.parallel([1, 3])
+def test_a_baseline_counts_in_the_peak_and_the_budget():
+    """``baseline`` bytes come on top of the model's data: the same plan's peak grows by them,
+    and a budget the model's data fit alone is refused once they do not (alike on every
+    rank, the model unconverted); a negative baseline is refused before any message."""
+    model, shape, _ = make("cnn", torch.float64)
+    free = parallelize(copy.deepcopy(model), shape, machine=MACHINE).plan
+    extra = 64 * 2**20
+    held = parallelize(copy.deepcopy(model), shape, machine=MACHINE, baseline=extra).plan
+    collective_assert(held.baseline_memory == extra and [e.grid for e in held.entries] ==
+                      [e.grid for e in free.entries] and
+                      abs(held.peak_memory - free.peak_memory - extra) <= 1e-6 * extra,
+                      f"{held.peak_memory} against {free.peak_memory} + {extra}")
+    budget = free.peak_memory * 1.5  # the data alone fit; with the baseline they do not
+    before = list(model.parameters())
+    exc = outcome(lambda: parallelize(model, shape, "auto", memory_per_rank=budget,
+                                      machine=MACHINE, baseline=extra))
+    collective_assert(isinstance(exc, ValueError) and "fits" in str(exc), repr(exc))
+    for bad in (-1.0, float("nan"), "1 GiB"):
+        exc = outcome(lambda bad=bad: parallelize(model, shape, "auto", machine=MACHINE,
+                                                  baseline=bad))
+        collective_assert(isinstance(exc, ValueError) and "baseline" in str(exc), repr(exc))
+    collective_assert(all(a is b for a, b in zip(before, model.parameters())), "converted")
+
+
 @pytest.mark.parallel(SIZES)
 def test_a_budget_no_plan_fits_is_refused_alike():
     model, shape, _ = make("cnn", torch.float64)

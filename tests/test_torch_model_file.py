@@ -325,6 +325,12 @@ def test_synthetic_data_are_noise_of_the_model_shapes(capsys):
         summary = json.load(f)["summary"]
     assert summary["output_shape"] == [2, 1, H, W] and len(summary["history"]) == 3
     assert summary["predicted_time_per_iteration_s"] > 0
+    # the predicted peak holds the process (measured before planning) besides the model's
+    # data, as the built-in models' does; the kept blocks are reported beside it
+    baseline = summary["predicted_baseline_memory_bytes"]
+    assert 0 < baseline < summary["predicted_peak_memory_bytes"] and \
+        baseline <= summary["peak_memory_per_rank_bytes"], summary
+    assert summary["predicted_kept_data_bytes"] > 0, summary
 
 
 @pytest.mark.parallel([1, 2, 3])

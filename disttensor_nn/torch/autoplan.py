@@ -677,7 +677,8 @@ def is_plan_layout(layout: Any) -> bool:
 
 def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, layout: Any,
                  memory_per_rank: float | None, machine: Any, comm: MPI.Intracomm,
-                 elementwise: Callable[[Node], bool]) -> tuple[Plan, Distribution]:
+                 elementwise: Callable[[Node], bool], baseline: float = 0.0
+                 ) -> tuple[Plan, Distribution]:
     """Plan the traced model (or check a given plan) and mark its graph with the layouts.
 
     Before each planned operation a :func:`relayout` node is inserted on its
@@ -706,6 +707,9 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         The ranks.
     elementwise : callable
         Whether the compiler runs a node on blocks of any split.
+    baseline : float
+        Resident bytes of a rank besides the model's data, part of the
+        predicted peak (:func:`~disttensor_nn.plan.make_plan`'s).
 
     Returns
     -------
@@ -752,7 +756,7 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         try:
             plan, _ = make_plan(network, tuple(shape), nprocs, name, memory_per_rank,
                                 itemsize=itemsize, comm=comm if profile.measured else None,
-                                kernels="torch")
+                                kernels="torch", baseline=baseline)
         except ValueError as err:
             raise ValueError(f"parallelize: {err}") from None
         plan = replace(plan, entries=[replace(e, name=leaf.name, layer=leaf.kind)

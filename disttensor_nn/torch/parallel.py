@@ -1765,7 +1765,7 @@ def _input_distribution(shape: tuple[int, ...], layout: Any, comm: MPI.Intracomm
 
 def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: Any = "auto",
                 *, memory_per_rank: int | None = None, machine: Any = None,
-                comm: MPI.Intracomm | None = None) -> ParallelModule:
+                comm: MPI.Intracomm | None = None, baseline: float = 0.0) -> ParallelModule:
     """An unchanged PyTorch model, run on this rank's blocks of a distributed input.
 
     The model is traced by :mod:`torch.fx` and each node compiled into a step
@@ -1804,6 +1804,12 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         kernels on all ranks at once.
     comm : MPI.Intracomm, optional
         The ranks (``MPI.COMM_WORLD`` by default).
+    baseline : float
+        For ``layout='auto'``: the resident bytes of a rank besides the
+        model's parameters, gradients and activations (the interpreter,
+        PyTorch, MPI, data held), part of the peak the plan predicts and of
+        what ``memory_per_rank`` must hold (as ``disttensor-train`` counts
+        its process); 0, the default, plans the model's data alone.
 
     Returns
     -------
@@ -1819,8 +1825,9 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         For a model that is not a torch.nn.Module or cannot be traced by
         torch.fx, or a layout of the wrong type.
     ValueError
-        For an input shape the model does not accept, a grid that does not
-        hold the ranks, an operation on a split dimension that parallelize
+        For a negative or non-numeric ``baseline``, an input shape the
+        model does not accept, a grid that does not hold the ranks, an
+        operation on a split dimension that parallelize
         cannot split (naming the node and the dimension), a parameter
         shared by layers whose inputs are split differently, a memory
         budget no plan fits, or a plan made for another model, input shape
@@ -1845,6 +1852,10 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     except (TypeError, ValueError):
         raise TypeError(f"parallelize: example_input_shape must be a sequence of ints, "
                         f"got {example_input_shape!r}") from None
+    if isinstance(baseline, bool) or not isinstance(baseline, (int, float)) \
+            or not 0 <= baseline < math.inf:
+        raise ValueError(f"parallelize: baseline must be a finite number of bytes >= 0, "
+                         f"got {baseline!r}")
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses
@@ -1878,7 +1889,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     plan = None
     if is_plan_layout(layout):  # the planner's layouts, a relayout node before each layer
         plan, input_dist = plan_layouts(gm, shape, dtype, layout, memory_per_rank, machine,
-                                        comm, _runs_on_blocks(gm))
+                                        comm, _runs_on_blocks(gm), baseline=baseline)
     else:
         input_dist = _input_distribution(shape, layout, comm)
     compiler = _Compiler(gm, model, input_dist.grid)

@@ -42,6 +42,7 @@ except ImportError as err:
 import numpy as np
 from mpi4py import MPI
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 
 from disttensor import DistArray, Distribution, to_npy, to_zarr
@@ -53,6 +54,7 @@ from ..memory import (
     keep_heap_top,
     map_large_allocations,
     release_free_memory,
+    resident_bytes,
 )
 from ..plan import Plan
 from ..reduction import no_sync, split_axes_comm
@@ -246,13 +248,44 @@ def _lr(cfg: TrainConfig) -> float:
     return cfg.lr if cfg.lr is not None else DEFAULT_LR
 
 
+def _output_shape(model: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of ``model``'s output on an input of ``shape``, from a forward on fake
+    tensors (no memory, no arithmetic; in eval mode, so no statistic moves); the input's
+    shape where the model refuses it (``parallelize`` then says why)."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        param = next(model.parameters(), None)
+        dtype = torch.get_default_dtype() if param is None else param.dtype
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            out = model(torch.empty(shape, dtype=dtype))
+        return tuple(out.shape) if isinstance(out, torch.Tensor) else shape
+    except Exception:  # noqa: BLE001 - whatever the model refuses
+        return shape
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _baseline(model: nn.Module, comm: MPI.Comm, ahead: float = 0.0) -> float:
+    """What a rank holds besides the model's parameters, gradients and activations (the
+    interpreter, PyTorch, MPI, the data set's handles; collective, the largest rank's), and
+    ``ahead`` bytes of batches a prefetching thread holds: the process baseline of the
+    plan's predicted peak, as the built-in models' (the planner counts the parameters and
+    their gradients itself; the gradients do not exist yet)."""
+    release_free_memory()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return comm.allreduce(max(resident_bytes() - params, 0), op=MPI.MAX) + ahead
+
+
 def _parallel(cfg: ModelFileConfig, model: nn.Module, shape: tuple[int, ...],
-              comm: MPI.Comm, machine: str) -> ParallelModule:
-    """The model on this job's ranks, planned (or by the plan file ``cfg.layout``)."""
+              comm: MPI.Comm, machine: str, baseline: float = 0.0) -> ParallelModule:
+    """The model on this job's ranks, planned (or by the plan file ``cfg.layout``) with
+    ``baseline`` resident bytes besides the model's data (:func:`_baseline`)."""
     layout = "auto" if cfg.layout == "auto" else cfg.layout
     try:
         pm = parallelize(model, shape, layout, memory_per_rank=cfg.memory_per_rank,
-                         machine=machine, comm=comm)
+                         machine=machine, comm=comm, baseline=baseline)
     except (TypeError, NotImplementedError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from exc
     if not isinstance(pm.output_dist, Distribution):
@@ -466,9 +499,15 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
     _same_weights(model, comm)
     threads, local, cores = set_threads(cfg, comm)
     machine = machine_profile(cfg, comm, memory)
+    # a prefetching thread's batches: a rank's share of each batch's input and target (the
+    # data set's targets, or synthetic ones of the output's shape)
+    target = (cfg.batch, *data.target_shape) if data is not None else _output_shape(model, shape)
+    ahead = (cfg.prefetch or 0) * (math.prod(shape) + math.prod(target)) \
+        * np.dtype(np.float32).itemsize / comm.Get_size()
+    baseline = _baseline(model, comm, ahead)
     say(comm, f"planning {cfg.model} for {plural(comm.Get_size(), 'rank')}...")
     with memory.phase("planning"):
-        pm = _parallel(cfg, model, shape, comm, machine)
+        pm = _parallel(cfg, model, shape, comm, machine, baseline)
     out_shape = tuple(pm.output_dist.global_shape)
     dataset = _dataset(cfg, data, shape, out_shape)
     if len(dataset) < cfg.batch:
@@ -616,6 +655,8 @@ def _train(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[
         "peak_memory_per_rank_bytes": peaks["peak_memory_per_rank_bytes"],
         "predicted_peak_memory_bytes": plan.peak_memory,
         "predicted_baseline_memory_bytes": plan.baseline_memory,
+        # a synthetic data set's blocks, made and kept before the first step
+        "predicted_kept_data_bytes": comm.allreduce(loader.dataset.kept_bytes, op=MPI.MAX),
         "training_peak_memory_per_rank_bytes": peaks["training_peak_memory_per_rank_bytes"],
         "planning_peak_memory_per_rank_bytes": peaks["planning_peak_memory_per_rank_bytes"],
         "memory_budget_bytes": plan.memory_budget,
@@ -690,7 +731,7 @@ def plan_model_file(spec: str, shape: Sequence[int], *, machine: str,
     model = _agreed(comm, lambda: load_model_file(spec))
     cfg = ModelFileConfig(model=spec, model_file=spec, memory_per_rank=memory_per_rank)
     try:
-        return _parallel(cfg, model, tuple(shape), comm, machine)
+        return _parallel(cfg, model, tuple(shape), comm, machine, _baseline(model, comm))
     except ValueError as exc:
         raise SetupError(str(exc)) from exc
 
@@ -748,7 +789,7 @@ def _predict(cfg: PredictConfig, model_file: str, comm: MPI.Comm,
     machine = predict_machine(cfg, comm)
     pm = _parallel(ModelFileConfig(model=model_file, model_file=model_file,
                                    memory_per_rank=cfg.memory_per_rank),
-                   model, shape, comm, machine)
+                   model, shape, comm, machine, _baseline(model, comm))
     pm.eval()
     n = len(data)
     stack = (n, *pm.output_dist.global_shape[1:])
