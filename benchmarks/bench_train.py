@@ -86,9 +86,12 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "bn_s": bn_measured,
         "bn_predicted_s": bn_predicted,
         "peak_mib": summary["training_peak_memory_per_rank_bytes"] / 2**20,
-        "predicted_peak_mib": (summary["predicted_peak_memory_bytes"]
-                               + (summary.get("predicted_cache_slack_bytes") or 0)
-                               + (summary.get("predicted_kept_data_bytes") or 0)) / 2**20,
+        # as disttensor_nn.training.loop.predicted_training_peak (not imported: this process
+        # starts the runs and stays out of MPI)
+        "predicted_peak_mib": (summary["predicted_peak_memory_bytes"] + sum(
+            summary.get(k) or 0 for k in ("predicted_cache_slack_bytes",
+                                          "predicted_heap_slack_bytes",
+                                          "predicted_kept_data_bytes"))) / 2**20,
         "mapped_after_first_step": float(bc.get("misses_after_first_step", float("nan"))),
         "final_loss": summary["final_loss"],
         # the step's peak above the process baseline the plan measured (the parameters'

@@ -16,6 +16,7 @@ from disttensor_nn.layout import Layout
 from disttensor_nn.training import TrainConfig, train
 from disttensor_nn.training.data import Loader, MeshSynthetic, Prefetcher
 from disttensor_nn.training.driver import prediction_warning
+from disttensor_nn.training.loop import predicted_training_peak
 
 V100 = "v100-nvlink-edr"
 
@@ -149,3 +150,13 @@ def test_prediction_warning_names_the_layers_that_account_for_the_difference():
     s["compute_time_per_iteration_s"] = 0.016  # within 25%
     assert prediction_warning(s) is None
     assert prediction_warning({"compute_time_per_iteration_s": None}) is None
+
+
+def test_the_printed_peak_holds_what_the_run_keeps_besides_the_plan():
+    """The predicted training peak is the plan's and, apart, the cache's free blocks, the C
+    heap's kept free top and the kept data, each counted once."""
+    mib = 2**20
+    s = {"predicted_peak_memory_bytes": 100 * mib, "predicted_cache_slack_bytes": None,
+         "predicted_heap_slack_bytes": 64 * mib, "predicted_kept_data_bytes": 20 * mib}
+    assert predicted_training_peak(s) == 184 * mib
+    assert predicted_training_peak({"predicted_peak_memory_bytes": 5.0}) == 5.0

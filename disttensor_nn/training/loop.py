@@ -40,7 +40,8 @@ __all__ = ["HEAVY_LOAD", "plural", "say", "metrics_problem", "prefetch_depth", "
            "threads_note", "machine_profile", "progress_bar", "next_batch", "Batches", "StepResult",
            "run_steps", "check_resume_step", "peak_memory", "phase_line", "say_peak_memory",
            "timing_summary", "memory_summary", "prediction_warning", "print_summary",
-           "write_metrics", "mapping_threshold", "keep_data", "make_kept", "KEEP_SHARE"]
+           "write_metrics", "mapping_threshold", "keep_data", "make_kept", "KEEP_SHARE",
+           "predicted_training_peak"]
 
 HEAVY_LOAD = 0.5
 """Load average per core above which a calibration is flagged as measured under load."""
@@ -420,6 +421,19 @@ def say_peak_memory(comm: MPI.Comm, memory: MemoryProfile) -> None:
 
 
 # ------------------------------------------------------------------ the summary
+def predicted_training_peak(summary: dict[str, Any]) -> float:
+    """The resident peak a training step is predicted to reach, in bytes, from a run's
+    summary: the plan's peak (the process baseline included) and what the run holds
+    besides the plan's blocks: the block cache's free blocks up to its limit
+    (``predicted_cache_slack_bytes``), the free memory the C heap keeps at its top
+    (``predicted_heap_slack_bytes``) and a synthetic data set's kept blocks
+    (``predicted_kept_data_bytes``)."""
+    return summary["predicted_peak_memory_bytes"] + sum(
+        summary.get(k) or 0 for k in ("predicted_cache_slack_bytes",
+                                      "predicted_heap_slack_bytes",
+                                      "predicted_kept_data_bytes"))
+
+
 def timing_summary(cfg: Any, history: list[dict], times: list[float],
                    data_times: list[float]) -> dict[str, Any]:
     """The summary's losses and step times: ``final_loss``, ``first_loss``, ``history``
@@ -506,11 +520,13 @@ def print_summary(s: dict) -> None:
         print(warning)
     budget = s.get("memory_budget_bytes")
     slack = s.get("predicted_cache_slack_bytes") or 0
+    heap = s.get("predicted_heap_slack_bytes") or 0
     kept = s.get("predicted_kept_data_bytes") or 0
     print(f"peak memory per rank (resident): training step "
           f"{s['training_peak_memory_per_rank_bytes'] / 2**20:.0f} MiB (predicted "
-          f"{(s['predicted_peak_memory_bytes'] + slack + kept) / 2**20:.0f} MiB"
+          f"{predicted_training_peak(s) / 2**20:.0f} MiB"
           + (f", the block cache's slack of {slack / 2**20:.0f} MiB included" if slack else "")
+          + (f", the C heap's kept free top of {heap / 2**20:.0f} MiB included" if heap else "")
           + (f", the synthetic data's kept blocks of {kept / 2**20:.0f} MiB included"
              if kept else "")
           + "), planning "
