@@ -2,16 +2,18 @@
 
 :func:`split_batch_norm` normalizes a block of ``(N, C, *S)`` whose batch or
 spatial dimensions are split over the ranks of ``comm`` by the statistics of
-the global array, as ``torch.nn.BatchNorm`` does on the whole of it, in
-three passes over the block, each one PyTorch kernel: this block's mean and
-variance about it (``var_mean``), then the evaluation-mode batch-norm kernel
-with the global statistics; backward, the local sums of ``dy`` and
-``dy * xhat`` in one ``native_batch_norm_backward`` pass and the input
-gradient as ``s dy + a x + b`` per channel. The ranks share per-channel
-statistics, taken in float32 for 16-bit blocks (float64 for float64 ones):
-forward, one allgather of each rank's count, mean and variance about its
-own mean, combined alike on every rank (Chan et al.: no sum cancels);
-backward, one all-reduce of ``2 C`` values.
+the global array, as ``torch.nn.BatchNorm`` does on the whole of it. Each
+pass over the block is one PyTorch kernel: forward, this block's sums, its
+deviations from its own mean (the evaluation-mode batch-norm kernel as a
+per-channel affine map), their squares' sums (a dot product per sample, no
+temporary block), and the deviations scaled and shifted in place;
+backward, the local sums of ``dy`` and ``dy * xhat`` in one
+``native_batch_norm_backward`` pass and the input gradient as
+``a x + b`` (the affine kernel again) plus ``s dy`` in place, per channel.
+The ranks share per-channel statistics, taken in float32 for 16-bit blocks
+(float64 for float64 ones): forward, one allgather of each rank's count,
+mean and variance about its own mean, combined alike on every rank (Chan et
+al.: no sum cancels); backward, one all-reduce of ``2 C`` values.
 """
 from __future__ import annotations
 
@@ -63,8 +65,10 @@ def _squares(d: torch.Tensor) -> torch.Tensor:
     """Per channel, the sum of ``d * d`` over the samples and space of an ``(n, C, *s)``
     block: a dot product per sample and channel, no temporary block."""
     d3 = d.reshape(d.shape[0], d.shape[1], -1)
-    out = torch.linalg.vecdot(d3, d3)
-    return out[0] if d.shape[0] == 1 else out.sum(0)
+    out = torch.linalg.vecdot(d3[0], d3[0])
+    for i in range(1, d.shape[0]):  # per sample: faster than one batched call
+        out += torch.linalg.vecdot(d3[i], d3[i])
+    return out
 
 
 def _combine(rows: np.ndarray, c: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,15 +141,15 @@ class _SplitBatchNorm(torch.autograd.Function):
         w = None if weight is None else _host(weight).astype(row.dtype, copy=False)
         b = None if bias is None else _host(bias).astype(row.dtype, copy=False)
         scale = invstd if w is None else w * invstd
-        # y = (x - mean) * scale + bias = d * scale + shift: the evaluation-mode kernel as
-        # a per-channel affine map of d; every per-channel vector in one transfer
+        # y = (x - mean) * scale + bias = d * scale + shift; every per-channel vector in
+        # one transfer
         shift = (row[1:c + 1] - mean) * scale
         if b is not None:
             shift += b
         stats = torch.from_numpy(np.stack((mean, var, invstd, scale, shift))).to(x.device)
-        if local:
-            y = torch.batch_norm(d, stats[3], stats[4], unit[0], unit[1], False, 0.0, 0.0,
-                                 False)
+        if local:  # in d's memory: no new block
+            view = (1, c) + (1,) * (x.ndim - 2)
+            y = d.mul_(stats[3].view(view)).add_(stats[4].view(view))
         else:
             y = torch.empty_like(x)
         ctx.save_for_backward(x)
@@ -187,8 +191,10 @@ class _SplitBatchNorm(torch.autograd.Function):
             b = -s * sums[:c] / count - a * mean
             # in the sums' dtype (the terms cancel: a 16-bit sum of them would not hold it)
             coef = torch.from_numpy(np.stack((s, a, b))).to(x.device)
-            coef = coef.view((3, 1, c) + (1,) * (x.ndim - 2))
-            dx = torch.addcmul(coef[2], xs, coef[1]).addcmul_(g, coef[0]).to(x.dtype)
+            unit = _unit(c, acc, x.device)
+            dx = torch.batch_norm(xs, coef[1], coef[2], unit[0], unit[1], False, 0.0, 0.0,
+                                  False)  # a x + b: the evaluation-mode kernel, one pass
+            dx = dx.addcmul_(g, coef[0].view((1, c) + (1,) * (x.ndim - 2))).to(x.dtype)
         else:
             dx = torch.empty_like(x)
         return (dx, None if wt is None else dw.to(wt), None if bt is None else db.to(bt),
