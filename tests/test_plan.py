@@ -558,7 +558,12 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     import dataclasses
     import json
 
-    from disttensor_nn.plan.calibrate import calibrate, calibrate_if_stale, stale_calibration
+    from disttensor_nn.plan.calibrate import (
+        METHOD,
+        calibrate,
+        calibrate_if_stale,
+        stale_calibration,
+    )
     from disttensor_nn.plan.machine import this_machine_path
 
     comm = MPI.COMM_WORLD
@@ -588,9 +593,16 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     comm.Barrier()
     why = stale_calibration(comm, cache_dir=cache)
     collective_assert(why is not None and "unrecorded" in why, str(why))
+    comm.Barrier()
+    if comm.rank == 0:  # taken by an earlier method (allreduces timed from the caches)
+        dataclasses.replace(prof, calibration_method=METHOD - 1).save(path)
+    comm.Barrier()
+    why = stale_calibration(comm, cache_dir=cache)
+    collective_assert(why is not None and "earlier method" in why, str(why))
+    collective_assert(prof.calibration_method == METHOD, str(prof))
     # calibrate_if_stale calibrates then (saying why), and keeps the fresh one after
     why = calibrate_if_stale(comm, cache_dir=cache)
-    collective_assert(why is not None and "unrecorded" in why, str(why))
+    collective_assert(why is not None and "earlier method" in why, str(why))
     collective_assert(calibrate_if_stale(comm, cache_dir=cache) is None, "calibrated twice")
 
 

@@ -350,7 +350,9 @@ def test_plot_help_shows_no_markup(capsys):
 
 def _train_on_cached(monkeypatch, capsys, **profile) -> tuple[str, str]:
     """Train a step on ``machine="this"`` whose cached calibration is the V100 profile with
-    ``profile``'s fields replaced; (the calibration's path, what the run printed)."""
+    ``profile``'s fields replaced (taken by this version's method unless given);
+    (the calibration's path, what the run printed)."""
+    profile.setdefault("calibration_method", calibration.METHOD)
     comm = MPI.COMM_WORLD
     path = os.path.join(shared_tmpdir(comm), "machine.json")
     if comm.Get_rank() == 0:

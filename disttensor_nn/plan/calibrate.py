@@ -22,6 +22,7 @@ library adds while non-blocking allreduces are in flight is measured too
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -41,9 +42,20 @@ from ..memory import peak_resident_bytes, release_free_memory, reset_peak, resid
 from .machine import MachineProfile, this_machine_path
 
 __all__ = ["calibrate", "calibrate_compute", "calibrate_if_stale", "stale_calibration",
-           "ranks_per_node"]
+           "ranks_per_node", "METHOD"]
 
-SIZES = [2**k for k in range(3, 24, 3)]  # 8 B .. 8 MiB
+SIZES = [2**k for k in range(3, 24, 3)]  # 8 B .. 2 MiB
+
+METHOD = 2
+"""The calibration's method, recorded in the profile (``calibration_method``); a cached
+calibration of a lower one is taken again. 2: allreduces timed on buffers that left the
+caches (a rotation larger than the last-level cache), as a training step's gradients
+are: on 2 ranks of 2 cores a 2 MiB allreduce took 0.44 ms from the cache and 0.86 ms
+from memory, and the fit on the cached buffers priced ResNet-18's 47 MB of gradients
+at 9.6 ms where they took 21-33 ms."""
+
+ROTATION_BYTES = 64 * 2**20
+"""Bytes of the buffers an allreduce of one size is rotated over while it is timed."""
 
 
 def _median_time(fn, comm: MPI.Comm, reps: int, xp: Any = np) -> float:
@@ -93,13 +105,17 @@ def _allreduce(comm: MPI.Comm, reps: int, xp: Any) -> tuple[float, float]:
     for p in sorted({2, size}):
         sub = comm.Split(0 if comm.Get_rank() < p else MPI.UNDEFINED, comm.Get_rank())
         for n in SIZES:
-            x = xp.zeros(max(n // 8, 1), dtype=np.float64)
+            # written (so mapped) beforehand; each call takes the next, which left the caches
+            xs = [xp.ones(max(n // 8, 1), dtype=np.float64)
+                  for _ in range(max(1, min(ROTATION_BYTES // n, 64)))]
+            turn = itertools.cycle(xs)
             if sub != MPI.COMM_NULL:
-                tp = _median_time(lambda s=sub, x=x: t.allreduce(x, s), sub, reps, xp)
+                tp = _median_time(lambda s=sub, c=turn: t.allreduce(next(c), s), sub, reps, xp)
             else:
                 tp = 0.0
             tp = comm.allreduce(tp, op=MPI.MAX)
-            feats.append([2 * np.log2(p), 2 * (p - 1) / p * x.nbytes])
+            del xs, turn
+            feats.append([2 * np.log2(p), 2 * (p - 1) / p * max(n // 8, 1) * 8])
             times.append(tp)
         if sub != MPI.COMM_NULL:
             sub.Free()
@@ -182,8 +198,8 @@ def stale_calibration(comm: MPI.Comm, device: str = "cpu",
     and the time the MPI library takes to progress a message (on a node with
     more ranks than cores, a message waits for its receiver to be scheduled).
     Returns None when the cached profile holds, otherwise a sentence saying
-    why not (none cached yet, or taken with another number of ranks per node),
-    the same on every rank.
+    why not (none cached yet, taken by an earlier method (:data:`METHOD`), or
+    with another number of ranks per node), the same on every rank.
     """
     per_node = ranks_per_node(comm)
     why = None
@@ -192,8 +208,12 @@ def stale_calibration(comm: MPI.Comm, device: str = "cpu",
         if not os.path.exists(path):
             why = f"this machine has no calibration yet ({path})"
         else:
-            taken = MachineProfile.load(path).calibrated_ranks_per_node
-            if taken != per_node:
+            cached = MachineProfile.load(path)
+            taken = cached.calibrated_ranks_per_node
+            if cached.calibration_method < METHOD:
+                why = (f"the cached calibration {path} was taken by an earlier method "
+                       f"({cached.calibration_method}; this version's is {METHOD})")
+            elif taken != per_node:
                 ranks = (f"{taken} rank{'' if taken == 1 else 's'}" if taken
                          else "an unrecorded number of ranks")
                 why = (f"the cached calibration {path} was taken with {ranks} per node and "
@@ -218,7 +238,8 @@ def _measured(device: str, units: int, load: float, flops: float, bw: float, mem
         name=f"this{suffix}:{socket.gethostname()}", peak_flops=flops, efficiency=1.0,
         mem_bandwidth=bw, memory_per_rank=mem, cores_per_node=units, measured=True,
         device=device, notes=f"{taken} under a load average of {load:.1f} on {cores} cores"
-        f"{remark}", load_per_core=load / cores, calibrated_ranks_per_node=per_node, **comm)
+        f"{remark}", load_per_core=load / cores, calibrated_ranks_per_node=per_node,
+        calibration_method=METHOD, **comm)
 
 
 def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,

@@ -67,6 +67,9 @@ class MachineProfile:
     # ranks of one node that ran the calibration (0: not a calibration, or one written before
     # this was recorded); its constants hold for jobs with as many ranks per node
     calibrated_ranks_per_node: int = 0
+    # the method of the calibration (0: not a calibration, or one taken before methods were
+    # numbered); a cached calibration of an older method is taken again
+    calibration_method: int = 0
 
     @property
     def node_size(self) -> int:
@@ -187,7 +190,8 @@ class MachineProfile:
 #: Fields added after the first profiles, with the defaults that leave them out of a file.
 _OPTIONAL_FIELDS = {"ranks_per_node": 0, "inter_alpha": None, "inter_beta": None,
                     "nic_share": 1, "efficiency_half_flops": 0.0, "launch_overhead": 0.0,
-                    "reduce_scratch": 0.0, "calibrated_ranks_per_node": 0}
+                    "reduce_scratch": 0.0, "calibrated_ranks_per_node": 0,
+                    "calibration_method": 0}
 
 
 def default_cache_dir() -> str:
