@@ -230,6 +230,11 @@ def test_old_profile_json_loads_with_one_level(tmp_path):
     two.save(str(tmp_path / "two.json"))
     assert MachineProfile.load(str(tmp_path / "two.json")) == two
     assert json.loads((tmp_path / "two.json").read_text())["inter_beta"] == 1e-9
+    # a field of a later version is left out, the rest read as written
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({**json.loads((tmp_path / "two.json").read_text()),
+                                 "a_later_field": [1, 2]}))
+    assert MachineProfile.load(str(later)) == two
 
 
 def test_builtin_profiles_state_their_sources():

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["MachineProfile", "load_profile", "builtin_profiles", "default_cache_dir"]
 
@@ -167,8 +167,10 @@ class MachineProfile:
         """Write the profile as JSON.
 
         The fields of the second network level, of the rate model's curve and
-        the reductions' scratch are written only when set, so a profile that uses neither (every
-        calibration) stays readable by versions that do not know them.
+        the reductions' scratch are written only when set, so a profile that uses neither
+        stays readable by versions that do not know them (a calibration's
+        ``calibration_method`` is written: versions before it do not read its
+        profiles, later ones leave out what they do not know).
         """
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         data = asdict(self)
@@ -182,9 +184,13 @@ class MachineProfile:
 
     @classmethod
     def load(cls, path: str) -> MachineProfile:
-        """Read a profile written by :meth:`save`."""
+        """Read a profile written by :meth:`save` (by this version or another: fields this
+        version does not know are left out, those it knows and the file lacks keep their
+        defaults)."""
         with open(path) as f:
-            return cls(**json.load(f))  # fields added later keep their defaults
+            data = json.load(f)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 #: Fields added after the first profiles, with the defaults that leave them out of a file.
