@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import time
 from dataclasses import asdict, dataclass, replace
@@ -61,6 +60,7 @@ from .loop import (  # noqa: F401 - importable from here as before
     prediction_warning,
     prefetch_depth,
     print_summary,
+    process_baseline,
     progress_bar,
     run_steps,
     say,
@@ -298,14 +298,10 @@ def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> 
     warm_up([(n.layer, n.in_shape) for n in leaf_nodes(trace(model, shape))],
             backends=kernel_choice(cfg.kernels) or (None,), dtype=activation_dtype(model))
     machine = machine_profile(cfg, comm, memory)
-    release_free_memory()
-    params = sum(nbytes(p.data) for p in model.parameters())
-    baseline = comm.allreduce(resident_bytes() - 2 * params, op=MPI.MAX)
-    # the batches a prefetching thread holds ahead: a rank's share of each batch's input and
-    # target (their split is the first layer's, known once planned: a share of the ranks)
-    ahead = cfg.prefetch * (math.prod(shape) + math.prod((cfg.batch, *data.target_shape))) \
-        * np.dtype(np.float32).itemsize / comm.Get_size()
-    plan = _plan(cfg, model, shape, comm, memory, baseline + ahead, machine)
+    params = sum(nbytes(p.data) for p in model.parameters())  # and as much of gradients
+    baseline = process_baseline(comm, 2 * params, cfg.prefetch, shape,
+                                (cfg.batch, *data.target_shape))
+    plan = _plan(cfg, model, shape, comm, memory, baseline, machine)
     apply_plan(model, plan, shape, comm)
     stage = _applied_stage(cfg, plan)
     if stage != "none" and not _replicated(model, comm.Get_size()):

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,13 @@ from tqdm import tqdm
 from disttensor import node_share
 
 from ..kernels import limit_threads
-from ..memory import HEAP_TOP_KEPT, MALLOPT_MAX, MemoryProfile, release_free_memory
+from ..memory import (
+    HEAP_TOP_KEPT,
+    MALLOPT_MAX,
+    MemoryProfile,
+    release_free_memory,
+    resident_bytes,
+)
 from ..plan import Plan
 from ..plan.calibrate import calibrate, calibrate_compute, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
@@ -41,7 +47,7 @@ __all__ = ["HEAVY_LOAD", "plural", "say", "metrics_problem", "prefetch_depth", "
            "run_steps", "check_resume_step", "peak_memory", "phase_line", "say_peak_memory",
            "timing_summary", "memory_summary", "prediction_warning", "print_summary",
            "write_metrics", "mapping_threshold", "keep_data", "make_kept", "KEEP_SHARE",
-           "predicted_training_peak"]
+           "predicted_training_peak", "process_baseline"]
 
 HEAVY_LOAD = 0.5
 """Load average per core above which a calibration is flagged as measured under load."""
@@ -112,6 +118,26 @@ def make_kept(cfg: Any, loader: Loader, step: int, comm: MPI.Comm) -> None:
         say(comm, f"synthetic data: the blocks of the {plural(made, 'sample')} a rank takes "
                   f"in this run made ahead and kept ({took:.2f} s; --no-keep-data makes them "
                   "in each step instead)")
+
+
+def process_baseline(comm: MPI.Comm, held: float, prefetch: int, shape: Sequence[int],
+                     target_shape: Sequence[int]) -> float:
+    """The process baseline of a plan's predicted peak (collective, the largest rank's).
+
+    What a rank holds now besides ``held`` bytes that the planner counts
+    itself (the parameters, and their gradients where they exist): the
+    interpreter, the array libraries, MPI, the data set, and what the
+    kernels run so far left resident. Plus the batches a prefetching thread
+    holds ahead: ``prefetch`` times a rank's share of a batch's input
+    ``shape`` and target ``target_shape``, in float32 (their split is the
+    first layer's, known once planned: a share of the ranks). Free memory is
+    given back first, so that it does not count.
+    """
+    release_free_memory()
+    here = max(resident_bytes() - held, 0)
+    ahead = (prefetch or 0) * (math.prod(shape) + math.prod(target_shape)) \
+        * np.dtype(np.float32).itemsize / comm.Get_size()
+    return comm.allreduce(here, op=MPI.MAX) + ahead
 
 
 def prefetch_depth(cfg: Any, comm: MPI.Comm) -> int:

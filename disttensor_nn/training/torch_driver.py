@@ -54,7 +54,6 @@ from ..memory import (
     keep_heap_top,
     map_large_allocations,
     release_free_memory,
-    resident_bytes,
 )
 from ..plan import Plan
 from ..reduction import no_sync, split_axes_comm
@@ -75,6 +74,7 @@ from .loop import (
     plural,
     prefetch_depth,
     print_summary,
+    process_baseline,
     progress_bar,
     run_steps,
     say,
@@ -267,21 +267,14 @@ def _output_shape(model: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
             m.training = training
 
 
-def _baseline(model: nn.Module, comm: MPI.Comm, ahead: float = 0.0) -> float:
-    """What a rank holds besides the model's parameters, gradients and activations (the
-    interpreter, PyTorch, MPI, the data set's handles; collective, the largest rank's), and
-    ``ahead`` bytes of batches a prefetching thread holds: the process baseline of the
-    plan's predicted peak, as the built-in models' (the planner counts the parameters and
-    their gradients itself; the gradients do not exist yet)."""
-    release_free_memory()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return comm.allreduce(max(resident_bytes() - params, 0), op=MPI.MAX) + ahead
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _parallel(cfg: ModelFileConfig, model: nn.Module, shape: tuple[int, ...],
               comm: MPI.Comm, machine: str, baseline: float = 0.0) -> ParallelModule:
     """The model on this job's ranks, planned (or by the plan file ``cfg.layout``) with
-    ``baseline`` resident bytes besides the model's data (:func:`_baseline`)."""
+    ``baseline`` resident bytes besides the model's data (:func:`.loop.process_baseline`)."""
     layout = "auto" if cfg.layout == "auto" else cfg.layout
     try:
         pm = parallelize(model, shape, layout, memory_per_rank=cfg.memory_per_rank,
@@ -499,12 +492,10 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
     _same_weights(model, comm)
     threads, local, cores = set_threads(cfg, comm)
     machine = machine_profile(cfg, comm, memory)
-    # a prefetching thread's batches: a rank's share of each batch's input and target (the
-    # data set's targets, or synthetic ones of the output's shape)
+    # the process besides the parameters (their gradients do not exist yet), and the batches
+    # a prefetching thread holds: the data set's targets, or synthetic ones of the output's
     target = (cfg.batch, *data.target_shape) if data is not None else _output_shape(model, shape)
-    ahead = (cfg.prefetch or 0) * (math.prod(shape) + math.prod(target)) \
-        * np.dtype(np.float32).itemsize / comm.Get_size()
-    baseline = _baseline(model, comm, ahead)
+    baseline = process_baseline(comm, _param_bytes(model), cfg.prefetch, shape, target)
     say(comm, f"planning {cfg.model} for {plural(comm.Get_size(), 'rank')}...")
     with memory.phase("planning"):
         pm = _parallel(cfg, model, shape, comm, machine, baseline)
@@ -736,7 +727,8 @@ def plan_model_file(spec: str, shape: Sequence[int], *, machine: str,
     model = _agreed(comm, lambda: load_model_file(spec))
     cfg = ModelFileConfig(model=spec, model_file=spec, memory_per_rank=memory_per_rank)
     try:
-        return _parallel(cfg, model, tuple(shape), comm, machine, _baseline(model, comm))
+        return _parallel(cfg, model, tuple(shape), comm, machine,
+                         process_baseline(comm, _param_bytes(model), 0, (), ()))
     except ValueError as exc:
         raise SetupError(str(exc)) from exc
 
@@ -794,7 +786,8 @@ def _predict(cfg: PredictConfig, model_file: str, comm: MPI.Comm,
     machine = predict_machine(cfg, comm)
     pm = _parallel(ModelFileConfig(model=model_file, model_file=model_file,
                                    memory_per_rank=cfg.memory_per_rank),
-                   model, shape, comm, machine, _baseline(model, comm))
+                   model, shape, comm, machine,
+                   process_baseline(comm, _param_bytes(model), 0, (), ()))
     pm.eval()
     n = len(data)
     stack = (n, *pm.output_dist.global_shape[1:])
