@@ -273,7 +273,10 @@ class Distribution:
         """Index of ``rank``'s block along each dimension."""
         if rank is None and self.grid is not None:
             return self._own_index
-        c = coords_of(self._rank(rank), self.grid_shape)
+        return self._index_of(self._rank(rank))
+
+    def _index_of(self, rank: int) -> tuple[int, ...]:
+        c = coords_of(rank, self.grid_shape)
         return tuple(
             rank_of([c[a] for a in e], [self.grid_shape[a] for a in e]) if e else 0
             for e in self._axes
@@ -282,23 +285,20 @@ class Distribution:
     @cached_property
     def _own_index(self) -> tuple[int, ...]:
         # asked for by every layer on every call: computed once per Distribution
-        c = coords_of(self.grid.rank, self.grid_shape)
-        return tuple(
-            rank_of([c[a] for a in e], [self.grid_shape[a] for a in e]) if e else 0
-            for e in self._axes
-        )
+        return self._index_of(self.grid.rank)
 
     def local_slices(self, rank: int | None = None) -> tuple[slice, ...]:
         """Global slices of ``rank``'s block (this process's rank by default)."""
         if rank is None and self.grid is not None:
             return self._own_slices
-        bi = self.block_index(rank)
-        return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.boundaries, bi))
+        return self._slices_of(self.block_index(rank))
+
+    def _slices_of(self, index: tuple[int, ...]) -> tuple[slice, ...]:
+        return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.boundaries, index))
 
     @cached_property
     def _own_slices(self) -> tuple[slice, ...]:
-        bi = self._own_index
-        return tuple(slice(b[i], b[i + 1]) for b, i in zip(self.boundaries, bi))
+        return self._slices_of(self._own_index)
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         """Shape of ``rank``'s block."""
