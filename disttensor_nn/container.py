@@ -71,6 +71,12 @@ class Sequential(Layer):
             in_shape = layer.output_shape(in_shape)
         return tuple(in_shape)
 
+    @property
+    def reads_grad_only(self) -> bool:  # type: ignore[override]
+        """Whether the last layer (the first that backward gives ``dy``) only reads it."""
+        layers = list(self)
+        return bool(layers) and layers[-1].reads_grad_only
+
     def set_layouts(self, layouts: Iterable[Layout | None]) -> None:
         """Give every layer its input layout (None: take the input as it comes)."""
         for layer, layout in zip(self, layouts, strict=True):
@@ -126,10 +132,23 @@ class Residual(Layer):
         y = self._merge(self.branch(x), self.shortcut(x) if self.shortcut is not None else x)
         return self.post(y) if self.post is not None else y
 
+    @property
+    def reads_grad_only(self) -> bool:  # type: ignore[override]
+        """Whether backward only reads ``dy``: ``post``'s, where there is one; else the
+        merge's (a concatenation's copies its parts) or both paths' (an addition's give
+        them ``dy``)."""
+        if self.post is not None:
+            return self.post.reads_grad_only
+        return isinstance(self._merge, Concat) or self.branch.reads_grad_only and (
+            self.shortcut is None or self.shortcut.reads_grad_only)
+
     def backward(self, dy: DistArray) -> DistArray:
         if self.post is not None:
             dy = self.post.call_backward(dy)
-        da, db = self._merge.backward(dy)
+        # one gradient for both paths where the branch does not write it (the shortcut's
+        # is read after the branch ran)
+        da, db = self._merge.backward(dy) if isinstance(self._merge, Concat) else \
+            self._merge.backward(dy, copy=not self.branch.reads_grad_only)
         dx = self.branch.call_backward(da)
         if self.shortcut is not None:
             db = self.shortcut.call_backward(db)

@@ -264,6 +264,12 @@ class Layer:
     activation_dtype: Any = None
     saved_for_backward: tuple[str, ...] = ()
     """Attributes that ``forward`` sets for ``backward`` (see :meth:`release_saved`)."""
+    reads_grad_only: bool = False
+    """Whether ``backward`` only reads its incoming gradient (never writes into ``dy``'s
+    buffer). A :class:`~disttensor_nn.Residual` whose branch takes the gradient first in
+    such a layer gives the same gradient to the branch and the shortcut; otherwise the
+    shortcut's is a copy. False unless a layer says so (as PyTorch's autograd functions,
+    the built-in convolutions, batch norms and ReLUs leave ``dy`` as it is)."""
 
     def compute_dtype(self, dtype: Any, backend: str | None = None,
                       device: str = "cpu") -> np.dtype:

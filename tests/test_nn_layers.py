@@ -727,6 +727,96 @@ def test_residual_block(variant):
     check.finish()
 
 
+class _DoubleInPlace(nn.Layer):
+    """``2 x``, whose backward doubles ``dy`` in its own buffer (reads_grad_only False)."""
+
+    def forward(self, x):
+        return dt.DistArray(x.local * 2, x.dist)
+
+    def backward(self, dy):
+        dy.local[...] *= 2
+        return dy
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("variant", ["bn_last", "writes_dy"])
+def test_residual_gradient_shared_or_copied(variant, kernels):
+    """A branch whose first backward layer only reads ``dy`` shares it with the identity
+    shortcut (no copy); one that writes it gets its own: both give the reference
+    gradients."""
+    shape = (3, 2, 13, 11)
+    conv = nn.Conv2d(2, 2, 3, padding=1, dtype=np.float64)
+    bn = nn.BatchNorm2d(2, dtype=np.float64)
+    layers = [conv, bn] + ([_DoubleInPlace()] if variant == "writes_dy" else [])
+    branch = nn.Sequential(*layers)
+    nn.kernels.use_kernels(branch, kernels)
+    block = nn.Residual(branch, post=nn.ReLU())
+    _set(block, 31)
+    bn.weight.data[...] = np.abs(bn.weight.data) + 0.5
+    rng = np.random.default_rng(32)
+    x = rng.standard_normal(shape)
+    pads = [(1, 1)] * 2
+    h1 = conv_ref(x, conv.weight.data, conv.bias.data, 1, pads, 1)
+    h2, bn_back, _, _ = bn_ref(h1, bn.weight.data, bn.bias.data, bn.eps)
+    scale = 2.0 if variant == "writes_dy" else 1.0
+    z = scale * h2 + x
+    want = np.maximum(z, 0)
+    dy = rng.standard_normal(shape)
+    dz = dy * (z > 0)
+    dh1, dgamma, dbeta = bn_back(scale * dz)
+    dx, dw, db = conv_ref_backward(x, conv.weight.data, dh1, 1, pads, 1)
+    dx = dx + dz
+    check = Checks()
+    shares = variant == "bn_last"
+    check.true(branch.reads_grad_only == shares and block.reads_grad_only
+               and nn.Residual(branch).reads_grad_only == shares,
+               f"reads_grad_only of {variant}")
+    for lname, dist in layouts(shape)[:5]:
+        y = block(dt.DistArray.from_global(x, dist))
+        check.close(y, want, lname, rtol=1e-11, atol=1e-11)
+        block.zero_grad()
+        g = block.backward(dt.DistArray.from_global(dy, y.dist))
+        check.close(g, dx, lname, rtol=1e-10, atol=1e-10)
+        for got, ref in ((conv.weight.grad, dw), (conv.bias.grad, db),
+                         (bn.weight.grad, dgamma), (bn.bias.grad, dbeta)):
+            check.close(got, ref, lname, rtol=1e-10, atol=1e-10)
+    check.finish()
+
+
+def _reads_grad_only_cases():
+    return [("conv3x3", lambda: nn.Conv2d(2, 3, 3, padding=1, dtype=np.float64)),
+            ("conv_stride2", lambda: nn.Conv2d(2, 3, 3, stride=2, padding=1,
+                                               padding_mode="reflect", dtype=np.float64)),
+            ("conv1x1", lambda: nn.Conv2d(2, 3, 1, bias=False, dtype=np.float64)),
+            ("batchnorm", lambda: nn.BatchNorm2d(2, dtype=np.float64)),
+            ("batchnorm_group", lambda: nn.BatchNorm2d(2, stats="group", dtype=np.float64)),
+            ("relu", lambda: nn.ReLU()), ("leaky_relu", lambda: nn.LeakyReLU(0.1))]
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_reads_grad_only_layers_leave_dy(kernels):
+    """Every layer that says its backward only reads ``dy`` leaves ``dy``'s buffer as it
+    was, on every layout (halos, shared statistics, empty blocks) and backend."""
+    shape = (3, 2, 13, 11)
+    x = np.random.default_rng(41).standard_normal(shape)
+    check = Checks()
+    for name, make in _reads_grad_only_cases():
+        for lname, dist in layouts(shape):
+            layer = make()
+            check.true(layer.reads_grad_only, f"{name} says it reads dy only")
+            layer.kernel_backend = kernels
+            _set(layer, 42)
+            y = layer(dt.DistArray.from_global(x, dist))
+            g = np.random.default_rng(43).standard_normal(y.shape)
+            dy = dt.DistArray.from_global(g, y.dist)
+            before = dy.local.copy()
+            layer.backward(dy)
+            check.true(np.array_equal(dy.local, before), f"{name} on {lname} wrote dy")
+    check.finish()
+
+
 # --------------------------------------------------------------------------- SGD
 SGD_CASES = [dict(), dict(momentum=0.9), dict(momentum=0.8, dampening=0.5),
              dict(weight_decay=0.01), dict(momentum=0.9, weight_decay=0.05),

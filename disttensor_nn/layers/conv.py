@@ -87,6 +87,7 @@ class ConvNd(WindowLayer):
 
     nd = 0
     kernel_backends = ("numpy", "torch")
+    reads_grad_only = True
     _pending: tuple[Any, Any] | None = None  # weight and bias gradients from the dx call
 
     def compute_dtype(self, dtype: Any, backend: str | None = None,

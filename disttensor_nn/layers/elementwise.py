@@ -23,6 +23,7 @@ class LeakyReLU(Layer):
 
     saved_for_backward = ("_mask",)
     kernel_backends = ("numpy", "torch")
+    reads_grad_only = True
 
     def __init__(self, negative_slope: float = 0.01):
         self.negative_slope = negative_slope
@@ -133,11 +134,14 @@ class Add:
 
     __call__ = forward
 
-    def backward(self, dy: DistArray) -> tuple[DistArray, DistArray]:
+    def backward(self, dy: DistArray, *, copy: bool = True) -> tuple[DistArray, DistArray]:
         """Gradients with respect to ``a`` and ``b`` (each in its own distribution).
 
         ``dy`` is checked as every layer's (:func:`~disttensor_nn.module.check_grad`).
+        Both are ``dy`` where ``b`` shares its distribution and ``copy`` is False (the
+        caller knows that whoever takes the first does not write it); else ``b``'s is
+        a copy of its own.
         """
         dy = check_grad(dy, getattr(self, "_out", None), "Add.backward")
         db = dy if self._b_dist == dy.dist else dy.redistribute(self._b_dist)
-        return dy, db.copy() if db is dy else db
+        return dy, db.copy() if db is dy and copy else db
