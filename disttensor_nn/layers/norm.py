@@ -44,17 +44,14 @@ def _into(xp: ModuleType, op: str, a: Any, b: Any, out: Any | None) -> Any:
     return getattr(xp, op)(a, b)
 
 
-NATIVE_BATCH_NORM_MAX = 2**19
+NATIVE_BATCH_NORM_MAX = 2**18
 """Elements of a block up to which the torch kernels normalise a block whose statistics
 are its own by ATen's training-mode kernel in one call (Welford's statistics) on one
-thread; a larger one takes the centred passes there, faster on one thread. Forward and
-backward through the layer on one thread of a 2-core AVX-512 machine, ATen's one call
-against the centred passes (medians of three rounds each): 1.32-1.36 against 1.45-1.50 ms
-at ``(4, 128, 28, 28)`` (392 Ki elements), level at 784 Ki, 4.3-4.7 against 3.9-4.9 ms at
-1.5 Mi and 12.2-13.6 against 11.2-11.8 ms at 3 Mi; with a 32 MiB sweep between calls
-3.3 against 3.5-3.9 ms at 392 Ki and 18.7-19.3 against 16.7-18.0 ms at 3 Mi. With more
-than one PyTorch thread every size takes the one call, which spreads over them (forward
-and backward of ``(8, 64, 56, 56)`` on 2 threads: 1.95 ms against 3.28)."""
+thread; a larger one takes the centred passes there, faster on one thread (a 2-core
+AVX-512 machine: ATen's one call 0.12 ms against 0.16 at 64 Ki elements, 2.8 ms against
+2.1 at 1.5 Mi, before the per-channel arithmetic the centred passes add, some 0.1 ms).
+With more than one PyTorch thread every size takes the one call, which spreads over them
+(forward and backward of ``(8, 64, 56, 56)`` on 2 threads: 1.95 ms against 3.28)."""
 
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 """Blocks the one-call path takes (its running statistics are updated in the block's dtype:
