@@ -784,6 +784,40 @@ def test_residual_gradient_shared_or_copied(variant, kernels):
     check.finish()
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_skip_gradient_written_by_the_branch(batch):
+    """A concatenation's backward gives each path its channels of ``dy``: a branch that
+    writes its gradient in place leaves the other path's as it was, and both give the
+    reference gradients (one sample per block: channel slices of ``dy`` are contiguous)."""
+    shape = (batch, 2, 13, 11)
+    c1 = nn.Conv2d(2, 3, 3, padding=1, dtype=np.float64)
+    c2 = nn.Conv2d(5, 2, 3, padding=1, dtype=np.float64)
+    block = nn.Skip(nn.Sequential(c1, _DoubleInPlace()), post=c2)
+    _set(block, 51)
+    rng = np.random.default_rng(52)
+    x = rng.standard_normal(shape)
+    pads = [(1, 1)] * 2
+    h = conv_ref(x, c1.weight.data, c1.bias.data, 1, pads, 1)
+    cat = np.concatenate([2 * h, x], axis=1)
+    want = conv_ref(cat, c2.weight.data, c2.bias.data, 1, pads, 1)
+    dy = rng.standard_normal(want.shape)
+    dcat, dw2, db2 = conv_ref_backward(cat, c2.weight.data, dy, 1, pads, 1)
+    dx, dw1, db1 = conv_ref_backward(x, c1.weight.data, 2 * dcat[:, :3], 1, pads, 1)
+    dx = dx + dcat[:, 3:]
+    check = Checks()
+    for lname, dist in layouts(shape)[:5]:
+        y = block(dt.DistArray.from_global(x, dist))
+        check.close(y, want, lname, rtol=1e-11, atol=1e-11)
+        block.zero_grad()
+        g = block.backward(dt.DistArray.from_global(dy, y.dist))
+        check.close(g, dx, lname, rtol=1e-10, atol=1e-10)
+        for got, ref in ((c1.weight.grad, dw1), (c1.bias.grad, db1), (c2.weight.grad, dw2),
+                         (c2.bias.grad, db2)):
+            check.close(got, ref, lname, rtol=1e-10, atol=1e-10)
+    check.finish()
+
+
 def _reads_grad_only_cases():
     return [("conv3x3", lambda: nn.Conv2d(2, 3, 3, padding=1, dtype=np.float64)),
             ("conv_stride2", lambda: nn.Conv2d(2, 3, 3, stride=2, padding=1,
