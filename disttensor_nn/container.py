@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 from disttensor import DistArray
 
-from .layers.elementwise import Add
+from .layers.elementwise import Add, add_blocks
 from .layers.merge import Concat
 from .layout import Layout
 from .module import Layer, prefetch_weights
@@ -154,7 +154,7 @@ class Residual(Layer):
             db = self.shortcut.call_backward(db)
         if db.dist != dx.dist:
             db = db.redistribute(dx.dist)
-        dx = DistArray(dx.local + db.local, dx.dist)
+        dx = add_blocks(dx, db)
         return dx if self._moved is None else dx.redistribute(self._moved)
 
 

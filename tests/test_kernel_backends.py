@@ -3,7 +3,8 @@ refusing a backend this installation cannot run (before any work, alike on every
 
 None of these tests needs PyTorch: the choice is made from kernel times a stand-in timer
 gives, and where PyTorch is missing the refusals are checked as they are; where it is
-installed they are checked with it hidden from the process.
+installed they are checked with it hidden from the process. One test, skipped without
+PyTorch, compares the residual sums taken over its threads with NumPy's.
 """
 
 from __future__ import annotations
@@ -250,3 +251,29 @@ def test_threads_go_to_the_kernels_pool_where_torch_kernels_run_else_to_blas():
         assert threads_now() == (1, 1) and blas_threads() == {1}
     finally:
         limit_threads(1)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
+def test_residual_sums_over_torchs_threads_equal_numpys_exactly():
+    """Where the torch kernels are in use, a residual block's sums (forward and backward)
+    run in ATen: the same sums as NumPy's, bit for bit, in the input's dtype; arrays of
+    different dtypes fall back to NumPy's promotion."""
+    from disttensor_nn.layers.elementwise import add_blocks
+
+    torch_kernels.require()
+    rng = np.random.default_rng(3)
+    g = dt.ProcessGrid((1,), MPI.COMM_SELF)
+    for dtype in (np.float16, np.float32, np.float64):
+        for shape in ((2, 3, 5, 7), (1, 64, 33, 17), (4, 1)):
+            d = dt.Distribution(shape, g, (0,) + (None,) * (len(shape) - 1))
+            a = rng.standard_normal(shape).astype(dtype)
+            b = rng.standard_normal(shape).astype(dtype)
+            out = add_blocks(dt.DistArray(a, d), dt.DistArray(b, d))
+            assert isinstance(out.local, np.ndarray) and out.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(out.local, a + b)
+            assert out.dist == d
+    d = dt.Distribution((3, 4), g, (0, None))
+    a, b = np.ones((3, 4), np.float32), np.full((3, 4), 0.1, np.float64)
+    out = add_blocks(dt.DistArray(a, d), dt.DistArray(b, d))
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out.local, a + b)

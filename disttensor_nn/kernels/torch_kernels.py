@@ -615,6 +615,14 @@ def sgd_update_(data: Any, grad: Any, buf: Any | None, lr: float, momentum: floa
     p.add_(d, alpha=-lr)
 
 
+def add(a: Any, b: Any) -> Any:
+    """``a + b`` of two arrays of one shape and dtype, a new array of ``a``'s module,
+    over PyTorch's threads (the same sums as the array module's: one addition per
+    element)."""
+    torch = require()
+    return _back(torch.add(_t(a), _t(b)), a)
+
+
 def copy_(dst: Any, src: Any) -> Any:
     """``dst[...] = src`` over PyTorch's threads (arrays of one shape; ``src`` cast to
     ``dst``'s dtype); returns ``dst``."""
