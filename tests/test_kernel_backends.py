@@ -9,6 +9,8 @@ PyTorch, compares the residual sums taken over its threads with NumPy's.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -261,16 +263,21 @@ def test_residual_sums_over_torchs_threads_equal_numpys_exactly():
     from disttensor_nn.layers.elementwise import add_blocks
 
     torch_kernels.require()
+    assert torch_kernels.in_use()
     rng = np.random.default_rng(3)
     g = dt.ProcessGrid((1,), MPI.COMM_SELF)
-    for dtype in (np.float16, np.float32, np.float64):
+    dtypes = [np.float16, np.float32, np.float64]
+    if "ml_dtypes" in sys.modules or importlib.util.find_spec("ml_dtypes") is not None:
+        dtypes.append(np.dtype(importlib.import_module("ml_dtypes").bfloat16))
+    for dtype in dtypes:
         for shape in ((2, 3, 5, 7), (1, 64, 33, 17), (4, 1)):
             d = dt.Distribution(shape, g, (0,) + (None,) * (len(shape) - 1))
             a = rng.standard_normal(shape).astype(dtype)
             b = rng.standard_normal(shape).astype(dtype)
             out = add_blocks(dt.DistArray(a, d), dt.DistArray(b, d))
             assert isinstance(out.local, np.ndarray) and out.dtype == np.dtype(dtype)
-            np.testing.assert_array_equal(out.local, a + b)
+            bits = np.dtype(f"i{out.local.itemsize}")  # bfloat16 compared bit for bit
+            np.testing.assert_array_equal(out.local.view(bits), (a + b).view(bits))
             assert out.dist == d
     d = dt.Distribution((3, 4), g, (0, None))
     a, b = np.ones((3, 4), np.float32), np.full((3, 4), 0.1, np.float64)

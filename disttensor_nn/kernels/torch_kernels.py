@@ -132,6 +132,12 @@ def set_num_threads(n: int) -> None:
         _state["torch"].set_num_threads(int(n))
 
 
+def in_use() -> bool:
+    """Whether these kernels have imported PyTorch (a layer or the kernel timer ran them
+    in this process): its threads are then the ones :func:`set_num_threads` gave."""
+    return _state["torch"] is not None
+
+
 def loaded() -> bool:
     """Whether PyTorch is imported already (by these kernels or by anything else in the
     process): a caller that only may use it asks this, to not import it."""

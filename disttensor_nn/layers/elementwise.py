@@ -119,11 +119,12 @@ class Sigmoid(Layer):
 
 def add_blocks(a: DistArray, b: DistArray) -> DistArray:
     """``a + b`` of two arrays of one distribution and dtype, a new block: NumPy blocks
-    over PyTorch's threads where the torch kernels are in use (ResNet-50 at 224^2, batch
-    4, on one process: a step 7-12 ms shorter on one thread, 26-27 ms on two), else the array
+    over PyTorch's threads where the torch kernels are in use (:func:`torch_kernels.in_use
+    <disttensor_nn.kernels.torch_kernels.in_use>`; ResNet-50 at 224^2, batch 4, on one
+    process: a step 7-12 ms shorter on one thread, 26-27 ms on two), else the array
     module's addition (the same sums)."""
     xa, xb = a.local, b.local
-    if torch_kernels.loaded() and isinstance(xa, np.ndarray) and isinstance(xb, np.ndarray) \
+    if torch_kernels.in_use() and isinstance(xa, np.ndarray) and isinstance(xb, np.ndarray) \
             and xa.dtype == xb.dtype and xa.shape == xb.shape:
         return DistArray(torch_kernels.add(xa, xb), a.dist)
     return DistArray(xa + xb, a.dist)
