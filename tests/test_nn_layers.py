@@ -710,7 +710,20 @@ def test_residual_block(variant):
         dx = dx + dxs
     else:
         dx = dx + dz
+    def refs():
+        got = [(c1.weight.grad, dw1), (c1.bias.grad, db1), (bn.weight.grad, dgamma),
+               (bn.bias.grad, dbeta), (c2.weight.grad, dw2), (c2.bias.grad, db2)]
+        return got + ([(shortcut.weight.grad, dws)] if shortcut else [])
+
     check = Checks()
+    _check_block(check, block, shape, x, want, dy, dx, refs)
+    check.finish()
+
+
+def _check_block(check, block, shape, x, want, dy, dx, refs):
+    """``block``'s output, input gradient (in the input's distribution) and the
+    parameters' gradients (``refs()``: pairs read after backward) against references,
+    on the first five layouts of ``shape``."""
     for lname, dist in layouts(shape)[:5]:
         y = block(dt.DistArray.from_global(x, dist))
         check.close(y, want, lname, rtol=1e-11, atol=1e-11)
@@ -718,13 +731,8 @@ def test_residual_block(variant):
         g = block.backward(dt.DistArray.from_global(dy, y.dist))
         check.true(g.dist == dist, f"{lname}: {g.dist}")
         check.close(g, dx, lname, rtol=1e-10, atol=1e-10)
-        refs = [(c1.weight.grad, dw1), (c1.bias.grad, db1), (bn.weight.grad, dgamma),
-                (bn.bias.grad, dbeta), (c2.weight.grad, dw2), (c2.bias.grad, db2)]
-        if shortcut:
-            refs.append((shortcut.weight.grad, dws))
-        for got, ref in refs:
+        for got, ref in refs():
             check.close(got, ref, lname, rtol=1e-10, atol=1e-10)
-    check.finish()
 
 
 class _DoubleInPlace(nn.Layer):
@@ -772,15 +780,9 @@ def test_residual_gradient_shared_or_copied(variant, kernels):
     check.true(branch.reads_grad_only == shares and block.reads_grad_only
                and nn.Residual(branch).reads_grad_only == shares,
                f"reads_grad_only of {variant}")
-    for lname, dist in layouts(shape)[:5]:
-        y = block(dt.DistArray.from_global(x, dist))
-        check.close(y, want, lname, rtol=1e-11, atol=1e-11)
-        block.zero_grad()
-        g = block.backward(dt.DistArray.from_global(dy, y.dist))
-        check.close(g, dx, lname, rtol=1e-10, atol=1e-10)
-        for got, ref in ((conv.weight.grad, dw), (conv.bias.grad, db),
-                         (bn.weight.grad, dgamma), (bn.bias.grad, dbeta)):
-            check.close(got, ref, lname, rtol=1e-10, atol=1e-10)
+    _check_block(check, block, shape, x, want, dy, dx, lambda: [
+        (conv.weight.grad, dw), (conv.bias.grad, db), (bn.weight.grad, dgamma),
+        (bn.bias.grad, dbeta)])
     check.finish()
 
 
@@ -806,15 +808,9 @@ def test_skip_gradient_written_by_the_branch(batch):
     dx, dw1, db1 = conv_ref_backward(x, c1.weight.data, 2 * dcat[:, :3], 1, pads, 1)
     dx = dx + dcat[:, 3:]
     check = Checks()
-    for lname, dist in layouts(shape)[:5]:
-        y = block(dt.DistArray.from_global(x, dist))
-        check.close(y, want, lname, rtol=1e-11, atol=1e-11)
-        block.zero_grad()
-        g = block.backward(dt.DistArray.from_global(dy, y.dist))
-        check.close(g, dx, lname, rtol=1e-10, atol=1e-10)
-        for got, ref in ((c1.weight.grad, dw1), (c1.bias.grad, db1), (c2.weight.grad, dw2),
-                         (c2.bias.grad, db2)):
-            check.close(got, ref, lname, rtol=1e-10, atol=1e-10)
+    _check_block(check, block, shape, x, want, dy, dx, lambda: [
+        (c1.weight.grad, dw1), (c1.bias.grad, db1), (c2.weight.grad, dw2),
+        (c2.bias.grad, db2)])
     check.finish()
 
 
