@@ -20,6 +20,13 @@ are interleaved with the others' (a noisy machine drifts between phases), and th
 is also given round by round: the halves' median over the parallelized steps' median in
 the same round (the one-rank time cancels out of the share).
 
+``--bn-stats`` chooses the parallelized model's batch-norm statistics: ``global`` (the
+default of ``parallelize``: the whole batch, as one process), ``group`` (each rank's own
+samples where the samples are split, as PyTorch's batch norms under DDP take them:
+``parallelize(batch_norm_stats="group")``), or ``both`` (the default here: both models,
+interleaved, each against the same DDP steps; with ``--split H`` the two are the same and
+only ``global`` runs).
+
 ``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
 weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
 
@@ -68,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--model", choices=("mesh-demo", "mesh-small"), default="mesh-demo")
     p.add_argument("--ceiling", action="store_true")
+    p.add_argument("--bn-stats", choices=("global", "group", "both"), default="both")
     p.add_argument("--json", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "bench_torch_parallel.json"))
     a = p.parse_args(argv)
@@ -99,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     par.load_state_dict(plain.state_dict())
     pm = parallelize(par, shape, layout=grid)
     x = dt.DistArray.from_global(x_all, pm.input_dist, xp=torch)
+    grouped = a.split == "N" and size > 1 and a.bn_stats != "global"
+    if grouped:
+        par_g = trunk(build())
+        par_g.load_state_dict(plain.state_dict())
+        pm_g = parallelize(par_g, shape, layout=grid, batch_norm_stats="group")
+        gopt = torch.optim.SGD(pm_g.parameters(), lr=0.01, momentum=0.9)
     out_shape = plain(x_all[:1]).shape[1:]
     t_all = torch.rand((a.batch, *out_shape))
     y_dist = None
@@ -109,19 +123,24 @@ def main(argv: list[str] | None = None) -> int:
         return torch.autocast("cpu", dtype=torch.bfloat16) \
             if on and a.precision == "bf16" else contextlib.nullcontext()
 
-    def ours(half: bool = True) -> None:
+    def ours(half: bool = True, model: nn.Module = pm, opt: torch.optim.Optimizer = popt
+             ) -> None:
         nonlocal y_dist
-        popt.zero_grad()
+        opt.zero_grad()
         with cast(half):
-            y = pm(x)
+            y = model(x)
         y_dist = y.dist
         t = t_all[y.dist.local_slices()]
         # the global mean: each rank's sum over its block, divided by every element
         loss = ((y.local.float() - t) ** 2).sum() / t_all.numel()
         loss.backward()
-        popt.step()
+        opt.step()
 
-    steps = {"parallelize": ours}
+    steps: dict[str, Callable[[], None]] = {}
+    if not grouped or a.bn_stats == "both":
+        steps["parallelize"] = ours
+    if grouped:
+        steps["parallelize-group"] = lambda: ours(model=pm_g, opt=gopt)
     if a.precision == "bf16":
         steps["parallelize-fp32"] = lambda: ours(False)
     if size == 1:
@@ -176,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a.precision}: the ratio is parallelize against {base} in the same precision")
         print(f"{'ranks':>5} {'batch':>5} {'split':>5} "
               + " ".join(f"{k + ' ms':>22}" for k in steps) + f" {'ratio':>6}")
+        ratios = {k: med[k] / med[base] for k in steps if k.startswith("parallelize")}
         print(f"{size:>5} {a.batch:>5} {a.split:>5} " + " ".join(
             f"{1e3 * med[k]:8.1f} ({1e3 * min(v):.0f}-{1e3 * max(v):.0f})".rjust(22)
-            for k, v in samples.items()) + f" {med['parallelize'] / med[base]:6.3f}")
+            for k, v in samples.items()) + f" {next(iter(ratios.values())):6.3f}")
+        if len(ratios) > 1:
+            print("ratios against " + base + ": " + ", ".join(
+                f"{k} {r:.3f}" for k, r in ratios.items()))
         print(f"output blocks: {y_dist}")
         if ceiling is not None:
             one, half = ceiling
@@ -195,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                        "ceiling_s": ceiling,
                        "ceiling_share_by_round": shares,
                        "samples_s": samples,
-                       "ratio": med["parallelize"] / med[base]}, f, indent=1)
+                       "bn_stats": a.bn_stats,
+                       "ratios": ratios,
+                       "ratio": next(iter(ratios.values()))}, f, indent=1)
     return 0
 
 

@@ -853,6 +853,93 @@ def test_training_steps_keep_the_weights_equal(opt):
         collective_assert(not bad, str(bad[:5]))
 
 
+def _group_oracle(model, x, target, blocks):
+    """One process per sample group (a copy of ``model`` on the group's samples): the
+    outputs, the parameters' gradients of the whole mean squared error summed over the
+    groups, and the groups' running statistics averaged (the groups of no sample left
+    out)."""
+    copies = [(lo, hi, copy.deepcopy(model)) for lo, hi in blocks if hi > lo]
+    outs = []
+    for lo, hi, m in copies:
+        y = m(x[lo:hi])
+        ((y - target[lo:hi]) ** 2).sum().div(target.numel()).backward()
+        outs.append(y.detach())
+    grads = [sum(p.grad for p in ps) for ps in zip(*(m.parameters() for _, _, m in copies))]
+    states = [m.state_dict() for _, _, m in copies]
+    running = {k: sum(s[k] for s in states) / len(states) if k.endswith(("mean", "var"))
+               else states[0][k] for k in states[0] if "running" in k or "batches" in k}
+    return torch.cat(outs), grads, running, copies
+
+
+@pytest.mark.parallel(SIZES)
+def test_group_batch_norm_statistics_are_each_sample_groups_own():
+    """``batch_norm_stats='group'``: each group of ranks holding the same samples normalizes
+    over them alone, as one process on the group's samples (PyTorch's batch norms under
+    DDP); the gradients are the groups' summed, the running statistics the groups'
+    averaged, on every rank, also after a forward pass with no backward (uneven and empty
+    sample blocks; the samples and the height split at once)."""
+    p = comm.Get_size()
+    cases = [((5, 3, 20, 18), (p, 1, 1, 1))]
+    if p >= 3:
+        cases.append(((p - 1, 3, 20, 18), (p, 1, 1, 1)))  # a rank with no sample
+    if p == 4:
+        cases.append(((5, 3, 20, 18), (2, 1, 2, 1)))
+    bad = []
+    for shape, grid in cases:
+        torch.manual_seed(0)
+        model = ResNet().double()
+        ref = copy.deepcopy(model)
+        pm = parallelize(model, shape, grid, batch_norm_stats="group")
+        cuts = pm.input_dist.boundaries[0]
+        blocks = list(zip(cuts, cuts[1:]))
+        x = global_tensor(shape, 1, torch.float64)
+        out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+        whole = gather(out.local, out.dist)
+        target = global_tensor(whole.shape, 2, torch.float64)
+        ((whole - target) ** 2).mean().backward()
+        y, grads, running, copies = _group_oracle(ref, x, target, blocks)
+        what = f"{shape} on {grid}"
+        if rel(whole, y) > 1e-10:
+            bad.append(f"{what}: output {rel(whole, y)}")
+        for (name, a), b in zip(pm.named_parameters(), grads):
+            if rel(a.grad, b) > 1e-10:
+                bad.append(f"{what}: grad {name} {rel(a.grad, b)}")
+        state = pm.state_dict()
+        for k, v in running.items():
+            if rel(state[k].double(), v.double()) > 1e-10:
+                bad.append(f"{what}: {k} {rel(state[k].double(), v.double())}")
+        # a forward pass alone moves them too, read through state_dict
+        x2 = global_tensor(shape, 3, torch.float64)
+        with torch.no_grad():
+            pm(dt.DistArray.from_global(x2, pm.input_dist, xp=torch))
+            for lo, hi, m in copies:
+                m(x2[lo:hi])
+        state = pm.state_dict()
+        states = [m.state_dict() for _, _, m in copies]
+        for k in running:
+            if k.endswith(("mean", "var")):
+                want = sum(st[k] for st in states) / len(states)
+                if rel(state[k], want) > 1e-10:
+                    bad.append(f"{what}: {k} after a forward pass {rel(state[k], want)}")
+    collective_assert(not bad, str(bad[:5]))
+
+
+@pytest.mark.parallel([1, 3])
+def test_group_batch_norm_statistics_refuse_a_group_of_one_value_alike():
+    p = comm.Get_size()
+    pm = parallelize(nn.Sequential(nn.BatchNorm2d(2)).double(), (2 * p - 1, 2, 1, 1),
+                     (p, 1, 1, 1), batch_norm_stats="group")
+    x = dt.DistArray.from_global(global_tensor((2 * p - 1, 2, 1, 1), 0, torch.float64),
+                                 pm.input_dist, xp=torch)
+    exc = outcome(lambda: pm(x))  # on one rank, PyTorch's own refusal
+    collective_assert(isinstance(exc, ValueError)
+                      and "than 1 value per channel" in str(exc).lower(), repr(exc))
+    exc = outcome(lambda: parallelize(nn.BatchNorm2d(2), (2, 2, 4, 4), (1, 1, p, 1),
+                                      batch_norm_stats="local"))
+    collective_assert(isinstance(exc, ValueError) and "batch_norm_stats" in str(exc),
+                      repr(exc))
+
+
 @pytest.mark.parallel([1, 2])
 def test_state_dict_round_trip():
     p = comm.Get_size()

@@ -367,8 +367,9 @@ class _Mirror:
     """Builds the planner's network for a traced graph (see the module's notes)."""
 
     def __init__(self, gm: GraphModule, dtype: torch.dtype,
-                 elementwise: Callable[[Node], bool]):
+                 elementwise: Callable[[Node], bool], batch_norm_stats: str = "global"):
         self.gm = gm
+        self.batch_norm_stats = batch_norm_stats
         self.graph = _Graph(gm)
         self.dtype = _np_dtype(dtype)
         self.elementwise = elementwise
@@ -498,7 +499,8 @@ class _Mirror:
                 return self.adaptive(node, shape, out, kind)
             if type(m) in _BATCHNORM:
                 return _BATCHNORM[type(m)](m.num_features, m.eps, m.momentum or 0.1,
-                                           m.affine, m.track_running_stats, dtype=dt), [], kind
+                                           m.affine, m.track_running_stats,
+                                           stats=self.batch_norm_stats, dtype=dt), [], kind
             if isinstance(m, nn.GroupNorm):
                 return GroupNorm(m.num_groups, m.num_channels, m.eps, m.affine,
                                  dtype=dt), [], kind
@@ -677,8 +679,8 @@ def is_plan_layout(layout: Any) -> bool:
 
 def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, layout: Any,
                  memory_per_rank: float | None, machine: Any, comm: MPI.Intracomm,
-                 elementwise: Callable[[Node], bool], baseline: float = 0.0
-                 ) -> tuple[Plan, Distribution]:
+                 elementwise: Callable[[Node], bool], baseline: float = 0.0,
+                 batch_norm_stats: str = "global") -> tuple[Plan, Distribution]:
     """Plan the traced model (or check a given plan) and mark its graph with the layouts.
 
     Before each planned operation a :func:`relayout` node is inserted on its
@@ -710,6 +712,9 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     baseline : float
         Resident bytes of a rank besides the model's data, part of the
         predicted peak (:func:`~disttensor_nn.plan.make_plan`'s).
+    batch_norm_stats : {'global', 'group'}
+        The batch norms' statistics (:func:`~disttensor_nn.torch.parallelize`'s), priced
+        as :class:`~disttensor_nn.BatchNorm2d`'s ``stats`` prices them.
 
     Returns
     -------
@@ -729,7 +734,7 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         When no plan fits the memory budget, or for a plan of another model,
         input shape or rank count.
     """
-    mirror = _Mirror(gm, dtype, elementwise)
+    mirror = _Mirror(gm, dtype, elementwise, batch_norm_stats)
     network = mirror.build(mirror.graph.source, mirror.graph.result)
     leaves = mirror.leaves
     if not leaves:

@@ -282,6 +282,61 @@ class _ParamView:
         return functional_call(m, params, tuple(args), kwargs)
 
 
+class _GroupRunningStats:
+    """The running statistics of batch norms whose statistics are each sample group's own
+    (``batch_norm_stats="group"``): each group's batch mean and unbiased variance of a
+    forward pass, averaged over the groups and moved into the modules' buffers, so that
+    every rank keeps the same ones. A group whose block of samples is empty has no
+    estimate and is left out.
+
+    The average is one non-blocking all-reduce per communicator, started after the pass's
+    last step (:meth:`start`) and completed (:meth:`finish`) when the backward pass ends,
+    at the next forward pass, or when the module's state is read: no rank waits for
+    another for it in between."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[nn.Module, MPI.Intracomm, torch.Tensor, torch.Tensor,
+                                 float, float]] = []
+        self.inflight: list[tuple[MPI.Request, np.ndarray, list]] = []
+
+    def add(self, m: nn.Module, comm: MPI.Intracomm, mean: torch.Tensor, var: torch.Tensor,
+            momentum: float, has: float) -> None:
+        """Queue this rank's group's estimates of a batch norm of this pass."""
+        self.pending.append((m, comm, mean, var, momentum, has))
+
+    def clear(self) -> None:
+        """Drop what a pass that raised queued (nothing was sent for it)."""
+        self.pending = []
+
+    def start(self) -> None:
+        """Start the groups' sums of what this pass queued."""
+        pending, self.pending = self.pending, []
+        by_comm: dict[int, list] = {}
+        for entry in pending:
+            by_comm.setdefault(id(entry[1]), []).append(entry)
+        for entries in by_comm.values():
+            parts = []
+            for _, _, mean, var, _, has in entries:
+                parts += [mean.new_full((1,), has), mean * has, var * has]
+            buf = torch.cat(parts).to(torch.float64).numpy()
+            self.inflight.append((entries[0][1].Iallreduce(MPI.IN_PLACE, buf), buf, entries))
+
+    def finish(self) -> None:
+        """Wait for the sums; move the running buffers towards the groups' averages."""
+        inflight, self.inflight = self.inflight, []
+        for request, buf, entries in inflight:
+            request.Wait()
+            total = torch.from_numpy(buf)
+            at = 0
+            with torch.no_grad():
+                for m, _, mean, _, f, _ in entries:
+                    c = mean.numel()
+                    average = total[at + 1:at + 1 + 2 * c] / max(float(buf[at]), 1.0)
+                    for b, part in ((m.running_mean, average[:c]), (m.running_var, average[c:])):
+                        b.mul_(1 - f).add_(part.to(b.dtype), alpha=f)
+                    at += 1 + 2 * c
+
+
 @dataclass
 class _Value:
     """What the compiler knows of a node's value: a distributed tensor's Distribution or
@@ -308,11 +363,15 @@ class ParallelModule(nn.Module):
     plan : Plan or None
         The plan the layers run by (``layout='auto'`` or a plan; ``plan.table()``
         prints it as ``disttensor-plan`` does), None for a grid shape.
+    batch_norm_stats : str
+        ``'global'`` or ``'group'``: over which samples the batch norms take
+        their statistics (see :func:`parallelize`).
     """
 
     def __init__(self, model: nn.Module, graph: GraphModule, steps: list[tuple[Node, Step]],
                  input_dist: Distribution, output_dist: Any,
-                 param_comms: dict[int, MPI.Intracomm], view: _ParamView):
+                 param_comms: dict[int, MPI.Intracomm], view: _ParamView,
+                 running: _GroupRunningStats | None = None, batch_norm_stats: str = "global"):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -323,7 +382,9 @@ class ParallelModule(nn.Module):
                                  model._non_persistent_buffers_set)
         self.input_dist = input_dist
         self.output_dist = output_dist
+        self.batch_norm_stats = batch_norm_stats
         self.plan: Any = None
+        self._running = _GroupRunningStats() if running is None else running
         self._graph = graph.graph
         self._steps = steps
         self._buckets: GradientBuckets | None = None
@@ -385,6 +446,20 @@ class ParallelModule(nn.Module):
             self._reduce(p, comm, torch.zeros_like(p) if local is None else local.detach())
         self._next = len(self._order)
         buckets.__exit__(None, None, None)
+        self._running.finish()
+
+    # -------------------------------------------------------------- state
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`torch.nn.Module.state_dict`, the last forward pass's running statistics
+        moved first (``batch_norm_stats='group'``)."""
+        self._running.finish()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`torch.nn.Module.load_state_dict`, after the last forward pass's running
+        statistics were moved (so that they do not move the loaded ones)."""
+        self._running.finish()
+        return super().load_state_dict(*args, **kwargs)
 
     # -------------------------------------------------------------- forward
     def forward(self, x: DistArray | torch.Tensor) -> Any:
@@ -421,6 +496,8 @@ class ParallelModule(nn.Module):
         env: dict[Node, Any] = {}
         result = None
         self._view.owner, self._view.cache = self, {}
+        self._running.finish()  # the pass before's running statistics
+        self._running.clear()  # what a pass that raised left
         for node, step in self._steps:
             if node.op == "placeholder":
                 env[node] = x
@@ -433,6 +510,7 @@ class ParallelModule(nn.Module):
                 map_aggregate(value, self._watch_output)
             else:
                 env[node] = value
+        self._running.start()
         self._view.cache = {}
         return result
 
@@ -441,10 +519,13 @@ class ParallelModule(nn.Module):
 class _Compiler:
     """Turns each node of a traced, shape-propagated graph into a step on blocks."""
 
-    def __init__(self, gm: GraphModule, model: nn.Module, grid: ProcessGrid):
+    def __init__(self, gm: GraphModule, model: nn.Module, grid: ProcessGrid,
+                 batch_norm_stats: str = "global"):
         self.gm = gm
         self.model = model
         self.grid = grid
+        self.batch_norm_stats = batch_norm_stats
+        self.running = _GroupRunningStats()
         self.values: dict[Node, _Value] = {}
         self.output_dist: Any = None
         # id of each parameter used -> (the grid axes that sum its gradient, a
@@ -1049,14 +1130,25 @@ class _Compiler:
 
     def batchnorm(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
         self.refuse_split(node, dist, [1], f"{type(m).__name__} normalizes per channel")
-        dims = [0] + list(range(2, dist.ndim))
+        space = list(range(2, dist.ndim))
+        spatial = math.prod(dist.global_shape[d] for d in space)
+        # "group": each group of ranks that holds the same samples normalizes over them
+        # alone (PyTorch's batch norm under DistributedDataParallel, where the samples
+        # alone are split); the groups' running statistics are averaged after the pass
+        between = split_axes_comm(dist, [0]) if self.batch_norm_stats == "group" else None
+        grouped = between is not None and between.Get_size() > 1
+        dims = space if grouped else [0, *space]
         comm = split_axes_comm(dist, dims)
         alone = comm.Get_size() == 1
-        count = math.prod(dist.global_shape[d] for d in dims)
+        local_n = dist.local_shape()[0]
+        count = local_n * spatial if grouped else dist.global_shape[0] * spatial
+        sizes = [hi - lo for lo, hi in zip(dist.boundaries[0], dist.boundaries[0][1:])
+                 if hi > lo] if grouped else [dist.global_shape[0]]
+        smallest = min(sizes, default=0) * spatial
         self.set(node, dist)
         self.use_params(node, node.target, dist)
 
-        params = self.view
+        params, running = self.view, self.running
 
         def step(args: Any) -> torch.Tensor:
             x = args[0][0]
@@ -1066,6 +1158,27 @@ class _Compiler:
             if track and m.num_batches_tracked is not None:
                 m.num_batches_tracked.add_(1)
                 f = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+            if grouped and training:
+                if smallest == 1:  # as F.batch_norm refuses it, on every rank alike
+                    raise ValueError(f"parallelize: {_describe(node)}: expected more than 1 "
+                                     "value per channel when training, got a sample group "
+                                     "of 1 (batch_norm_stats='group')")
+                # this group's batch mean and unbiased variance, then the groups' average
+                mean = torch.zeros_like(m.running_mean) if track else None
+                var = torch.zeros_like(m.running_var) if track else None
+                if local_n == 0:
+                    y = _empty_like_output(x, tuple(x.shape), [params(m.weight),
+                                                               params(m.bias)])
+                elif alone:
+                    y = F.batch_norm(x, mean, var, params(m.weight), params(m.bias), True,
+                                     1.0, m.eps)
+                else:
+                    y = split_batch_norm(x, params(m.weight), params(m.bias), comm, count,
+                                         m.eps, running_mean=mean, running_var=var,
+                                         momentum=1.0)[0]
+                if track:
+                    running.add(m, between, mean, var, f, float(local_n > 0))
+                return y
             if alone or not training:  # statistics of this block alone, or the running ones
                 keep = not m.training or m.track_running_stats
                 return F.batch_norm(x, m.running_mean if keep else None,
@@ -1765,7 +1878,8 @@ def _input_distribution(shape: tuple[int, ...], layout: Any, comm: MPI.Intracomm
 
 def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: Any = "auto",
                 *, memory_per_rank: int | None = None, machine: Any = None,
-                comm: MPI.Intracomm | None = None, baseline: float = 0.0) -> ParallelModule:
+                comm: MPI.Intracomm | None = None, baseline: float = 0.0,
+                batch_norm_stats: str = "global") -> ParallelModule:
     """An unchanged PyTorch model, run on this rank's blocks of a distributed input.
 
     The model is traced by :mod:`torch.fx` and each node compiled into a step
@@ -1810,6 +1924,19 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         PyTorch, MPI, data held), part of the peak the plan predicts and of
         what ``memory_per_rank`` must hold (as ``disttensor-train`` counts
         its process); 0, the default, plans the model's data alone.
+    batch_norm_stats : {'global', 'group'}
+        Over which samples the batch norms take their statistics in
+        training. ``'global'`` (the default): the whole batch, as one
+        process on all of it, with a sum over the ranks in each batch
+        norm's forward and backward. ``'group'``: each group of ranks that
+        holds the same samples (one rank where only the samples are split)
+        normalizes over its own samples alone, as PyTorch's batch norms do
+        under ``DistributedDataParallel``; a split of the spatial
+        dimensions is still summed over. The running statistics are then
+        the average of the groups' (a group with no sample is left out),
+        moved at the end of each forward pass by one all-reduce, so every
+        rank keeps the same ones. Where the samples are not split the two
+        are the same.
 
     Returns
     -------
@@ -1825,7 +1952,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         For a model that is not a torch.nn.Module or cannot be traced by
         torch.fx, or a layout of the wrong type.
     ValueError
-        For a negative or non-numeric ``baseline``, an input shape the
+        For a negative or non-numeric ``baseline``, a ``batch_norm_stats``
+        other than 'global' and 'group', an input shape the
         model does not accept, a grid that does not hold the ranks, an
         operation on a split dimension that parallelize
         cannot split (naming the node and the dimension), a parameter
@@ -1856,6 +1984,9 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             or not 0 <= baseline < math.inf:
         raise ValueError(f"parallelize: baseline must be a finite number of bytes >= 0, "
                          f"got {baseline!r}")
+    if batch_norm_stats not in ("global", "group"):
+        raise ValueError(f"parallelize: batch_norm_stats must be 'global' or 'group', "
+                         f"got {batch_norm_stats!r}")
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses
@@ -1889,10 +2020,11 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     plan = None
     if is_plan_layout(layout):  # the planner's layouts, a relayout node before each layer
         plan, input_dist = plan_layouts(gm, shape, dtype, layout, memory_per_rank, machine,
-                                        comm, _runs_on_blocks(gm), baseline=baseline)
+                                        comm, _runs_on_blocks(gm), baseline=baseline,
+                                        batch_norm_stats=batch_norm_stats)
     else:
         input_dist = _input_distribution(shape, layout, comm)
-    compiler = _Compiler(gm, model, input_dist.grid)
+    compiler = _Compiler(gm, model, input_dist.grid, batch_norm_stats)
     steps: list[tuple[Node, Step]] = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -1918,6 +2050,6 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     comms = {id(fresh[i]): c for i, (_, dist, _) in compiler.param_keys.items()
              if (c := split_axes_comm(dist)).Get_size() > 1}
     pm = ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms,
-                        compiler.view)
+                        compiler.view, compiler.running, batch_norm_stats)
     pm.plan = plan
     return pm
