@@ -67,7 +67,7 @@ from disttensor_nn.container import Residual, Sequential
 from disttensor_nn.layers.conv import Conv2d
 from disttensor_nn.layers.dense import Linear
 from disttensor_nn.layers.elementwise import ReLU, Sigmoid
-from disttensor_nn.layers.norm import BatchNorm2d
+from disttensor_nn.layers.norm import BatchNorm2d, set_batch_norm_stats
 from disttensor_nn.layers.pool import GlobalAvgPool, MaxPool2d
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.models.mesh import DepthToSpace
@@ -201,9 +201,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
     x_all = rng.standard_normal((batch, *sample)).astype(np.float32)
     model = build()
     nn_kernels.use_kernels(model, args.kernels)
-    for _, layer in model.named_modules():
-        if isinstance(layer, BatchNorm2d):
-            layer.stats = args.bn_stats
+    set_batch_norm_stats(model, args.bn_stats)
     out_shape = model.output_shape(x_all.shape)
     if loss_kind == "mse":
         t_all = rng.random(out_shape).astype(np.float32)

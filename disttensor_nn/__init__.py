@@ -13,7 +13,7 @@ from .layers.elementwise import Add, LeakyReLU, ReLU, Sigmoid
 from .layers.groupnorm import GroupNorm, InstanceNorm
 from .layers.loss import BCEWithLogitsLoss, MSELoss, SoftmaxCrossEntropy
 from .layers.merge import Concat
-from .layers.norm import BatchNorm1d, BatchNorm2d, BatchNorm3d
+from .layers.norm import BatchNorm1d, BatchNorm2d, BatchNorm3d, set_batch_norm_stats
 from .layers.pool import (
     AvgPool1d,
     AvgPool2d,
@@ -43,5 +43,5 @@ __all__ = [
     "InstanceNorm", "Layer", "Layout", "LeakyReLU", "Linear", "MSELoss", "MaxPool1d",
     "MaxPool2d", "MaxPool3d", "Parameter", "ReLU", "Residual", "SGD", "Sequential", "Sigmoid",
     "Skip", "Softmax", "SoftmaxCrossEntropy", "Upsample", "no_sync", "to_array_module",
-    "set_precision", "GradScaler",
+    "set_precision", "GradScaler", "set_batch_norm_stats",
 ]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import disttensor as dt
 from disttensor.testing import collective_assert
 
 torch = pytest.importorskip("torch")
@@ -212,6 +213,62 @@ def test_model_file_trains_as_plain_torch_in_one_process(layout, optimizer, lr, 
     exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
     plain = ns["build"]()
     plain.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint_state(ck).items()})
+
+
+def samples_plan_file(directory: str, path: str, batch: int, capsys) -> str:
+    """disttensor-plan's plan for the model with every layer's samples split over the ranks
+    (uneven blocks at 3 ranks), as a JSON file."""
+    auto = os.path.join(directory, "auto-n.json")
+    assert plan_main(["--model-file", f"{path}:build", "--in-channels", str(C), "--size",
+                      f"{H}x{W}", "--batch", str(batch), "--machine", V100, "--json",
+                      auto]) == 0
+    capsys.readouterr()
+    comm.Barrier()
+    with open(auto) as f:
+        plan = Plan.from_json(f.read())
+    grid = (comm.Get_size(),) + (1,) * (len(plan.entries[0].grid) - 1)
+    plan = dataclasses.replace(plan, entries=[dataclasses.replace(e, grid=grid)
+                                              for e in plan.entries])
+    out = os.path.join(directory, "samples.json")
+    if comm.Get_rank() == 0:
+        with open(out, "w") as f:
+            f.write(plan.to_json())
+    comm.Barrier()
+    return out
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_group_batch_norm_statistics_train_as_ddp_does(capsys):
+    """--bn-stats group with the samples split: the parameters after three steps are those
+    of one process that runs the model on each rank's samples apart (each group's own
+    batch statistics, PyTorch's under DDP) and steps on the whole batch's loss."""
+    tmp = shared_tmpdir()
+    path = model_file(tmp)
+    data, x, t = npy_data(tmp)
+    ck = os.path.join(tmp, "ck-group")
+    plan = samples_plan_file(tmp, path, N, capsys)
+    assert train_main(base(path, "--data", data, "--batch", str(N), "--steps", "3",
+                           "--lr", "0.05", "--ranks-layout", plan, "--bn-stats", "group",
+                           "--checkpoint", ck)) == 0
+    capsys.readouterr()
+    ns: dict = {}
+    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
+    torch.manual_seed(0)
+    model = ns["build"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # the samples' blocks as the plan splits them (larger blocks first)
+    cuts = dt.Distribution((N, C, H, W), dt.ProcessGrid((comm.Get_size(), 1, 1, 1))
+                           ).boundaries[0]
+    for step in range(3):  # a batch of every sample, in the loader's order of the epoch
+        order = np.random.default_rng([0, step]).permutation(N)
+        xt, tt = torch.from_numpy(x[order]), torch.from_numpy(t[order])
+        opt.zero_grad()
+        y = torch.cat([model(xt[lo:hi]) for lo, hi in zip(cuts, cuts[1:]) if hi > lo])
+        F.mse_loss(y, tt).backward()
+        opt.step()
+    want = {k: v.detach().numpy() for k, v in model.named_parameters()}
+    got = checkpoint_state(ck)
+    assert_close({k: got[k] for k in want if k in got}, want)
 
 
 @pytest.mark.parallel([1, 2, 3])

@@ -13,6 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from disttensor.testing import collective_assert
+from disttensor_nn.layers.norm import BatchNormNd, set_batch_norm_stats
 from disttensor_nn.plan import CostModel, MachineProfile, Planner, builtin_profiles, machine
 from disttensor_nn.plan import calibrate as calibration
 from disttensor_nn.training import TrainConfig, build_model, driver, loop, train
@@ -63,6 +64,31 @@ def test_hybrid_training_matches_one_rank():
     collective_assert(len(a) == 10 and np.allclose(a, b, rtol=2e-5, atol=0),
                       f"losses differ: {a} vs {b}")
     collective_assert(dist["ranks"] == 4 and ref["ranks"] == 1, "rank counts")
+
+
+@pytest.mark.parallel([1, 2])
+def test_group_batch_norm_statistics_change_the_losses_only_where_samples_are_split():
+    """--bn-stats group: every batch norm takes its own samples' statistics where the
+    samples are split (losses unlike the whole batch's), and is the same as global where
+    they are not (one rank)."""
+    comm = MPI.COMM_WORLD
+    plan = uniform_plan_file("mesh-demo", (64, 64), 4, (comm.Get_size(), 1, 1),
+                             shared_tmpdir(comm))
+    a = np.array(_history(train(config(layout=plan, steps=3))))
+    b = np.array(_history(train(config(layout=plan, steps=3, bn_stats="group"))))
+    if comm.Get_size() == 1:
+        collective_assert(np.array_equal(a, b), f"{a} vs {b}")
+    else:
+        collective_assert(not np.allclose(a[0], b[0], rtol=1e-6, atol=0), f"{a} vs {b}")
+
+
+def test_set_batch_norm_stats_sets_every_batch_norm_and_refuses_other_values():
+    model, _ = build_model("resnet18", (32, 32), 2)
+    norms = [m for _, m in model.named_modules() if isinstance(m, BatchNormNd)]
+    assert set_batch_norm_stats(model, "group") == len(norms) == 20
+    assert all(m.stats == "group" for m in norms)
+    with pytest.raises(ValueError, match="'global' or 'group'"):
+        set_batch_norm_stats(model, "local")
 
 
 @pytest.mark.parallel(3)
@@ -183,6 +209,7 @@ TRAIN = ["mesh-demo", "--machine", V100, "--no-progress", "--metrics", ""]
     (["--ranks-layout", "/no/such/plan.json"], "/no/such/plan.json: cannot read"),
     (["--memory-per-rank", "1KiB", "--size", "64x64"], "error:"),
     (["--memory-per-rank", "lots"], "cannot read a memory size"),
+    (["--bn-stats", "local"], "--bn-stats: invalid choice"),
 ])
 def test_train_command_line_refuses_bad_arguments_with_one_usage_message(capsys, argv, words):
     err = _usage_error(capsys, TRAIN + argv)

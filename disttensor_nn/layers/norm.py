@@ -29,7 +29,7 @@ from ..kernels import kernels_for
 from ..module import Layer, Parameter, allreduce_, check_input, check_int, split_axes_comm
 from ..precision import io_dtype, is_half, to_dtype
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd", "set_batch_norm_stats"]
 
 
 def _scratch(xp: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any | None:
@@ -582,3 +582,22 @@ class BatchNorm3d(BatchNormNd):
     """Batch normalisation of (N, C, D, H, W); see :class:`BatchNormNd`."""
 
     nd = 3
+
+
+def set_batch_norm_stats(model: Layer, stats: str) -> int:
+    """Set ``stats`` (``"global"`` or ``"group"``) on every batch norm of ``model``.
+
+    Before planning: the planner prices each batch norm by its statistics
+    (:class:`BatchNormNd`). Returns how many batch norms were set.
+
+    Raises
+    ------
+    ValueError
+        For ``stats`` other than ``"global"`` and ``"group"``.
+    """
+    if stats not in ("global", "group"):
+        raise ValueError(f"stats must be 'global' or 'group', got {stats!r}")
+    layers = [m for _, m in model.named_modules() if isinstance(m, BatchNormNd)]
+    for m in layers:
+        m.stats = stats
+    return len(layers)

@@ -19,6 +19,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..kernels import BACKENDS, limit_threads
+from ..layers.norm import set_batch_norm_stats
 from ..optim import STAGES
 from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
@@ -240,6 +241,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                         help="the activations' dtype the plan is for (disttensor-train "
                         "--precision): bf16 and fp16 blocks count 2 bytes and their kernels "
                         "are timed in 16 bits")
+    parser.add_argument("--bn-stats", choices=("global", "group"), default="global",
+                        help="the batch norms' statistics in training: global, over the whole "
+                        "batch (the same as one process on it: a sum over the ranks in each batch "
+                        "norm's forward and backward); group, over each group of ranks that "
+                        "holds the same samples alone (one rank where only the samples are "
+                        "split), as PyTorch's batch norms under DistributedDataParallel, the "
+                        "running statistics averaged over the groups")
     _model_file_options(parser)
     _kernel_options(parser)
     args = parser.parse_args(argv)
@@ -284,6 +292,7 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     batch = args.batch or model_spec(args.model).batch
     model, shape = build_model(args.model, args.size, batch)
     set_precision(model, args.precision)
+    set_batch_norm_stats(model, args.bn_stats)
     if args.scaling:
         return _scaling(args, model, shape)
     nprocs = args.ranks or MPI.COMM_WORLD.Get_size()
@@ -328,7 +337,8 @@ def _plan_model_file(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     limit_threads(args.threads, comm=comm)
     try:
         pm = torch_driver.plan_model_file(args.model_file, shape, machine=args.machine,
-                                          memory_per_rank=args.memory_per_rank, comm=comm)
+                                          memory_per_rank=args.memory_per_rank, comm=comm,
+                                          bn_stats=args.bn_stats)
     except ValueError as exc:  # a SetupError, raised on every rank alike
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if comm.Get_rank() == 0:
@@ -450,6 +460,13 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         "optimizer state, batch-norm statistics and reductions stay float32; "
                         "fp16 with dynamic loss scaling); kernels without a 16-bit version run "
                         "in float32 on converted blocks, as the plan table says")
+    parser.add_argument("--bn-stats", choices=("global", "group"), default=d.bn_stats,
+                        help="the batch norms' statistics in training: global, over the whole "
+                        "batch (the same as one process on it: a sum over the ranks in each batch "
+                        "norm's forward and backward); group, over each group of ranks that "
+                        "holds the same samples alone (one rank where only the samples are "
+                        "split), as PyTorch's batch norms under DistributedDataParallel, the "
+                        "running statistics averaged over the groups")
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
     parser.add_argument("--data", metavar="PATH",
@@ -546,7 +563,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       warmup_start_factor=a.warmup_start_factor, step_size=a.step_size,
                       gamma=a.gamma, min_lr=a.min_lr, schedule_steps=a.schedule_steps,
                       clip_grad_norm=a.clip_grad_norm, shard_state=a.shard_state,
-                      precision=a.precision)
+                      precision=a.precision, bn_stats=a.bn_stats)
     if a.model_file is not None:
         return _train_model_file(parser, a, cfg)
     problem = recipe_problem(cfg, a.lr if a.lr is not None else model_spec(a.model).lr)

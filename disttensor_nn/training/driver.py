@@ -17,6 +17,7 @@ from disttensor.blockcache import active_block_cache, block_cache
 
 from ..container import Sequential
 from ..kernels import optimizer_backend, synchronize
+from ..layers.norm import set_batch_norm_stats
 from ..memory import (
     HEAP_TOP_KEPT,
     MemoryProfile,
@@ -156,6 +157,11 @@ class TrainConfig:
     # "fp32", "bf16" or "fp16" (precision.PRECISIONS): activations, halos and messages in 16
     # bits, parameters and optimizer state in float32; fp16 with dynamic loss scaling
     precision: str = "fp32"
+    # the batch norms' statistics in training: "global" (the whole batch, as one process) or
+    # "group" (each group of ranks holding the same samples its own, as PyTorch's batch
+    # norms under DistributedDataParallel; BatchNormNd's stats, parallelize's
+    # batch_norm_stats)
+    bn_stats: str = "global"
 
 
 def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
@@ -255,8 +261,9 @@ def _check_config(cfg: TrainConfig) -> None:
     ------
     SetupError
         For an unknown kernel backend, torch kernels without PyTorch (naming the
-        extra), a thread count below one, a prefetch depth other than 0, 1 or 2, or an
-        unknown precision (or bf16 without the ml_dtypes package).
+        extra), a thread count below one, a prefetch depth other than 0, 1 or 2, an
+        unknown precision (or bf16 without the ml_dtypes package), or batch-norm
+        statistics other than 'global' and 'group'.
     """
     try:
         kernel_choice(cfg.kernels)
@@ -271,6 +278,8 @@ def _check_config(cfg: TrainConfig) -> None:
         precision_dtype(cfg.precision)
     except (ValueError, ImportError) as exc:
         raise SetupError(f"--precision {cfg.precision}: {exc}") from exc
+    if cfg.bn_stats not in ("global", "group"):
+        raise SetupError(f"--bn-stats must be global or group, got {cfg.bn_stats!r}")
 
 
 def _setup(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any) -> tuple:
@@ -441,6 +450,7 @@ def _model_and_data(cfg: TrainConfig) -> tuple:
     model, shape = build_model(cfg.model, size, cfg.batch, seed=cfg.seed)
     check_size(cfg.model, size, model)
     set_precision(model, cfg.precision)  # before planning: 16-bit blocks are priced
+    set_batch_norm_stats(model, cfg.bn_stats)  # before planning: it prices their sums
     if isinstance(model, Sequential) and len(model):
         # it is fed data: no input gradient to compute (set before planning, so that the
         # kernels are timed and priced without it too)

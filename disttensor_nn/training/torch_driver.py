@@ -278,7 +278,8 @@ def _parallel(cfg: ModelFileConfig, model: nn.Module, shape: tuple[int, ...],
     layout = "auto" if cfg.layout == "auto" else cfg.layout
     try:
         pm = parallelize(model, shape, layout, memory_per_rank=cfg.memory_per_rank,
-                         machine=machine, comm=comm, baseline=baseline)
+                         machine=machine, comm=comm, baseline=baseline,
+                         batch_norm_stats=cfg.bn_stats)
     except (TypeError, NotImplementedError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from exc
     if not isinstance(pm.output_dist, Distribution):
@@ -712,9 +713,12 @@ def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict
 
 def plan_model_file(spec: str, shape: Sequence[int], *, machine: str,
                     memory_per_rank: float | None = None, seed: int = 0,
-                    comm: MPI.Comm | None = None) -> ParallelModule:
+                    comm: MPI.Comm | None = None, bn_stats: str = "global"
+                    ) -> ParallelModule:
     """The model of ``spec`` (``PATH.py:FUNCTION``) planned for a batch of ``shape`` on
-    ``comm``'s ranks (collective); its ``plan`` is what ``disttensor-plan`` prints.
+    ``comm``'s ranks (collective), its batch norms' statistics ``bn_stats``
+    (:func:`~disttensor_nn.torch.parallelize`'s ``batch_norm_stats``); its ``plan`` is
+    what ``disttensor-plan`` prints.
 
     Raises
     ------
@@ -725,7 +729,8 @@ def plan_model_file(spec: str, shape: Sequence[int], *, machine: str,
     comm = MPI.COMM_WORLD if comm is None else comm
     torch.manual_seed(seed)
     model = _agreed(comm, lambda: load_model_file(spec))
-    cfg = ModelFileConfig(model=spec, model_file=spec, memory_per_rank=memory_per_rank)
+    cfg = ModelFileConfig(model=spec, model_file=spec, memory_per_rank=memory_per_rank,
+                          bn_stats=bn_stats)
     try:
         return _parallel(cfg, model, tuple(shape), comm, machine,
                          process_baseline(comm, _param_bytes(model), 0, (), ()))
