@@ -14,7 +14,6 @@ from disttensor.backend import (
     as_module,
     astype,
     concat,
-    contiguous,
     device_kw,
     device_of,
     empty,
@@ -26,7 +25,15 @@ from disttensor.backend import (
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
-from ..module import Layer, Parameter, allreduce_, check_input, check_int, split_axes_comm
+from ..module import (
+    Layer,
+    Parameter,
+    allreduce_,
+    check_input,
+    check_int,
+    reduce_gradients_,
+    split_axes_comm,
+)
 from ..precision import io_dtype, is_half, to_dtype
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd", "set_batch_norm_stats"]
@@ -468,9 +475,12 @@ class BatchNormNd(Layer):
         groups first)."""
         if not self.affine:
             return
-        if self.stats == "group":
-            sums = allreduce_(contiguous(sums, copy=True), split_axes_comm(dist, (0,)))
         C = self.num_features
+        if self.stats == "group":  # summed as the other layers' are: in the gradient buckets
+            reduce_gradients_([(self.bias, to_dtype(sums[:C], self.dtype)),
+                               (self.weight, to_dtype(sums[C:], self.dtype))],
+                              split_axes_comm(dist, (0,)))
+            return
         self.bias.add_grad_(sums[:C])
         self.weight.add_grad_(sums[C:])
 
