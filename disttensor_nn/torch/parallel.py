@@ -1933,10 +1933,12 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         normalizes over its own samples alone, as PyTorch's batch norms do
         under ``DistributedDataParallel``; a split of the spatial
         dimensions is still summed over. The running statistics are then
-        the average of the groups' (a group with no sample is left out),
-        moved at the end of each forward pass by one all-reduce, so every
-        rank keeps the same ones. Where the samples are not split the two
-        are the same.
+        the average of the groups' (a group with no sample is left out), so
+        every rank keeps the same ones: one non-blocking all-reduce that
+        each forward pass starts after its last step and that completes
+        when the backward pass ends, at the next forward pass, or at
+        ``state_dict()``. Where the samples are not split the two are the
+        same.
 
     Returns
     -------
