@@ -240,25 +240,30 @@ class _GradTarget:
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """A parameter as a layer uses it on this rank's part of the data: the backward pass
-    hands the gradient of that use to its module's gradient sums (:func:`reduce_gradients_`),
-    which add the sum over the ranks to the parameter's ``grad``; other uses of the
-    parameter (a regularizer every rank computes alike) keep their own gradients."""
+    """Parameters as a layer uses them on this rank's part of the data: the backward pass
+    hands the gradients of that use to the module's gradient sums
+    (:func:`reduce_gradients_`), which add the sum over the ranks to each parameter's
+    ``grad``; other uses of a parameter (a regularizer every rank computes alike) keep
+    their own gradients. One call takes a module's parameters together (one kernel gives
+    their gradients at once), so that they reach the sums in one hand-over."""
 
     @staticmethod
-    def forward(ctx: Any, p: torch.Tensor, owner: ParallelModule, key: int) -> torch.Tensor:
-        ctx.owner, ctx.key = owner, key
-        return p.view_as(p)
+    def forward(ctx: Any, owner: ParallelModule, keys: tuple[int, ...],
+                *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.owner, ctx.keys = owner, keys
+        ctx.set_materialize_grads(False)  # a parameter this pass did not use: None
+        return tuple(p.view_as(p) for p in params)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        ctx.owner._ready(ctx.key, grad)
-        return None, None, None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.owner._ready([(k, g) for k, g in zip(ctx.keys, grads) if g is not None])
+        return (None, None, *(None for _ in grads))
 
 
 class _ParamView:
     """The parameters as this forward pass uses them (each through :class:`_SumOverRanks`
-    once, so all its uses in the model meet before its one reduction)."""
+    once, so all its uses in the model meet before its one reduction; those of one module
+    through one call)."""
 
     def __init__(self) -> None:
         self.owner: ParallelModule | None = None
@@ -271,7 +276,12 @@ class _ParamView:
             return p
         used = self.cache.get(id(p))
         if used is None:
-            used = self.cache[id(p)] = _SumOverRanks.apply(p, owner, id(p))
+            group = [q for q in owner._siblings.get(id(p), (p,))
+                     if q.requires_grad and id(q) not in self.cache]
+            views = _SumOverRanks.apply(owner, tuple(id(q) for q in group), *group)
+            for q, v in zip(group, views):
+                self.cache[id(q)] = v
+            used = self.cache[id(p)]
         return used
 
     def call(self, m: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -401,6 +411,12 @@ class ParallelModule(nn.Module):
         self._view = view
         for p, _ in self._order:
             self._targets[id(p)] = _GradTarget(p)
+        # each summed parameter's module's own summed parameters (itself included)
+        self._siblings: dict[int, tuple[nn.Parameter, ...]] = {}
+        for module in self.modules():
+            own = tuple(p for p in module.parameters(recurse=False) if id(p) in self._comms)
+            for p in own:
+                self._siblings.setdefault(id(p), own)
 
     # -------------------------------------------------------------- gradients
     def _begin(self) -> None:
@@ -411,25 +427,32 @@ class ParallelModule(nn.Module):
             self._next = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _ready(self, key: int, grad: torch.Tensor) -> None:
-        """This rank's part of a parameter's gradient, from its use in this pass."""
+    def _ready(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """This rank's part of parameters' gradients, ``(key, gradient)``, from their use in
+        this pass."""
         self._begin()
-        p = self._targets[key].param
-        self._pending[key] = grad.detach().to(p.dtype).contiguous().clone()
+        for key, grad in grads:
+            p = self._targets[key].param
+            g = grad.detach()
+            if g.dtype != p.dtype:
+                g = g.to(p.dtype)
+            self._pending[key] = g.clone(memory_format=torch.contiguous_format)
         self._reduce_ready()
 
-    def _reduce(self, p: nn.Parameter, comm: MPI.Intracomm, local: torch.Tensor) -> None:
-        # local is this pass's own copy (made in _ready, or zeros): given away
-        reduce_gradients_([(self._targets[id(p)], local.numpy())], comm, owned=True)
+    def _reduce(self, params: Sequence[tuple[nn.Parameter, torch.Tensor]],
+                comm: MPI.Intracomm) -> None:
+        # each local is this pass's own copy (made in _ready, or zeros): given away
+        reduce_gradients_([(self._targets[id(p)], local.numpy()) for p, local in params],
+                          comm, owned=True)
 
     def _reduce_ready(self) -> None:
-        """Hand the buckets the gradients that are ready, in the order of every rank (a
-        rank's backward may reach them in another order: its graph differs where its
-        block is empty)."""
+        """Hand the buckets the gradients that are ready, one at a time in the order of
+        every rank (a rank's backward may reach them in another order: its graph differs
+        where its block is empty), so that every rank's buckets fill alike."""
         while self._next < len(self._order) and id(self._order[self._next][0]) in \
                 self._pending:
             p, comm = self._order[self._next]
-            self._reduce(p, comm, self._pending.pop(id(p)))
+            self._reduce([(p, self._pending.pop(id(p)))], comm)
             self._next += 1
 
     def _watch_output(self, value: Any) -> None:
@@ -443,7 +466,7 @@ class ParallelModule(nn.Module):
             return
         for p, comm in self._order[self._next:]:  # zeros for those this rank's pass missed
             local = self._pending.pop(id(p), None)
-            self._reduce(p, comm, torch.zeros_like(p) if local is None else local.detach())
+            self._reduce([(p, torch.zeros_like(p) if local is None else local.detach())], comm)
         self._next = len(self._order)
         buckets.__exit__(None, None, None)
         self._running.finish()
