@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         steps["parallelize"] = ours
     if grouped:
         steps["parallelize-group"] = lambda: ours(model=pm_g, opt=gopt)
-    if a.precision == "bf16":
+    if a.precision == "bf16" and "parallelize" in steps:
         steps["parallelize-fp32"] = lambda: ours(False)
     if size == 1:
         ref = plain
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                        "ceiling_s": ceiling,
                        "ceiling_share_by_round": shares,
                        "samples_s": samples,
-                       "bn_stats": a.bn_stats,
+                       # the parallelized models that ran and their ratios to the baseline
                        "ratios": ratios,
                        "ratio": next(iter(ratios.values()))}, f, indent=1)
     return 0

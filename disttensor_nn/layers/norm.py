@@ -598,7 +598,20 @@ def set_batch_norm_stats(model: Layer, stats: str) -> int:
     """Set ``stats`` (``"global"`` or ``"group"``) on every batch norm of ``model``.
 
     Before planning: the planner prices each batch norm by its statistics
-    (:class:`BatchNormNd`). Returns how many batch norms were set.
+    (:class:`BatchNormNd`).
+
+    Parameters
+    ----------
+    model : Layer
+        The network (or one layer); its :class:`BatchNormNd` layers are set.
+    stats : {'global', 'group'}
+        ``"global"``: the whole batch's statistics, as one process;
+        ``"group"``: each group of ranks holding the same samples its own.
+
+    Returns
+    -------
+    int
+        How many batch norms were set.
 
     Raises
     ------

@@ -51,8 +51,8 @@ def shard_state(optimizer: Optimizer, stage: str = "optimizer",
     backward pass sums its gradient by a ``Reduce_scatter`` into this
     rank's piece instead of an allreduce, so ``grad`` holds the reduced
     piece alone (:func:`~disttensor_nn.optim.clip_grad_norm_` still gives
-    the whole model's norm). Gradients that a layer sums itself (batch
-    norm's) stay whole and are sliced.
+    the whole model's norm). Gradients that a layer sums itself (a batch
+    norm's with the whole batch's statistics) stay whole and are sliced.
 
     ``"full"`` (ZeRO-3, FSDP) also shards the weights: from its layer's
     first backward pass on (which tells each parameter the ranks that

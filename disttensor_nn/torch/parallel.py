@@ -295,19 +295,24 @@ class _ParamView:
 class _GroupRunningStats:
     """The running statistics of batch norms whose statistics are each sample group's own
     (``batch_norm_stats="group"``): each group's batch mean and unbiased variance of a
-    forward pass, averaged over the groups and moved into the modules' buffers, so that
-    every rank keeps the same ones. A group whose block of samples is empty has no
-    estimate and is left out.
+    training forward pass, averaged over the groups and moved into the modules' buffers,
+    so that every rank keeps the same ones. A group whose block of samples is empty has
+    no estimate and is left out.
 
-    The average is one non-blocking all-reduce per communicator, started after the pass's
-    last step (:meth:`start`) and completed (:meth:`finish`) when the backward pass ends,
-    at the next forward pass, or when the module's state is read: no rank waits for
-    another for it in between."""
+    The averages take one non-blocking all-reduce per communicator of samples, started
+    after the pass's last step (:meth:`start`) and completed (:meth:`finish`) when the
+    backward pass ends, at the next forward pass, or when a batch norm's state is saved
+    or loaded (``state_dict`` and ``load_state_dict`` pre-hooks on each of them): no rank
+    waits for another for it in between. The buffers move in the order the pass used the
+    batch norms, as in one process. A pass that raises moves none of them (its batch
+    norms' ``num_batches_tracked`` did count it)."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[nn.Module, MPI.Intracomm, torch.Tensor, torch.Tensor,
                                  float, float]] = []
-        self.inflight: list[tuple[MPI.Request, np.ndarray, list]] = []
+        # (requests, their buffers, (module, momentum, buffer index, offset, channels) in
+        # the order the pass used the modules)
+        self.inflight: list[tuple[list[MPI.Request], list[np.ndarray], list]] = []
 
     def add(self, m: nn.Module, comm: MPI.Intracomm, mean: torch.Tensor, var: torch.Tensor,
             momentum: float, has: float) -> None:
@@ -321,30 +326,43 @@ class _GroupRunningStats:
     def start(self) -> None:
         """Start the groups' sums of what this pass queued."""
         pending, self.pending = self.pending, []
-        by_comm: dict[int, list] = {}
-        for entry in pending:
-            by_comm.setdefault(id(entry[1]), []).append(entry)
-        for entries in by_comm.values():
-            parts = []
-            for _, _, mean, var, _, has in entries:
-                parts += [mean.new_full((1,), has), mean * has, var * has]
-            buf = torch.cat(parts).to(torch.float64).numpy()
-            self.inflight.append((entries[0][1].Iallreduce(MPI.IN_PLACE, buf), buf, entries))
+        if not pending:
+            return
+        slots: dict[int, int] = {}  # a communicator's buffer
+        parts: list[list[torch.Tensor]] = []
+        comms: list[MPI.Intracomm] = []
+        sizes: list[int] = []
+        moves = []
+        for m, comm, mean, var, f, has in pending:
+            i = slots.setdefault(id(comm), len(parts))
+            if i == len(parts):
+                parts.append([])
+                comms.append(comm)
+                sizes.append(0)
+            c = mean.numel()
+            parts[i] += [mean.new_full((1,), has), mean * has, var * has]
+            moves.append((m, f, i, sizes[i], c))
+            sizes[i] += 1 + 2 * c
+        bufs = [torch.cat(p).to(torch.float64).numpy() for p in parts]
+        requests = [comm.Iallreduce(MPI.IN_PLACE, buf) for comm, buf in zip(comms, bufs)]
+        self.inflight.append((requests, bufs, moves))
 
     def finish(self) -> None:
         """Wait for the sums; move the running buffers towards the groups' averages."""
         inflight, self.inflight = self.inflight, []
-        for request, buf, entries in inflight:
-            request.Wait()
-            total = torch.from_numpy(buf)
-            at = 0
+        for requests, bufs, moves in inflight:
+            MPI.Request.Waitall(requests)
             with torch.no_grad():
-                for m, _, mean, _, f, _ in entries:
-                    c = mean.numel()
-                    average = total[at + 1:at + 1 + 2 * c] / max(float(buf[at]), 1.0)
+                for m, f, i, at, c in moves:
+                    total = torch.from_numpy(bufs[i][at + 1:at + 1 + 2 * c])
+                    average = total / max(float(bufs[i][at]), 1.0)
                     for b, part in ((m.running_mean, average[:c]), (m.running_var, average[c:])):
                         b.mul_(1 - f).add_(part.to(b.dtype), alpha=f)
-                    at += 1 + 2 * c
+
+    def hook(self, m: nn.Module) -> None:
+        """Complete the sums in flight before ``m``'s state is saved or loaded."""
+        m.register_state_dict_pre_hook(lambda *_: self.finish())
+        m.register_load_state_dict_pre_hook(lambda *_: self.finish())
 
 
 @dataclass
@@ -457,7 +475,8 @@ class ParallelModule(nn.Module):
 
     def _watch_output(self, value: Any) -> None:
         block = value.local if isinstance(value, DistArray) else value
-        if isinstance(block, torch.Tensor) and block.requires_grad and self._order:
+        if isinstance(block, torch.Tensor) and block.requires_grad and (
+                self._order or self._running.pending):  # the end of backward completes them
             block.register_hook(lambda grad: self._begin())
 
     def _finish(self) -> None:
@@ -470,19 +489,6 @@ class ParallelModule(nn.Module):
         self._next = len(self._order)
         buckets.__exit__(None, None, None)
         self._running.finish()
-
-    # -------------------------------------------------------------- state
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`torch.nn.Module.state_dict`, the last forward pass's running statistics
-        moved first (``batch_norm_stats='group'``)."""
-        self._running.finish()
-        return super().state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`torch.nn.Module.load_state_dict`, after the last forward pass's running
-        statistics were moved (so that they do not move the loaded ones)."""
-        self._running.finish()
-        return super().load_state_dict(*args, **kwargs)
 
     # -------------------------------------------------------------- forward
     def forward(self, x: DistArray | torch.Tensor) -> Any:
@@ -1170,6 +1176,8 @@ class _Compiler:
         smallest = min(sizes, default=0) * spatial
         self.set(node, dist)
         self.use_params(node, node.target, dist)
+        if grouped:
+            self.running.hook(m)
 
         params, running = self.view, self.running
 
@@ -1957,11 +1965,13 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         under ``DistributedDataParallel``; a split of the spatial
         dimensions is still summed over. The running statistics are then
         the average of the groups' (a group with no sample is left out), so
-        every rank keeps the same ones: one non-blocking all-reduce that
-        each forward pass starts after its last step and that completes
-        when the backward pass ends, at the next forward pass, or at
-        ``state_dict()``. Where the samples are not split the two are the
-        same.
+        every rank keeps the same ones: a training forward pass starts one
+        non-blocking all-reduce of them per communicator after its last
+        step, which completes when the backward pass ends, at the next
+        forward pass, or when a batch norm's state is saved or loaded
+        (``state_dict``, ``load_state_dict``; read the buffers directly
+        only after one of these). Where the samples are not split the two
+        are the same.
 
     Returns
     -------
