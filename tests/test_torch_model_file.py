@@ -162,9 +162,10 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Non
 
 
 def mixed_plan_file(directory: str, path: str, batch: int, capsys, fn: str = "build",
-                    channels: int = C, size: str = f"{H}x{W}") -> str:
+                    channels: int = C, size: str = f"{H}x{W}", samples: bool = False) -> str:
     """disttensor-plan's plan for the model, its layers' grids changed to cycle through
-    every split of one dimension (N, H, W: uneven blocks at 3 ranks), as a JSON file."""
+    every split of one dimension (N, H, W: uneven blocks at 3 ranks), or with ``samples``
+    all to split N, as a JSON file."""
     auto = os.path.join(directory, "auto.json")
     assert plan_main(["--model-file", f"{path}:{fn}", "--in-channels", str(channels),
                       "--size", size, "--batch", str(batch), "--machine", V100, "--json",
@@ -176,7 +177,8 @@ def mixed_plan_file(directory: str, path: str, batch: int, capsys, fn: str = "bu
     p, ndim = comm.Get_size(), len(plan.entries[0].grid)
     grids = [tuple(p if k == d else 1 for k in range(ndim)) for d in range(ndim)]
     plan = dataclasses.replace(plan, entries=[
-        dataclasses.replace(e, grid=grids[(i + 1) % ndim]) for i, e in enumerate(plan.entries)])
+        dataclasses.replace(e, grid=grids[0 if samples else (i + 1) % ndim])
+        for i, e in enumerate(plan.entries)])
     mixed = os.path.join(directory, "mixed.json")
     if comm.Get_rank() == 0:
         with open(mixed, "w") as f:
@@ -215,28 +217,6 @@ def test_model_file_trains_as_plain_torch_in_one_process(layout, optimizer, lr, 
     plain.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint_state(ck).items()})
 
 
-def samples_plan_file(directory: str, path: str, batch: int, capsys) -> str:
-    """disttensor-plan's plan for the model with every layer's samples split over the ranks
-    (uneven blocks at 3 ranks), as a JSON file."""
-    auto = os.path.join(directory, "auto-n.json")
-    assert plan_main(["--model-file", f"{path}:build", "--in-channels", str(C), "--size",
-                      f"{H}x{W}", "--batch", str(batch), "--machine", V100, "--json",
-                      auto]) == 0
-    capsys.readouterr()
-    comm.Barrier()
-    with open(auto) as f:
-        plan = Plan.from_json(f.read())
-    grid = (comm.Get_size(),) + (1,) * (len(plan.entries[0].grid) - 1)
-    plan = dataclasses.replace(plan, entries=[dataclasses.replace(e, grid=grid)
-                                              for e in plan.entries])
-    out = os.path.join(directory, "samples.json")
-    if comm.Get_rank() == 0:
-        with open(out, "w") as f:
-            f.write(plan.to_json())
-    comm.Barrier()
-    return out
-
-
 @pytest.mark.parallel([1, 2, 3])
 def test_group_batch_norm_statistics_train_as_ddp_does(capsys):
     """--bn-stats group with the samples split: the parameters after three steps are those
@@ -246,7 +226,7 @@ def test_group_batch_norm_statistics_train_as_ddp_does(capsys):
     path = model_file(tmp)
     data, x, t = npy_data(tmp)
     ck = os.path.join(tmp, "ck-group")
-    plan = samples_plan_file(tmp, path, N, capsys)
+    plan = mixed_plan_file(tmp, path, N, capsys, samples=True)
     assert train_main(base(path, "--data", data, "--batch", str(N), "--steps", "3",
                            "--lr", "0.05", "--ranks-layout", plan, "--bn-stats", "group",
                            "--checkpoint", ck)) == 0

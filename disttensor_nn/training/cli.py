@@ -124,6 +124,17 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
     """Show every option's default, keep the description's line breaks."""
 
 
+def _bn_stats_option(parser: argparse.ArgumentParser) -> None:
+    """``--bn-stats``: the batch norms' statistics in training (``TrainConfig.bn_stats``)."""
+    parser.add_argument("--bn-stats", choices=("global", "group"), default="global",
+                        help="the batch norms' statistics in training: global, over the whole "
+                        "batch (the same as one process on it: a sum over the ranks in each batch "
+                        "norm's forward and backward); group, over each group of ranks that "
+                        "holds the same samples alone (one rank where only the samples are "
+                        "split), as PyTorch's batch norms under DistributedDataParallel, the "
+                        "running statistics averaged over the groups")
+
+
 def _kernel_options(parser: argparse.ArgumentParser, default: str = "auto") -> None:
     """The options that choose the local kernels and their threads."""
     parser.add_argument("--kernels", choices=("auto", *BACKENDS), default=default,
@@ -241,13 +252,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                         help="the activations' dtype the plan is for (disttensor-train "
                         "--precision): bf16 and fp16 blocks count 2 bytes and their kernels "
                         "are timed in 16 bits")
-    parser.add_argument("--bn-stats", choices=("global", "group"), default="global",
-                        help="the batch norms' statistics in training: global, over the whole "
-                        "batch (the same as one process on it: a sum over the ranks in each batch "
-                        "norm's forward and backward); group, over each group of ranks that "
-                        "holds the same samples alone (one rank where only the samples are "
-                        "split), as PyTorch's batch norms under DistributedDataParallel, the "
-                        "running statistics averaged over the groups")
+    _bn_stats_option(parser)
     _model_file_options(parser)
     _kernel_options(parser)
     args = parser.parse_args(argv)
@@ -460,13 +465,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                         "optimizer state, batch-norm statistics and reductions stay float32; "
                         "fp16 with dynamic loss scaling); kernels without a 16-bit version run "
                         "in float32 on converted blocks, as the plan table says")
-    parser.add_argument("--bn-stats", choices=("global", "group"), default=d.bn_stats,
-                        help="the batch norms' statistics in training: global, over the whole "
-                        "batch (the same as one process on it: a sum over the ranks in each batch "
-                        "norm's forward and backward); group, over each group of ranks that "
-                        "holds the same samples alone (one rank where only the samples are "
-                        "split), as PyTorch's batch norms under DistributedDataParallel, the "
-                        "running statistics averaged over the groups")
+    _bn_stats_option(parser)
     parser.add_argument("--samples", type=_positive_int, default=d.samples,
                         help="synthetic data set size (ignored with --data)")
     parser.add_argument("--data", metavar="PATH",
