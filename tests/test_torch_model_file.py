@@ -119,13 +119,20 @@ def npy_data(directory: str) -> tuple[str, np.ndarray, np.ndarray]:
     return path, x, t
 
 
+def source_model(fn: str = "build", seed: int | None = 0) -> torch.nn.Module:
+    """``fn()`` of MODEL_SOURCE in this process (after ``torch.manual_seed(seed)``, unless
+    None)."""
+    ns: dict = {}
+    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return ns[fn]()
+
+
 def reference(x: np.ndarray, t: np.ndarray, steps: int, optimizer: str, lr: float,
               seed: int = 0) -> dict[str, np.ndarray]:
     """The model of MODEL_SOURCE trained in this process alone, every sample in each step."""
-    ns: dict = {}
-    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
-    torch.manual_seed(seed)
-    model = ns["build"]()
+    model = source_model(seed=seed)
     if optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     else:
@@ -211,9 +218,7 @@ def test_model_file_trains_as_plain_torch_in_one_process(layout, optimizer, lr, 
         assert f"skipnet.py:build ({N}, {C}, {H}, {W}) on {comm.Get_size()} rank" in out, out
     assert_close(checkpoint_state(ck), reference(x, t, 3, optimizer, lr))
     # the checkpoint's parameters load into the unwrapped model, by its state_dict names
-    ns: dict = {}
-    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
-    plain = ns["build"]()
+    plain = source_model(seed=None)
     plain.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint_state(ck).items()})
 
 
@@ -231,10 +236,7 @@ def test_group_batch_norm_statistics_train_as_ddp_does(capsys):
                            "--lr", "0.05", "--ranks-layout", plan, "--bn-stats", "group",
                            "--checkpoint", ck)) == 0
     capsys.readouterr()
-    ns: dict = {}
-    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
-    torch.manual_seed(0)
-    model = ns["build"]()
+    model = source_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     # the samples' blocks as the plan splits them (larger blocks first)
     cuts = dt.Distribution((N, C, H, W), dt.ProcessGrid((comm.Get_size(), 1, 1, 1))
@@ -273,10 +275,7 @@ def test_16_bit_precision_trains_as_torch_autocast_does(precision, capsys):
     if comm.Get_rank() == 0:
         assert f"precision {precision}: the forward under torch.autocast" in out, out
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    ns: dict = {}
-    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
-    torch.manual_seed(0)
-    model = ns["build"]()
+    model = source_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     skipped = 0
@@ -318,10 +317,7 @@ def test_accumulated_micro_batches_are_one_step(capsys):
     assert train_main(base(path, "--data", data, "--batch", "2", "--accumulate", "2",
                            "--steps", "2", "--lr", "0.05", "--checkpoint", ck)) == 0
     capsys.readouterr()
-    ns: dict = {}
-    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
-    torch.manual_seed(0)
-    model = ns["build"]()
+    model = source_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for epoch in range(2):  # the Loader's order: a permutation per epoch
         order = np.random.default_rng([0, epoch]).permutation(N)
@@ -413,10 +409,7 @@ def test_a_3d_model_on_synthetic_volumes(capsys):
     capsys.readouterr()
     data = NoiseDataset(2, shape, shape, seed=0)
     x, t = (np.stack(a) for a in zip(*(data.sample(i) for i in range(2))))
-    ns: dict = {}
-    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
-    torch.manual_seed(0)
-    model = ns["build_3d"]()
+    model = source_model("build_3d", 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for _ in range(2):
         opt.zero_grad()
@@ -471,9 +464,7 @@ def test_predict_runs_the_checkpoint_as_plain_torch_does(capsys):
     if comm.Get_rank() == 0:
         assert f"wrote {N} outputs ({N}, 1, {H}, {W}) to {out}" in text, text
         assert "enc.0 Conv2d" in text, text
-    ns: dict = {}
-    exec(compile(MODEL_SOURCE, "skipnet.py", "exec"), ns)
-    plain = ns["build"]()
+    plain = source_model(seed=None)
     plain.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint_state(ck).items()})
     plain.eval()  # batch norm by its running statistics
     with torch.no_grad():

@@ -1171,9 +1171,9 @@ class _Compiler:
         alone = comm.Get_size() == 1
         local_n = dist.local_shape()[0]
         count = local_n * spatial if grouped else dist.global_shape[0] * spatial
-        sizes = [hi - lo for lo, hi in zip(dist.boundaries[0], dist.boundaries[0][1:])
-                 if hi > lo] if grouped else [dist.global_shape[0]]
-        smallest = min(sizes, default=0) * spatial
+        # the fewest values per channel of a group that has samples (F.batch_norm's check)
+        smallest = min((hi - lo for lo, hi in zip(dist.boundaries[0], dist.boundaries[0][1:])
+                        if hi > lo), default=0) * spatial
         self.set(node, dist)
         self.use_params(node, node.target, dist)
         if grouped:
