@@ -67,14 +67,30 @@ __all__ = [
 ]
 
 
+_MODULE_OF_TYPE: dict[type, ModuleType] = {}
+"""The module of array types without ``__array_namespace__`` (PyTorch's tensors), by type:
+found from the type's module name once."""
+
+
 def array_namespace(x: Any) -> ModuleType:
     """The array module of ``x`` (``numpy`` for NumPy arrays and scalars)."""
     if isinstance(x, (np.ndarray, np.generic)):
         return np
+    known = _MODULE_OF_TYPE.get(type(x))
+    if known is not None:
+        return known
     ns = getattr(x, "__array_namespace__", None)
     if ns is not None:
         return ns()
-    mod = type(x).__module__.split(".")[0]
+    found = _module_of_type(type(x))
+    if found is not np:
+        _MODULE_OF_TYPE[type(x)] = found
+    return found
+
+
+def _module_of_type(kind: type) -> ModuleType:
+    """The array module of instances of ``kind``, from its module's name (NumPy if unknown)."""
+    mod = kind.__module__.split(".")[0]
     if mod == "cupy":  # pragma: no cover - GPU only
         import cupy
 
@@ -168,14 +184,29 @@ def reduces_in_mpi(dtype: Any) -> bool:
     return numpy_dtype(dtype).name != "bfloat16"
 
 
+_NAMESPACE_DTYPES: dict[tuple[Any, type, Any], Any] = {}
+""":func:`namespace_dtype`'s answers, by module, dtype type and dtype (a NumPy dtype's name
+takes microseconds)."""
+
+
 def namespace_dtype(xp: ModuleType, dtype: Any) -> Any:
     """The dtype object of the array module ``xp`` that equals ``dtype``."""
+    key = (xp, type(dtype), dtype)
+    try:
+        found = _NAMESPACE_DTYPES.get(key)
+    except TypeError:  # not hashable: found afresh
+        found, key = None, None
+    if found is not None:
+        return found
     dt = numpy_dtype(dtype)
     if _takes_numpy_dtypes(xp):
-        return dt
-    found = getattr(xp, "bool" if dt == np.bool_ else dt.name, None)
-    if found is None:
-        raise TypeError(f"the array module {xp.__name__} has no dtype {dt}")
+        found = dt
+    else:
+        found = getattr(xp, "bool" if dt == np.bool_ else dt.name, None)
+        if found is None:
+            raise TypeError(f"the array module {xp.__name__} has no dtype {dt}")
+    if key is not None:
+        _NAMESPACE_DTYPES[key] = found
     return found
 
 

@@ -38,6 +38,8 @@ from .backend import (
     device_of,
     empty,
     fill_view,
+    host_view,
+    mpi_buffer,
     numpy_dtype,
 )
 from .distribution import Distribution
@@ -121,6 +123,32 @@ class _BoundFaces:
     sends: list[tuple[tuple[slice, ...], int, int]]  # (index into the block, peer, tag)
     local: list[tuple[int, tuple[slice, ...], tuple[slice, ...]]]  # (face, dst, src in block)
     fills: list[tuple[int, tuple[slice, ...], int]]  # (face, index, side)
+
+
+@dataclass
+class _BlockSteps:
+    """A plan's slabs for one block shape, as :meth:`HaloPlan.exchange_block` and
+    :meth:`HaloPlan.accumulate_block` run them on NumPy views of host memory.
+
+    The exchange works on the new extended block (``dims``: every slab an index into
+    it). The adjoint adds, per dimension in reverse, what comes back into ``targets``
+    (indices into the array it accumulates into), sends the halo's slabs (``returns``:
+    indices into the extended block, or into its working copy) and adds this rank's own
+    cells (``local``: target, source). With one exchanged dimension it accumulates
+    straight into a new block (``into_block``): the interior copied, the extended block
+    only read; with several, into a copy of the extended block, whose interior is the
+    result (corners pass through the slabs of the dimensions after theirs).
+    """
+
+    ext_shape: tuple[int, ...]
+    interior: tuple[slice, ...]
+    dims: list[_BoundDim]
+    into_block: bool
+    # per exchanged dimension, in the adjoint's order (the exchange's reversed)
+    targets: list[list[tuple[tuple[slice, ...], tuple[int, ...], int, int]]]  # (index, cells,
+    # peer, tag)
+    returns: list[list[tuple[tuple[slice, ...], int, int]]]  # (index, peer, tag)
+    local: list[list[tuple[tuple[slice, ...], tuple[slice, ...]]]]  # (target, halo cells)
 
 
 @dataclass
@@ -481,6 +509,196 @@ class HaloPlan:
         # overwrite_input permits, not requires, working in place (a copy when not C-ordered)
         return AccumulateRequest(self, contiguous(extended, copy=not overwrite_input))
 
+    # ------------------------------------------------------------- blocks
+    def _block_steps(self, shape: tuple[int, ...]) -> _BlockSteps:
+        """The slabs of :meth:`exchange_block` and :meth:`accumulate_block` for a block of
+        ``shape`` (cached per shape)."""
+        key = ("block", shape)
+        steps = self._bound.get(key)
+        if steps is not None:
+            return steps
+        widths = self.widths
+        ext_shape = tuple(n + lo + hi for n, (lo, hi) in zip(shape, widths))
+        bound, _ = self._bind(ext_shape, widths)
+        interior = tuple(slice(lo, lo + n) for n, (lo, _) in zip(shape, widths))
+        into_block = len(self.dims) == 1
+        zero = ((0, 0),) * len(shape)
+
+        def cells(idx: tuple[slice, ...], of: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(len(range(*sl.indices(n))) for sl, n in zip(idx, of))
+
+        targets, returns, local = [], [], []
+        for dp, bd in zip(reversed(self.dims), reversed(bound)):
+            if into_block:  # the sources' cells in a block without margins
+                d = dp.dim
+                t, loc = [], []
+                for r in dp.sends:
+                    idx = self._index(shape, zero, d, r.src, r.length, r.step)
+                    if math.prod(n := cells(idx, shape)):
+                        t.append((idx, n, r.receiver, r.tag))
+                for r in dp.local:
+                    dst = self._index(ext_shape, widths, d, r.dst, r.length, 1)
+                    if math.prod(cells(dst, ext_shape)):
+                        loc.append((self._index(shape, zero, d, r.src, r.length, r.step), dst))
+            else:
+                t = [(i, cells(i, ext_shape), peer, k) for i, peer, k in bd.sends]
+                loc = [(src, dst) for dst, src in bd.local]
+            targets.append(t)
+            returns.append(list(bd.recvs))
+            local.append(loc)
+        steps = _BlockSteps(ext_shape, interior, bound, into_block, targets, returns, local)
+        if len(self._bound) >= _BOUND_LAYOUTS:
+            self._bound.pop(next(iter(self._bound)))
+        self._bound[key] = steps
+        return steps
+
+    def check_block(self, block: Any, constant_values: Any = 0) -> None:
+        """Raise ValueError unless ``block`` has this rank's block shape (local):
+        :meth:`exchange_block`'s validation."""
+        if tuple(block.shape) != self.dist.local_shape():
+            raise ValueError(f"halo exchange: the block has shape {tuple(block.shape)}, "
+                             f"expected {self.dist.local_shape()}")
+
+    @collective(ignore=("block",), check=check_block)
+    def exchange_block(self, block: Any, constant_values: Any = 0) -> Any:
+        """This rank's block grown by the halo, in a new array (blocking).
+
+        The array-in, array-out form of :meth:`exchange`, for code that holds
+        plain blocks rather than DistArrays (an autograd function, say): a
+        new C-contiguous array of ``block``'s module, dtype and device, of
+        the extended block's shape, holding ``block`` in its interior and the
+        halo as :meth:`exchange` fills it. Blocks in host memory (NumPy
+        arrays, PyTorch's CPU tensors) are worked on as NumPy views, the
+        slabs' indices made once per block shape: per call, one copy of the
+        block, the messages, and a packing copy for each slab that is not
+        contiguous. Others go through :meth:`exchange`.
+
+        Parameters
+        ----------
+        block : array
+            This rank's block (shape ``dist.local_shape()``).
+        constant_values : scalar or pairs
+            As for :meth:`exchange`.
+
+        Returns
+        -------
+        array
+            The extended block.
+
+        Raises
+        ------
+        ValueError
+            If ``block`` has another shape than this rank's block (local).
+        """
+        self.check_block(block)
+        shape = tuple(block.shape)
+        xp = array_namespace(block)
+        steps = self._block_steps(shape)
+        ext = empty(xp, steps.ext_shape, block.dtype, device_of(block))
+        h, src = host_view(ext), host_view(block)
+        if h is None or src is None:  # device memory: through a DistArray and its transport
+            x = DistArray(ext, self.dist, self.widths)
+            copy_view(x.local, block)
+            self.exchange(x, constant_values)
+            return ext
+        copy_view(h[steps.interior], src)
+        if not self.dims:
+            return ext
+        constants = self._constants(constant_values, h.dtype)
+        grid = self.dist.grid
+        comm, tag = grid.p2p_comm, grid.tag_block(_TAG_SPAN)
+        for bd in steps.dims:
+            reqs, pending = [], []
+            for idx, peer, k in bd.recvs:
+                view = h[idx]
+                if view.flags.c_contiguous:
+                    reqs.append(comm.Irecv(mpi_buffer(view), peer, tag + k))
+                else:
+                    msg = np.empty(view.shape, view.dtype)
+                    reqs.append(comm.Irecv(mpi_buffer(msg), peer, tag + k))
+                    pending.append((view, msg))
+            for idx, peer, k in bd.sends:
+                reqs.append(comm.Isend(mpi_buffer(_packed(h[idx])), peer, tag + k))
+            for dst, s in bd.local:
+                copy_view(h[dst], h[s])
+            if bd.fills:
+                values = constants[bd.dim]
+                for idx, side in bd.fills:
+                    fill_view(h[idx], values[side])
+            MPI.Request.Waitall(reqs)
+            for view, msg in pending:
+                copy_view(view, msg)
+        return ext
+
+    @collective(ignore=("extended",), check=check_extended)
+    def accumulate_block(self, extended: Any) -> Any:
+        """Adjoint of :meth:`exchange_block`: this rank's block of the sums, in a new array.
+
+        The array-in, array-out form of :meth:`accumulate`: a new
+        C-contiguous array of this rank's block shape (``extended``'s
+        module, dtype and device) holding the interior of ``extended`` plus
+        every halo cell, on any rank, that :meth:`exchange_block` copied
+        from this block (constant cells are dropped). ``extended`` is only
+        read. Host memory is worked on as in :meth:`exchange_block`; with
+        one exchanged dimension the sums go straight into the new block.
+
+        Parameters
+        ----------
+        extended : array
+            This rank's extended block (a gradient with respect to
+            :meth:`exchange_block`'s result, say).
+
+        Returns
+        -------
+        array
+            The accumulated block.
+
+        Raises
+        ------
+        ValueError
+            If ``extended`` has another shape than this rank's extended block
+            (local).
+        """
+        self.check_extended(extended)
+        shape = self.dist.local_shape()
+        xp = array_namespace(extended)
+        steps = self._block_steps(shape)
+        out = empty(xp, shape, extended.dtype, device_of(extended))
+        h, o = host_view(extended), host_view(out)
+        if h is None or o is None:  # device memory: through the transport
+            copy_view(out, self.accumulate(extended).local)
+            return out
+        if not self.dims:
+            copy_view(o, h[steps.interior])
+            return out
+        if steps.into_block:
+            copy_view(o, h[steps.interior])
+            work, into = h, o
+        else:
+            work = np.empty(h.shape, h.dtype)
+            copy_view(work, h)
+            into = work
+        grid = self.dist.grid
+        comm, tag = grid.p2p_comm, grid.tag_block(_TAG_SPAN)
+        for targets, returns, local in zip(steps.targets, steps.returns, steps.local):
+            reqs, pending = [], []
+            for idx, cells, peer, k in targets:  # the exchange's senders get their cells back
+                msg = np.empty(cells, h.dtype)
+                reqs.append(comm.Irecv(mpi_buffer(msg), peer, tag + k))
+                pending.append((idx, msg))
+            for idx, peer, k in returns:  # the exchange's receivers send them back
+                reqs.append(comm.Isend(mpi_buffer(_packed(work[idx])), peer, tag + k))
+            for dst, s in local:
+                cell = into[dst]
+                cell += work[s]
+            MPI.Request.Waitall(reqs)
+            for idx, msg in pending:
+                cell = into[idx]
+                cell += msg
+        if not steps.into_block:
+            copy_view(o, work[steps.interior])
+        return out
+
 
 class _DimRequest:
     """Messages of one dimension in flight at a time; the next dimension is posted on completion.
@@ -778,6 +996,15 @@ class FacesAccumulation(_DimRequest):
             cells = work[src]
             cells += bufs[which][dst]
         return target
+
+
+def _packed(view: np.ndarray) -> np.ndarray:
+    """``view`` as a message: itself when contiguous, else a packed copy."""
+    if view.flags.c_contiguous:
+        return view
+    msg = np.empty(view.shape, view.dtype)
+    copy_view(msg, view)
+    return msg
 
 
 def _joint_faces(bound: _BoundFaces, xp: Any, like: Any) -> tuple[Any, Any, Any]:

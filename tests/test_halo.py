@@ -383,6 +383,61 @@ def test_accumulate_is_adjoint(case, seed, dtype):
         assert_allclose(got.local, acc.local, rtol=1e-14, atol=1e-14)
 
 
+# --------------------------------------------------------------------------- blocks
+@pytest.mark.parallel(SIZES)
+@settings(max_examples=40)
+@given(case=halo_cases(), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([np.float64, np.float32, np.int32, np.complex128]),
+       strided=st.booleans())
+def test_exchange_block_and_its_adjoint_on_plain_blocks(case, seed, dtype, strided):
+    """``exchange_block`` returns a new array that is ``numpy.pad``'s at this rank's extended
+    block; ``accumulate_block`` a new block that is the brute-force global scatter-add of
+    every rank's extended block, leaving its input alone (strided inputs accepted)."""
+    dist, widths, pairs, mode, cv = case
+    plan = dt.halo_plan(dist, widths, mode)
+    a = global_array(dist.shape, dtype)
+    block = a[dist.local_slices()]
+    if strided:  # a view into a wider buffer
+        wide = np.zeros(tuple(2 * n + 1 for n in block.shape), block.dtype)
+        block = wide[tuple(slice(1, None, 2) for _ in block.shape)]
+        block[...] = a[dist.local_slices()]
+    ext = plan.exchange_block(block, cv)
+    assert_equal(ext, expected_extended(a, dist, pairs, mode, cv))
+    collective_assert(ext.flags.c_contiguous and not np.shares_memory(ext, block)
+                      and ext.dtype == np.dtype(dtype), "a new contiguous extended block")
+
+    e = random_block(seed, comm.Get_rank(), extended_shape(dist, pairs), dtype)
+    e_before = e.copy()
+    got = plan.accumulate_block(e)
+    blocks = {r: random_block(seed, r, extended_shape(dist, pairs, r), dtype)
+              for r in range(dist.nprocs)}
+    want = brute_force_adjoint(dist.shape, dist, pairs, mode, blocks, dtype)
+    collective_assert(got.shape == dist.local_shape() and got.flags.c_contiguous
+                      and got.dtype == np.dtype(dtype), f"bad result {got.shape}")
+    tol = 1e-5 if dtype == np.float32 else 1e-12  # sums in another order
+    assert_allclose(replica_sum(dt.DistArray(got, dist)), want, rtol=tol, atol=tol)
+    if dist.nreplicas == 1:
+        assert_allclose(got, want[dist.local_slices()], rtol=tol, atol=tol)
+    assert_equal(e, e_before)
+    if strided:
+        wide = np.zeros(tuple(2 * n + 1 for n in e.shape), e.dtype)
+        view = wide[tuple(slice(1, None, 2) for _ in e.shape)]
+        view[...] = e
+        assert_equal(plan.accumulate_block(view), got)
+
+
+@pytest.mark.parallel(SIZES)
+def test_exchange_block_refuses_wrong_shapes_on_every_rank():
+    dist = _small_dist()
+    plan = dt.halo_plan(dist, ((1, 2), (0, 1)))
+    for call in (lambda: plan.exchange_block(np.zeros((dist.local_shape()[0] + 1, 4))),
+                 lambda: plan.accumulate_block(np.zeros(dist.local_shape()))):
+        with pytest.raises(ValueError, match="block has shape"):
+            call()
+    ext = plan.exchange_block(np.ones(dist.local_shape()))  # nothing left in flight
+    collective_assert(ext.shape == (dist.local_shape()[0] + 3, 5), "the extended shape")
+
+
 # --------------------------------------------------------------------------- faces
 @pytest.mark.parallel(SIZES)
 @settings(max_examples=30)

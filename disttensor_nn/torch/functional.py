@@ -72,7 +72,7 @@ import torch
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution, ProcessGrid, halo_plan, redistribution_plan
-from disttensor.backend import check_movable, contiguous, copy_view, numpy_dtype
+from disttensor.backend import check_movable, contiguous, numpy_dtype
 from disttensor.halo import HaloPlan, normalize_widths
 from disttensor.redistribute import RedistributionPlan
 from disttensor.settings import validating
@@ -178,38 +178,24 @@ class _HaloExchange(torch.autograd.Function):
     def forward(ctx: Any, block: torch.Tensor, plan: HaloPlan,
                 constant_values: Any) -> torch.Tensor:
         ctx.plan = plan
-        x = DistArray.empty(plan.dist, numpy_dtype(block.dtype), xp=torch,
-                            device=block.device, margins=plan.widths)
-        copy_view(x.local, block.detach())
-        return plan.exchange(x, constant_values)  # a view into x's buffer, which it keeps
+        return plan.exchange_block(block.detach(), constant_values)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        # the interior of the extended gradient, a strided view: made contiguous, as the
-        # gradient PyTorch's kernels give and expect (strided, batch norm's backward and the
-        # element-wise ones run several times slower)
-        inner = ctx.plan.accumulate(grad).local
-        out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
-        copy_view(out, inner)
-        return out, None, None
+        # a new contiguous block, as the gradient PyTorch's kernels give and expect
+        # (strided, batch norm's backward and the element-wise ones run several times slower)
+        return ctx.plan.accumulate_block(grad), None, None
 
 
 class _HaloAccumulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, extended: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
         ctx.plan = plan
-        inner = plan.accumulate(extended.detach().contiguous()).local
-        out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
-        copy_view(out, inner)
-        return out
+        return plan.accumulate_block(extended.detach())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        plan = ctx.plan
-        x = DistArray.empty(plan.dist, numpy_dtype(grad.dtype), xp=torch,
-                            device=grad.device, margins=plan.widths)
-        copy_view(x.local, grad.detach())
-        return plan.exchange(x, 0), None  # constant cells: no gradient to take back
+        return ctx.plan.exchange_block(grad.detach(), 0), None  # constant cells: no gradient
 
 
 class _Redistribute(torch.autograd.Function):
