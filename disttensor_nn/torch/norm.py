@@ -71,16 +71,21 @@ def _squares(d: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _combine(rows: np.ndarray, c: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The mean and biased variance per channel over every rank's block, from each rank's
-    row ``(values, mean, variance)``: the sum of the means weighted by the values, and the
-    squares about the global mean as each rank's about its own, moved (Chan et al.), in
-    rank order (alike on every rank)."""
-    n, means, variances = rows[:, :1], rows[:, 1:c + 1], rows[:, c + 1:]
+def _combine(rows: np.ndarray, c: int, count: int, out: np.ndarray) -> None:
+    """The mean and biased variance per channel over every rank's block into ``out[0]`` and
+    ``out[1]``, from each rank's row ``(values, mean, variance)``: the means weighted by the
+    values, and the squares about the global mean as each rank's about its own, moved (Chan
+    et al.), in rank order (alike on every rank)."""
+    n, means = rows[:, 0], rows[:, 1:c + 1]
     whole = max(count, 1)
-    mean = (n * means).sum(0) / whole
-    var = (n * (variances + (means - mean) ** 2)).sum(0) / whole
-    return mean, var
+    mean, var = out[0], out[1]
+    np.matmul(n, means, out=mean)
+    mean /= whole
+    dev = means - mean
+    dev *= dev
+    dev += rows[:, c + 1:]
+    np.matmul(n, dev, out=var)
+    var /= whole
 
 
 def _track(running: tuple[Any, Any, float], mean: np.ndarray, var: np.ndarray,
@@ -88,17 +93,17 @@ def _track(running: tuple[Any, Any, float], mean: np.ndarray, var: np.ndarray,
     """Move the running mean and (unbiased) variance towards the batch's by ``momentum``,
     in place, as ``torch.nn.functional.batch_norm`` does (NumPy views of CPU buffers)."""
     running_mean, running_var, momentum = running
-    unbiased = var * (count / max(count - 1, 1))
-    for buf, value in ((running_mean, mean), (running_var, unbiased)):
+    for buf, value, weight in ((running_mean, mean, momentum),
+                               (running_var, var, momentum * count / max(count - 1, 1))):
         if buf is None:
             continue
         if buf.device.type == "cpu":
             view = buf.detach().numpy()
             view *= 1 - momentum
-            view += (value * momentum).astype(view.dtype, copy=False)
+            view += value * weight
         else:
             with torch.no_grad():
-                buf.mul_(1 - momentum).add_(torch.from_numpy(value * momentum).to(buf))
+                buf.mul_(1 - momentum).add_(torch.from_numpy(value * weight).to(buf))
 
 
 class _SplitBatchNorm(torch.autograd.Function):
@@ -120,33 +125,40 @@ class _SplitBatchNorm(torch.autograd.Function):
         acc = _sums_dtype(x)
         c = x.shape[1]
         local = x.numel() // max(c, 1)
-        row = np.zeros(2 * c + 1, dtype=numpy_dtype(acc))
+        size = comm.Get_size()
+        rows = np.empty((size, 2 * c + 1), dtype=numpy_dtype(acc))
+        row = rows[comm.Get_rank()]
         row[0] = local
+        mean_l = row[1:c + 1]
         xs = x if x.dtype == acc else x.to(acc)
-        unit = _unit(c, acc, x.device)  # zeros and ones per channel
         if local:  # this block's mean, the deviations from it and their squares' sums
-            mean_l = _host(xs.sum([0, *range(2, x.ndim)])) / local
-            row[1:c + 1] = mean_l
+            unit = _unit(c, acc, x.device)  # zeros and ones per channel
+            np.divide(_host(xs.sum([0, *range(2, x.ndim)])), local, out=mean_l)
             d = torch.batch_norm(xs, None, torch.from_numpy(-mean_l).to(x.device),
                                  unit[0], unit[1], False, 0.0, 0.0, False)
-            row[c + 1:] = _host(_squares(d)) / local
-        if comm.Get_size() > 1:
-            rows = np.empty((comm.Get_size(), row.size), dtype=row.dtype)
-            comm.Allgather(row, rows)
+            np.divide(_host(_squares(d)), local, out=row[c + 1:])
         else:
-            rows = row[None]
-        mean, var = _combine(rows, c, count)
-        invstd = 1.0 / np.sqrt(var + eps)
+            row[1:] = 0
+        if size > 1:
+            comm.Allgather(MPI.IN_PLACE, rows)
+        # mean, var, 1 / std, scale, shift: every per-channel vector in one transfer
+        out = np.empty((5, c), dtype=rows.dtype)
+        _combine(rows, c, count, out)
+        mean, var, invstd, scale, shift = out
+        np.add(var, eps, out=invstd)
+        np.sqrt(invstd, out=invstd)
+        np.divide(1.0, invstd, out=invstd)
         _track(running, mean, var, count)
-        w = None if weight is None else _host(weight).astype(row.dtype, copy=False)
-        b = None if bias is None else _host(bias).astype(row.dtype, copy=False)
-        scale = invstd if w is None else w * invstd
-        # y = (x - mean) * scale + bias = d * scale + shift; every per-channel vector in
-        # one transfer
-        shift = (row[1:c + 1] - mean) * scale
-        if b is not None:
-            shift += b
-        stats = torch.from_numpy(np.stack((mean, var, invstd, scale, shift))).to(x.device)
+        if weight is None:
+            scale[...] = invstd
+        else:
+            np.multiply(_host(weight), invstd, out=scale)
+        # y = (x - mean) * scale + bias = d * scale + shift
+        np.subtract(mean_l, mean, out=shift)
+        shift *= scale
+        if bias is not None:
+            shift += _host(bias)
+        stats = torch.from_numpy(out).to(x.device)
         if local:  # in d's memory: no new block
             view = (1, c) + (1,) * (x.ndim - 2)
             y = d.mul_(stats[3].view(view)).add_(stats[4].view(view))
@@ -176,25 +188,31 @@ class _SplitBatchNorm(torch.autograd.Function):
             # this rank's sum(dy) and sum(dy * xhat), by the global mean and 1 / std: one pass
             g = dy if dy.dtype == acc else dy.to(acc)
             xs = x if x.dtype == acc else x.to(acc)
-            _, dw_l, db_l = torch.ops.aten.native_batch_norm_backward(
+            _, dw, db = torch.ops.aten.native_batch_norm_backward(
                 g, xs, None, None, None, stats[0], stats[2], True, 0.0, [False, True, True])
-            sums = _host(torch.cat((db_l, dw_l)))  # a new tensor: its own memory
-            dw, db = dw_l, db_l  # this rank's parts, for the parameters
+            sums = np.concatenate((_host(db), _host(dw)))  # its own memory
         else:
             sums = np.zeros(2 * c, dtype=numpy_dtype(acc))
             dw, db = (torch.zeros(c, dtype=acc, device=x.device) for _ in range(2))
         if ctx.comm.Get_size() > 1:
             ctx.comm.Allreduce(MPI.IN_PLACE, sums)
         if x.numel():
-            # dx = w invstd (dy - (sum(dy) + xhat sum(dy xhat)) / M) = s dy + a x + b
-            a = -s * invstd * sums[c:] / count
-            b = -s * sums[:c] / count - a * mean
-            # in the sums' dtype (the terms cancel: a 16-bit sum of them would not hold it)
-            coef = torch.from_numpy(np.stack((s, a, b))).to(x.device)
+            # dx = w invstd (dy - (sum(dy) + xhat sum(dy xhat)) / M) = s dy + a x + b, in the
+            # sums' dtype (the terms cancel: a 16-bit sum of them would not hold it)
+            coef = np.empty((3, c), dtype=sums.dtype)
+            coef[0] = s
+            a, b = coef[1], coef[2]
+            np.multiply(s, invstd, out=a)
+            a *= sums[c:]
+            a *= -1.0 / count
+            np.multiply(s, sums[:c], out=b)
+            b *= -1.0 / count
+            b -= a * mean
+            coef_t = torch.from_numpy(coef).to(x.device)
             unit = _unit(c, acc, x.device)
-            dx = torch.batch_norm(xs, coef[1], coef[2], unit[0], unit[1], False, 0.0, 0.0,
-                                  False)  # a x + b: the evaluation-mode kernel, one pass
-            dx = dx.addcmul_(g, coef[0].view((1, c) + (1,) * (x.ndim - 2))).to(x.dtype)
+            dx = torch.batch_norm(xs, coef_t[1], coef_t[2], unit[0], unit[1], False, 0.0,
+                                  0.0, False)  # a x + b: the evaluation-mode kernel, one pass
+            dx = dx.addcmul_(g, coef_t[0].view((1, c) + (1,) * (x.ndim - 2))).to(x.dtype)
         else:
             dx = torch.empty_like(x)
         return (dx, None if wt is None else dw.to(wt), None if bt is None else db.to(bt),
