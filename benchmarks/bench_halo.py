@@ -17,6 +17,13 @@ Baselines, measured in the same run, interleaved with ours:
   before sending and into it after receiving: the least work that actually
   fills a halo from NumPy.
 
+``--blocks`` also times the array-in, array-out form, ``HaloPlan.exchange_block`` of
+the plain block (a new extended array each call), against ``raw_block``: a new array,
+the block copied into its interior, and ``raw_pack``'s messages. Where PyTorch is
+installed, ``--blocks`` also times ``disttensor_nn.torch.halo_exchange`` of a CPU tensor
+forward and backward (``torch_fb``: the exchange and its adjoint) against ``F.pad`` of
+the same block forward and backward (``pad_fb``: the same copies, no message).
+
 Every column is a median over ``--reps`` samples (each the slowest rank's
 time) with its min-max range; the JSON holds the same.
 """
@@ -30,6 +37,14 @@ from _common import interleaved_stats, print_table, timing_columns, write_json
 from mpi4py import MPI
 
 import disttensor as dt
+
+try:  # the bench extra: only for --blocks' torch columns
+    import torch
+    import torch.nn.functional as F
+
+    from disttensor_nn.torch import halo_exchange
+except ImportError:  # pragma: no cover - torch not installed
+    torch = None
 
 # name, global shape, split dimensions
 ARRAYS = [
@@ -87,6 +102,26 @@ def raw_exchange(comm, peers, bufs, ext=None, index=None):
                 ext[index[k][-direction, False]][...] = recv
 
 
+def _block_fns(comm, plan, x, ext_shape, widths, peers, bufs, index):
+    """``--blocks``' timed functions: the array-in, array-out exchange and its baselines."""
+    interior = tuple(slice(lo, lo + n) for n, (lo, _) in zip(x.local_shape, widths))
+    block = np.ascontiguousarray(x.local)
+
+    def raw_block():
+        e = np.empty(ext_shape, np.float32)
+        e[interior] = block
+        raw_exchange(comm, peers, bufs, e, index)
+
+    fns = {"block": lambda: plan.exchange_block(block), "raw_block": raw_block}
+    if torch is not None:
+        t = torch.from_numpy(block.copy()).requires_grad_()
+        grad = torch.ones(ext_shape)
+        pad = [w for lo_hi in reversed(widths) for w in lo_hi]
+        fns["torch_fb"] = lambda: halo_exchange(t, plan.dist, widths).backward(grad)
+        fns["pad_fb"] = lambda: F.pad(t, pad).backward(grad)
+    return fns
+
+
 def cases(p: int):
     """(array name, shape, split dims, grid shape) for ``p`` ranks."""
     for name, shape in ARRAYS:
@@ -103,6 +138,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--widths", default="1,2,3")
     parser.add_argument("--quick", action="store_true", help="only nchw_large, widths 1 and 3")
+    parser.add_argument("--blocks", action="store_true",
+                        help="also exchange_block, and halo_exchange of torch tensors")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     p = comm.size
@@ -137,16 +174,19 @@ def main() -> None:
             sent = sum(b[0].nbytes * sum(peers[k][s] is not None for s in (-1, 1))
                        for k, b in enumerate(bufs))
             sent = comm.allreduce(sent, op=MPI.MAX)
-            t = interleaved_stats({
+            fns = {
                 "disttensor": lambda plan=plan, x=x: plan.exchange(x),
                 "raw": lambda bufs=bufs, peers=peers: raw_exchange(comm, peers, bufs),
                 "raw_pack": lambda bufs=bufs, ext=ext, index=index, peers=peers:
                     raw_exchange(comm, peers, bufs, ext, index),
-            }, comm, args.reps)
+            }
+            if args.blocks:
+                fns.update(_block_fns(comm, plan, x, ext.shape, widths, peers, bufs, index))
+            t = interleaved_stats(fns, comm, args.reps)
             row = {"array": name, "shape": "x".join(map(str, shape)), "layout": letters,
                    "split": "".join(letters[d] for d in dims), "width": w,
                    "max_bytes_sent_per_rank": sent}
-            for k in ("disttensor", "raw", "raw_pack"):
+            for k in t:
                 row.update(timing_columns(k, t[k]))
             row["ratio_vs_raw"] = t["disttensor"]["median"] / t["raw"]["median"]
             row["ratio_vs_raw_pack"] = t["disttensor"]["median"] / t["raw_pack"]["median"]
@@ -158,6 +198,12 @@ def main() -> None:
                 "disttensor_range_us", "raw_us", "raw_range_us", "raw_pack_us",
                 "ratio_vs_raw", "ratio_vs_raw_pack"]
         print_table(rows, cols)
+        if args.blocks:
+            print("\nthe same arrays, array in and array out (microseconds)")
+            block_cols = ["array", "split", "width", "block_us", "raw_block_us"]
+            if torch is not None:
+                block_cols += ["torch_fb_us", "pad_fb_us"]
+            print_table(rows, block_cols)
         worst = max(rows, key=lambda r: r["ratio_vs_raw"])
         print(f"worst ratio vs raw: {worst['ratio_vs_raw']:.3g} "
               f"({worst['array']} split {worst['split']} width {worst['width']})")
