@@ -265,6 +265,29 @@ def test_halo_accumulate_adjoint(place, mode):
         collective_assert(np.isclose(lhs, rhs), f"{lhs} != {rhs} for {dist}")
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("mode", MODES)
+def test_exchange_block_and_its_adjoint_of_any_module(place, mode):
+    """``HaloPlan.exchange_block`` / ``accumulate_block`` on plain blocks of any module and
+    device: new arrays in the block's place, ``numpy.pad``'s values, the adjoint identity."""
+    g = global_array((7, 5))
+    rng = np.random.default_rng(4)
+    widths = ((2, 1), (1, 3))
+    for dist in layouts(g.shape)[:5]:
+        plan = dt.halo_plan(dist, widths, mode)
+        block = put(g[dist.local_slices()], place)
+        ext = plan.exchange_block(block, (-1.5, 2))
+        check_place(ext, place)
+        assert_equal(to_numpy(ext), expected_extended(g, dist, widths, mode, (-1.5, 2)))
+        e = rng.standard_normal(ext.shape)
+        acc = plan.accumulate_block(put(e, place))
+        check_place(acc, place)
+        lhs = all_sum(np.vdot(to_numpy(plan.exchange_block(block, 0)), e))
+        rhs = all_sum(np.vdot(to_numpy(block), to_numpy(acc)))
+        collective_assert(np.isclose(lhs, rhs) and tuple(acc.shape) == dist.local_shape(),
+                          f"{lhs} != {rhs} for {dist}")
+
+
 # ------------------------------------------------------------------------ allreduce
 @pytest.mark.parallel(SIZES)
 def test_allreduce(place):
