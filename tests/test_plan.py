@@ -312,6 +312,41 @@ def test_measure_chain_keeps_the_time_until_the_barrier_where_ranks_share_cores(
             collective_assert(ok, f"{cores} cores: {timer.table[key]}, {both}")
 
 
+@pytest.mark.parallel([1, 2])
+def test_measure_chain_takes_one_ranks_median_and_several_ranks_mean(tmp_path,
+                                                                      monkeypatch):
+    """A layer's time is the median of its repetitions for one rank alone (its step is the
+    sum of its own layers, reported as a median over steps) and their mean where ranks ran
+    at once (their waits for each other are part of the expected step). A clock driven by
+    the layer itself: repetitions of 1, 1 and 10 ms forward (2, 2 and 20 backward) after an
+    untimed round of 50."""
+    from disttensor_nn.plan import timer as timer_module
+
+    comm = MPI.COMM_WORLD
+    f4 = np.dtype(np.float32)
+    now = [0.0]
+    script = {"forward": iter([50e-3, 1e-3, 1e-3, 10e-3]),
+              "backward": iter([50e-3, 2e-3, 2e-3, 20e-3])}
+    forward, backward = nn.ReLU.forward, nn.ReLU.backward
+
+    def timed(original, kind):
+        def run(self, x):
+            now[0] += next(script[kind])
+            return original(self, x)
+        return run
+
+    monkeypatch.setattr(nn.ReLU, "forward", timed(forward, "forward"))
+    monkeypatch.setattr(nn.ReLU, "backward", timed(backward, "backward"))
+    monkeypatch.setattr(timer_module.KernelTimer, "_clock", lambda self: now[0])
+    monkeypatch.setattr(timer_module.os, "cpu_count", lambda: 64)  # no barrier per layer
+    layer, shape = nn.ReLU(), (1, 2, 6, 6)
+    timer = KernelTimer("t", cache_dir=str(tmp_path), reps=3)
+    timer.measure_chain([(layer, shape, f4, 1.0)], comm, reps=3, max_seconds=1e9)
+    got = timer.table[timer.key(layer, shape, f4, comm.Get_size())][:2]
+    want = (1e-3, 2e-3) if comm.Get_size() == 1 else (4e-3, 8e-3)
+    collective_assert(np.allclose(got, want), f"{got} != {want}")
+
+
 def test_group_norm_and_global_pooling_are_timed_on_their_twins(tmp_path):
     """Their passes are measured like any kernel's (priced at the memory bandwidth they came
     out several times under their measure): measure_chain times them, and the cost model

@@ -56,7 +56,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 or what a time means, so that older times are not reused (they live in another file)."""
 
@@ -78,9 +78,14 @@ class KernelTimer:
       iteration, on every rank of a communicator at once. Each layer then
       meets the caches, allocator state and memory-bandwidth sharing it meets
       in the network; a layer's time is the slowest rank's, mean over
-      repetitions (a step lasts the sum of its layers' times, whose
-      expectation is the sum of their means: on a machine whose cores are
-      now and then taken by others the median would leave those spells out).
+      repetitions where several ranks ran at once (a step lasts the sum of
+      its layers' times and of their waits for each other, whose expectation
+      is the sum of their means: on a machine whose cores are now and then
+      taken by others the median would leave those spells out), and median
+      over repetitions for one rank alone (its step is the sum of its own
+      layers' times, and the step time the driver reports is a median over
+      steps: one slow repetition of a layer would otherwise move the whole
+      prediction).
       The number of ranks that ran at once is part of the key.
       Each distinct shape is timed once; large blocks are timed on a tile
       (:meth:`tile`, at most :attr:`tile_bytes` of input and
@@ -525,8 +530,10 @@ class KernelTimer:
         fwd, bwd = np.ascontiguousarray(fwd[:, :done]), np.ascontiguousarray(bwd[:, :done])
         comm.Allreduce(MPI.IN_PLACE, fwd, op=MPI.MAX)  # a layer lasts until its slowest rank
         comm.Allreduce(MPI.IN_PLACE, bwd, op=MPI.MAX)
+        # the expected step of ranks that wait for each other; one rank's median step
+        estimate = np.mean if comm.Get_size() > 1 else np.median
         for j, job in enumerate(jobs):
-            job.result = (float(np.mean(fwd[0, :, j])), float(np.mean(bwd[0, :, j])))
+            job.result = (float(estimate(fwd[0, :, j])), float(estimate(bwd[0, :, j])))
             if synced:
                 job.synced = (float(np.mean(fwd[1, :, j])), float(np.mean(bwd[1, :, j])))
 
