@@ -36,7 +36,12 @@ from ..module import (
 )
 from ..precision import io_dtype, is_half, to_dtype
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd", "set_batch_norm_stats"]
+__all__ = ["BATCH_NORM_STATS", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormNd",
+           "set_batch_norm_stats"]
+
+BATCH_NORM_STATS = ("global", "group")
+"""What a batch norm's statistics in training may span: the whole batch, or each group of
+ranks that holds the same samples (:class:`BatchNormNd`'s ``stats``)."""
 
 
 def _scratch(xp: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any | None:
@@ -200,7 +205,7 @@ class BatchNormNd(Layer):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
                  affine: bool = True, track_running_stats: bool = True, *,
                  stats: str = "global", dtype: Any = np.float32):
-        if stats not in ("global", "group"):
+        if stats not in BATCH_NORM_STATS:
             raise ValueError(f"stats must be 'global' or 'group', got {stats!r}")
         num_features = check_int(num_features, "num_features")
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
@@ -618,7 +623,7 @@ def set_batch_norm_stats(model: Layer, stats: str) -> int:
     ValueError
         For ``stats`` other than ``"global"`` and ``"group"``.
     """
-    if stats not in ("global", "group"):
+    if stats not in BATCH_NORM_STATS:
         raise ValueError(f"stats must be 'global' or 'group', got {stats!r}")
     layers = [m for _, m in model.named_modules() if isinstance(m, BatchNormNd)]
     for m in layers:

@@ -60,6 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from disttensor import DistArray, Distribution, ProcessGrid, halo_plan
 from disttensor_nn.kernels.torch_kernels import one_window, window_reach
+from disttensor_nn.layers.norm import BATCH_NORM_STATS
 from disttensor_nn.reduction import GradientBuckets, reduce_gradients_, split_axes_comm
 from disttensor_nn.window import WindowSpec, geometry, transposed_geometry
 
@@ -457,11 +458,9 @@ class ParallelModule(nn.Module):
             self._pending[key] = g.clone(memory_format=torch.contiguous_format)
         self._reduce_ready()
 
-    def _reduce(self, params: Sequence[tuple[nn.Parameter, torch.Tensor]],
-                comm: MPI.Intracomm) -> None:
-        # each local is this pass's own copy (made in _ready, or zeros): given away
-        reduce_gradients_([(self._targets[id(p)], local.numpy()) for p, local in params],
-                          comm, owned=True)
+    def _reduce(self, p: nn.Parameter, comm: MPI.Intracomm, local: torch.Tensor) -> None:
+        # local is this pass's own copy (made in _ready, or zeros): given away
+        reduce_gradients_([(self._targets[id(p)], local.numpy())], comm, owned=True)
 
     def _reduce_ready(self) -> None:
         """Hand the buckets the gradients that are ready, one at a time in the order of
@@ -470,7 +469,7 @@ class ParallelModule(nn.Module):
         while self._next < len(self._order) and id(self._order[self._next][0]) in \
                 self._pending:
             p, comm = self._order[self._next]
-            self._reduce([(p, self._pending.pop(id(p)))], comm)
+            self._reduce(p, comm, self._pending.pop(id(p)))
             self._next += 1
 
     def _watch_output(self, value: Any) -> None:
@@ -485,7 +484,7 @@ class ParallelModule(nn.Module):
             return
         for p, comm in self._order[self._next:]:  # zeros for those this rank's pass missed
             local = self._pending.pop(id(p), None)
-            self._reduce([(p, torch.zeros_like(p) if local is None else local.detach())], comm)
+            self._reduce(p, comm, torch.zeros_like(p) if local is None else local.detach())
         self._next = len(self._order)
         buckets.__exit__(None, None, None)
         self._running.finish()
@@ -2019,7 +2018,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             or not 0 <= baseline < math.inf:
         raise ValueError(f"parallelize: baseline must be a finite number of bytes >= 0, "
                          f"got {baseline!r}")
-    if batch_norm_stats not in ("global", "group"):
+    if batch_norm_stats not in BATCH_NORM_STATS:
         raise ValueError(f"parallelize: batch_norm_stats must be 'global' or 'group', "
                          f"got {batch_norm_stats!r}")
     try:

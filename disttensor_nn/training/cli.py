@@ -19,7 +19,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..kernels import BACKENDS, limit_threads
-from ..layers.norm import set_batch_norm_stats
+from ..layers.norm import BATCH_NORM_STATS, set_batch_norm_stats
 from ..optim import STAGES
 from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
@@ -126,7 +126,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 def _bn_stats_option(parser: argparse.ArgumentParser) -> None:
     """``--bn-stats``: the batch norms' statistics in training (``TrainConfig.bn_stats``)."""
-    parser.add_argument("--bn-stats", choices=("global", "group"), default="global",
+    parser.add_argument("--bn-stats", choices=BATCH_NORM_STATS, default="global",
                         help="the batch norms' statistics in training: global, over the whole "
                         "batch (the same as one process on it: a sum over the ranks in each batch "
                         "norm's forward and backward); group, over each group of ranks that "

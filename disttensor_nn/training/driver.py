@@ -17,7 +17,7 @@ from disttensor.blockcache import active_block_cache, block_cache
 
 from ..container import Sequential
 from ..kernels import optimizer_backend, synchronize
-from ..layers.norm import set_batch_norm_stats
+from ..layers.norm import BATCH_NORM_STATS, set_batch_norm_stats
 from ..memory import (
     HEAP_TOP_KEPT,
     MemoryProfile,
@@ -278,7 +278,7 @@ def _check_config(cfg: TrainConfig) -> None:
         precision_dtype(cfg.precision)
     except (ValueError, ImportError) as exc:
         raise SetupError(f"--precision {cfg.precision}: {exc}") from exc
-    if cfg.bn_stats not in ("global", "group"):
+    if cfg.bn_stats not in BATCH_NORM_STATS:
         raise SetupError(f"--bn-stats must be global or group, got {cfg.bn_stats!r}")
 
 
