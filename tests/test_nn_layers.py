@@ -614,6 +614,36 @@ def test_pointwise_losses(kind):
         make()(dt.DistArray.from_global(p, dist), t[:2])
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_mse_on_16_and_32_bit_predictions(dtype):
+    """A float32 or float16 prediction: the loss is the float64 reference's to float32
+    accuracy, the gradient is in the prediction's dtype, and each backward call returns
+    an array of its own (a layer may write over its dy)."""
+    shape = (3, 2, 7, 5)
+    rng = np.random.default_rng(19)
+    p = (rng.standard_normal(shape) * 2).astype(dtype)
+    p64 = p.astype(np.float64)
+    check = Checks()
+    for k, (lname, dist) in enumerate(layouts(shape)):
+        t = rng.standard_normal(shape).astype(np.float32 if k % 2 else np.float64)
+        want = np.mean((p64 - t) ** 2)
+        grad = 2 * (p64 - t) / p.size
+        loss = nn.MSELoss()
+        value = loss(dt.DistArray.from_global(p, dist), t)
+        check.close(value, want, f"{lname} loss", rtol=1e-6)
+        g = loss.backward()
+        check.true(g.dtype == np.dtype(dtype) and g.dist == dist, f"{lname} dtype {g.dtype}")
+        tol = 1e-6 if dtype == "float32" else 2e-3
+        check.close(g.to_global().astype(np.float64), grad, f"{lname} grad", rtol=tol,
+                    atol=tol * np.abs(grad).max())
+        g.local[...] = 0
+        again = loss.backward(scale=2.0)
+        check.close(again.to_global().astype(np.float64), 2 * grad, f"{lname} again",
+                    rtol=tol, atol=2 * tol * np.abs(grad).max())
+    check.finish()
+
+
 # --------------------------------------------------------------------------- containers
 def _set(layer, seed):
     rng = np.random.default_rng(seed)

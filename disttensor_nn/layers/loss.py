@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import array_namespace, as_module, astype, device_kw, numpy_dtype
+from disttensor.backend import (
+    array_namespace,
+    as_module,
+    astype,
+    device_kw,
+    namespace_dtype,
+    numpy_dtype,
+)
 from disttensor.settings import validating
 
 from ..module import allreduce_, split_axes_comm
@@ -119,6 +126,10 @@ class SoftmaxCrossEntropy:
 
 
 class _Pointwise:
+    work_dtype: Any = np.float64
+    """The dtype the block's loss terms and gradient are computed in (float64 blocks always
+    in float64); the loss is summed in float64 either way."""
+
     def forward(self, pred: DistArray, target: Any) -> float:
         self._saved = None
         # check mode: a target valid on some ranks only raises on every rank alike
@@ -127,11 +138,14 @@ class _Pointwise:
             if not isinstance(pred, DistArray):
                 raise TypeError("the prediction must be a DistArray")
             _check_target(target, pred.shape)
-        t = astype(_local_target(target, pred.dist, pred.xp), np.float64)
-        p = astype(pred.local, np.float64)
+        work = np.dtype(np.float64 if numpy_dtype(pred.dtype) == np.float64
+                        else self.work_dtype)
+        t, p = _local_target(target, pred.dist, pred.xp), pred.local
+        t, p = (a if numpy_dtype(a.dtype) == work else astype(a, work) for a in (t, p))
         count = pred.size
-        loss, grad = self._block_loss(p, t)
-        self._saved = (pred, grad / count)
+        loss, grad = self._block_loss(p, t)  # grad: a new array of this call's own
+        grad *= 1.0 / count
+        self._saved = (pred, grad)
         return _global_sum(loss, pred.dist) / count
 
     __call__ = forward
@@ -143,16 +157,29 @@ class _Pointwise:
         dtype (a loss scale for float16 activations: :class:`~disttensor_nn.GradScaler`).
         """
         pred, grad = _saved_state(self)
-        return DistArray(astype(grad * scale if scale != 1.0 else grad, pred.dtype), pred.dist)
+        # a new array each call: the layers' backward passes may write over their dy
+        g = grad * scale
+        same = numpy_dtype(g.dtype) == numpy_dtype(pred.dtype)
+        return DistArray(g if same else astype(g, pred.dtype), pred.dist)
 
 
 class MSELoss(_Pointwise):
-    """Mean squared error over every element; stays in the prediction's distribution."""
+    """Mean squared error over every element; stays in the prediction's distribution.
+
+    A float32 or 16-bit prediction's differences and gradient are computed in
+    float32, their squares summed in float64 (two passes over the block, where
+    float64 copies of the prediction and the target took seven).
+    """
+
+    work_dtype = np.float32
 
     @staticmethod
     def _block_loss(p: Any, t: Any) -> tuple[float, Any]:
+        xp = array_namespace(p)
         d = p - t
-        return float(array_namespace(d).sum(d * d)), 2 * d
+        loss = float(xp.sum(d * d, dtype=namespace_dtype(xp, np.float64)))
+        d *= 2
+        return loss, d
 
 
 class BCEWithLogitsLoss(_Pointwise):
