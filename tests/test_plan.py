@@ -347,37 +347,6 @@ def test_measure_chain_takes_one_ranks_median_and_several_ranks_mean(tmp_path,
     collective_assert(np.allclose(got, want), f"{got} != {want}")
 
 
-@pytest.mark.parallel([1, 3])
-def test_measure_chain_times_each_backends_layers_in_a_chain_of_their_own(tmp_path,
-                                                                          monkeypatch):
-    """Layers whose queries alternate between two kernel backends (as the planner asks
-    for each layer in each) are timed as one chain per backend, each in network order:
-    a step runs one backend's kernels one after another."""
-    from disttensor_nn.plan import timer as timer_module
-
-    comm = MPI.COMM_WORLD
-    f4 = np.dtype(np.float32)
-    chains: list[list[tuple[str, tuple[int, ...]]]] = []
-
-    def record(self, jobs, comm, sync, reps, max_seconds):
-        chains.append([(job.layer.kernel_backend or "numpy", job.shape) for job in jobs])
-        for job in jobs:
-            job.result = (1e-3, 2e-3)
-
-    monkeypatch.setattr(timer_module.KernelTimer, "_run_segment", record)
-    shapes = [(1, 2, 6, 6), (1, 2, 4, 4), (1, 2, 8, 8)]
-    queries = []
-    for shape in shapes:
-        for backend in (None, "torch"):
-            layer = nn.ReLU()
-            layer.kernel_backend = backend
-            queries.append((layer, shape, f4, 1.0))
-    timer = KernelTimer("t", cache_dir=str(tmp_path))
-    collective_assert(timer.measure_chain(queries, comm, reps=1) == 6, "six shapes timed")
-    want = [[("numpy", s) for s in shapes], [("torch", s) for s in shapes]]
-    collective_assert(chains == want, f"{chains}")
-
-
 def test_group_norm_and_global_pooling_are_timed_on_their_twins(tmp_path):
     """Their passes are measured like any kernel's (priced at the memory bandwidth they came
     out several times under their measure): measure_chain times them, and the cost model

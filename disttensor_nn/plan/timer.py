@@ -56,7 +56,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 10
+CACHE_VERSION = 9
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 or what a time means, so that older times are not reused (they live in another file)."""
 
@@ -388,10 +388,7 @@ class KernelTimer:
         Each distinct (signature, shape, dtype) is timed once: entries
         already in the cache and repeats are skipped, and large blocks are
         timed on a tile (:meth:`tile`) and scaled by FLOPs (marked so,
-        :meth:`tiled`). Each kernel backend's layers run as a chain of their own
-        (a step runs one backend's kernels one after another; interleaved, one
-        library's idle threads slowed the other's kernels). A chain is run in
-        segments whose twins' arrays fit
+        :meth:`tiled`). The chain is run in segments whose twins' arrays fit
         ``memory`` bytes (a quarter of it, at most 1 GiB; every twin and
         array of a segment is released before the next): forward in order,
         backward in reverse, one untimed round, then rounds until ``reps``
@@ -439,23 +436,15 @@ class KernelTimer:
         if not jobs:
             return 0
         limit = min(2.0**30, (memory or 4 * 2.0**30) / 4)
-        # each kernel backend's layers in a chain of their own, as a step runs one backend's
-        # kernels one after another: interleaved, one library's idle threads (spinning
-        # after its last kernel) slowed the other's next kernel
-        by_backend: dict[str, list[_Job]] = {}
+        segments: list[list[_Job]] = [[]]
+        used = 0.0
         for job in jobs.values():
-            by_backend.setdefault(job.layer.kernel_backend or "numpy", []).append(job)
-        segments: list[list[_Job]] = []
-        for chain in by_backend.values():
-            segments.append([])
-            used = 0.0
-            for job in chain:
-                need = job.memory()
-                if segments[-1] and used + need > limit:
-                    segments.append([])
-                    used = 0.0
-                segments[-1].append(job)
-                used += need
+            need = job.memory()
+            if segments[-1] and used + need > limit:
+                segments.append([])
+                used = 0.0
+            segments[-1].append(job)
+            used += need
         bar = tqdm(total=len(jobs), desc="timing kernels", unit="shape", leave=False,
                    disable=True if (comm.Get_rank() or not progress) else None)
         for segment in segments:  # the time allowed is shared by the segments' sizes
