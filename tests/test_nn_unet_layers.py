@@ -381,6 +381,38 @@ def test_softmax_and_segmentation_losses():
         nn.DiceLoss()(z, labels.astype(F64))
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_segmentation_losses_on_16_and_32_bit_logits(dtype):
+    """float32 and float16 logits: each loss is the float64 reference's to float32 accuracy
+    (float16 logits are exact in float64), the gradient in the logits' dtype matches the
+    float64 loss's, and a second backward call is unaffected by writes into the first's."""
+    shape = (3, 4, 7, 5)
+    rng = np.random.default_rng(16)
+    zg = (2 * rng.standard_normal(shape)).astype(dtype)
+    labels = rng.integers(0, shape[1], (shape[0], *shape[2:]))
+    z64 = zg.astype(F64)
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    chk = Checks()
+    for name, dist in layouts(shape):
+        for make in (nn.CrossEntropyLoss, lambda: nn.DiceLoss(1.0)):
+            ref = make()
+            want = ref(dt.DistArray.from_global(z64, dist), labels)
+            gwant = ref.backward().to_global()
+            loss = make()
+            got = loss(dt.DistArray.from_global(zg, dist), labels)
+            what = f"{name} {type(loss).__name__}"
+            chk.close(got, want, f"{what} loss", rtol=1e-6)
+            g = loss.backward()
+            chk.true(g.dtype == np.dtype(dtype) and g.dist == dist, f"{what} dtype {g.dtype}")
+            atol = tol * np.abs(gwant).max()
+            chk.close(g.to_global().astype(F64), gwant, f"{what} grad", rtol=tol, atol=atol)
+            g.local[...] = 0
+            chk.close(loss.backward(scale=2.0).to_global().astype(F64), 2 * gwant,
+                      f"{what} again", rtol=tol, atol=2 * atol)
+    chk.finish()
+
+
 # --------------------------------------------------------------------------- Concat, Skip
 @pytest.mark.parallel(SIZES)
 def test_skip_concatenates_across_distributions():

@@ -4,7 +4,9 @@ Both take (N, C, *S) logits split in any way over N and space (the channels
 never split) and integer class labels of shape (N, *S) or (N, 1, *S), as a
 DistArray (redistributed to the logits' split if needed) or a global array.
 Each returns a Python float identical on every rank, and ``backward()`` the
-gradient with respect to the logits in their distribution.
+gradient with respect to the logits in their distribution. float64 logits
+are computed in float64; others (float32, 16 bits) in float32, with the sums
+over the positions in float64.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from disttensor.backend import (
     astype,
     device_kw,
     device_of,
+    namespace_dtype,
     numpy_dtype,
     to_numpy,
 )
@@ -73,6 +76,15 @@ def _labels(logits: DistArray, target: Any, name: str) -> Any:
     return local
 
 
+def _work(logits: DistArray) -> tuple[Any, np.dtype]:
+    """This rank's logits in the dtype the loss computes in: float64 logits as they are,
+    others (float32, 16 bits) in float32; and that dtype. Sums over the positions are
+    taken in float64 either way."""
+    work = np.dtype(np.float64 if numpy_dtype(logits.dtype) == np.float64 else np.float32)
+    z = logits.local
+    return (z if numpy_dtype(z.dtype) == work else astype(z, work)), work
+
+
 def _softmax(z: Any) -> Any:
     xp = array_namespace(z)
     z = z - xp.max(z, axis=1, keepdims=True) if math.prod(z.shape) else z
@@ -106,11 +118,19 @@ class CrossEntropyLoss:
         self._saved = None
         _check_logits(logits, "CrossEntropyLoss")
         labels = _labels(logits, target, "CrossEntropyLoss")
-        p = _softmax(astype(logits.local, np.float64))
-        onehot = _one_hot(labels, logits.shape[1], p)
-        xp = array_namespace(p)
-        local = -float(xp.sum(onehot * xp.log(xp.maximum(p, 1e-300)))) \
-            if math.prod(p.shape) else 0.0
+        z, _ = _work(logits)
+        xp = array_namespace(z)
+        onehot = _one_hot(labels, logits.shape[1], z)
+        if math.prod(z.shape):
+            # -log softmax(z)[label] = log(sum exp(z - m)) + m - z[label]: one log per position
+            m = xp.max(z, axis=1, keepdims=True)
+            p = xp.exp(z - m)
+            s = xp.sum(p, axis=1, keepdims=True)
+            p /= s
+            picked = xp.sum(onehot * z, axis=1, keepdims=True)
+            local = float(xp.sum(xp.log(s) + m - picked, dtype=namespace_dtype(xp, np.float64)))
+        else:
+            p, local = onehot, 0.0
         count = logits.shape[0] * math.prod(logits.shape[2:])
         total = allreduce_(np.array([local], np.float64), split_axes_comm(logits.dist))[0]
         self._saved = (logits, p, onehot, count)
@@ -125,7 +145,10 @@ class CrossEntropyLoss:
         dtype (a loss scale for float16 activations: :class:`~disttensor_nn.GradScaler`).
         """
         logits, p, onehot, count = _saved(self)
-        return DistArray(astype((p - onehot) * (scale / count), logits.dtype), logits.dist)
+        g = p - onehot  # a new array each call: the layers' backward passes may write over dy
+        g *= scale / count
+        same = numpy_dtype(g.dtype) == numpy_dtype(logits.dtype)
+        return DistArray(g if same else astype(g, logits.dtype), logits.dist)
 
 
 class DiceLoss:
@@ -153,15 +176,17 @@ class DiceLoss:
         _check_logits(logits, "DiceLoss")
         labels = _labels(logits, target, "DiceLoss")
         n, c = logits.shape[:2]
-        p = _softmax(astype(logits.local, np.float64))
+        z, _ = _work(logits)
+        p = _softmax(z)
         t = _one_hot(labels, c, p)
         axes = tuple(range(2, p.ndim))
         sums = np.zeros((3, n, c))
         rows = logits.dist.local_slices()[0]
         if math.prod(p.shape):
             xp = array_namespace(p)
+            f64 = namespace_dtype(xp, np.float64)
             for k, a in enumerate((p * t, p, t)):
-                sums[k, rows] = to_numpy(xp.sum(a, axis=axes))
+                sums[k, rows] = to_numpy(xp.sum(a, axis=axes, dtype=f64))
         sums = allreduce_(sums, split_axes_comm(logits.dist))
         inter, psum, tsum = sums
         union = psum + tsum + self.smooth
@@ -183,8 +208,10 @@ class DiceLoss:
             return DistArray(astype(p, logits.dtype), logits.dist)
         xp = array_namespace(p)
         shape = inter.shape + (1,) * (p.ndim - 2)
-        u = as_module(np.ascontiguousarray(union).reshape(shape), xp, device_of(p))
-        i = as_module(np.ascontiguousarray(inter).reshape(shape), xp, device_of(p))
+        work = numpy_dtype(p.dtype)  # the per-sample sums, taken in float64, in p's dtype
+        u = as_module(np.ascontiguousarray(union, dtype=work).reshape(shape), xp, device_of(p))
+        i = as_module(np.ascontiguousarray(inter, dtype=work).reshape(shape), xp, device_of(p))
         g = -(2 * t * u - (2 * i + self.smooth)) / (u * u) * (scale / count)  # d loss / d p
         dz = p * (g - xp.sum(g * p, axis=1, keepdims=True))
-        return DistArray(astype(dz, logits.dtype), logits.dist)
+        same = numpy_dtype(dz.dtype) == numpy_dtype(logits.dtype)
+        return DistArray(dz if same else astype(dz, logits.dtype), logits.dist)
