@@ -76,13 +76,13 @@ def _labels(logits: DistArray, target: Any, name: str) -> Any:
     return local
 
 
-def _work(logits: DistArray) -> tuple[Any, np.dtype]:
+def _work(logits: DistArray) -> Any:
     """This rank's logits in the dtype the loss computes in: float64 logits as they are,
-    others (float32, 16 bits) in float32; and that dtype. Sums over the positions are
-    taken in float64 either way."""
+    others (float32, 16 bits) in float32. Sums over the positions are taken in float64
+    either way."""
     work = np.dtype(np.float64 if numpy_dtype(logits.dtype) == np.float64 else np.float32)
     z = logits.local
-    return (z if numpy_dtype(z.dtype) == work else astype(z, work)), work
+    return z if numpy_dtype(z.dtype) == work else astype(z, work)
 
 
 def _softmax(z: Any) -> Any:
@@ -118,7 +118,7 @@ class CrossEntropyLoss:
         self._saved = None
         _check_logits(logits, "CrossEntropyLoss")
         labels = _labels(logits, target, "CrossEntropyLoss")
-        z, _ = _work(logits)
+        z = _work(logits)
         xp = array_namespace(z)
         onehot = _one_hot(labels, logits.shape[1], z)
         if math.prod(z.shape):
@@ -176,7 +176,7 @@ class DiceLoss:
         _check_logits(logits, "DiceLoss")
         labels = _labels(logits, target, "DiceLoss")
         n, c = logits.shape[:2]
-        z, _ = _work(logits)
+        z = _work(logits)
         p = _softmax(z)
         t = _one_hot(labels, c, p)
         axes = tuple(range(2, p.ndim))
