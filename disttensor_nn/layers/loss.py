@@ -25,6 +25,7 @@ from disttensor.backend import (
 from disttensor.settings import validating
 
 from ..module import allreduce_, split_axes_comm
+from ..precision import to_dtype
 
 __all__ = ["SoftmaxCrossEntropy", "MSELoss", "BCEWithLogitsLoss"]
 
@@ -140,8 +141,8 @@ class _Pointwise:
             _check_target(target, pred.shape)
         work = np.dtype(np.float64 if numpy_dtype(pred.dtype) == np.float64
                         else self.work_dtype)
-        t, p = _local_target(target, pred.dist, pred.xp), pred.local
-        t, p = (a if numpy_dtype(a.dtype) == work else astype(a, work) for a in (t, p))
+        t = to_dtype(_local_target(target, pred.dist, pred.xp), work)
+        p = to_dtype(pred.local, work)
         count = pred.size
         loss, grad = self._block_loss(p, t)  # grad: a new array of this call's own
         grad *= 1.0 / count
@@ -158,9 +159,7 @@ class _Pointwise:
         """
         pred, grad = _saved_state(self)
         # a new array each call: the layers' backward passes may write over their dy
-        g = grad * scale
-        same = numpy_dtype(g.dtype) == numpy_dtype(pred.dtype)
-        return DistArray(g if same else astype(g, pred.dtype), pred.dist)
+        return DistArray(to_dtype(grad * scale, pred.dtype), pred.dist)
 
 
 class MSELoss(_Pointwise):

@@ -29,6 +29,7 @@ from disttensor.backend import (
 )
 
 from ..module import allreduce_, split_axes_comm
+from ..precision import to_dtype
 
 __all__ = ["CrossEntropyLoss", "DiceLoss"]
 
@@ -80,9 +81,8 @@ def _work(logits: DistArray) -> Any:
     """This rank's logits in the dtype the loss computes in: float64 logits as they are,
     others (float32, 16 bits) in float32. Sums over the positions are taken in float64
     either way."""
-    work = np.dtype(np.float64 if numpy_dtype(logits.dtype) == np.float64 else np.float32)
-    z = logits.local
-    return z if numpy_dtype(z.dtype) == work else astype(z, work)
+    return to_dtype(logits.local,
+                    np.float64 if numpy_dtype(logits.dtype) == np.float64 else np.float32)
 
 
 def _softmax(z: Any) -> Any:
@@ -147,8 +147,7 @@ class CrossEntropyLoss:
         logits, p, onehot, count = _saved(self)
         g = p - onehot  # a new array each call: the layers' backward passes may write over dy
         g *= scale / count
-        same = numpy_dtype(g.dtype) == numpy_dtype(logits.dtype)
-        return DistArray(g if same else astype(g, logits.dtype), logits.dist)
+        return DistArray(to_dtype(g, logits.dtype), logits.dist)
 
 
 class DiceLoss:
@@ -213,5 +212,4 @@ class DiceLoss:
         i = as_module(np.ascontiguousarray(inter, dtype=work).reshape(shape), xp, device_of(p))
         g = -(2 * t * u - (2 * i + self.smooth)) / (u * u) * (scale / count)  # d loss / d p
         dz = p * (g - xp.sum(g * p, axis=1, keepdims=True))
-        same = numpy_dtype(dz.dtype) == numpy_dtype(logits.dtype)
-        return DistArray(dz if same else astype(dz, logits.dtype), logits.dist)
+        return DistArray(to_dtype(dz, logits.dtype), logits.dist)
