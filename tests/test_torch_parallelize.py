@@ -31,6 +31,7 @@ from torch import nn  # noqa: E402
 
 from disttensor_nn.reduction import no_sync  # noqa: E402
 from disttensor_nn.torch import ParallelModule, gather, parallelize  # noqa: E402
+from disttensor_nn.torch.parallel import _broadcast_state  # noqa: E402
 
 SIZES = [1, 2, 3, 4]
 comm = MPI.COMM_WORLD
@@ -968,6 +969,64 @@ def test_state_dict_round_trip():
                     other(x)) < 1e-10
     collective_assert(ok and isinstance(pm, ParallelModule), "state dict round trip")
     collective_assert(all(isinstance(q, nn.Parameter) for q in pm.parameters()), "parameters")
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_every_rank_trains_rank_0s_weights_and_buffers():
+    """Weights drawn differently on each rank, and running statistics that differ, are made
+    rank 0's by parallelize (as DistributedDataParallel broadcasts them): the parallel
+    model's state, output and gradients then equal rank 0's model in one process."""
+    cls, shape = MODELS["resnet"]
+    torch.manual_seed(100)
+    ref = cls().double()  # rank 0's model, made alike on every rank
+    torch.manual_seed(100 + comm.Get_rank())
+    model = cls().double()
+    with torch.no_grad():
+        for m in (model, ref):
+            m.bn1.running_var.fill_(2.0)  # a buffer: its own value on each rank but rank 0
+        model.bn1.running_mean.fill_(float(comm.Get_rank()))
+    pm = parallelize(model, shape, (1, 1, comm.Get_size(), 1))
+    bad = [k for (k, a), b in zip(pm.state_dict().items(), ref.state_dict().values())
+           if not torch.equal(a, b)]
+    x = global_tensor(shape, 1, torch.float64)
+    xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone().requires_grad_()
+    out = pm(xl)
+    whole = gather(out.local, out.dist)
+    target = global_tensor(whole.shape, 2, torch.float64)
+    (whole * target).sum().backward()
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * target).sum().backward()
+    if rel(out.to_global(), yr) > 1e-10:
+        bad.append("output")
+    bad += [f"grad {k}" for (k, a), b in zip(pm.named_parameters(), ref.parameters())
+            if rel(a.grad, b.grad) > 1e-10]
+    pm.eval()
+    ref.eval()  # the running statistics, moved alike by the step
+    if rel(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global(),
+           ref(x)) > 1e-10:
+        bad.append("output in eval mode")
+    collective_assert(not bad, f"differs from rank 0's model: {bad}")
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_rank_0s_state_reaches_every_dtype_and_layout():
+    """The broadcast carries any tensor: bfloat16, a non-contiguous buffer, a 0-d count, a
+    boolean mask."""
+    def state(seed):
+        g = torch.Generator().manual_seed(seed)
+        m = nn.Module()
+        m.w = nn.Parameter(torch.randn(3, 4, generator=g).to(torch.bfloat16))
+        m.register_buffer("t", torch.randn(4, 5, generator=g).t())  # non-contiguous
+        m.register_buffer("n", torch.tensor(seed, dtype=torch.int64))
+        m.register_buffer("mask", torch.rand(6, generator=g) > 0.5)
+        return m
+
+    mine, ref = state(10 + comm.Get_rank()), state(10)
+    _broadcast_state(mine, comm)
+    same = all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(),
+                                                 ref.state_dict().values()))
+    collective_assert(same and not mine.t.is_contiguous(), "state differs from rank 0's")
 
 
 @pytest.mark.parallel([1, 2])

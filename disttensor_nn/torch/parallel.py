@@ -107,10 +107,12 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
 
     The model is traced by :mod:`torch.fx` and each node compiled into a step
     on blocks (see the module's notes). Collective: every rank calls it alike,
-    with the same model (same parameters). The model's modules become the
-    returned module's (its parameters are replaced by new
-    :class:`torch.nn.Parameter` objects on the same data; an optimizer
-    built before on the old ones is refused at its first step); nothing is
+    with the same model. The model's modules become the returned module's
+    (its parameters are replaced by new :class:`torch.nn.Parameter` objects
+    on the same data; an optimizer built before on the old ones is refused
+    at its first step), and every rank's parameters and buffers are set to
+    rank 0's, in place, as ``DistributedDataParallel`` does (a model
+    initialised or loaded on rank 0 alone trains as that one); nothing is
     changed where an error is raised.
 
     Parameters
@@ -261,7 +263,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             steps.append((node, lambda args: None))
             continue
         steps.append((node, compiler.compile(node)))
-    # converted only now, when nothing can fail: new Parameters on the same data
+    # converted only now, when nothing can fail: new Parameters on the same data, rank 0's
+    _broadcast_state(model, comm)
     _watch_optimizers()
     fresh: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -280,3 +283,22 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
                         compiler.view, compiler.running, batch_norm_stats)
     pm.plan = plan
     return pm
+
+
+def _broadcast_state(model: nn.Module, comm: MPI.Intracomm) -> None:
+    """Make every rank's parameters and buffers rank 0's, in place (as
+    ``DistributedDataParallel`` does when it wraps a module): a model initialised or
+    loaded differently on some rank would otherwise train on mixed weights, silently.
+    One broadcast of each tensor's bytes (any dtype)."""
+    if comm.Get_size() == 1:
+        return
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        data = t.detach()
+        buf = data if data.is_contiguous() else data.contiguous()
+        comm.Bcast(buf.reshape(-1).view(torch.uint8).numpy(), root=0)
+        if buf is not data:
+            data.copy_(buf)

@@ -177,18 +177,6 @@ def _agreed(comm: MPI.Comm, work: Any) -> Any:
     return result
 
 
-def _same_weights(model: nn.Module, comm: MPI.Comm) -> None:
-    """Rank 0's parameters and buffers on every rank (a model built alike from the seed
-    has them already; this makes it so for any ``FUNCTION``)."""
-    if comm.Get_size() == 1:
-        return
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            host = np.array(t.detach().numpy(), order="C")  # a copy, whatever the strides
-            comm.Bcast(host.reshape(-1).view(np.uint8), root=0)
-            t.copy_(torch.from_numpy(host))
-
-
 def _shapes(cfg: ModelFileConfig) -> tuple[tuple[int, ...], Dataset | None]:
     """The input batch shape and, with ``cfg.data``, the opened data set."""
     data = None
@@ -490,7 +478,6 @@ def _setup(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> tuple
     torch.manual_seed(cfg.seed)  # the weights FUNCTION draws: the same on every rank
     model = _agreed(comm, lambda: load_model_file(cfg.model_file))
     shape, data = _agreed(comm, lambda: _shapes(cfg))
-    _same_weights(model, comm)
     threads, local, cores = set_threads(cfg, comm)
     machine = machine_profile(cfg, comm, memory)
     # the process besides the parameters (their gradients do not exist yet), and the batches
@@ -670,8 +657,8 @@ def _train(cfg: ModelFileConfig, comm: MPI.Comm, memory: MemoryProfile) -> dict[
 def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict[str, Any]:
     """Train the model of ``cfg.model_file`` (collective); returns the summary.
 
-    The model is built after ``torch.manual_seed(cfg.seed)`` (rank 0's
-    weights are then broadcast, so every rank starts alike), parallelized on
+    The model is built after ``torch.manual_seed(cfg.seed)`` (``parallelize``
+    gives every rank rank 0's weights, so every rank starts alike), parallelized on
     a batch of ``(cfg.batch, in_channels, *size)`` with the planner's layout
     (``cfg.layout='auto'``) or a plan file, and trained with ``torch.optim``
     on the mean squared error (:func:`mse_loss`) against the targets:
