@@ -20,6 +20,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mpi4py import MPI
 
 import disttensor as dt
@@ -627,16 +629,20 @@ def global_tensor(shape, seed, dtype):
     return torch.tensor(np.random.default_rng(seed).standard_normal(shape), dtype=dtype)
 
 
-def rel(a, b):
+def rel(a, b, floor=1e-30):
+    """Largest difference relative to the largest reference value (at least ``floor``: a
+    gradient that is zero but for rounding, a bias before a batch norm, has no scale of its
+    own)."""
     a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp(min=floor)) if b.numel() else 0.0
 
 
 def tolerance(dtype):
     return 1e-10 if dtype == torch.float64 else 1e-5
 
 
-def run_both(model, shape, grid, dtype=torch.float64, seed=1, against_float64=False):
+def run_both(model, shape, grid, dtype=torch.float64, seed=1, against_float64=False,
+             floor=1e-30):
     """Forward and backward of the parallel model and of the copy; what differs, as text.
 
     With ``against_float64``, each float32 result is held to the float64 model's instead:
@@ -674,15 +680,16 @@ def run_both(model, shape, grid, dtype=torch.float64, seed=1, against_float64=Fa
             if ours > max(tol, 4 * theirs):
                 bad.append(f"{what}: {ours} against float64, one process {theirs}")
         return pm, ref, bad
-    if rel(out.to_global(), yr) > tol:
-        bad.append(f"output {rel(out.to_global(), yr)}")
-    if rel(xl.grad, xr.grad[pm.input_dist.local_slices()]) > tol:
+    err = rel(out.to_global(), yr, floor)  # collective: gathered once on every rank
+    if err > tol:
+        bad.append(f"output {err}")
+    if rel(xl.grad, xr.grad[pm.input_dist.local_slices()], floor) > tol:
         bad.append("input gradient")
     for (name, a), b in zip(pm.named_parameters(), ref.parameters()):
-        if rel(a.grad, b.grad) > tol:
-            bad.append(f"grad {name}: {rel(a.grad, b.grad)}")
+        if rel(a.grad, b.grad, floor) > tol:
+            bad.append(f"grad {name}: {rel(a.grad, b.grad, floor)}")
     for (name, a), b in zip(pm.state_dict().items(), ref.state_dict().values()):
-        if a.dtype.is_floating_point and rel(a, b) > tol:
+        if a.dtype.is_floating_point and rel(a, b, floor) > tol:
             bad.append(f"state {name}")
     return pm, ref, bad
 
@@ -730,6 +737,64 @@ def test_outputs_and_gradients_equal_one_process_float64(name):
         model = cls().double()
         _, _, bad = run_both(model, shape, grid)
         collective_assert(not bad, f"{name} on {grid}: {bad}")
+
+
+@st.composite
+def stacks(draw):
+    """A random stack of 2-D convolutions (any padding mode), transposed convolutions,
+    max and average pooling (ceil mode, padding counted or not) and batch norms, as
+    ``(module class, args, kwargs)`` (built after seeding), and an input shape."""
+    c = draw(st.integers(1, 3))
+    shape = (2, c, draw(st.integers(5, 19)), draw(st.integers(5, 19)))
+    layers = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["conv", "conv", "convT", "max", "avg", "bn"]))
+        k, s, d = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 2))
+        if kind in ("conv", "convT"):
+            out = draw(st.integers(1, 3))
+            if kind == "conv":
+                mode = draw(st.sampled_from(["zeros", "zeros", "reflect", "circular",
+                                             "replicate"]))
+                layers.append((nn.Conv2d, (c, out, k, s, draw(st.integers(0, k // 2)), d),
+                               {"padding_mode": mode}))
+            else:
+                layers.append((nn.ConvTranspose2d, (c, out, k, s, draw(st.integers(0, 1))),
+                               {"dilation": d}))
+            c = out
+        elif kind == "max":
+            layers.append((nn.MaxPool2d, (k, s, draw(st.integers(0, k // 2)), d),
+                           {"ceil_mode": draw(st.booleans())}))
+        elif kind == "avg":
+            layers.append((nn.AvgPool2d, (k, s, draw(st.integers(0, k // 2))),
+                           {"ceil_mode": draw(st.booleans()),
+                            "count_include_pad": draw(st.booleans())}))
+        else:
+            layers.append((nn.BatchNorm2d, (c,), {}))
+    return layers, shape, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.parallel(SIZES)
+@settings(max_examples=25, deadline=None)
+@given(case=stacks())
+def test_random_stacks_equal_one_process(case):
+    """Random stacks on every grid of ``grids``, float64, against one process. Values are
+    relative to the reference's largest, at least 1: a bias before a batch norm has a
+    gradient that is zero but for rounding."""
+    layers, shape, seed = case
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(cls(*args, **kw) for cls, args, kw in layers)).double()
+    try:
+        with torch.no_grad():
+            empty = 0 in model(torch.zeros(shape, dtype=torch.float64)).shape
+    except RuntimeError:  # the model itself refuses the shape (a window past the input)
+        empty = True
+    if empty:
+        return
+    bad = []
+    for grid in grids(4):
+        _, _, found = run_both(copy.deepcopy(model), shape, grid, floor=1.0)
+        bad += [(grid, found)] if found else []
+    collective_assert(not bad, f"{model} on {shape}: {bad}")
 
 
 @pytest.mark.parallel(SIZES)
@@ -958,15 +1023,16 @@ def test_state_dict_round_trip():
     single.load_state_dict(pm.state_dict())
     pm.eval()
     single.eval()
-    ok = ok and rel(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global(),
-                    single(x)) < 1e-10
+    # each collective call on every rank, whatever a check before found on this one
+    saved = rel(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global(), single(x))
+    ok = ok and saved < 1e-10
     # and back: another single-process state into the parallel model
     torch.manual_seed(5)
     other = cls().double()
     pm.load_state_dict(other.state_dict())
     other.eval()
-    ok = ok and rel(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global(),
-                    other(x)) < 1e-10
+    loaded = rel(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global(), other(x))
+    ok = ok and loaded < 1e-10
     collective_assert(ok and isinstance(pm, ParallelModule), "state dict round trip")
     collective_assert(all(isinstance(q, nn.Parameter) for q in pm.parameters()), "parameters")
 
