@@ -1095,6 +1095,27 @@ def test_rank_0s_state_reaches_every_dtype_and_layout():
     collective_assert(same and not mine.t.is_contiguous(), "state differs from rank 0's")
 
 
+@pytest.mark.parallel([2, 3])
+def test_models_that_differ_in_shape_between_ranks_are_refused_alike():
+    """A buffer of another shape (or dtype) on one rank: ValueError on every rank before
+    any tensor is changed."""
+    rank = comm.Get_rank()
+    bad = []
+    for extra in (torch.zeros(1 + (rank == 1)),
+                  torch.zeros(2, dtype=torch.float64 if rank else torch.float32)):
+        torch.manual_seed(3 + rank)  # weights that differ too: none may be overwritten
+        model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1))
+        model.register_buffer("extra", extra)
+        before = [t.clone() for t in model.parameters()]
+        _, err = collective_outcome(parallelize, model, (2, 2, 6, 6),
+                                    (1, 1, comm.Get_size(), 1))
+        if not (isinstance(err, ValueError) and "differ in the shapes or dtypes" in str(err)):
+            bad.append(f"{extra.shape} {extra.dtype}: {err!r}")
+        if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            bad.append("a weight changed")
+    collective_assert(not bad, f"{bad}")
+
+
 @pytest.mark.parallel([1, 2])
 def test_buckets_fuse_the_gradient_sums():
     """Every parameter's sum goes through the buckets: one fused allreduce at 2 ranks."""

@@ -33,6 +33,7 @@ parameters' gradients are summed over ranks, :mod:`disttensor_nn.torch.runtime`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import math
 import weakref
@@ -107,7 +108,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
 
     The model is traced by :mod:`torch.fx` and each node compiled into a step
     on blocks (see the module's notes). Collective: every rank calls it alike,
-    with the same model. The model's modules become the returned module's
+    with the same model (the same architecture; the weights may differ, see
+    below). The model's modules become the returned module's
     (its parameters are replaced by new :class:`torch.nn.Parameter` objects
     on the same data; an optimizer built before on the old ones is refused
     at its first step), and every rank's parameters and buffers are set to
@@ -187,8 +189,9 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         operation on a split dimension that parallelize
         cannot split (naming the node and the dimension), a parameter
         shared by layers whose inputs are split differently, a memory
-        budget no plan fits, or a plan made for another model, input shape
-        or rank count.
+        budget no plan fits, a plan made for another model, input shape
+        or rank count, or ranks whose models' parameters or buffers differ
+        in shape or dtype.
     NotImplementedError
         With ``layout='auto'``, for a graph the planner cannot describe
         (naming the node): paths that share a layer and merge elsewhere, a
@@ -289,16 +292,20 @@ def _broadcast_state(model: nn.Module, comm: MPI.Intracomm) -> None:
     """Make every rank's parameters and buffers rank 0's, in place (as
     ``DistributedDataParallel`` does when it wraps a module): a model initialised or
     loaded differently on some rank would otherwise train on mixed weights, silently.
-    One broadcast of each tensor's bytes (any dtype)."""
+    One broadcast of each tensor's bytes (any dtype), after a check that every rank's
+    tensors have the same shapes and dtypes (ValueError on every rank, nothing changed)."""
     if comm.Get_size() == 1:
         return
-    seen: set[int] = set()
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in seen or t.numel() == 0:
+    state = [*model.parameters(), *model.buffers()]
+    layout = hashlib.sha256(repr([(tuple(t.shape), str(t.dtype)) for t in state]).encode())
+    if len(set(comm.allgather(layout.hexdigest()))) > 1:
+        raise ValueError("parallelize: the ranks' models differ in the shapes or dtypes of "
+                         "their parameters or buffers; every rank must pass the same model")
+    for t in state:
+        if t.numel() == 0:
             continue
-        seen.add(id(t))
         data = t.detach()
         buf = data if data.is_contiguous() else data.contiguous()
         comm.Bcast(buf.reshape(-1).view(torch.uint8).numpy(), root=0)
-        if buf is not data:
+        if buf is not data and comm.Get_rank() != 0:
             data.copy_(buf)
