@@ -266,7 +266,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             steps.append((node, lambda args: None))
             continue
         steps.append((node, compiler.compile(node)))
-    # converted only now, when nothing can fail: new Parameters on the same data, rank 0's
+    # rank 0's weights on every rank (models that differ in shape refused first, alike),
+    # then new Parameters on the same data: nothing fails after this
     _broadcast_state(model, comm)
     _watch_optimizers()
     fresh: dict[int, nn.Parameter] = {}
