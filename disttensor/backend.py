@@ -40,6 +40,7 @@ __all__ = [
     "copy_from_host",
     "copy_view",
     "copy_to_host",
+    "data_address",
     "device_kw",
     "device_of",
     "empty",
@@ -650,7 +651,8 @@ def mpi_buffer(a: Any) -> Any:
     return a
 
 
-def _address(a: Any) -> int:
+def data_address(a: Any) -> int:
+    """The address of the first element of a host (NumPy) or device (CuPy) array."""
     iface = getattr(a, "__array_interface__", None)
     if iface is None:  # device memory (CuPy): the same layout, a device pointer
         iface = a.__cuda_array_interface__
@@ -700,5 +702,5 @@ def view_datatype(base: Any, view: Any) -> MPI.Datatype:
     ``base`` may live in device memory (CuPy) for an MPI library that reads
     it (see :func:`disttensor.gpu_aware_mpi`).
     """
-    offset = _address(view) - _address(base)
+    offset = data_address(view) - data_address(base)
     return _strided_type(numpy_dtype(view.dtype), tuple(view.shape), tuple(view.strides), offset)

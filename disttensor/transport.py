@@ -33,6 +33,7 @@ from .backend import (
     copy_from_host,
     copy_to_host,
     copy_view,
+    data_address,
     device_of,
     empty,
     from_numpy,
@@ -212,21 +213,28 @@ class Transport:
     def region_to_send(self, buffer: Any, local: Any) -> tuple[Any, Any]:
         """``(base, block)``: memory MPI reads ``local`` from, and the block inside it.
 
-        ``local`` is a view into the contiguous ``buffer``. Direct: the pair
-        itself (derived datatypes select the pieces). Staged: a host copy of
-        the block, which is both (release it after the transfer).
+        ``local`` is a view into ``buffer``. Direct, with a C-contiguous
+        ``buffer``: the pair itself (derived datatypes select the pieces).
+        Staged, or a ``buffer`` that is not C-contiguous (a transposed or
+        permuted block, which MPI cannot take as one buffer): a contiguous copy
+        of the block, which is both (release it after the transfer).
         """
-        if self.direct:
+        if self.direct and is_c_contiguous(buffer):
             return buffer, local
-        host = copy_to_host(local, self._take(local.shape, local.dtype, None))
-        return host, host
+        copy = self._take(local.shape, local.dtype, local if self.direct else None)
+        if self.direct:
+            copy_view(copy, local)
+            return copy, copy
+        copy = copy_to_host(local, copy)
+        return copy, copy
 
     def region_to_receive(self, buffer: Any, local: Any) -> tuple[Any, Any]:
-        """Like :meth:`region_to_send` for receiving; finish with :meth:`deliver_region`."""
-        if self.direct:
+        """Like :meth:`region_to_send` for receiving (a staged or non-contiguous block gets a
+        contiguous buffer); finish with :meth:`deliver_region`."""
+        if self.direct and is_c_contiguous(buffer):
             return buffer, local
-        host = self._take(local.shape, local.dtype, None)
-        return host, host
+        copy = self._take(local.shape, local.dtype, local if self.direct else None)
+        return copy, copy
 
     def region_empty(self, like: Any, shape: tuple[int, ...]) -> Any:
         """A contiguous buffer of ``shape`` for MPI collectives, with ``like``'s dtype.
@@ -241,10 +249,15 @@ class Transport:
         return buf if self.direct else from_numpy(buf, like)
 
     def deliver_region(self, local: Any, base: Any) -> None:
-        """Copy a staged region into ``local`` and release it (nothing when direct)."""
-        if not self.direct:
-            copy_from_host(local, base)
-            self.release(base)
+        """Copy a region from :meth:`region_to_receive` into ``local`` and release it, where
+        it is a buffer of its own (nothing where MPI wrote ``local``'s memory)."""
+        if self.direct:
+            if not _inside(local, base):  # a contiguous copy of a strided block
+                copy_view(local, base)
+                self.release(base)
+            return
+        copy_from_host(local, base)
+        self.release(base)
 
     # ------------------------------------------------------------- collectives
     def allreduce(self, a: Any, comm: MPI.Intracomm, op: MPI.Op = MPI.SUM) -> Any:
@@ -300,6 +313,14 @@ def transport_for(xp: ModuleType) -> Transport:
     if t is None:
         t = _transports[key] = Transport(xp, direct=key[1], nccl=key[2])
     return t
+
+
+def _inside(view: Any, base: Any) -> bool:
+    """Whether ``view``'s first element lies in ``base``'s memory (a view into it)."""
+    if view.size == 0 or base.size == 0:
+        return view is base or view.size == 0
+    start = data_address(base)
+    return start <= data_address(view) < start + nbytes(base)
 
 
 def transport_for_arrays(xp: ModuleType, *arrays: Any) -> tuple[Transport, tuple[Any, ...]]:
