@@ -797,6 +797,37 @@ def test_random_stacks_equal_one_process(case):
     collective_assert(not bad, f"{model} on {shape}: {bad}")
 
 
+WIDE_REACH = [
+    # padding wider than the kernel reaches: outputs beyond the input's ends, which a rank
+    # whose input block is empty still holds (the bias, the padding, its neighbours' halo)
+    (lambda: nn.Conv1d(2, 3, 1, padding=1), (1, 2, 1)),
+    (lambda: nn.Conv1d(2, 3, 3, padding=2), (1, 2, 2)),
+    (lambda: nn.Conv1d(2, 3, 1, padding=1, padding_mode="replicate"), (2, 2, 2)),
+    (lambda: nn.Conv2d(1, 2, (1, 3), padding=(2, 1), padding_mode="circular"), (1, 1, 2, 3)),
+    (lambda: nn.Conv1d(2, 2, 2, padding=2, dilation=2, bias=False), (1, 2, 1)),
+    # transposed: a block whose outputs all fall in the cropped padding, or none reached
+    (lambda: nn.ConvTranspose1d(1, 2, 1, stride=3, padding=2, output_padding=1), (1, 1, 2)),
+    (lambda: nn.ConvTranspose1d(1, 1, 1, stride=3, padding=2, output_padding=0), (1, 1, 3)),
+    (lambda: nn.ConvTranspose1d(2, 1, 3, stride=2, padding=1), (1, 2, 1)),
+    (lambda: nn.ConvTranspose2d(1, 2, (1, 2), stride=(1, 3), padding=(0, 2)), (1, 1, 2, 2)),
+]
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("case", range(len(WIDE_REACH)))
+def test_blocks_without_input_that_hold_outputs(case):
+    """A split dimension shorter than the ranks leaves some input blocks empty; their
+    output blocks need not be: they hold what one process computes there."""
+    build, shape = WIDE_REACH[case]
+    torch.manual_seed(case)
+    model = nn.Sequential(build()).double()
+    bad = []
+    for grid in grids(len(shape)):
+        _, _, found = run_both(copy.deepcopy(model), shape, grid, floor=1.0)
+        bad += [(grid, found)] if found else []
+    collective_assert(not bad, f"{model} on {shape}: {bad}")
+
+
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("name", ["resnet", "resnet50"])
 def test_float32_resnet(name):

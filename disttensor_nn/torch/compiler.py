@@ -452,7 +452,9 @@ class _Compiler:
         self._check_shape(node, out, shape)
         slices = list(geo.input_slices(geo.out_box))
         fn, widths = _CONV[type(m)], list(geo.widths)
-        empty = any(b <= a for a, b in geo.out_box) or 0 in dist.local_shape()
+        # an empty input block may still have outputs (a padding wider than the kernel's
+        # reach): they come from the halo and the padding, so only an empty output is empty
+        empty = any(b <= a for a, b in geo.out_box) or 0 in out.local_shape()
         self.set(node, out)
         self.use_params(node, node.target, dist)
         local_out = out.local_shape()
@@ -513,19 +515,29 @@ class _Compiler:
         out = _with_shape(geo.out_dist, shape)
         self._check_shape(node, out, shape)
         block = dist.block_index()
+        # this rank's output block [o0, o1) per spatial dimension, and where the kernel's
+        # output on its extended input lies, [start, start + full): the overlap is cropped
+        # out of the kernel's output and padded (with zeros) to the block; where nothing
+        # overlaps (an extended input whose outputs all fall in the cropped padding, or an
+        # empty one) the block is the bias alone
+        crops: list[slice] = []
         pads: list[int] = []
-        for i in reversed(range(nd)):
+        reached = True
+        for i in range(nd):
             start = spec.stride[i] * geo.in_origin[i] - spec.padding[i][0]
             o0, o1 = (out.boundaries[2 + i][block[2 + i]],
                       out.boundaries[2 + i][block[2 + i] + 1])
             length = dist.local_shape()[2 + i] + sum(geo.in_widths[2 + i])
             full = spec.stride[i] * (length - 1) + spec.dilation[i] * (spec.kernel[i] - 1) + 1 \
                 if length else 0
-            pads += [start - o0, o1 - (start + full)]
+            lo, hi = max(start, o0), min(start + full, o1)
+            reached = reached and hi > lo
+            crops.append(slice(lo - start, max(hi, lo) - start))
+            pads[:0] = [lo - o0, o1 - max(hi, lo)]  # F.pad's order: the last dimension first
         fn, widths = _CONV_T[type(m)], geo.in_widths
         local_out = out.local_shape()
-        empty = 0 in local_out or any(dist.local_shape()[2 + i] + sum(geo.in_widths[2 + i])
-                                      == 0 for i in range(nd))
+        empty = 0 in local_out
+        crop = (slice(None), slice(None), *crops)
         self.set(node, out)
         self.use_params(node, node.target, dist)
 
@@ -536,10 +548,13 @@ class _Compiler:
         def step(args: Any) -> torch.Tensor:
             ext = extend(args[0][0])
             weight, bias = view(m.weight), view(m.bias)
-            if empty:
-                return _empty_like_output(ext, local_out, [weight, bias])
+            if empty or not reached:
+                y = _empty_like_output(ext, local_out, [weight, bias])
+                if empty or bias is None:
+                    return y
+                return (y + bias.view((1, -1) + (1,) * nd)).to(y.dtype)
             y = fn(ext, weight, None, m.stride, 0, 0, m.groups, m.dilation)
-            y = F.pad(y, pads)
+            y = F.pad(y[crop], pads)
             if bias is not None:  # added in float32 and rounded once, as autocast's kernel
                 y = (y + bias.view((1, -1) + (1,) * nd)).to(y.dtype)
             return y
