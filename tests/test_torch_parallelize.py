@@ -797,6 +797,44 @@ def test_random_stacks_equal_one_process(case):
     collective_assert(not bad, f"{model} on {shape}: {bad}")
 
 
+class ScaledKeepingSize(nn.Module):
+    """A scale whose output length rounds to the input's along W (2 * 1.3 -> 2): the rows
+    move, but the sizes stay."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x):
+        return F.interpolate(x, scale_factor=1.3, mode=self.mode)
+
+
+@pytest.mark.parallel([2, 3])
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+def test_interpolation_that_keeps_a_size_has_the_adjoint_for_gradient(mode):
+    """H split, W kept at its length but resampled: the input gradient is the adjoint of
+    the forward map (its Jacobian built column by column), where PyTorch's own backward
+    of a call that keeps every size copies the gradient as if nothing moved."""
+    m = ScaledKeepingSize(mode)
+    for shape in [(1, 1, 4, 2), (1, 2, 7, 2)]:
+        pm = parallelize(m, shape, (1, 1, comm.Get_size(), 1))
+        x = global_tensor(shape, 3, torch.float64)
+        xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone() \
+            .requires_grad_()
+        out = pm(xl)
+        whole = gather(out.local, out.dist)
+        target = global_tensor(tuple(whole.shape), 4, torch.float64)
+        (whole * target).sum().backward()
+        grad = dt.DistArray(xl.grad.detach(), pm.input_dist).to_global()
+        n = x.numel()
+        jacobian = torch.stack([m(torch.eye(n, dtype=torch.float64)[i].view(shape)).flatten()
+                                for i in range(n)], 1)
+        adjoint = (jacobian.T @ target.flatten()).view(shape)
+        collective_assert(rel(whole.detach(), m(x)) < 1e-12 and rel(grad, adjoint) < 1e-12,
+                          f"{mode} {shape}: output {rel(whole.detach(), m(x))}, input "
+                          f"gradient {rel(grad, adjoint)} from the adjoint")
+
+
 WIDE_REACH = [
     # padding wider than the kernel reaches: outputs beyond the input's ends, which a rank
     # whose input block is empty still holds (the bias, the padding, its neighbours' halo)

@@ -1065,8 +1065,17 @@ class _Compiler:
         for d, *_ in per_dim:
             shape_now[d] = local_out[d]
         rest = {}  # the dimensions no rank splits, interpolated as PyTorch would
-        if any(shape_now[2 + i] != local_out[2 + i] or (
-                scales is not None and scales[i] != 1.0) for i in range(nd) if i not in split):
+        moved = [i for i in range(nd) if i not in split and (
+            shape_now[2 + i] != local_out[2 + i] or scales is not None and scales[i] != 1.0)]
+        if moved and all(shape_now[2 + i] == local_out[2 + i] for i in moved):
+            # a call that keeps every size but moves rows (a scale whose output rounds to
+            # the input's length): PyTorch's backward of it is not its adjoint (it copies
+            # the gradient, as if nothing moved), so these dimensions take weighted rows too
+            for i in moved:
+                n = dist.global_shape[2 + i]
+                per_dim.append((2 + i, n, n, None if scales is None else scales[i], 0,
+                                range(n), i))
+        elif moved:
             if scales is not None:
                 rest = dict(kwargs, recompute_scale_factor=False, scale_factor=tuple(
                     1.0 if i in split else scales[i] for i in range(nd)))
