@@ -42,8 +42,10 @@ __all__ = [
     "copy_to_host",
     "data_address",
     "device_kw",
+    "dense_order",
     "device_of",
     "empty",
+    "empty_like_layout",
     "zeros",
     "fill",
     "from_numpy",
@@ -242,6 +244,41 @@ def empty(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None
     if device is None:
         return xp.empty(shape, dtype=dt)
     return xp.empty(shape, dtype=dt, device=device)
+
+
+def dense_order(a: Any) -> tuple[int, ...] | None:
+    """The order of ``a``'s axes in memory, outermost first, where ``a`` is dense in
+    some order of its axes (C-contiguous: the identity; PyTorch's channels-last
+    ``(N, C, H, W)``: ``(0, 2, 3, 1)``); None where it is not dense (a strided slice) or
+    the module has no strides to read."""
+    if callable(getattr(a, "stride", None)):  # PyTorch's tensors: in elements
+        strides = tuple(a.stride())
+    elif getattr(a, "strides", None) is not None:  # NumPy's and CuPy's: in bytes
+        strides = tuple(s // max(a.itemsize, 1) for s in a.strides)
+    else:
+        return None
+    shape = tuple(a.shape)
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
+    expected = 1
+    for d in reversed(order):  # axes of one element may sit anywhere
+        if shape[d] > 1 and strides[d] != expected:
+            return None
+        expected *= shape[d]
+    return order
+
+
+def empty_like_layout(like: Any, shape: tuple[int, ...], dtype: Any = None) -> Any:
+    """An uninitialised array of ``shape`` whose axes lie in memory in the order of
+    ``like``'s (:func:`dense_order`; C order where ``like`` is C-contiguous or not dense),
+    of ``like``'s module, dtype (unless given) and device: a block grown by a halo keeps
+    a channels-last block's layout, which PyTorch's convolutions run faster on."""
+    xp = array_namespace(like)
+    dtype = like.dtype if dtype is None else dtype
+    order = dense_order(like) if not is_c_contiguous(like) else None
+    if order is None or order == tuple(range(len(shape))):
+        return empty(xp, tuple(shape), dtype, device_of(like))
+    inner = empty(xp, tuple(shape[d] for d in order), dtype, device_of(like))
+    return permute_dims(inner, tuple(int(i) for i in np.argsort(order)))
 
 
 def zeros(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:

@@ -37,6 +37,7 @@ from .backend import (
     copy_view,
     device_of,
     empty,
+    empty_like_layout,
     fill_view,
     host_view,
     mpi_buffer,
@@ -565,9 +566,11 @@ class HaloPlan:
 
         The array-in, array-out form of :meth:`exchange`, for code that holds
         plain blocks rather than DistArrays (an autograd function, say): a
-        new C-contiguous array of ``block``'s module, dtype and device, of
+        new array of ``block``'s module, dtype and device, of
         the extended block's shape, holding ``block`` in its interior and the
-        halo as :meth:`exchange` fills it. Blocks in host memory (NumPy
+        halo as :meth:`exchange` fills it (laid out as ``block`` where it is dense in
+        another order of its axes: a channels-last block's halo-extended block is
+        channels-last). Blocks in host memory (NumPy
         arrays, PyTorch's CPU tensors) are worked on as NumPy views, the
         slabs' indices made once per block shape: per call, one copy of the
         block, the messages, and a packing copy for each slab that is not
@@ -592,15 +595,16 @@ class HaloPlan:
         """
         self.check_block(block)
         shape = tuple(block.shape)
-        xp = array_namespace(block)
         steps = self._block_steps(shape)
-        ext = empty(xp, steps.ext_shape, block.dtype, device_of(block))
-        h, src = host_view(ext), host_view(block)
-        if h is None or src is None:  # device memory: through a DistArray and its transport
+        src = host_view(block)
+        if src is None:  # device memory: through a DistArray and its transport
+            ext = empty(array_namespace(block), steps.ext_shape, block.dtype, device_of(block))
             x = DistArray(ext, self.dist, self.widths)
             copy_view(x.local, block)
             self.exchange(x, constant_values)
             return ext
+        ext = empty_like_layout(block, steps.ext_shape)
+        h = host_view(ext)
         copy_view(h[steps.interior], src)
         if not self.dims:
             return ext
@@ -661,13 +665,14 @@ class HaloPlan:
         """
         self.check_extended(extended)
         shape = self.dist.local_shape()
-        xp = array_namespace(extended)
         steps = self._block_steps(shape)
-        out = empty(xp, shape, extended.dtype, device_of(extended))
-        h, o = host_view(extended), host_view(out)
-        if h is None or o is None:  # device memory: through the transport
+        h = host_view(extended)
+        if h is None:  # device memory: through the transport
+            out = empty(array_namespace(extended), shape, extended.dtype, device_of(extended))
             copy_view(out, self.accumulate(extended).local)
             return out
+        out = empty_like_layout(extended, shape)
+        o = host_view(out)
         if not self.dims:
             copy_view(o, h[steps.interior])
             return out

@@ -15,6 +15,7 @@ from mpi4py import MPI
 from mpi_helpers import all_sum, replica_sum
 
 import disttensor as dt
+from disttensor.backend import dense_order
 from disttensor.testing import assert_allclose, assert_equal, collective_assert
 from disttensor.testing.strategies import distributions, process_grids
 
@@ -388,23 +389,22 @@ def test_accumulate_is_adjoint(case, seed, dtype):
 @settings(max_examples=40)
 @given(case=halo_cases(), seed=st.integers(0, 2**16),
        dtype=st.sampled_from([np.float64, np.float32, np.int32, np.complex128]),
-       strided=st.booleans())
-def test_exchange_block_and_its_adjoint_on_plain_blocks(case, seed, dtype, strided):
+       layout=st.sampled_from(["c", "strided", "permuted"]))
+def test_exchange_block_and_its_adjoint_on_plain_blocks(case, seed, dtype, layout):
     """``exchange_block`` returns a new array that is ``numpy.pad``'s at this rank's extended
     block; ``accumulate_block`` a new block that is the brute-force global scatter-add of
-    every rank's extended block, leaving its input alone (strided inputs accepted)."""
+    every rank's extended block, leaving its input alone (strided inputs accepted). A block
+    dense in another order of its axes (a channels-last block) gives results laid out in
+    that order; any other gives C-contiguous ones."""
     dist, widths, pairs, mode, cv = case
     plan = dt.halo_plan(dist, widths, mode)
     a = global_array(dist.shape, dtype)
-    block = a[dist.local_slices()]
-    if strided:  # a view into a wider buffer
-        wide = np.zeros(tuple(2 * n + 1 for n in block.shape), block.dtype)
-        block = wide[tuple(slice(1, None, 2) for _ in block.shape)]
-        block[...] = a[dist.local_slices()]
+    block = in_layout(a[dist.local_slices()], layout)
     ext = plan.exchange_block(block, cv)
     assert_equal(ext, expected_extended(a, dist, pairs, mode, cv))
-    collective_assert(ext.flags.c_contiguous and not np.shares_memory(ext, block)
-                      and ext.dtype == np.dtype(dtype), "a new contiguous extended block")
+    collective_assert(same_layout(ext, block, layout) and not np.shares_memory(ext, block)
+                      and ext.dtype == np.dtype(dtype), "a new extended block, laid out as "
+                      "the block")
 
     e = random_block(seed, comm.Get_rank(), extended_shape(dist, pairs), dtype)
     e_before = e.copy()
@@ -419,11 +419,39 @@ def test_exchange_block_and_its_adjoint_on_plain_blocks(case, seed, dtype, strid
     if dist.nreplicas == 1:
         assert_allclose(got, want[dist.local_slices()], rtol=tol, atol=tol)
     assert_equal(e, e_before)
-    if strided:
-        wide = np.zeros(tuple(2 * n + 1 for n in e.shape), e.dtype)
-        view = wide[tuple(slice(1, None, 2) for _ in e.shape)]
-        view[...] = e
-        assert_equal(plan.accumulate_block(view), got)
+    if layout != "c":
+        view = in_layout(e, layout)
+        again = plan.accumulate_block(view)
+        assert_equal(again, got)
+        collective_assert(same_layout(again, view, layout), "the block laid out as its input")
+
+
+def in_layout(block, layout):
+    """``block``'s values in new memory: C order, a view into a wider buffer (every other
+    element), or dense with the axes in rotated order (the first innermost, as a
+    channels-last block's channels)."""
+    if layout == "c":
+        return block.copy()
+    if layout == "strided":
+        wide = np.zeros(tuple(2 * n + 1 for n in block.shape), block.dtype)
+        view = wide[tuple(slice(1, None, 2) for _ in block.shape)]
+    else:
+        order = (*range(1, block.ndim), 0)
+        view = np.empty(tuple(block.shape[d] for d in order), block.dtype) \
+            .transpose(np.argsort(order))
+    view[...] = block
+    return view
+
+
+def same_layout(result, block, layout):
+    """Whether ``result`` lies in memory as :func:`exchange_block` promises for ``block``."""
+    if result.size == 0:  # no memory to lay out
+        return True
+    if layout == "permuted" and not block.flags.c_contiguous:
+        longer = {d for d, n in enumerate(result.shape) if n > 1}  # axes of 1 lie anywhere
+        return [d for d in dense_order(result) if d in longer] == \
+            [d for d in dense_order(block) if d in longer]
+    return result.flags.c_contiguous
 
 
 @pytest.mark.parallel(SIZES)

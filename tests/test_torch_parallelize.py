@@ -642,7 +642,7 @@ def tolerance(dtype):
 
 
 def run_both(model, shape, grid, dtype=torch.float64, seed=1, against_float64=False,
-             floor=1e-30):
+             floor=1e-30, **options):
     """Forward and backward of the parallel model and of the copy; what differs, as text.
 
     With ``against_float64``, each float32 result is held to the float64 model's instead:
@@ -651,7 +651,7 @@ def run_both(model, shape, grid, dtype=torch.float64, seed=1, against_float64=Fa
     process as well)."""
     ref = copy.deepcopy(model)
     truth = copy.deepcopy(model).double() if against_float64 else None
-    pm = parallelize(model, shape, grid)
+    pm = parallelize(model, shape, grid, **options)
     x = global_tensor(shape, seed, dtype)
     xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone().requires_grad_()
     torch.manual_seed(7)
@@ -833,6 +833,35 @@ def test_interpolation_that_keeps_a_size_has_the_adjoint_for_gradient(mode):
         collective_assert(rel(whole.detach(), m(x)) < 1e-12 and rel(grad, adjoint) < 1e-12,
                           f"{mode} {shape}: output {rel(whole.detach(), m(x))}, input "
                           f"gradient {rel(grad, adjoint)} from the adjoint")
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", ["unet2d", "resnet", "unet3d"])
+def test_channels_last_blocks_equal_one_process(name):
+    """Input blocks put in channels-last layout (kept so through the halo exchanges, which
+    PyTorch's CPU convolutions run faster on): outputs and gradients those of one process
+    on (N, C, ...) tensors, in float64 and float32."""
+    cls, shape = MODELS[name]
+    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    bad = []
+    for dtype in (torch.float64, torch.float32):
+        for grid in grids(len(shape))[:3]:
+            torch.manual_seed(0)
+            _, _, found = run_both(cls().to(dtype), shape, grid, dtype=dtype,
+                                   memory_format=layout)
+            bad += [(dtype, grid, found)] if found else []
+    collective_assert(not bad, f"{bad}")
+
+
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("value, shape", [("channels_last", (2, 3, 4, 4)), (
+    torch.channels_last, (2, 3, 4)), (torch.channels_last_3d, (2, 3, 4, 4))])
+def test_a_memory_format_that_does_not_suit_is_refused(value, shape):
+    model = nn.Sequential(nn.Conv1d(3, 3, 3, padding=1)) if len(shape) == 3 else \
+        nn.Sequential(nn.Conv2d(3, 3, 3, padding=1))
+    exc = outcome(lambda: parallelize(model, shape, (comm.Get_size(),) + (1,) * (len(shape) - 1),
+                                      memory_format=value))
+    collective_assert(isinstance(exc, ValueError) and "memory_format" in str(exc), repr(exc))
 
 
 WIDE_REACH = [

@@ -103,7 +103,8 @@ def _input_distribution(shape: tuple[int, ...], layout: Any, comm: MPI.Intracomm
 def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: Any = "auto",
                 *, memory_per_rank: int | None = None, machine: Any = None,
                 comm: MPI.Intracomm | None = None, baseline: float = 0.0,
-                batch_norm_stats: str = "global") -> ParallelModule:
+                batch_norm_stats: str = "global",
+                memory_format: torch.memory_format | None = None) -> ParallelModule:
     """An unchanged PyTorch model, run on this rank's blocks of a distributed input.
 
     The model is traced by :mod:`torch.fx` and each node compiled into a step
@@ -168,6 +169,15 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         (``state_dict``, ``load_state_dict``; read the buffers directly
         only after one of these). Where the samples are not split the two
         are the same.
+    memory_format : torch.memory_format, optional
+        The layout each forward pass puts its input block in:
+        ``torch.channels_last`` (4-D inputs) or ``torch.channels_last_3d``
+        (5-D), on which PyTorch's CPU convolutions run oneDNN's channels-last
+        kernels (1.3-2.7x faster than on ``(N, C, H, W)`` blocks for up to 128
+        channels, measured; see the docs), or ``torch.contiguous_format``.
+        None (the default) keeps the block as it comes. Either way a block's
+        layout is kept through the halo exchanges, as PyTorch's operations
+        keep it; the values are the same in every layout.
 
     Returns
     -------
@@ -184,7 +194,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         torch.fx, or a layout of the wrong type.
     ValueError
         For a negative or non-numeric ``baseline``, a ``batch_norm_stats``
-        other than 'global' and 'group', an input shape the
+        other than 'global' and 'group', a ``memory_format`` that is not a
+        torch.memory_format or does not suit the input's rank, an input shape the
         model does not accept, a grid that does not hold the ranks, an
         operation on a split dimension that parallelize
         cannot split (naming the node and the dimension), a parameter
@@ -219,6 +230,9 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     if batch_norm_stats not in BATCH_NORM_STATS:
         raise ValueError(f"parallelize: batch_norm_stats must be 'global' or 'group', "
                          f"got {batch_norm_stats!r}")
+    _check_memory_format(memory_format, len(shape))
+    if memory_format is torch.preserve_format:  # as the block comes
+        memory_format = None
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses
@@ -284,9 +298,25 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     comms = {id(fresh[i]): c for i, (_, dist, _) in compiler.param_keys.items()
              if (c := split_axes_comm(dist)).Get_size() > 1}
     pm = ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms,
-                        compiler.view, compiler.running, batch_norm_stats)
+                        compiler.view, compiler.running, batch_norm_stats, memory_format)
     pm.plan = plan
     return pm
+
+
+def _check_memory_format(memory_format: Any, ndim: int) -> None:
+    """Refuse a ``memory_format`` that is not one, or does not suit an input of ``ndim``
+    dimensions (ValueError, alike on every rank)."""
+    if memory_format is None or memory_format in (torch.contiguous_format,
+                                                  torch.preserve_format):
+        return
+    wants = {torch.channels_last: 4, torch.channels_last_3d: 5}.get(memory_format)
+    if wants is None:
+        raise ValueError(f"parallelize: memory_format must be a torch.memory_format "
+                         f"(torch.channels_last, torch.channels_last_3d, "
+                         f"torch.contiguous_format) or None, got {memory_format!r}")
+    if wants != ndim:
+        raise ValueError(f"parallelize: memory_format {memory_format} is for inputs of "
+                         f"{wants} dimensions, the model's has {ndim}")
 
 
 def _broadcast_state(model: nn.Module, comm: MPI.Intracomm) -> None:

@@ -212,12 +212,15 @@ class ParallelModule(nn.Module):
     batch_norm_stats : str
         ``'global'`` or ``'group'``: over which samples the batch norms take
         their statistics (see :func:`parallelize`).
+    memory_format : torch.memory_format or None
+        The layout a forward pass puts its input block in (None: as it comes).
     """
 
     def __init__(self, model: nn.Module, graph: GraphModule, steps: list[tuple[Node, Step]],
                  input_dist: Distribution, output_dist: Any,
                  param_comms: dict[int, MPI.Intracomm], view: _ParamView,
-                 running: _GroupRunningStats | None = None, batch_norm_stats: str = "global"):
+                 running: _GroupRunningStats | None = None, batch_norm_stats: str = "global",
+                 memory_format: torch.memory_format | None = None):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -229,6 +232,7 @@ class ParallelModule(nn.Module):
         self.input_dist = input_dist
         self.output_dist = output_dist
         self.batch_norm_stats = batch_norm_stats
+        self.memory_format = memory_format
         self.plan: Any = None
         self._running = _GroupRunningStats() if running is None else running
         self._graph = graph.graph
@@ -338,6 +342,8 @@ class ParallelModule(nn.Module):
             raise ValueError(f"ParallelModule: this rank's block has shape {tuple(x.shape)}, "
                              f"but its block of {self.input_dist} has shape "
                              f"{self.input_dist.local_shape()}")
+        if self.memory_format is not None:  # a copy only where the layout differs
+            x = x.contiguous(memory_format=self.memory_format)
         env: dict[Node, Any] = {}
         result = None
         self._view.owner, self._view.cache = self, {}
