@@ -27,6 +27,12 @@ samples where the samples are split, as PyTorch's batch norms under DDP take the
 interleaved, each against the same DDP steps; with ``--split H`` the two are the same and
 only ``global`` runs).
 
+``--channels-last`` puts the parallelized model's input blocks in channels-last layout
+(``parallelize(memory_format=torch.channels_last)``), and adds the baseline in the same
+layout (``ddp-cl``, or ``torch-cl`` on one rank: the reference model and its input
+converted, as PyTorch's recipe for it goes), so that the ratios are given against both; the
+ceiling's plain halves then run channels-last as well.
+
 ``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
 weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
 
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("mesh-demo", "mesh-small"), default="mesh-demo")
     p.add_argument("--ceiling", action="store_true")
     p.add_argument("--bn-stats", choices=("global", "group", "both"), default="both")
+    p.add_argument("--channels-last", action="store_true")
     p.add_argument("--json", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "bench_torch_parallel.json"))
     a = p.parse_args(argv)
@@ -100,18 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     plain = trunk(build())
     solo = trunk(build())  # the plain model outside DDP, for --ceiling
     solo.load_state_dict(plain.state_dict())
+    if a.channels_last:
+        solo = solo.to(memory_format=torch.channels_last)
+    lasting = trunk(build())  # the baseline in channels-last layout
+    lasting.load_state_dict(plain.state_dict())
+    lasting = lasting.to(memory_format=torch.channels_last)
     shape = (a.batch, channels, a.size, a.size)
     x_all = torch.rand(shape)
     grid = (size, 1, 1, 1) if a.split == "N" else (1, 1, size, 1)
     par = trunk(build())
     par.load_state_dict(plain.state_dict())
-    pm = parallelize(par, shape, layout=grid)
+    fmt = torch.channels_last if a.channels_last else None
+    pm = parallelize(par, shape, layout=grid, memory_format=fmt)
     x = dt.DistArray.from_global(x_all, pm.input_dist, xp=torch)
     grouped = a.split == "N" and size > 1 and a.bn_stats != "global"
     if grouped:
         par_g = trunk(build())
         par_g.load_state_dict(plain.state_dict())
-        pm_g = parallelize(par_g, shape, layout=grid, batch_norm_stats="group")
+        pm_g = parallelize(par_g, shape, layout=grid, batch_norm_stats="group",
+                           memory_format=fmt)
         gopt = torch.optim.SGD(pm_g.parameters(), lr=0.01, momentum=0.9)
     out_shape = plain(x_all[:1]).shape[1:]
     t_all = torch.rand((a.batch, *out_shape))
@@ -144,25 +158,32 @@ def main(argv: list[str] | None = None) -> int:
     if a.precision == "bf16" and "parallelize" in steps:
         steps["parallelize-fp32"] = lambda: ours(False)
     if size == 1:
-        ref = plain
+        ref, ref_cl = plain, lasting
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = comm.bcast(str(29500 + os.getpid() % 1000))
         tdist.init_process_group("gloo", rank=rank, world_size=size)
         ref = nn.parallel.DistributedDataParallel(plain)
+        ref_cl = nn.parallel.DistributedDataParallel(lasting) if a.channels_last else None
     lo, hi = a.batch * rank // size, a.batch * (rank + 1) // size
     rx, rt = x_all[lo:hi], t_all[lo:hi]
+    rx_cl = rx.contiguous(memory_format=torch.channels_last)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    copt = torch.optim.SGD(lasting.parameters(), lr=0.01, momentum=0.9)
 
-    def theirs() -> None:
-        ropt.zero_grad()
+    def theirs(model: nn.Module = ref, opt: torch.optim.Optimizer = ropt,
+               inputs: torch.Tensor = rx) -> None:
+        opt.zero_grad()
         with cast():
-            out = ref(rx)
+            out = model(inputs)
         loss = ((out.float() - rt) ** 2).mean()
         loss.backward()
-        ropt.step()
+        opt.step()
 
-    steps["torch" if size == 1 else "ddp"] = theirs
+    base = "torch" if size == 1 else "ddp"
+    steps[base] = theirs
+    if a.channels_last:
+        steps[base + "-cl"] = lambda: theirs(ref_cl, copt, rx_cl)
     samples: dict[str, list[float]] = {k: [] for k in steps}
     per = max(1, a.reps // a.rounds)
     # the ceiling's rounds interleaved with these, so that both see the same machine: its
@@ -191,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
                    statistics.median(halves))
     if rank == 0:
         med = {k: statistics.median(v) for k, v in samples.items()}
-        base = "torch" if size == 1 else "ddp"
         print(f"{a.precision}: the ratio is parallelize against {base} in the same precision")
         print(f"{'ranks':>5} {'batch':>5} {'split':>5} "
               + " ".join(f"{k + ' ms':>22}" for k in steps) + f" {'ratio':>6}")
@@ -202,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(ratios) > 1:
             print("ratios against " + base + ": " + ", ".join(
                 f"{k} {r:.3f}" for k, r in ratios.items()))
+        if a.channels_last:
+            ratios_cl = {k: med[k] / med[base + "-cl"] for k in ratios}
+            print(f"ratios against {base}-cl (channels-last): " + ", ".join(
+                f"{k} {r:.3f}" for k, r in ratios_cl.items()))
         print(f"output blocks: {y_dist}")
         if ceiling is not None:
             one, half = ceiling
@@ -220,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                        "samples_s": samples,
                        # the parallelized models that ran and their ratios to the baseline
                        "ratios": ratios,
+                       "channels_last": a.channels_last,
+                       "ratios_against_channels_last_baseline": (
+                           {k: med[k] / med[base + "-cl"] for k in ratios}
+                           if a.channels_last else None),
                        "ratio": next(iter(ratios.values()))}, f, indent=1)
     return 0
 
@@ -242,7 +270,10 @@ def _ceiling_round(a: argparse.Namespace, comm: MPI.Comm, model: nn.Module,
     h, oh = x_all.shape[2], t_all.shape[2]
     lo, hi = h * rank // size, h * (rank + 1) // size
     olo, ohi = oh * rank // size, oh * (rank + 1) // size
-    xs, ts = x_all[:, :, lo:hi].contiguous(), t_all[:, :, olo:ohi].contiguous()
+    layout = torch.channels_last if a.channels_last else torch.contiguous_format
+    xs, ts = x_all[:, :, lo:hi].contiguous(memory_format=layout), \
+        t_all[:, :, olo:ohi].contiguous()
+    x_all = x_all.contiguous(memory_format=layout)
     per = max(1, a.reps // a.rounds)
 
     def step(x: torch.Tensor, t: torch.Tensor) -> None:
