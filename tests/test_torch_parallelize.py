@@ -864,6 +864,33 @@ def test_a_memory_format_that_does_not_suit_is_refused(value, shape):
     collective_assert(isinstance(exc, ValueError) and "memory_format" in str(exc), repr(exc))
 
 
+class PointWise(nn.Module):
+    """Comparisons, logic and point-wise functions between convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 3, 3, padding=1)
+        self.b = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.a(x)
+        y = torch.where(y > 0, y, 0.1 * y) + (y >= 0.5).to(y.dtype) * torch.erf(y)
+        y = y + torch.logical_and(y < 1, ~(y == 0)).to(y.dtype) + y % 0.7
+        return self.b(torch.nan_to_num(torch.hypot(y, y.abs() + 1) - torch.fmax(y, -y)))
+
+
+@pytest.mark.parallel(SIZES)
+def test_comparisons_and_point_wise_functions_run_on_blocks():
+    """Point-wise functions beyond the arithmetic (comparisons, logic, where) run on each
+    block, split anywhere, as one process runs them on the whole."""
+    bad = []
+    for grid in grids(4):
+        torch.manual_seed(0)
+        _, _, found = run_both(PointWise().double(), (2, 2, 9, 7), grid, floor=1.0)
+        bad += [(grid, found)] if found else []
+    collective_assert(not bad, f"{bad}")
+
+
 WIDE_REACH = [
     # padding wider than the kernel reaches: outputs beyond the input's ends, which a rank
     # whose input block is empty still holds (the bias, the padding, its neighbours' halo)

@@ -63,11 +63,22 @@ _ELEMENTWISE_NAMES = frozenset(
     "negative pow reciprocal relu relu6 round rsqrt selu celu sigmoid sign silu sin sinh "
     "softplus softsign sqrt square tanh tanhshrink threshold trunc add sub subtract mul "
     "multiply div divide true_divide maximum minimum where lerp hardshrink softshrink prelu "
-    "rrelu glu_none contiguous float double half clone detach to type_as".split()
+    "rrelu glu_none contiguous float double half clone detach to type_as "
+    # comparisons, logic and the rest of PyTorch's point-wise functions
+    "gt lt ge le eq ne greater less greater_equal less_equal not_equal logical_and "
+    "logical_or logical_not logical_xor isnan isinf isfinite nan_to_num fmod remainder "
+    "atan2 arctan2 hypot copysign erf erfc erfinv exp2 log2 log10 sinc frac float_power "
+    "xlogy logit sgn signbit heaviside bool int long fmax fmin".split()
 )
 _BINARY_OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
                                operator.neg, operator.pow, operator.iadd, operator.imul,
-                               operator.isub, operator.itruediv, operator.floordiv))
+                               operator.isub, operator.itruediv, operator.floordiv,
+                               operator.gt, operator.lt, operator.ge, operator.le,
+                               operator.eq, operator.ne, operator.mod, operator.abs,
+                               operator.pos, operator.invert, operator.and_, operator.or_,
+                               operator.xor, operator.ipow, operator.imod))
+# tensor attributes every block has as the whole array has them
+_BLOCK_ALIKE = frozenset(("dtype", "device", "ndim", "layout", "is_cuda", "is_quantized"))
 # shape-keeping operations along one dimension (their first argument after the tensor)
 _ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
                         "softmin"))
@@ -1249,6 +1260,10 @@ class _Compiler:
             return self.local(node, fn)
         if fn is getattr and node.args[1] == "shape":
             return self.global_attr(node, dist.global_shape)
+        if fn is getattr and node.args[1] in _BLOCK_ALIKE:  # every block's is the array's
+            name = node.args[1]
+            self.set(node, None)
+            return lambda args: getattr(args[0][0], name)
         if fn is operator.getitem and isinstance(dist, tuple):  # one of a tuple's values
             i = node.args[1]
             self.set(node, dist[i])
