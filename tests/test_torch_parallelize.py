@@ -891,6 +891,45 @@ def test_comparisons_and_point_wise_functions_run_on_blocks():
     collective_assert(not bad, f"{bad}")
 
 
+class PerSample(nn.Module):
+    """Instance norms and adaptive max pooling (with its indices) before a linear head."""
+
+    def __init__(self, nd=2):
+        super().__init__()
+        conv, norm = (nn.Conv2d, nn.InstanceNorm2d) if nd == 2 else (nn.Conv3d, nn.InstanceNorm3d)
+        pool = nn.AdaptiveMaxPool2d((3, 2), return_indices=True) if nd == 2 else \
+            nn.AdaptiveMaxPool3d((2, 1, 2), return_indices=True)
+        self.conv, self.norm, self.plain, self.pool = conv(2, 3, 3, padding=1), \
+            norm(3, affine=True), norm(3), pool
+        self.head = nn.Linear(18 if nd == 2 else 12, 2)
+
+    def forward(self, x):
+        y, idx = self.pool(torch.relu(self.plain(self.norm(self.conv(x)))))
+        return self.head(torch.flatten(y + 1e-3 * idx.to(y.dtype), 1))
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("nd", [2, 3])
+def test_per_sample_modules_run_on_blocks_of_whole_space(nd):
+    """Instance norms and adaptive max pooling work on each sample's whole space: split
+    over the samples they run on each block as one process does; a split of space is
+    refused alike, naming the node, and so is a split of the samples under running
+    statistics (they average the batch)."""
+    p = comm.Get_size()
+    shape = (4, 2, 7, 5) if nd == 2 else (4, 2, 4, 3, 5)
+    torch.manual_seed(0)
+    _, _, found = run_both(PerSample(nd).double(), shape, (p,) + (1,) * (nd + 1), floor=1.0)
+    collective_assert(not found, f"{found}")
+    if p > 1:
+        exc = outcome(lambda: parallelize(PerSample(nd), shape, (1, 1, p) + (1,) * (nd - 1)))
+        collective_assert(isinstance(exc, ValueError) and "'norm'" in str(exc)
+                          and "dimension 2" in str(exc), repr(exc))
+        tracked = nn.Sequential(nn.InstanceNorm2d(2, track_running_stats=True))
+        exc = outcome(lambda: parallelize(tracked, (4, 2, 3, 3), (p, 1, 1, 1)))
+        collective_assert(isinstance(exc, ValueError) and "dimension 0" in str(exc),
+                          repr(exc))
+
+
 WIDE_REACH = [
     # padding wider than the kernel reaches: outputs beyond the input's ends, which a rank
     # whose input block is empty still holds (the bias, the padding, its neighbours' halo)

@@ -46,6 +46,9 @@ _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_tr
 _MAXPOOL = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
 _AVGPOOL = {nn.AvgPool1d: F.avg_pool1d, nn.AvgPool2d: F.avg_pool2d, nn.AvgPool3d: F.avg_pool3d}
 _ADAPTIVE = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+# modules over each sample's (and channel's) whole space
+_PER_SAMPLE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.AdaptiveMaxPool1d,
+               nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 _ADAPTIVE_F = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge",
@@ -402,6 +405,8 @@ class _Compiler:
             return self.batchnorm(node, m, dist)
         if isinstance(m, nn.GroupNorm):
             return self.groupnorm(node, m, dist)
+        if isinstance(m, _PER_SAMPLE):
+            return self.per_sample(node, m, dist)
         if isinstance(m, nn.LayerNorm):
             d0 = dist.ndim - len(m.normalized_shape)
             if any(_split(dist, d) for d in range(d0, dist.ndim)):
@@ -440,6 +445,25 @@ class _Compiler:
         step = self.local(node, self.module_call(m))
         self.use_params(node, node.target, self.values[node].dist)
         return step
+
+    def per_sample(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        """A module that works on each sample's channels over the whole of space (instance
+        norm, adaptive max pooling): its own call on each block, where no rank splits
+        space (and, for running statistics averaged over the batch, the samples)."""
+        what = f"{type(m).__name__} works over the whole of each sample's space"
+        self.refuse_split(node, dist, range(2, dist.ndim), what)
+        if getattr(m, "track_running_stats", False):
+            self.refuse_split(node, dist, [0], f"{type(m).__name__}'s running statistics "
+                              "average the batch")
+        meta = node.meta.get("tensor_meta")
+        if not hasattr(meta, "shape"):  # max pooling's values and indices, alike
+            out = _with_shape(dist, tuple(meta[0].shape))
+            self.set(node, (out, out))
+        else:
+            self.set(node, _with_shape(dist, _shape_of(node)))
+        self.use_params(node, node.target, dist)
+        view = self.view
+        return lambda args: view.call(m, args[0], args[1])
 
     def same(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
         """A module that maps this rank's block to its block of the same distribution."""
