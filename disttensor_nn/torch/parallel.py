@@ -231,9 +231,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     if batch_norm_stats not in BATCH_NORM_STATS:
         raise ValueError(f"parallelize: batch_norm_stats must be 'global' or 'group', "
                          f"got {batch_norm_stats!r}")
-    _check_memory_format(memory_format, len(shape))
-    if memory_format is torch.preserve_format:  # as the block comes
-        memory_format = None
+    memory_format = _memory_format(memory_format, len(shape))
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses
@@ -304,12 +302,14 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     return pm
 
 
-def _check_memory_format(memory_format: Any, ndim: int) -> None:
-    """Refuse a ``memory_format`` that is not one, or does not suit an input of ``ndim``
-    dimensions (ValueError, alike on every rank)."""
-    if memory_format is None or memory_format in (torch.contiguous_format,
-                                                  torch.preserve_format):
-        return
+def _memory_format(memory_format: Any, ndim: int) -> torch.memory_format | None:
+    """The layout to put input blocks in (None: as they come, ``torch.preserve_format``'s
+    meaning); ValueError, alike on every rank, for a ``memory_format`` that is not one or
+    does not suit an input of ``ndim`` dimensions."""
+    if memory_format is None or memory_format is torch.preserve_format:
+        return None
+    if memory_format is torch.contiguous_format:
+        return memory_format
     wants = {torch.channels_last: 4, torch.channels_last_3d: 5}.get(memory_format)
     if wants is None:
         raise ValueError(f"parallelize: memory_format must be a torch.memory_format "
@@ -318,6 +318,7 @@ def _check_memory_format(memory_format: Any, ndim: int) -> None:
     if wants != ndim:
         raise ValueError(f"parallelize: memory_format {memory_format} is for inputs of "
                          f"{wants} dimensions, the model's has {ndim}")
+    return memory_format
 
 
 def _broadcast_state(model: nn.Module, comm: MPI.Intracomm) -> None:
