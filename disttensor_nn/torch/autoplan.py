@@ -66,6 +66,7 @@ from ..plan.costmodel import dist_for
 from ..plan.tracing import leaf_nodes, trace
 from ..window import WindowSpec
 from .interpolation import INTERPOLATION_MODES
+from .pricing import priced
 
 __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout"]
 
@@ -456,6 +457,10 @@ class _Mirror:
             ok = False
         if not ok:  # the built-in layer does not take it as PyTorch does: a traced op
             layer = TracedOp(kind, out, whole, params=self.params(node), dtype=self.dtype)
+        # priced as the compiler runs it: whole where unsplit, by the module itself
+        module = self.gm.get_submodule(node.target) if node.op == "call_module" and ok \
+            else None
+        layer = priced(layer, module)
         # a module called again is named by its node ('pool_1'), as torch.fx names it
         name = node.target if node.op == "call_module" and node.target not in self.names \
             else node.name
