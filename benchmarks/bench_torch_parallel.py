@@ -33,6 +33,10 @@ layout (``ddp-cl``, or ``torch-cl`` on one rank: the reference model and its inp
 converted, as PyTorch's recipe for it goes), so that the ratios are given against both; the
 ceiling's plain halves then run channels-last as well.
 
+``--auto`` lays the parallelized models out by the planner (``layout="auto"``, the
+default of ``parallelize``) instead of one grid over ``--split``'s dimension, and prints the
+plan; ``--split`` then still says how DDP and the ceiling split the batch.
+
 ``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
 weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
 
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ceiling", action="store_true")
     p.add_argument("--bn-stats", choices=("global", "group", "both"), default="both")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--auto", action="store_true")
     p.add_argument("--json", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "bench_torch_parallel.json"))
     a = p.parse_args(argv)
@@ -114,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     lasting = lasting.to(memory_format=torch.channels_last)
     shape = (a.batch, channels, a.size, a.size)
     x_all = torch.rand(shape)
-    grid = (size, 1, 1, 1) if a.split == "N" else (1, 1, size, 1)
+    grid = "auto" if a.auto else (size, 1, 1, 1) if a.split == "N" else (1, 1, size, 1)
     par = trunk(build())
     par.load_state_dict(plain.state_dict())
     fmt = torch.channels_last if a.channels_last else None
     pm = parallelize(par, shape, layout=grid, memory_format=fmt)
     x = dt.DistArray.from_global(x_all, pm.input_dist, xp=torch)
+    if a.auto and rank == 0:
+        print(pm.plan.table())
     grouped = a.split == "N" and size > 1 and a.bn_stats != "global"
     if grouped:
         par_g = trunk(build())
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"ranks": size, "batch": a.batch, "split": a.split, "size": a.size,
+                       "layout": "auto" if a.auto else "split",
                        "precision": a.precision, "model": a.model,
                        "ceiling_s": ceiling,
                        "ceiling_share_by_round": shares,
