@@ -176,7 +176,7 @@ class _Priced:
         run = as_run(dist)
         spec = _on(run, super().cost_spec(run, itemsize))  # type: ignore[misc]
         module = self.__dict__.get("_traced_module")
-        if module is None or not spec.timed or math.prod(run.grid_shape) == 1 or \
+        if module is None or not spec.timed or \
                 any(n > 1 for n in run.nblocks):
             return spec
         twin = self.__dict__.get("_module_twin")
