@@ -1,9 +1,10 @@
 """How the planner prices a traced node as ``parallelize`` runs it (``pricing``).
 
 A dimension of length one is never split by the compiler (its grid axis holds replicas),
-so a candidate that splits it is priced without the messages the built-in layer would send
-there; a node whose input no candidate splits is timed as the PyTorch module itself. The
-kernel timer here is a stand-in that answers by kernel signature, so the costs are known.
+so a candidate that splits it is priced on the replicated distribution (the cost model's
+``runs_as``); a module whose input is whole is timed as the
+PyTorch module itself. The kernel timer is a stand-in that answers by the kind of twin it
+is asked about (so the costs are known), or a real one on a scratch cache.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from disttensor import DistArray, Distribution, ProcessGrid
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from disttensor_nn import BatchNorm2d, Conv2d  # noqa: E402
-from disttensor_nn.plan import CostModel, load_profile  # noqa: E402
+from disttensor_nn import BatchNorm2d, Conv2d, MaxPool2d, ReLU  # noqa: E402
+from disttensor_nn.plan import CostModel, KernelTimer, load_profile  # noqa: E402
 from disttensor_nn.torch.pricing import ModuleTwin, as_run, priced  # noqa: E402
 
 torch.set_num_threads(1)
 MODULE_TIME, LAYER_TIME = 1e-6, 1e-3
+PROFILE = load_profile("v100-nvlink-edr")
 
 
 class Timer:
@@ -37,8 +39,8 @@ class Timer:
         return t, 2 * t, False, corun
 
 
-def model(timer):
-    return CostModel(load_profile("v100-nvlink-edr"), 2, timer)
+def cost_model(timer, nprocs=2, runs_as=as_run):
+    return CostModel(PROFILE, nprocs, timer, runs_as=runs_as)
 
 
 def own(a):
@@ -65,54 +67,91 @@ def test_as_run_keeps_dimensions_of_length_one_whole():
 def test_a_replicated_node_is_the_module_without_messages(make, module, shape):
     timer = Timer()
     layer = priced(make(), module)
-    cost = model(timer).layer(layer, shape, (2, 1, 1))  # the one sample over both ranks
+    cost = cost_model(timer).layer(layer, shape, (2, 1, 1))  # the one sample on both ranks
     assert (cost.fwd, cost.bwd) == (MODULE_TIME, 2 * MODULE_TIME)
     assert cost.comm == 0.0
     twin, local = timer.asked[-1]
     assert isinstance(twin, ModuleTwin) and local == shape  # the whole block, unpadded
+    assert twin.output_shape(local) == tuple(module(torch.zeros(shape)).shape)
     # split over the height: the built-in layer's twin and its messages (a halo, or the
-    # statistics' sums and the gradients')
-    split = model(timer).layer(layer, shape, (1, 2, 1))
+    # statistics' sums)
+    split = cost_model(timer).layer(layer, shape, (1, 2, 1))
     assert (split.fwd, split.bwd) == (LAYER_TIME, 2 * LAYER_TIME) and split.comm > 0
     assert not isinstance(timer.asked[-1][0], ModuleTwin)
-
-
-def test_the_built_in_layer_alone_sums_over_the_empty_block():
-    """The difference the pricing makes: unpriced, one sample 'split' over two ranks pays
-    the batch norm's sums over a rank that holds nothing."""
-    timer = Timer()
-    plain = model(timer).layer(BatchNorm2d(4), (1, 4, 16, 12), (2, 1, 1))
-    assert plain.comm > 0 and (plain.fwd, plain.bwd) == (LAYER_TIME, 2 * LAYER_TIME)
+    # the built-in layer as the built-in runtime runs it: one rank's block whole, the
+    # other's empty, and the statistics summed over both
+    plain = cost_model(timer, runs_as=None).layer(make(), shape, (2, 1, 1))
+    assert (plain.fwd, plain.bwd) == (LAYER_TIME, 2 * LAYER_TIME)
+    if isinstance(module, nn.BatchNorm2d):
+        assert plain.comm > 0
 
 
 def test_several_samples_are_priced_as_before():
     timer = Timer()
-    plain = model(timer).layer(BatchNorm2d(4), (4, 4, 16, 12), (2, 1, 1))
-    mine = model(timer).layer(priced(BatchNorm2d(4), nn.BatchNorm2d(4)), (4, 4, 16, 12),
-                              (2, 1, 1))
+    shape = (4, 4, 16, 12)
+    plain = cost_model(timer, runs_as=None).layer(BatchNorm2d(4), shape, (2, 1, 1))
+    mine = cost_model(timer).layer(priced(BatchNorm2d(4), nn.BatchNorm2d(4)), shape,
+                                   (2, 1, 1))
     assert (mine.fwd, mine.bwd, mine.comm) == (plain.fwd, plain.bwd, plain.comm)
 
 
-@pytest.mark.parametrize("input_grad", [True, False])
-def test_the_module_twin_runs_the_module(input_grad):
+def test_one_rank_runs_the_modules():
+    timer = Timer()
+    cost = cost_model(timer, nprocs=1).layer(
+        priced(Conv2d(4, 6, 3, padding=1), nn.Conv2d(4, 6, 3, padding=1)), (4, 4, 16, 12),
+        (1, 1, 1))
+    assert isinstance(timer.asked[-1][0], ModuleTwin) and cost.fwd == MODULE_TIME
+
+
+def test_the_gradient_sums_stay_in_the_memory_model():
+    conv = Conv2d(4, 6, 3, padding=1)
+    mine = priced(conv, nn.Conv2d(4, 6, 3, padding=1))
+    cm = cost_model(Timer())
+    assert cm.local_gradient_bytes(mine, (1, 4, 16, 12)) == \
+        cm.local_gradient_bytes(conv, (1, 4, 16, 12)) != []
+
+
+@pytest.mark.parametrize("module, like, input_grad", [
+    (nn.Conv2d(3, 5, 3, padding=1), Conv2d(3, 5, 3, padding=1), True),
+    (nn.Conv2d(3, 5, 3, padding=1), Conv2d(3, 5, 3, padding=1), False),
+    (nn.ReLU(inplace=True), ReLU(), True),  # in place: a leaf that requires a gradient
+    (nn.ReLU(), ReLU(), False),  # a first layer without parameters: no backward at all
+    (nn.MaxPool2d(3, 2, 1, return_indices=True), MaxPool2d(3, 2, 1), True),
+])
+def test_the_module_twin_runs_the_module(module, like, input_grad):
     torch.manual_seed(0)
-    module = nn.Conv2d(3, 5, 3, padding=1, dtype=torch.float64)
-    twin = ModuleTwin(module, Conv2d(3, 5, 3, padding=1, dtype=np.float64)).local_twin()
+    module = module.double()
+    twin = priced(like, module)
     twin.input_grad = input_grad
+    spec = twin.cost_spec(Distribution((2, 3, 7, 6), (1, 1, 1), (0, None, 1, 2)), 8)
+    run = spec.twin.local_twin()
     x = np.random.default_rng(1).standard_normal((2, 3, 7, 6))
-    dy = np.random.default_rng(2).standard_normal((2, 5, 7, 6))
-    y = twin.forward(own(x))
-    dx = twin.backward(own(dy))
+    y = run.forward(own(x))
+    dy = np.random.default_rng(2).standard_normal(y.local.shape)
+    dx = run.backward(own(dy))
     xt = torch.from_numpy(x.copy()).requires_grad_()
-    ref = module(xt)
-    ref.backward(torch.from_numpy(dy))
+    ref = module(xt * 1)  # not the leaf itself: the module may work in place
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert run.output_shape(x.shape) == tuple(ref.shape) == y.local.shape
     np.testing.assert_allclose(y.local, ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+    ref.backward(torch.from_numpy(dy))
     if input_grad:
         np.testing.assert_allclose(dx.local, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
     else:
         assert dx is None
-    # the twin's parameters are its own
-    np.testing.assert_allclose(twin.torch_module.weight.grad.numpy(),
-                               module.weight.grad.numpy(), rtol=1e-12)
-    assert twin.torch_module.weight is not module.weight
-    assert twin.output_shape((2, 3, 7, 6)) == (2, 5, 7, 6)
+    for mine, theirs in zip(run.torch_module.parameters(), module.parameters()):
+        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-12)
+        assert mine is not theirs  # its own copy
+
+
+def test_the_kernel_timer_times_a_padded_module(tmp_path):
+    """The timer sizes its buffers from the twin's output shape: a padded convolution that
+    widens the channels, alone and in a chain, is timed whole."""
+    layer = priced(Conv2d(4, 16, 3, padding=1), nn.Conv2d(4, 16, 3, padding=1))
+    spec = layer.cost_spec(Distribution((1, 4, 16, 12), (1, 1, 1), (0, None, 1, 2)))
+    timer = KernelTimer("test", cache_dir=str(tmp_path), reps=2)
+    timer.measure_chain([(spec.twin, (1, 4, 16, 12), np.dtype(np.float32), 1.0)],
+                        MPI.COMM_SELF, reps=2)
+    fwd, bwd, estimated, _ = timer.times(spec.twin, (1, 4, 16, 12), np.float32, 1.0)
+    assert fwd > 0 and bwd > 0 and not estimated
+    assert any(k.startswith("torch.nn.Conv2d:") for k in timer.table)

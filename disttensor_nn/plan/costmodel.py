@@ -29,7 +29,7 @@ gradient reductions overlap backward.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -264,13 +264,24 @@ class CostModel:
         float16 under :func:`disttensor_nn.set_precision`); default the
         floating dtype of ``itemsize`` bytes. Parameters and their gradients
         count their own dtype's bytes.
+    runs_as : callable, optional
+        ``runs_as(dist)``: the distribution the runtime holds for a candidate's
+        distribution ``dist`` (pure), where it differs: a runtime that never
+        splits a dimension of length one (:func:`disttensor_nn.torch.pricing.as_run`)
+        holds replicas there. Each layer is priced on it. The moves between two
+        layers' distributions are priced on the candidates' own: a move into
+        replicas waits for every rank, which its bytes do not show, and priced
+        as a move between blocks it comes closer to what a step measures
+        (``docs/performance.md``). Default: the candidate's own.
     """
 
     def __init__(self, profile: MachineProfile, nprocs: int, timer: KernelTimer | None = None,
                  itemsize: int = 4, overlap: bool | None = None, bucket_bytes: float = 2**20,
                  training: bool = True, backends: Sequence[str] | None = None,
-                 shard_state: str = "none", state_slots: int = 1, dtype: Any = None):
+                 shard_state: str = "none", state_slots: int = 1, dtype: Any = None,
+                 runs_as: Callable[[Distribution], Distribution] | None = None):
         self.dtype = np.dtype(f"f{itemsize}" if dtype is None else dtype)
+        self.runs_as = runs_as
         self.profile, self.nprocs, self.timer = profile, nprocs, timer
         self.itemsize = self.dtype.itemsize
         if shard_state not in STAGES:
@@ -298,6 +309,11 @@ class CostModel:
         self.corun = nprocs if profile.measured else 1
         self.contention = max(1.0, nprocs / max(profile.cores_per_node, 1)) \
             if profile.measured else 1.0
+
+    def run(self, dist: Distribution) -> Distribution:
+        """The distribution the runtime holds for a candidate's ``dist``: ``runs_as``'s (a
+        runtime that keeps some dimensions whole, say), or ``dist`` itself."""
+        return dist if self.runs_as is None else self.runs_as(dist)
 
     # ------------------------------------------------------------ compute
     def _compute(self, layer: Layer, local_in: tuple[int, ...], flops: float,
@@ -347,7 +363,7 @@ class CostModel:
 
     def _layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate,
                split_channels: bool, split_out: bool | None) -> LayerCost:
-        dist = dist_for(in_shape, cand, split_channels, inner=self.inner)
+        dist = self.run(dist_for(in_shape, cand, split_channels, inner=self.inner))
         spec = layer.cost_spec(dist, self.itemsize)
         _check_spec(layer, spec, dist)
         out_shape = tuple(layer.output_shape(tuple(in_shape)))
@@ -355,8 +371,8 @@ class CostModel:
         split_out = split_channels if split_out is None else split_out
         out_bytes = in_bytes
         if len(out_shape) in (2, len(cand), len(cand) + 1):
-            out_bytes = math.prod(largest_block(
-                dist_for(out_shape, cand, split_out, inner=self.inner))) * self.itemsize
+            out_bytes = math.prod(largest_block(self.run(
+                dist_for(out_shape, cand, split_out, inner=self.inner)))) * self.itemsize
         training = self.training
         cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),
                          transient=spec.transient(in_bytes, out_bytes, training),

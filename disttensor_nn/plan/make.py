@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from mpi4py import MPI
 
+from disttensor import Distribution
 from disttensor.device import use_device
 
 from ..kernels import BACKENDS, available_backends, check_backend
@@ -32,7 +33,9 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               recompute: bool | str = False, training: bool = True,
               channels: bool = False, max_states: int | None = None,
               kernels: str | None = None, shard_state: str = "none",
-              state_slots: int = 1) -> tuple[Plan, Planner | None]:
+              state_slots: int = 1,
+              runs_as: Callable[[Distribution], Distribution] | None = None
+              ) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
     ``memory`` (bytes per rank) defaults to the profile's memory per rank. On
@@ -113,6 +116,9 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     state_slots : int
         Arrays of optimizer state per parameter (1: SGD's momentum; 2: Adam's
         moments).
+    runs_as : callable, optional
+        The distribution the runtime holds for a candidate's, where it differs
+        (:class:`CostModel`'s ``runs_as``).
 
     Returns
     -------
@@ -146,7 +152,7 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     planners = [Planner(model, batch_shape,
                         CostModel(machine_profile, nprocs, timer, itemsize, training=training,
                                   backends=backends, shard_state=stage,
-                                  state_slots=state_slots, dtype=dtype),
+                                  state_slots=state_slots, dtype=dtype, runs_as=runs_as),
                         memory, baseline=baseline, recompute=recompute if training else False,
                         channels=channels, max_states=max_states)
                 for stage in (STAGES if shard_state == "auto" else (shard_state,))]

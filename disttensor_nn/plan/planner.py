@@ -220,7 +220,7 @@ class Planner:
                 alone = priced if priced is not None else CostModel(
                     self.cost.profile, self.cost.nprocs, QueryRecorder(), self.cost.itemsize,
                     training=self.cost.training, backends=self.cost.backends,
-                    dtype=self.cost.dtype).layer(
+                    dtype=self.cost.dtype, runs_as=self.cost.runs_as).layer(
                         layer, node.in_shape, cand, split, out_split)
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
@@ -367,7 +367,7 @@ class Planner:
         rec = QueryRecorder()
         model = CostModel(self.cost.profile, self.cost.nprocs, rec, self.cost.itemsize,
                           training=self.cost.training, backends=self.cost.backends,
-                          dtype=self.cost.dtype)
+                          dtype=self.cost.dtype, runs_as=self.cost.runs_as)
         c = self.states.index((tuple(cand), split_channels)) \
             if (tuple(cand), split_channels) in self.states else None
         for node in self.nodes:

@@ -66,7 +66,7 @@ from ..plan.costmodel import dist_for
 from ..plan.tracing import leaf_nodes, trace
 from ..window import WindowSpec
 from .interpolation import INTERPOLATION_MODES
-from .pricing import priced
+from .pricing import as_run, priced
 
 __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout"]
 
@@ -457,10 +457,11 @@ class _Mirror:
             ok = False
         if not ok:  # the built-in layer does not take it as PyTorch does: a traced op
             layer = TracedOp(kind, out, whole, params=self.params(node), dtype=self.dtype)
-        # priced as the compiler runs it: whole where unsplit, by the module itself
-        module = self.gm.get_submodule(node.target) if node.op == "call_module" and ok \
-            else None
-        layer = priced(layer, module)
+        if node.op == "call_module" and ok and len(node.args) == 1 and not node.kwargs:
+            # timed as the module itself where its input is whole (pricing.priced)
+            layer = priced(layer, self.gm.get_submodule(node.target))
+        if source is self.graph.source:  # the model's input needs no gradient
+            layer.input_grad = False
         # a module called again is named by its node ('pool_1'), as torch.fx names it
         name = node.target if node.op == "call_module" and node.target not in self.names \
             else node.name
@@ -766,7 +767,7 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         try:
             plan, _ = make_plan(network, tuple(shape), nprocs, name, memory_per_rank,
                                 itemsize=itemsize, comm=comm if profile.measured else None,
-                                kernels="torch", baseline=baseline)
+                                kernels="torch", baseline=baseline, runs_as=as_run)
         except ValueError as err:
             raise ValueError(f"parallelize: {err}") from None
         plan = replace(plan, entries=[replace(e, name=leaf.name, layer=leaf.kind)

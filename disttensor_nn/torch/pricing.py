@@ -10,23 +10,26 @@ differently, and which change which layout is cheapest:
   the samples of a one-sample batch, the built-in layers leave the other ranks'
   blocks empty and still sum statistics over them; the compiler instead keeps
   the dimension whole, so that every rank computes the same whole block (its
-  grid axis holds replicas), with no message and no sum. :func:`as_run` is
-  that distribution, and a node is priced on it.
-- **A whole block runs the module itself.** Where no dimension of a node's
+  grid axis holds replicas), with no message for it. :func:`as_run` is that
+  distribution; the planner prices every layer, and every move between two
+  layers' distributions, on it (the cost model's ``runs_as``).
+- **A whole block runs the module itself.** Where no dimension of a module's
   input is split, the compiler calls the PyTorch module as it is (a convolution
   with its own padding, ``F.batch_norm`` over the block), a few microseconds of
   Python a call; the built-in layer's own per-call work costs some hundred
   microseconds. Such a node's kernels are timed on a :class:`ModuleTwin`: the
-  module run forward and backward by PyTorch's autograd on the local block. A
-  node whose input is split keeps the built-in layer's twin, whose per-call work
-  stands for that of the compiler's halo exchanges and split statistics.
+  module run forward and backward by PyTorch's autograd on the local block
+  (:func:`priced`). A node whose input is split keeps the built-in layer's
+  twin, whose per-call work is of the order of the compiler's halo exchanges
+  and split statistics on small blocks (compared in ``docs/performance.md``);
+  function nodes (``F.relu``, ``F.interpolate``) and traced operations keep the
+  built-in price everywhere.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import math
 from dataclasses import replace
 from types import ModuleType
 from typing import Any
@@ -37,7 +40,7 @@ from mpi4py import MPI
 from torch import nn
 
 from disttensor import DistArray, Distribution, ProcessGrid
-from disttensor.backend import array_namespace, is_numpy
+from disttensor.backend import array_namespace
 
 from ..costspec import CostSpec, largest_block
 from ..module import Layer
@@ -46,12 +49,24 @@ __all__ = ["ModuleTwin", "as_run", "priced"]
 
 
 def as_run(dist: Distribution) -> Distribution:
-    """``dist`` as the compiler runs it: dimensions of length one whole (their grid
-    axes hold replicas)."""
+    """The distribution :func:`~disttensor_nn.torch.parallelize` holds for ``dist``.
+
+    Parameters
+    ----------
+    dist : Distribution
+        A candidate's distribution of a layer's input (pure or on a grid).
+
+    Returns
+    -------
+    Distribution
+        ``dist`` with every dimension of length one whole (its grid axes hold
+        replicas: every rank has the same block), ``dist`` itself where no
+        such dimension is split.
+    """
     if all(n > 1 or dist.nblocks[d] == 1 for d, n in enumerate(dist.global_shape)):
         return dist
-    axes = [None if n <= 1 else a for n, a in zip(dist.global_shape, dist.axes)]
-    return Distribution(dist.global_shape, dist.grid_arg, axes)
+    return dist.replace(axes=[None if n <= 1 else a
+                              for n, a in zip(dist.global_shape, dist.axes)])
 
 
 @functools.lru_cache(maxsize=256)
@@ -65,33 +80,58 @@ def _own(local: Any) -> DistArray:
     return DistArray(local, _self_dist(tuple(local.shape)))
 
 
-class ModuleTwin(Layer):
+def _as_tensor(a: Any) -> torch.Tensor:
+    """An array's memory as a tensor (no copy)."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+
+
+def _as_array(t: torch.Tensor, like: Any) -> Any:
+    """A tensor's memory as an array of ``like``'s module (no copy)."""
+    return t.numpy() if t.device.type == "cpu" else array_namespace(like).from_dlpack(t)
+
+
+def _settings(module: nn.Module) -> str:
+    """What of a module's plain attributes ``repr`` leaves out (pooling's
+    ``count_include_pad``, interpolation's ``align_corners``, ...), for the timer's key."""
+    plain = (bool, int, float, str, tuple, type(None))
+    return ",".join(f"{k}={v!r}" for k, v in sorted(vars(module).items())
+                    if not k.startswith("_") and k != "training" and isinstance(v, plain))
+
+
+class ModuleTwin(Layer, checked=False):
     """A PyTorch module run on a local block, as the kernel timer runs a layer's twin.
 
     ``forward`` runs the module under autograd on the block (shared with
-    PyTorch, not copied), ``backward`` runs PyTorch's backward from the given
-    gradient and returns the input's (None with ``input_grad`` off, as a
-    first layer's). The module is a copy: timing never changes the model's
-    parameters or statistics.
+    PyTorch, not copied), on the block's device; ``backward`` runs PyTorch's
+    backward from the given gradient and returns the input's (None with
+    ``input_grad`` off, as for a first layer, which PyTorch then skips). The
+    twin that runs (:meth:`local_twin`, as the timer takes it) has a copy of
+    the module, in-place operations off: timing never changes the model's
+    parameters or statistics. ``forward`` and ``backward`` are the runs
+    alone, without the checks of a layer's (``checked=False``): the compiled
+    node makes none of them.
 
     Parameters
     ----------
     module : torch.nn.Module
-        The traced model's module.
+        The traced model's module (kept as it is; copied by :meth:`local_twin`).
     like : Layer
         The built-in layer that stands for it in the planner's network: its
         output shapes and its FLOPs, bytes and memory on a block.
     """
 
     def __init__(self, module: nn.Module, like: Layer):
-        object.__setattr__(self, "torch_module", copy.deepcopy(module).train())
+        object.__setattr__(self, "torch_module", module)
         object.__setattr__(self, "like", like)
         object.__setattr__(self, "_saved", None)
 
     def kernel_signature(self) -> str:
-        return f"torch.nn.{self.torch_module!r}"
+        """The module's type, ``repr`` and plain settings: the timer's key."""
+        m = self.torch_module
+        return f"torch.nn.{type(m).__name__}:{m!r}|{_settings(m)}"
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The module's output shape on an input of ``in_shape``."""
         return tuple(self.like.output_shape(tuple(in_shape)))
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
@@ -102,115 +142,105 @@ class ModuleTwin(Layer):
                        redistributions=(), twin=None)
 
     def local_twin(self) -> ModuleTwin:
-        return ModuleTwin(self.torch_module, self.like)
+        """A twin with its own copy of the module (training mode, nothing in place)."""
+        module = copy.deepcopy(self.torch_module).train()
+        for m in module.modules():
+            if getattr(m, "inplace", False) is True:
+                m.inplace = False  # a leaf that requires a gradient: no in-place writes
+        twin = ModuleTwin(module, self.like)
+        twin.input_grad = self.input_grad
+        return twin
 
     def to(self, xp: ModuleType, device: Any = None) -> ModuleTwin:
-        if not is_numpy(xp):
-            self.torch_module.to("cuda" if device is None else f"cuda:{int(device)}")
+        """Itself: the module follows its input's device when it runs."""
         return self
 
     def zero_grad(self) -> None:
+        """Zero the module's parameters' gradients."""
         self.torch_module.zero_grad(set_to_none=False)
 
-    def run_forward(self, x: DistArray) -> DistArray:
+    def forward(self, x: DistArray) -> DistArray:
         """The module forward on ``x``'s block, under autograd."""
-        t = torch.from_dlpack(x.local) if not isinstance(x.local, np.ndarray) else \
-            torch.from_numpy(x.local)
+        t = _as_tensor(x.local)
+        module = self.torch_module
+        p = next(module.parameters(), None)
+        if p is not None and p.device != t.device:
+            module.to(t.device)
         t.requires_grad_(self.input_grad)
         with torch.enable_grad():
-            y = self.torch_module(t)
+            y = module(t)
         if isinstance(y, tuple):  # max pooling's values and indices: the values
             y = y[0]
         object.__setattr__(self, "_saved", (t, y))
-        out = y.detach()
-        return _own(out.numpy() if out.device.type == "cpu" else _as_array(out, x.local))
+        return _own(_as_array(y.detach(), x.local))
 
-    def run_backward(self, dy: DistArray) -> DistArray | None:
+    def backward(self, dy: DistArray) -> DistArray | None:
         """PyTorch's backward from ``dy``'s block: the input's gradient (or None)."""
         t, y = self._saved
         object.__setattr__(self, "_saved", None)
-        g = dy.local
-        y.backward(torch.from_numpy(g) if isinstance(g, np.ndarray) else torch.from_dlpack(g))
-        if t.grad is None:
+        if not y.requires_grad:  # no parameter and no input gradient: nothing to run
             return None
-        return _own(t.grad.numpy() if t.grad.device.type == "cpu" else _as_array(t.grad, g))
+        y.backward(_as_tensor(dy.local))
+        return None if t.grad is None else _own(_as_array(t.grad, dy.local))
 
     def __repr__(self) -> str:
         return f"ModuleTwin({self.torch_module!r})"
 
 
-# The timer calls forward and backward: here they are the runs alone, without the checks a
-# Layer's own forward and backward are wrapped in (a compiled node makes none of them; they
-# would add some 100 us a call to what is timed)
-ModuleTwin.forward = ModuleTwin.run_forward  # type: ignore[method-assign]
-ModuleTwin.backward = ModuleTwin.run_backward  # type: ignore[method-assign]
-
-
-def _as_array(t: torch.Tensor, like: Any) -> Any:
-    """A device tensor as an array of ``like``'s module (DLPack, no copy)."""
-    return array_namespace(like).from_dlpack(t)
-
-
-def _on(run: Distribution, spec: CostSpec) -> CostSpec:
-    """``spec`` (of a layer on ``run``) with no message along a dimension of length one: the
-    cost model prices halos and sums by the candidate's grid, where such a dimension is
-    split (one rank's block whole, the others' empty)."""
-    unit = {d for d, n in enumerate(run.global_shape) if n <= 1 and run.nblocks[d] == 1}
-    if not unit:
-        return spec
-    sums = []
-    for a in spec.allreduces:
-        dims = tuple(d for d in a.dims if d not in unit and run.nblocks[d] > 1)
-        if dims or a.axes:
-            sums.append(replace(a, dims=dims))
-    halo = None if spec.halo is None else tuple(
-        (0, 0) if d in unit else w for d, w in enumerate(spec.halo))
-    return replace(spec, allreduces=tuple(sums), halo=halo)
+def _plain(layer: Layer) -> Layer:
+    """A copy of ``layer`` of its built-in class (without :class:`_Priced`)."""
+    base = next(c for c in type(layer).__mro__ if not issubclass(c, _Priced))
+    plain = copy.copy(layer)
+    plain.__class__ = base
+    for key in ("_traced_module", "_module_twins"):
+        plain.__dict__.pop(key, None)
+    return plain
 
 
 class _Priced:
-    """The planner's view of a traced node: a built-in layer priced as the compiler runs
-    it (the module's notes). Mixed into the built-in layer's class by :func:`priced`."""
+    """A built-in layer standing for a module of a traced model, timed as the module
+    where no dimension of its input is split (mixed in by :func:`priced`)."""
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        run = as_run(dist)
-        spec = _on(run, super().cost_spec(run, itemsize))  # type: ignore[misc]
-        module = self.__dict__.get("_traced_module")
-        if module is None or not spec.timed or \
-                any(n > 1 for n in run.nblocks):
+        spec = super().cost_spec(dist, itemsize)  # type: ignore[misc]
+        if not spec.timed or any(n > 1 for n in dist.nblocks):
             return spec
-        twin = self.__dict__.get("_module_twin")
-        if twin is None:
-            twin = ModuleTwin(module, self.local_twin())
-            object.__setattr__(self, "_module_twin", twin)
-        twin.input_grad = self.input_grad  # type: ignore[attr-defined]
-        return replace(spec, local_shape=largest_block(run), twin=twin)
+        twins = self.__dict__.setdefault("_module_twins", {})
+        key = bool(self.input_grad)  # type: ignore[attr-defined]
+        if key not in twins:
+            twins[key] = ModuleTwin(self.__dict__["_traced_module"], _plain(self))
+            twins[key].input_grad = key
+        return replace(spec, local_shape=largest_block(dist), twin=twins[key])
 
     def local_twin(self) -> Layer:
         """The built-in layer's twin (what the timer runs for a split input)."""
-        twin = super().local_twin()  # type: ignore[misc]
-        base = next(c for c in type(twin).__mro__ if not issubclass(c, _Priced))
-        plain = base.__new__(base)
-        plain.__dict__.update(twin.__dict__)
-        for key in ("_traced_module", "_module_twin"):
-            plain.__dict__.pop(key, None)
-        return plain
+        return _plain(super().local_twin())  # type: ignore[misc]
 
 
 @functools.cache
 def _priced_class(cls: type) -> type:
-    return type(cls.__name__, (_Priced, cls), {"__module__": cls.__module__,
-                                               "__qualname__": cls.__qualname__})
+    return type(f"Priced{cls.__name__}", (_Priced, cls), {"__module__": __name__})
 
 
-def priced(layer: Layer, module: nn.Module | None) -> Layer:
-    """``layer`` (a built-in layer standing for a traced node) priced as the compiler runs
-    the node: on :func:`as_run`'s distribution, and, where ``module`` is the node's
-    PyTorch module and no dimension of its input is split, by the module's own time."""
-    if isinstance(layer, _Priced):
-        return layer
-    new = _priced_class(type(layer)).__new__(_priced_class(type(layer)))
-    new.__dict__.update(layer.__dict__)
-    if module is not None:
-        new.__dict__["_traced_module"] = module
+def priced(layer: Layer, module: nn.Module) -> Layer:
+    """``layer`` priced as :func:`~disttensor_nn.torch.parallelize` runs ``module``.
+
+    Parameters
+    ----------
+    layer : Layer
+        The built-in layer that stands for a traced module in the planner's
+        network (its kernels timed as the layer's where the input is split).
+    module : torch.nn.Module
+        The module, called on its input alone.
+
+    Returns
+    -------
+    Layer
+        A copy of ``layer`` whose cost spec, where no dimension of the input
+        is split, names a :class:`ModuleTwin` of ``module`` as the twin to
+        time, on the whole block.
+    """
+    new = copy.copy(layer)
+    new.__class__ = _priced_class(type(layer))
+    new.__dict__["_traced_module"] = module
     return new
