@@ -284,9 +284,15 @@ class Layer:
         return numpy_dtype(dtype)
 
     def __init_subclass__(cls, checked: bool = True, **kwargs: Any) -> None:
-        """Wrap the subclass's own ``forward`` and ``backward`` in the checks above;
-        ``class Twin(Layer, checked=False)`` leaves them as written (a stand-in that
-        only the kernel timer runs, whose time the checks would distort)."""
+        """Wrap the subclass's own ``forward`` and ``backward`` in the checks above.
+
+        Parameters
+        ----------
+        checked : bool
+            False (``class Twin(Layer, checked=False)``) leaves them as written: for a
+            stand-in that only the kernel timer runs, whose time the checks would
+            distort.
+        """
         super().__init_subclass__(**kwargs)
         if not checked:
             return

@@ -18,8 +18,10 @@ from disttensor import DistArray, Distribution, ProcessGrid
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from disttensor_nn import BatchNorm2d, Conv2d, MaxPool2d, ReLU  # noqa: E402
+from disttensor_nn import BatchNorm2d, Conv2d, Layer, MaxPool2d, ReLU  # noqa: E402
 from disttensor_nn.plan import CostModel, KernelTimer, load_profile  # noqa: E402
+from disttensor_nn.plan.costmodel import dist_for  # noqa: E402
+from disttensor_nn.torch.autoplan import needs_grad  # noqa: E402
 from disttensor_nn.torch.pricing import ModuleTwin, as_run, priced  # noqa: E402
 
 torch.set_num_threads(1)
@@ -155,3 +157,69 @@ def test_the_kernel_timer_times_a_padded_module(tmp_path):
     fwd, bwd, estimated, _ = timer.times(spec.twin, (1, 4, 16, 12), np.float32, 1.0)
     assert fwd > 0 and bwd > 0 and not estimated
     assert any(k.startswith("torch.nn.Conv2d:") for k in timer.table)
+
+
+def test_moves_between_layers_are_priced_on_the_candidates():
+    """``runs_as`` prices layers only: a move into replicas waits for every rank."""
+    shape = (1, 8, 32, 32)
+    whole, height = dist_for(shape, (2, 1, 1)), dist_for(shape, (1, 2, 1))
+    mine, plain = cost_model(Timer()), cost_model(Timer(), runs_as=None)
+    for a, b in ((whole, height), (height, whole)):
+        assert mine.redistribution(a, b) == plain.redistribution(a, b) > 0
+
+
+def test_a_priced_layer_is_timed_under_the_built_in_key():
+    for layer, module in ((ReLU(), nn.ReLU()), (MaxPool2d(3, 2, 1), nn.MaxPool2d(3, 2, 1)),
+                          (Conv2d(4, 6, 3, padding=1), nn.Conv2d(4, 6, 3, padding=1))):
+        assert priced(layer, module).kernel_signature() == layer.kernel_signature()
+
+
+def test_a_bfloat16_module_runs_on_16_bit_blocks():
+    """The planner times a bfloat16 model's activations as 16-bit blocks of its own kind."""
+    module = nn.Conv2d(3, 4, 3, padding=1).to(torch.bfloat16)
+    spec = priced(Conv2d(3, 4, 3, padding=1), module).cost_spec(
+        Distribution((1, 3, 8, 8), (1, 1, 1), (0, None, 1, 2)), 2)
+    run = spec.twin.local_twin()
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float16)
+    y = run.forward(own(x))
+    dx = run.backward(own(np.ones(y.local.shape, np.float16)))
+    assert y.local.dtype == dx.local.dtype == np.float16 and y.local.shape == (1, 4, 8, 8)
+    assert np.isfinite(dx.local).all()
+
+
+def test_no_input_gradient_before_the_first_parameter():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = nn.MaxPool2d(2)
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.bn(self.conv(self.pool(x * 2))) * self.scale + x.mean()
+
+    gm = torch.fx.symbolic_trace(Net())
+    grads = {n.name: g for n, g in needs_grad(gm).items()}
+    assert grads["x"] is grads["mul"] is grads["pool"] is grads["mean"] is False
+    assert grads["conv"] is grads["bn"] is grads["scale"] is grads["mul_1"] is True
+
+
+def test_a_layer_may_leave_its_passes_unchecked():
+    class Checked(Layer):
+        def forward(self, x):
+            return x
+
+        def backward(self, dy):
+            return dy
+
+    class Unchecked(Layer, checked=False):
+        def forward(self, x):
+            return x
+
+        def backward(self, dy):
+            return dy
+
+    with pytest.raises(RuntimeError):
+        Checked().backward(own(np.zeros(2)))  # before any forward
+    assert Unchecked().backward("anything") == "anything"

@@ -310,7 +310,7 @@ class CostModel:
         self.contention = max(1.0, nprocs / max(profile.cores_per_node, 1)) \
             if profile.measured else 1.0
 
-    def run(self, dist: Distribution) -> Distribution:
+    def held(self, dist: Distribution) -> Distribution:
         """The distribution the runtime holds for a candidate's ``dist``: ``runs_as``'s (a
         runtime that keeps some dimensions whole, say), or ``dist`` itself."""
         return dist if self.runs_as is None else self.runs_as(dist)
@@ -363,7 +363,7 @@ class CostModel:
 
     def _layer(self, layer: Layer, in_shape: tuple[int, ...], cand: Candidate,
                split_channels: bool, split_out: bool | None) -> LayerCost:
-        dist = self.run(dist_for(in_shape, cand, split_channels, inner=self.inner))
+        dist = self.held(dist_for(in_shape, cand, split_channels, inner=self.inner))
         spec = layer.cost_spec(dist, self.itemsize)
         _check_spec(layer, spec, dist)
         out_shape = tuple(layer.output_shape(tuple(in_shape)))
@@ -371,7 +371,7 @@ class CostModel:
         split_out = split_channels if split_out is None else split_out
         out_bytes = in_bytes
         if len(out_shape) in (2, len(cand), len(cand) + 1):
-            out_bytes = math.prod(largest_block(self.run(
+            out_bytes = math.prod(largest_block(self.held(
                 dist_for(out_shape, cand, split_out, inner=self.inner)))) * self.itemsize
         training = self.training
         cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),

@@ -68,7 +68,7 @@ from ..window import WindowSpec
 from .interpolation import INTERPOLATION_MODES
 from .pricing import as_run, priced
 
-__all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "plan_layouts", "relayout"]
+__all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "needs_grad", "plan_layouts", "relayout"]
 
 #: The key of a relayout node's ``meta`` that holds the Distribution it moves its input to.
 LAYOUT_KEY = "disttensor_layout"
@@ -243,6 +243,40 @@ def _inputs(node: Node) -> list[Node]:
     return out
 
 
+def needs_grad(gm: GraphModule) -> dict[Node, bool]:
+    """Whether each node's value needs a gradient in training.
+
+    A value needs one where it depends on a parameter that requires a gradient
+    (a module's, or one the graph reads as an attribute); the model's input
+    needs none, as PyTorch takes a tensor fed to a model, so the operations
+    before the first parameter compute no input gradient.
+
+    Parameters
+    ----------
+    gm : GraphModule
+        The traced model.
+
+    Returns
+    -------
+    dict
+        Node to whether its value needs a gradient.
+    """
+    out: dict[Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            out[n] = False
+        elif n.op == "get_attr":
+            value: Any = gm
+            for part in str(n.target).split("."):
+                value = getattr(value, part)
+            out[n] = isinstance(value, torch.Tensor) and value.requires_grad
+        else:
+            own = n.op == "call_module" and any(
+                p.requires_grad for p in gm.get_submodule(n.target).parameters())
+            out[n] = own or any(out.get(a, False) for a in _inputs(n))
+    return out
+
+
 class _Graph:
     """The tensors that depend on the input, their producers and the immediate dominators."""
 
@@ -375,6 +409,7 @@ class _Mirror:
         self.dtype = _np_dtype(dtype)
         self.elementwise = elementwise
         self.leaves: list[_Leaf] = []
+        self.grads = needs_grad(gm)
         self.names: set[str] = set()
 
     # ------------------------------------------------------------ structure
@@ -460,8 +495,7 @@ class _Mirror:
         if node.op == "call_module" and ok and len(node.args) == 1 and not node.kwargs:
             # timed as the module itself where its input is whole (pricing.priced)
             layer = priced(layer, self.gm.get_submodule(node.target))
-        if source is self.graph.source:  # the model's input needs no gradient
-            layer.input_grad = False
+        layer.input_grad = self.grads[source]  # none before the first parameter
         # a module called again is named by its node ('pool_1'), as torch.fx names it
         name = node.target if node.op == "call_module" and node.target not in self.names \
             else node.name

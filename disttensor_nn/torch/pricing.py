@@ -11,8 +11,10 @@ differently, and which change which layout is cheapest:
   blocks empty and still sum statistics over them; the compiler instead keeps
   the dimension whole, so that every rank computes the same whole block (its
   grid axis holds replicas), with no message for it. :func:`as_run` is that
-  distribution; the planner prices every layer, and every move between two
-  layers' distributions, on it (the cost model's ``runs_as``).
+  distribution; the planner prices every layer on it (the cost model's
+  ``runs_as``). The moves between two layers' distributions stay priced on the
+  candidates' own: a move into replicas waits for every rank, which its bytes
+  do not show.
 - **A whole block runs the module itself.** Where no dimension of a module's
   input is split, the compiler calls the PyTorch module as it is (a convolution
   with its own padding, ``F.batch_norm`` over the block), a few microseconds of
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from dataclasses import replace
 from types import ModuleType
 from typing import Any
@@ -160,19 +163,23 @@ class ModuleTwin(Layer, checked=False):
         self.torch_module.zero_grad(set_to_none=False)
 
     def forward(self, x: DistArray) -> DistArray:
-        """The module forward on ``x``'s block, under autograd."""
+        """The module forward on ``x``'s block, under autograd (the block converted to the
+        module's floating dtype where it differs, as a bfloat16 model's 16-bit blocks)."""
         t = _as_tensor(x.local)
         module = self.torch_module
-        p = next(module.parameters(), None)
-        if p is not None and p.device != t.device:
+        state = next(itertools.chain(module.parameters(), module.buffers()), None)
+        if state is not None and state.device != t.device:
             module.to(t.device)
         t.requires_grad_(self.input_grad)
+        inner = t.to(state.dtype) if state is not None and state.dtype.is_floating_point \
+            and t.dtype.is_floating_point and state.dtype != t.dtype else t
         with torch.enable_grad():
-            y = module(t)
+            y = module(inner)
         if isinstance(y, tuple):  # max pooling's values and indices: the values
             y = y[0]
         object.__setattr__(self, "_saved", (t, y))
-        return _own(_as_array(y.detach(), x.local))
+        out = y.detach()
+        return _own(_as_array(out if out.dtype == t.dtype else out.to(t.dtype), x.local))
 
     def backward(self, dy: DistArray) -> DistArray | None:
         """PyTorch's backward from ``dy``'s block: the input's gradient (or None)."""
@@ -180,7 +187,7 @@ class ModuleTwin(Layer, checked=False):
         object.__setattr__(self, "_saved", None)
         if not y.requires_grad:  # no parameter and no input gradient: nothing to run
             return None
-        y.backward(_as_tensor(dy.local))
+        y.backward(_as_tensor(dy.local).to(y.dtype))
         return None if t.grad is None else _own(_as_array(t.grad, dy.local))
 
     def __repr__(self) -> str:
@@ -203,13 +210,14 @@ class _Priced:
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         spec = super().cost_spec(dist, itemsize)  # type: ignore[misc]
-        if not spec.timed or any(n > 1 for n in dist.nblocks):
+        module = self.__dict__.get("_traced_module")
+        if module is None or not spec.timed or any(n > 1 for n in dist.nblocks):
             return spec
         twins = self.__dict__.setdefault("_module_twins", {})
-        key = bool(self.input_grad)  # type: ignore[attr-defined]
+        key = (bool(self.input_grad), self.kernel_backend)  # type: ignore[attr-defined]
         if key not in twins:
-            twins[key] = ModuleTwin(self.__dict__["_traced_module"], _plain(self))
-            twins[key].input_grad = key
+            twins[key] = ModuleTwin(module, _plain(self))
+            twins[key].input_grad = key[0]
         return replace(spec, local_shape=largest_block(dist), twin=twins[key])
 
     def local_twin(self) -> Layer:
@@ -219,7 +227,10 @@ class _Priced:
 
 @functools.cache
 def _priced_class(cls: type) -> type:
-    return type(f"Priced{cls.__name__}", (_Priced, cls), {"__module__": __name__})
+    # the built-in class's name, which kernel signatures and reprs are made of: the
+    # work is the built-in layer's wherever it is timed as the layer
+    return type(cls.__name__, (_Priced, cls),
+                {"__module__": __name__, "__qualname__": f"priced[{cls.__qualname__}]"})
 
 
 def priced(layer: Layer, module: nn.Module) -> Layer:
