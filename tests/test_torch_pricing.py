@@ -60,6 +60,10 @@ def test_as_run_keeps_dimensions_of_length_one_whole():
     assert as_run(h) is h  # nothing of length one is split
     both = as_run(Distribution((1, 4, 8, 1), (2, 1, 2), (0, None, 1, 2)))
     assert both.axes == (None, None, 1, None)
+    uneven = Distribution((1, 4, 8, 6), (2, 2, 1), (0, None, 1, 2),
+                          splits=[None, None, [3], None])
+    assert as_run(uneven).axes == (None, None, 1, 2)
+    assert as_run(uneven).splits == uneven.splits  # the height's uneven blocks kept
 
 
 @pytest.mark.parametrize("make, module, shape", [

@@ -68,8 +68,9 @@ def as_run(dist: Distribution) -> Distribution:
     """
     if all(n > 1 or dist.nblocks[d] == 1 for d, n in enumerate(dist.global_shape)):
         return dist
-    return dist.replace(axes=[None if n <= 1 else a
-                              for n, a in zip(dist.global_shape, dist.axes)])
+    shape = dist.global_shape
+    return dist.replace(splits=[None if n <= 1 else c for n, c in zip(shape, dist.splits)],
+                        axes=[None if n <= 1 else a for n, a in zip(shape, dist.axes)])
 
 
 @functools.lru_cache(maxsize=256)
