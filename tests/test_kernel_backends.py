@@ -284,3 +284,27 @@ def test_residual_sums_over_torchs_threads_equal_numpys_exactly():
     out = add_blocks(dt.DistArray(a, d), dt.DistArray(b, d))
     assert out.dtype == np.float64
     np.testing.assert_array_equal(out.local, a + b)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_torch_convolution_gradients_skip_the_bias_only_where_asked(nd):
+    """``need_db=False`` gives no bias gradient and the same input and weight gradients as
+    the NumPy kernels; by default the bias gradient follows ``need_dw``."""
+    rng = np.random.default_rng(nd)
+    x = rng.standard_normal((2, 3) + (7,) * nd)
+    w = rng.standard_normal((4, 3) + (3,) * nd)
+    stride, dilation = (2,) + (1,) * (nd - 1), (1,) * nd
+    y = kernels_for(x, "numpy").conv_forward(x, w, None, stride, dilation)
+    dy = rng.standard_normal(y.shape)
+    want = kernels_for(x, "numpy").conv_backward(dy, x, w, stride, dilation)
+    dx, dw, db = torch_kernels.conv_backward(dy, x, w, stride, dilation, need_db=False)
+    assert db is None
+    np.testing.assert_allclose(dx, want[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dw, want[1], rtol=1e-12, atol=1e-12)
+    _, dw, db = torch_kernels.conv_backward(dy, x, w, stride, dilation, need_dx=False)
+    np.testing.assert_allclose(db, dy.sum(axis=(0, *range(2, 2 + nd))), rtol=1e-12)
+    np.testing.assert_allclose(dw, want[1], rtol=1e-12, atol=1e-12)
+    dx, dw, db = torch_kernels.conv_backward(dy, x, w, stride, dilation, need_dw=False)
+    assert dw is None and db is None
+    np.testing.assert_allclose(dx, want[0], rtol=1e-12, atol=1e-12)

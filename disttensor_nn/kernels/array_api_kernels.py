@@ -137,8 +137,11 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
 
 def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequence[int],
                   groups: int = 1, need_dx: bool = True, need_dw: bool = True,
-                  workspace_bytes: int = WORKSPACE_BYTES) -> tuple[Any | None, Any | None, Any]:
+                  workspace_bytes: int = WORKSPACE_BYTES, need_db: bool | None = None
+                  ) -> tuple[Any | None, Any | None, Any]:
     """Gradients of :func:`conv_forward`: ``(dx, dw, db)``, ``dx`` over the whole input ``x``.
+
+    ``db`` is always given, whatever ``need_db`` (the torch kernels' flag): one sum.
 
     Per batch tile: ``dw += dy @ cols(x)^T`` and ``dx`` += col2im of ``w^T @ dy``.
     ``dx`` (``dw``) is None unless ``need_dx`` (``need_dw``).

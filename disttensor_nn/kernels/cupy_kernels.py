@@ -219,8 +219,11 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
 
 def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequence[int],
                   groups: int = 1, need_dx: bool = True, need_dw: bool = True,
-                  workspace_bytes: int = WORKSPACE_BYTES) -> tuple[Any | None, Any | None, Any]:
+                  workspace_bytes: int = WORKSPACE_BYTES, need_db: bool | None = None
+                  ) -> tuple[Any | None, Any | None, Any]:
     """Gradients ``(dx, dw, db)`` (as :func:`disttensor_nn.kernels.numpy_kernels.conv_backward`).
+
+    ``db`` is always given, whatever ``need_db`` (the torch kernels' flag): one sum.
 
     cuDNN's data- and filter-gradient convolutions when available for the
     problem, else im2col and cuBLAS.

@@ -374,9 +374,13 @@ def _conv_forward_into(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
 
 def conv_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, stride: Sequence[int],
                   dilation: Sequence[int], groups: int = 1, need_dx: bool = True,
-                  need_dw: bool = True, workspace_bytes: int = WORKSPACE_BYTES
+                  need_dw: bool = True, workspace_bytes: int = WORKSPACE_BYTES,
+                  need_db: bool | None = None
                   ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
     """Gradients of :func:`conv_forward`: ``(dx, dw, db)`` (dx over the whole input ``x``).
+
+    ``db`` is always given, whatever ``need_db`` (the torch kernels' flag): it is a row
+    of the weight gradient's GEMM, or one sum.
 
     ``dw`` and ``db``: per tile of output positions one GEMM of ``dy`` with the
     im2col of ``x`` and its row of ones. ``dx``: either ``w^T dy`` per tile, added

@@ -251,7 +251,8 @@ class ConvNd(WindowLayer):
         dx, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
             to_dtype(dy, rd), to_dtype(xwin, rd), to_dtype(self.weight.data, rd),
             self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
-            need_dx=True, need_dw=both, **self._padding_kw())
+            need_dx=True, need_dw=both, need_db=both and self.bias is not None,
+            **self._padding_kw())
         self._pending = (dw, db) if both else None
         return to_dtype(dx, dy.dtype)
 
@@ -273,7 +274,8 @@ class ConvNd(WindowLayer):
                 _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
                     to_dtype(dy.local, rd), to_dtype(xwin, rd), to_dtype(w, rd),
                     self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
-                    need_dx=False, need_dw=True, **self._padding_kw())
+                    need_dx=False, need_dw=True, need_db=self.bias is not None,
+                    **self._padding_kw())
             # the torch kernel's own new arrays: given to the parameters where no cast
             # copies them (nothing else holds them)
             owned = self.kernel_backend == "torch" and numpy_dtype(dw.dtype) == self.dtype

@@ -179,7 +179,7 @@ class ConvTransposeNd(Layer):
         if window is not None:
             _, dw, _ = k.conv_backward(to_dtype(xl, rd), window, w, self.spec.stride,
                                        self.spec.dilation, self.groups, need_dx=False,
-                                       need_dw=True)
+                                       need_dw=True, need_db=False)
             dw = to_dtype(dw, self.dtype)
         else:
             dw = x.xp.zeros_like(self.weight.data)
