@@ -92,13 +92,44 @@ def test_a_replicated_node_is_the_module_without_messages(make, module, shape):
         assert plain.comm > 0
 
 
-def test_several_samples_are_priced_as_before():
+def test_several_samples_of_a_whole_batch_norm_are_priced_as_before():
     timer = Timer()
     shape = (4, 4, 16, 12)
     plain = cost_model(timer, runs_as=None).layer(BatchNorm2d(4), shape, (2, 1, 1))
     mine = cost_model(timer).layer(priced(BatchNorm2d(4), nn.BatchNorm2d(4)), shape,
                                    (2, 1, 1))
     assert (mine.fwd, mine.bwd, mine.comm) == (plain.fwd, plain.bwd, plain.comm)
+
+
+@pytest.mark.parametrize("make, module, as_module", [
+    (lambda: Conv2d(4, 6, 3, padding=1), nn.Conv2d(4, 6, 3, padding=1), True),
+    (lambda: MaxPool2d(2), nn.MaxPool2d(2), True),
+    (lambda: ReLU(), nn.ReLU(), True),
+    (lambda: BatchNorm2d(4, stats="group"), nn.BatchNorm2d(4), True),  # each rank's own
+    (lambda: BatchNorm2d(4), nn.BatchNorm2d(4), False),  # sums over the ranks first
+])
+def test_split_samples_run_the_module_where_nothing_else_is_summed(make, module, as_module):
+    """Blocks of whole samples run the module on each rank (its gradients' sums priced as
+    the built-in layer's); a split over space, or statistics over the whole batch, keep the
+    built-in layer's twin."""
+    timer = Timer()
+    shape = (4, 4, 16, 12)
+    plain = cost_model(Timer(), runs_as=None).layer(make(), shape, (2, 1, 1))
+    mine = cost_model(timer).layer(priced(make(), module), shape, (2, 1, 1))
+    twin, local = timer.asked[-1]
+    assert isinstance(twin, ModuleTwin) == as_module
+    if as_module:
+        assert local == (2, 4, 16, 12) and (mine.fwd, mine.bwd) == (MODULE_TIME,
+                                                                    2 * MODULE_TIME)
+        # the parameters' gradients still summed, nothing else
+        assert (mine.grad, mine.comm) == (plain.grad, plain.comm)
+        if isinstance(module, nn.Conv2d):
+            assert mine.grad + mine.comm > 0
+    else:
+        assert (mine.fwd, mine.bwd, mine.comm) == (plain.fwd, plain.bwd, plain.comm)
+    timer.asked.clear()
+    cost_model(timer).layer(priced(make(), module), shape, (1, 2, 1))  # over the height
+    assert not any(isinstance(t, ModuleTwin) for t, _ in timer.asked)
 
 
 def test_one_rank_runs_the_modules():

@@ -15,16 +15,20 @@ differently, and which change which layout is cheapest:
   ``runs_as``). The moves between two layers' distributions stay priced on the
   candidates' own: a move into replicas waits for every rank, which its bytes
   do not show.
-- **A whole block runs the module itself.** Where no dimension of a module's
-  input is split, the compiler calls the PyTorch module as it is (a convolution
-  with its own padding, ``F.batch_norm`` over the block), a few microseconds of
-  Python a call; the built-in layer's own per-call work costs some hundred
+- **A block of whole samples runs the module itself.** Where no dimension of a
+  module's input but the samples is split and nothing but parameter gradients
+  is summed over the ranks (:func:`runs_as_module`), the compiler calls the
+  PyTorch module as it is on each rank's block (a convolution with its own
+  padding, ``F.batch_norm`` over the block), a few microseconds of Python a
+  call; the built-in layer's own per-call work costs some hundred
   microseconds. Such a node's kernels are timed on a :class:`ModuleTwin`: the
   module run forward and backward by PyTorch's autograd on the local block
-  (:func:`priced`). A node whose input is split keeps the built-in layer's
-  twin, whose per-call work is of the order of the compiler's halo exchanges
-  and split statistics on small blocks (compared in ``docs/performance.md``);
-  function nodes (``F.relu``, ``F.interpolate``) and traced operations keep the
+  (:func:`priced`); its gradients' sums stay priced as the built-in layer's.
+  A node whose input is split otherwise (space, channels, or the samples of a
+  batch norm over the whole batch) keeps the built-in layer's twin, whose
+  per-call work is of the order of the compiler's halo exchanges and split
+  statistics on small blocks (compared in ``docs/performance.md``); function
+  nodes (``F.relu``, ``F.interpolate``) and traced operations keep the
   built-in price everywhere.
 """
 
@@ -48,7 +52,7 @@ from disttensor.backend import array_namespace
 from ..costspec import CostSpec, largest_block
 from ..module import Layer
 
-__all__ = ["ModuleTwin", "as_run", "priced"]
+__all__ = ["ModuleTwin", "as_run", "priced", "runs_as_module"]
 
 
 def as_run(dist: Distribution) -> Distribution:
@@ -195,6 +199,22 @@ class ModuleTwin(Layer, checked=False):
         return f"ModuleTwin({self.torch_module!r})"
 
 
+def runs_as_module(spec: CostSpec, dist: Distribution) -> bool:
+    """Whether a layer of cost ``spec`` on an input in ``dist`` is the module's own call on
+    each rank's block: no dimension but the samples split, nothing summed over the ranks
+    but parameter gradients, no move.
+
+    The compiler runs such a node as the module on the block (a convolution with its own
+    padding, a batch norm whose statistics are the block's), as one process runs it on
+    those samples.
+    """
+    if any(n > 1 for d, n in enumerate(dist.nblocks) if d != 0):
+        return False
+    summed = [a for a in spec.allreduces if not a.gradient and
+              (a.axes or any(dist.nblocks[d] > 1 for d in a.dims))]  # over more than one rank
+    return not spec.redistributions and not summed
+
+
 def _plain(layer: Layer) -> Layer:
     """A copy of ``layer`` of its built-in class (without :class:`_Priced`)."""
     base = next(c for c in type(layer).__mro__ if not issubclass(c, _Priced))
@@ -207,12 +227,12 @@ def _plain(layer: Layer) -> Layer:
 
 class _Priced:
     """A built-in layer standing for a module of a traced model, timed as the module
-    where no dimension of its input is split (mixed in by :func:`priced`)."""
+    where it runs as itself on each rank's block (mixed in by :func:`priced`)."""
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         spec = super().cost_spec(dist, itemsize)  # type: ignore[misc]
         module = self.__dict__.get("_traced_module")
-        if module is None or not spec.timed or any(n > 1 for n in dist.nblocks):
+        if module is None or not spec.timed or not runs_as_module(spec, dist):
             return spec
         twins = self.__dict__.setdefault("_module_twins", {})
         key = (bool(self.input_grad), self.kernel_backend)  # type: ignore[attr-defined]
@@ -248,9 +268,9 @@ def priced(layer: Layer, module: nn.Module) -> Layer:
     Returns
     -------
     Layer
-        A copy of ``layer`` whose cost spec, where no dimension of the input
-        is split, names a :class:`ModuleTwin` of ``module`` as the twin to
-        time, on the whole block.
+        A copy of ``layer`` whose cost spec, where the module runs as itself on
+        each rank's block (:func:`runs_as_module`), names a :class:`ModuleTwin`
+        of ``module`` as the twin to time, on that block.
     """
     new = copy.copy(layer)
     new.__class__ = _priced_class(type(layer))
