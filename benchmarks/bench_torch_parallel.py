@@ -34,8 +34,10 @@ converted, as PyTorch's recipe for it goes), so that the ratios are given agains
 ceiling's plain halves then run channels-last as well.
 
 ``--auto`` lays the parallelized models out by the planner (``layout="auto"``, the
-default of ``parallelize``) instead of one grid over ``--split``'s dimension, and prints the
-plan; ``--split`` then still says how DDP and the ceiling split the batch.
+default of ``parallelize``) instead of one grid over ``--split``'s dimension, in the memory
+format it predicts faster (``memory_format="auto"``, the default too, unless
+``--channels-last``), and prints the plan; ``--split`` then still says how DDP and the
+ceiling split the batch.
 
 ``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
 weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = "auto" if a.auto else (size, 1, 1, 1) if a.split == "N" else (1, 1, size, 1)
     par = trunk(build())
     par.load_state_dict(plain.state_dict())
-    fmt = torch.channels_last if a.channels_last else None
+    # --auto: parallelize's defaults, the memory format the planner's too
+    fmt = torch.channels_last if a.channels_last else "auto" if a.auto else None
     pm = parallelize(par, shape, layout=grid, memory_format=fmt)
     x = dt.DistArray.from_global(x_all, pm.input_dist, xp=torch)
     if a.auto and rank == 0:
@@ -134,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         pm_g = parallelize(par_g, shape, layout=grid, batch_norm_stats="group",
                            memory_format=fmt)
         gopt = torch.optim.SGD(pm_g.parameters(), lr=0.01, momentum=0.9)
+        if a.auto and rank == 0:
+            print(f"with batch_norm_stats='group': blocks {pm_g.plan.memory_format}, "
+                  f"predicted {1e3 * pm_g.plan.time:.2f} ms")
     out_shape = plain(x_all[:1]).shape[1:]
     t_all = torch.rand((a.batch, *out_shape))
     y_dist = None
 
     popt = torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9)
+    planned = {"parallelize": pm, **({"parallelize-group": pm_g} if grouped else {})}
 
     def cast(on: bool = True) -> contextlib.AbstractContextManager:
         return torch.autocast("cpu", dtype=torch.bfloat16) \
@@ -253,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                        # the parallelized models that ran and their ratios to the baseline
                        "ratios": ratios,
                        "channels_last": a.channels_last,
+                       # the blocks' memory format each parallelized model's plan chose
+                       "memory_format": {k: m.plan.memory_format for k, m in planned.items()
+                                         if m.plan is not None},
                        "ratios_against_channels_last_baseline": (
                            {k: med[k] / med[base + "-cl"] for k in ratios}
                            if a.channels_last else None),

@@ -24,7 +24,8 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402, N812  (after the skip)
 from torch import nn  # noqa: E402
 
-from disttensor_nn.plan import Plan  # noqa: E402
+from disttensor_nn.plan import Plan, builtin_profiles  # noqa: E402
+from disttensor_nn.plan import timer as timer_module  # noqa: E402
 from disttensor_nn.torch import gather, parallelize  # noqa: E402
 
 SIZES = [1, 2, 3]
@@ -426,3 +427,72 @@ def test_a_graph_the_planner_cannot_describe_is_refused_alike():
                           "grid shape" in str(exc), repr(exc))
         collective_assert(all(a is b for a, b in zip(before, model.parameters())),
                           "converted")
+
+
+# ------------------------------------------------------------------ memory format
+def _measured_machine(monkeypatch, tmp_path):
+    """A measured machine profile (the V100's figures; kernels timed on this machine) in a
+    scratch directory shared by the ranks, with the kernel timer's cache there too."""
+    where = comm.bcast(str(tmp_path) if comm.Get_rank() == 0 else None, root=0)
+    path = f"{where}/machine.json"
+    if comm.Get_rank() == 0:
+        dataclasses.replace(builtin_profiles()[MACHINE], name="memory-format-test",
+                            measured=True, device="cpu").save(path)
+    comm.Barrier()
+    monkeypatch.setattr(timer_module, "default_cache_dir", lambda: where)
+    return path
+
+
+@pytest.mark.parallel([1, 2])
+def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_path):
+    """On a measured profile the model is planned on (N, C, H, W) and on channels-last
+    blocks; the plan predicted faster is kept, says so, and the blocks are laid out as it
+    was timed; outputs and gradients equal one process's either way."""
+    machine = _measured_machine(monkeypatch, tmp_path)
+    shape = (4, 2, 16, 16)
+    model, _, _ = make("cnn", torch.float64)
+    times = {}
+    for fmt, name in ((torch.contiguous_format, "contiguous"),
+                      (torch.channels_last, "channels_last")):
+        plan = parallelize(copy.deepcopy(model), shape, machine=machine,
+                           memory_format=fmt).plan
+        collective_assert(plan.memory_format == name, plan.memory_format)
+        times[name] = plan.time
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, shape, machine=machine)  # memory_format='auto', the default
+    best = min(times, key=times.get)
+    collective_assert(pm.plan.memory_format == best and pm.plan.time == times[best],
+                      (pm.plan.memory_format, pm.plan.time, times))
+    collective_assert(any("memory format chosen" in n and best + " kept" in n
+                          for n in pm.plan.notes), pm.plan.notes)
+    want = torch.channels_last if best == "channels_last" else None
+    collective_assert(pm.memory_format == want, (pm.memory_format, want))
+    x = global_tensor(shape, 1, torch.float64)
+    out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+    whole = gather(out.local, out.dist)
+    target = global_tensor(tuple(whole.shape), 2, torch.float64)
+    (whole * target).sum().backward()
+    yr = ref(x)
+    (yr * target).sum().backward()
+    collective_assert(rel(out.to_global(), yr) < 1e-10, "output")
+    for (name, a), b in zip(pm.named_parameters(), ref.parameters()):
+        collective_assert(rel(a.grad, b.grad) < 1e-10, f"grad {name}")
+
+
+@pytest.mark.parallel([1, 2])
+def test_auto_memory_format_times_nothing_on_a_published_profile():
+    """A published profile times no kernel: nothing tells the layouts apart, the blocks
+    stay as they come; a grid layout ignores 'auto' alike; other values are refused on
+    every rank."""
+    model, shape, _ = make("cnn", torch.float64)
+    pm = parallelize(copy.deepcopy(model), shape, machine=MACHINE)
+    collective_assert(pm.plan.memory_format == "contiguous" and pm.memory_format is None and
+                      not any("memory format" in n for n in pm.plan.notes), pm.plan.notes)
+    grid = (comm.Get_size(), 1, 1, 1)
+    collective_assert(parallelize(copy.deepcopy(model), shape, grid).memory_format is None,
+                      "a grid layout keeps blocks as they come")
+    for bad in ("sideways", 3):
+        exc = outcome(lambda bad=bad: parallelize(copy.deepcopy(model), shape,
+                                                  machine=MACHINE, memory_format=bad))
+        collective_assert(isinstance(exc, ValueError) and "memory_format" in str(exc),
+                          repr(exc))

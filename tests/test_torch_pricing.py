@@ -9,6 +9,8 @@ is asked about (so the costs are known), or a real one on a scratch cache.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -22,7 +24,13 @@ from disttensor_nn import BatchNorm2d, Conv2d, Layer, MaxPool2d, ReLU  # noqa: E
 from disttensor_nn.plan import CostModel, KernelTimer, load_profile  # noqa: E402
 from disttensor_nn.plan.costmodel import dist_for  # noqa: E402
 from disttensor_nn.torch.autoplan import needs_grad  # noqa: E402
-from disttensor_nn.torch.pricing import ModuleTwin, as_run, priced  # noqa: E402
+from disttensor_nn.torch.pricing import (  # noqa: E402
+    ModuleTwin,
+    as_run,
+    channels_last_view,
+    priced,
+    standard_view,
+)
 
 torch.set_num_threads(1)
 MODULE_TIME, LAYER_TIME = 1e-6, 1e-3
@@ -258,3 +266,34 @@ def test_a_layer_may_leave_its_passes_unchecked():
     with pytest.raises(RuntimeError):
         Checked().backward(own(np.zeros(2)))  # before any forward
     assert Unchecked().backward("anything") == "anything"
+
+
+def test_a_channels_last_twin_runs_the_module_on_channels_last_memory():
+    """The twin reads a C-contiguous block as channels-last memory (no copy), the module
+    sees a channels-last tensor, and its output and input gradient come back as the module's
+    on that tensor, read as C-contiguous blocks; the timer keeps its times apart."""
+    module = nn.Conv2d(3, 5, 3, padding=1).double()
+    plain = ModuleTwin(module, Conv2d(3, 5, 3, padding=1))
+    twin = ModuleTwin(module, Conv2d(3, 5, 3, padding=1), channels_last=True).local_twin()
+    assert twin.channels_last and twin.kernel_signature() != plain.kernel_signature()
+    seen = []
+    twin.torch_module.register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    rng = np.random.default_rng(5)
+    x, dy = rng.standard_normal((2, 3, 6, 7)), rng.standard_normal((2, 5, 6, 7))
+    twin.input_grad = True
+    y = twin.forward(own(x))
+    dx = twin.backward(own(dy))
+    assert seen == [True]
+    assert y.local.flags.c_contiguous and dx.local.flags.c_contiguous
+    # the reference: the module on x's memory read as channels-last, by hand
+    xt = torch.from_numpy(x.copy()).view(2, 6, 7, 3).permute(0, 3, 1, 2).requires_grad_()
+    ref = copy.deepcopy(module)
+    yt = ref(xt)
+    yt.backward(torch.from_numpy(dy.copy()).view(2, 6, 7, 5).permute(0, 3, 1, 2))
+    np.testing.assert_allclose(y.local.reshape(-1), yt.detach().permute(0, 2, 3, 1)
+                               .reshape(-1).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(dx.local.reshape(-1), xt.grad.permute(0, 2, 3, 1)
+                               .reshape(-1).numpy(), rtol=1e-12)
+    back = standard_view(channels_last_view(torch.from_numpy(x)))
+    assert back.data_ptr() == torch.from_numpy(x).data_ptr() and back.is_contiguous()

@@ -402,9 +402,11 @@ class _Mirror:
     """Builds the planner's network for a traced graph (see the module's notes)."""
 
     def __init__(self, gm: GraphModule, dtype: torch.dtype,
-                 elementwise: Callable[[Node], bool], batch_norm_stats: str = "global"):
+                 elementwise: Callable[[Node], bool], batch_norm_stats: str = "global",
+                 channels_last: bool = False):
         self.gm = gm
         self.batch_norm_stats = batch_norm_stats
+        self.channels_last = channels_last
         self.graph = _Graph(gm)
         self.dtype = _np_dtype(dtype)
         self.elementwise = elementwise
@@ -493,8 +495,8 @@ class _Mirror:
         if not ok:  # the built-in layer does not take it as PyTorch does: a traced op
             layer = TracedOp(kind, out, whole, params=self.params(node), dtype=self.dtype)
         if node.op == "call_module" and ok and len(node.args) == 1 and not node.kwargs:
-            # timed as the module itself where its input is whole (pricing.priced)
-            layer = priced(layer, self.gm.get_submodule(node.target))
+            # timed as the module itself where it runs as itself (pricing.priced)
+            layer = priced(layer, self.gm.get_submodule(node.target), self.channels_last)
         layer.input_grad = self.grads[source]  # none before the first parameter
         # a module called again is named by its node ('pool_1'), as torch.fx names it
         name = node.target if node.op == "call_module" and node.target not in self.names \
@@ -717,10 +719,16 @@ def is_plan_layout(layout: Any) -> bool:
     return isinstance(layout, (str, os.PathLike, Plan))
 
 
+MEMORY_FORMATS = ("contiguous", "channels_last", "auto")
+"""What :func:`plan_layouts` plans the blocks' memory layout as: ``(N, C, *S)``,
+channels-last, or whichever of the two the plan predicts faster."""
+
+
 def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, layout: Any,
                  memory_per_rank: float | None, machine: Any, comm: MPI.Intracomm,
                  elementwise: Callable[[Node], bool], baseline: float = 0.0,
-                 batch_norm_stats: str = "global") -> tuple[Plan, Distribution]:
+                 batch_norm_stats: str = "global", memory_format: str = "contiguous"
+                 ) -> tuple[Plan, Distribution]:
     """Plan the traced model (or check a given plan) and mark its graph with the layouts.
 
     Before each planned operation a :func:`relayout` node is inserted on its
@@ -755,11 +763,19 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     batch_norm_stats : {'global', 'group'}
         The batch norms' statistics (:func:`~disttensor_nn.torch.parallelize`'s), priced
         as :class:`~disttensor_nn.BatchNorm2d`'s ``stats`` prices them.
+    memory_format : {'contiguous', 'channels_last', 'auto'}
+        How the blocks lie in memory: the modules that run as themselves are
+        timed on blocks so (:class:`~disttensor_nn.torch.pricing.ModuleTwin`).
+        ``'auto'``: on a measured machine profile, with 4-D or 5-D inputs, the
+        model is planned both ways and the plan predicted faster kept;
+        otherwise ``'contiguous'`` (nothing would tell the two apart). Ignored
+        for a given plan (its own ``memory_format`` holds).
 
     Returns
     -------
     plan : Plan
-        Its entries named by the model's modules (or nodes), one per operation.
+        Its entries named by the model's modules (or nodes), one per operation;
+        its ``memory_format`` the blocks' (``'contiguous'`` or ``'channels_last'``).
     input_dist : Distribution
         The distribution of the model's input.
 
@@ -774,12 +790,51 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         When no plan fits the memory budget, or for a plan of another model,
         input shape or rank count.
     """
-    mirror = _Mirror(gm, dtype, elementwise, batch_norm_stats)
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"parallelize: memory_format must be one of {MEMORY_FORMATS}, got "
+                         f"{memory_format!r}")
+    given = _given_plan(layout)
+    name = "this" if machine is None else machine
+    if given is not None:
+        options = [given.memory_format]
+    elif memory_format == "auto":  # both where kernels are timed; else nothing tells
+        measured = load_profile(name).measured and len(shape) in (4, 5)
+        options = ["contiguous", "channels_last"] if measured else ["contiguous"]
+    else:
+        options = [memory_format]
+    best: tuple[Plan, _Mirror, list[_Leaf]] | None = None
+    times = []
+    for fmt in options:
+        mirror, network, leaves = _mirrored(gm, dtype, elementwise, batch_norm_stats,
+                                            fmt == "channels_last")
+        plan = given if given is not None else _make(
+            network, leaves, shape, dtype, name, memory_per_rank, comm, baseline, fmt)
+        times.append(plan.time)
+        if best is None or plan.time < best[0].time:
+            best = (plan, mirror, leaves)
+    plan, mirror, leaves = best  # type: ignore[misc]
+    if len(options) > 1:
+        plan.notes.append("memory format chosen: " + ", ".join(
+            f"{fmt} {1e3 * t:.2f} ms" for fmt, t in zip(options, times)) +
+            f" predicted; {plan.memory_format} kept")
+    if given is not None:
+        why = _same_entries(plan, leaves, shape, comm.Get_size())
+        if why is not None:
+            raise ValueError(f"parallelize: the plan was made for another model: {why}")
+    return plan, _relayouts(gm, plan, mirror, leaves, shape, comm)
+
+
+def _mirrored(gm: GraphModule, dtype: torch.dtype, elementwise: Callable[[Node], bool],
+              batch_norm_stats: str, channels_last: bool) -> tuple[_Mirror, Any, list[_Leaf]]:
+    """The planner's network for the traced graph, and its leaves in the planner's order
+    (refused where the graph is not a chain of layers with residual and skip
+    connections)."""
+    mirror = _Mirror(gm, dtype, elementwise, batch_norm_stats, channels_last)
     network = mirror.build(mirror.graph.source, mirror.graph.result)
     leaves = mirror.leaves
     if not leaves:
         _fail(None, "the model has no operation to plan")
-    nodes = leaf_nodes(trace(network, tuple(shape)))
+    nodes = leaf_nodes(trace(network, tuple(_shape(mirror.graph.source))))
     order = {id(leaf.layer): leaf for leaf in leaves}
     leaves = [order[id(n.layer)] for n in nodes]  # the planner's order
     seen: set[Node] = set()
@@ -792,24 +847,31 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
                           and n not in mirror.graph.alias and not _is_merge(mirror.graph, n)
                           and _reaches(mirror.graph, n)):
         _fail(None, "its graph is not a chain of layers with residual and skip connections")
-    plan = _given_plan(layout)
-    nprocs = comm.Get_size()
+    return mirror, network, leaves
+
+
+def _make(network: Any, leaves: list[_Leaf], shape: tuple[int, ...], dtype: torch.dtype,
+          name: str, memory_per_rank: float | None, comm: MPI.Intracomm, baseline: float,
+          memory_format: str) -> Plan:
+    """The planner's plan of ``network`` (its entries named by the model's modules)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if plan is None:
-        name = "this" if machine is None else machine
-        profile = load_profile(name)
-        try:
-            plan, _ = make_plan(network, tuple(shape), nprocs, name, memory_per_rank,
-                                itemsize=itemsize, comm=comm if profile.measured else None,
-                                kernels="torch", baseline=baseline, runs_as=as_run)
-        except ValueError as err:
-            raise ValueError(f"parallelize: {err}") from None
-        plan = replace(plan, entries=[replace(e, name=leaf.name, layer=leaf.kind)
-                                      for e, leaf in zip(plan.entries, leaves)])
-    else:
-        why = _same_entries(plan, leaves, shape, nprocs)
-        if why is not None:
-            raise ValueError(f"parallelize: the plan was made for another model: {why}")
+    profile = load_profile(name)
+    try:
+        plan, _ = make_plan(network, tuple(shape), comm.Get_size(), name, memory_per_rank,
+                            itemsize=itemsize, comm=comm if profile.measured else None,
+                            kernels="torch", baseline=baseline, runs_as=as_run)
+    except ValueError as err:
+        raise ValueError(f"parallelize: {err}") from None
+    return replace(plan, memory_format=memory_format,
+                   entries=[replace(e, name=leaf.name, layer=leaf.kind)
+                            for e, leaf in zip(plan.entries, leaves)])
+
+
+def _relayouts(gm: GraphModule, plan: Plan, mirror: _Mirror, leaves: list[_Leaf],
+               shape: tuple[int, ...], comm: MPI.Intracomm) -> Distribution:
+    """Insert a :func:`relayout` node before each planned operation (its input's
+    Distribution in ``meta[LAYOUT_KEY]``); the model input's distribution."""
+    nprocs = comm.Get_size()
     pures = []
     for leaf, entry in zip(leaves, plan.entries):  # all checked before the grids are made
         try:
@@ -839,7 +901,7 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     if input_dist is None:  # the input goes to a merge first: the first layer's grid
         grid = grids[dist_for(shape, tuple(plan.entries[0].grid), inner=plan.inner).grid_shape]
         input_dist = Distribution(tuple(shape), grid, (None,) * len(shape))
-    return plan, input_dist
+    return input_dist
 
 
 def _is_merge(graph: _Graph, node: Node) -> bool:

@@ -104,7 +104,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
                 *, memory_per_rank: int | None = None, machine: Any = None,
                 comm: MPI.Intracomm | None = None, baseline: float = 0.0,
                 batch_norm_stats: str = "global",
-                memory_format: torch.memory_format | None = None) -> ParallelModule:
+                memory_format: torch.memory_format | str | None = "auto") -> ParallelModule:
     """An unchanged PyTorch model, run on this rank's blocks of a distributed input.
 
     The model is traced by :mod:`torch.fx` and each node compiled into a step
@@ -169,16 +169,21 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         (``state_dict``, ``load_state_dict``; read the buffers directly
         only after one of these). Where the samples are not split the two
         are the same.
-    memory_format : torch.memory_format, optional
+    memory_format : torch.memory_format, 'auto' or None
         The layout each forward pass puts its input block in:
         ``torch.channels_last`` (4-D inputs) or ``torch.channels_last_3d``
         (5-D), on which PyTorch's CPU convolutions run oneDNN's channels-last
         kernels (measured here 1.3-2.7x faster than on ``(N, C, H, W)`` blocks
         for 8-128 channels at batch 4-8, no faster or slower on small
         one-sample blocks; see the docs), or ``torch.contiguous_format``.
-        None (the default) keeps the block as it comes. Either way a block's
-        layout is kept through the halo exchanges, as PyTorch's operations
-        keep it; the values are the same in every layout.
+        None keeps the block as it comes. ``'auto'`` (the default): with
+        ``layout='auto'`` on a measured machine profile, the planner plans
+        the model both ways (the modules it times as themselves timed on
+        blocks of each layout) and keeps the faster (its plan's
+        ``memory_format``; channels-last blocks then, else as they come);
+        with a given plan, the plan's; otherwise as they come. Either way a
+        block's layout is kept through the halo exchanges, as PyTorch's
+        operations keep it; the values are the same in every layout.
 
     Returns
     -------
@@ -231,7 +236,11 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     if batch_norm_stats not in BATCH_NORM_STATS:
         raise ValueError(f"parallelize: batch_norm_stats must be 'global' or 'group', "
                          f"got {batch_norm_stats!r}")
-    memory_format = _memory_format(memory_format, len(shape))
+    planned = "auto" if memory_format == "auto" else None
+    memory_format = None if planned else _memory_format(memory_format, len(shape))
+    if planned is None:
+        planned = "channels_last" if memory_format in (
+            torch.channels_last, torch.channels_last_3d) else "contiguous"
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses
@@ -266,7 +275,10 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     if is_plan_layout(layout):  # the planner's layouts, a relayout node before each layer
         plan, input_dist = plan_layouts(gm, shape, dtype, layout, memory_per_rank, machine,
                                         comm, _runs_on_blocks(gm), baseline=baseline,
-                                        batch_norm_stats=batch_norm_stats)
+                                        batch_norm_stats=batch_norm_stats,
+                                        memory_format=planned)
+        if plan.memory_format == "channels_last" and memory_format is None:
+            memory_format = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     else:
         input_dist = _input_distribution(shape, layout, comm)
     compiler = _Compiler(gm, model, input_dist.grid, batch_norm_stats)
@@ -310,11 +322,12 @@ def _memory_format(memory_format: Any, ndim: int) -> torch.memory_format | None:
         return None
     if memory_format is torch.contiguous_format:
         return memory_format
-    wants = {torch.channels_last: 4, torch.channels_last_3d: 5}.get(memory_format)
+    wants = None if isinstance(memory_format, str) else \
+        {torch.channels_last: 4, torch.channels_last_3d: 5}.get(memory_format)
     if wants is None:
         raise ValueError(f"parallelize: memory_format must be a torch.memory_format "
                          f"(torch.channels_last, torch.channels_last_3d, "
-                         f"torch.contiguous_format) or None, got {memory_format!r}")
+                         f"torch.contiguous_format), 'auto' or None, got {memory_format!r}")
     if wants != ndim:
         raise ValueError(f"parallelize: memory_format {memory_format} is for inputs of "
                          f"{wants} dimensions, the model's has {ndim}")

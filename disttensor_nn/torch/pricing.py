@@ -52,7 +52,8 @@ from disttensor.backend import array_namespace
 from ..costspec import CostSpec, largest_block
 from ..module import Layer
 
-__all__ = ["ModuleTwin", "as_run", "priced", "runs_as_module"]
+__all__ = ["ModuleTwin", "as_run", "channels_last_view", "priced", "runs_as_module",
+           "standard_view"]
 
 
 def as_run(dist: Distribution) -> Distribution:
@@ -98,6 +99,23 @@ def _as_array(t: torch.Tensor, like: Any) -> Any:
     return t.numpy() if t.device.type == "cpu" else array_namespace(like).from_dlpack(t)
 
 
+def channels_last_view(t: torch.Tensor) -> torch.Tensor:
+    """A C-contiguous ``(N, C, *S)`` tensor's memory read as a channels-last tensor of the
+    same shape (no copy; the values land elsewhere: what a kernel timer needs, whose
+    inputs are random)."""
+    n, c, *space = t.shape
+    return t.view(n, *space, c).permute(0, t.dim() - 1, *range(1, t.dim() - 1))
+
+
+def standard_view(t: torch.Tensor) -> torch.Tensor:
+    """A channels-last tensor's memory read as a C-contiguous one of the same shape (no
+    copy, as :func:`channels_last_view` undoes); other tensors made contiguous."""
+    if t.is_contiguous():
+        return t
+    back = t.permute(0, *range(2, t.dim()), 1)
+    return back.view(t.shape) if back.is_contiguous() else t.contiguous()
+
+
 def _settings(module: nn.Module) -> str:
     """What of a module's plain attributes ``repr`` leaves out (pooling's
     ``count_include_pad``, interpolation's ``align_corners``, ...), for the timer's key."""
@@ -126,17 +144,32 @@ class ModuleTwin(Layer, checked=False):
     like : Layer
         The built-in layer that stands for it in the planner's network: its
         output shapes and its FLOPs, bytes and memory on a block.
+    channels_last : bool
+        Run it on channels-last blocks (``parallelize(memory_format=...)``):
+        a C-contiguous block is read as one (:func:`channels_last_view`, no
+        copy), and its output and input gradient are given back read as
+        C-contiguous blocks again (:func:`standard_view`), so that a chain of
+        such twins hands each other channels-last memory, as the step does.
     """
 
-    def __init__(self, module: nn.Module, like: Layer):
+    def __init__(self, module: nn.Module, like: Layer, channels_last: bool = False):
         object.__setattr__(self, "torch_module", module)
         object.__setattr__(self, "like", like)
+        object.__setattr__(self, "channels_last", bool(channels_last))
         object.__setattr__(self, "_saved", None)
 
     def kernel_signature(self) -> str:
-        """The module's type, ``repr`` and plain settings: the timer's key."""
+        """The module's type, ``repr``, plain settings and memory format: the timer's key."""
         m = self.torch_module
-        return f"torch.nn.{type(m).__name__}:{m!r}|{_settings(m)}"
+        return f"torch.nn.{type(m).__name__}:{m!r}|{_settings(m)}" + \
+            ("|channels_last" if self.channels_last else "")
+
+    def _in_format(self, t: torch.Tensor) -> torch.Tensor:
+        last = self.channels_last and t.dim() in (4, 5) and t.is_contiguous()
+        return channels_last_view(t) if last else t
+
+    def _out_format(self, t: torch.Tensor) -> torch.Tensor:
+        return standard_view(t) if self.channels_last and t.dim() in (4, 5) else t
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The module's output shape on an input of ``in_shape``."""
@@ -155,7 +188,7 @@ class ModuleTwin(Layer, checked=False):
         for m in module.modules():
             if getattr(m, "inplace", False) is True:
                 m.inplace = False  # a leaf that requires a gradient: no in-place writes
-        twin = ModuleTwin(module, self.like)
+        twin = ModuleTwin(module, self.like, self.channels_last)
         twin.input_grad = self.input_grad
         return twin
 
@@ -170,7 +203,7 @@ class ModuleTwin(Layer, checked=False):
     def forward(self, x: DistArray) -> DistArray:
         """The module forward on ``x``'s block, under autograd (the block converted to the
         module's floating dtype where it differs, as a bfloat16 model's 16-bit blocks)."""
-        t = _as_tensor(x.local)
+        t = self._in_format(_as_tensor(x.local))
         module = self.torch_module
         state = next(itertools.chain(module.parameters(), module.buffers()), None)
         if state is not None and state.device != t.device:
@@ -184,7 +217,8 @@ class ModuleTwin(Layer, checked=False):
             y = y[0]
         object.__setattr__(self, "_saved", (t, y))
         out = y.detach()
-        return _own(_as_array(out if out.dtype == t.dtype else out.to(t.dtype), x.local))
+        out = self._out_format(out if out.dtype == t.dtype else out.to(t.dtype))
+        return _own(_as_array(out, x.local))
 
     def backward(self, dy: DistArray) -> DistArray | None:
         """PyTorch's backward from ``dy``'s block: the input's gradient (or None)."""
@@ -192,11 +226,13 @@ class ModuleTwin(Layer, checked=False):
         object.__setattr__(self, "_saved", None)
         if not y.requires_grad:  # no parameter and no input gradient: nothing to run
             return None
-        y.backward(_as_tensor(dy.local).to(y.dtype))
-        return None if t.grad is None else _own(_as_array(t.grad, dy.local))
+        y.backward(self._in_format(_as_tensor(dy.local)).to(y.dtype))
+        return None if t.grad is None else _own(_as_array(self._out_format(t.grad),
+                                                          dy.local))
 
     def __repr__(self) -> str:
-        return f"ModuleTwin({self.torch_module!r})"
+        last = ", channels_last=True" if self.channels_last else ""
+        return f"ModuleTwin({self.torch_module!r}{last})"
 
 
 def runs_as_module(spec: CostSpec, dist: Distribution) -> bool:
@@ -220,7 +256,7 @@ def _plain(layer: Layer) -> Layer:
     base = next(c for c in type(layer).__mro__ if not issubclass(c, _Priced))
     plain = copy.copy(layer)
     plain.__class__ = base
-    for key in ("_traced_module", "_module_twins"):
+    for key in ("_traced_module", "_module_twins", "_channels_last"):
         plain.__dict__.pop(key, None)
     return plain
 
@@ -235,9 +271,10 @@ class _Priced:
         if module is None or not spec.timed or not runs_as_module(spec, dist):
             return spec
         twins = self.__dict__.setdefault("_module_twins", {})
-        key = (bool(self.input_grad), self.kernel_backend)  # type: ignore[attr-defined]
+        last = self.__dict__.get("_channels_last", False)
+        key = (bool(self.input_grad), self.kernel_backend, last)  # type: ignore[attr-defined]
         if key not in twins:
-            twins[key] = ModuleTwin(module, _plain(self))
+            twins[key] = ModuleTwin(module, _plain(self), last)
             twins[key].input_grad = key[0]
         return replace(spec, local_shape=largest_block(dist), twin=twins[key])
 
@@ -254,7 +291,7 @@ def _priced_class(cls: type) -> type:
                 {"__module__": __name__, "__qualname__": f"priced[{cls.__qualname__}]"})
 
 
-def priced(layer: Layer, module: nn.Module) -> Layer:
+def priced(layer: Layer, module: nn.Module, channels_last: bool = False) -> Layer:
     """``layer`` priced as :func:`~disttensor_nn.torch.parallelize` runs ``module``.
 
     Parameters
@@ -264,6 +301,8 @@ def priced(layer: Layer, module: nn.Module) -> Layer:
         network (its kernels timed as the layer's where the input is split).
     module : torch.nn.Module
         The module, called on its input alone.
+    channels_last : bool
+        Time the module on channels-last blocks (:class:`ModuleTwin`'s).
 
     Returns
     -------
@@ -275,4 +314,5 @@ def priced(layer: Layer, module: nn.Module) -> Layer:
     new = copy.copy(layer)
     new.__class__ = _priced_class(type(layer))
     new.__dict__["_traced_module"] = module
+    new.__dict__["_channels_last"] = bool(channels_last)
     return new
