@@ -138,3 +138,23 @@ def test_a_layer_stays_on_the_grid_that_lays_its_blocks_out_alike():
         got, t2, mem2, _ = planner._steady(assign, t, mem, [])
         assert got[id(planner.nodes[-1])] == (channel if moved else other)
         assert (t2, mem2) == (t, mem) == planner.assignment_cost(got)
+
+
+def test_a_training_step_pays_each_shuffle_forward_and_backward():
+    """Between two layers of different layouts training moves the activation forward and
+    its gradient back: the planner's shuffle prices (and their bounds) are twice the one
+    move's; an inference pass moves it once."""
+    prof = profile(np.random.default_rng(5))
+    shape = (4, 6, 8, 8)
+    matrices, bounds = {}, {}
+    for training in (True, False):
+        cost = CostModel(prof, 4, training=training)
+        planner = Planner(nn.Sequential(nn.ReLU()), shape, cost)
+        dists = [dist_for(shape, *st) for st in planner.states]
+        one = cost.redistributions(dists, dists)
+        assert (one > 0).any()
+        matrices[training] = planner.shuffle_matrix(shape)
+        assert np.array_equal(matrices[training], (2 if training else 1) * one)
+        bounds[training] = planner._shuffle_bounds(shape)
+        assert (bounds[training] <= matrices[training]).all()
+    assert np.array_equal(bounds[True], 2 * bounds[False]) and (bounds[False] > 0).any()

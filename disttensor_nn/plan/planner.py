@@ -272,8 +272,13 @@ class Planner:
             return None
         return layer
 
+    def _passes(self) -> int:
+        """Moves per shuffle: the activation forward and, in training, its gradient back."""
+        return 2 if self.cost.training else 1
+
     def shuffle_matrix(self, shape: tuple[int, ...]) -> np.ndarray:
-        """Seconds to move an activation of ``shape`` from state ``i`` to ``j`` (all states)."""
+        """Seconds to move an activation of ``shape`` from state ``i`` to ``j`` (all states):
+        forward, and in training its gradient back in backward."""
         every = np.arange(len(self.states))
         return self._shuffles(shape, every, every)
 
@@ -290,7 +295,7 @@ class Planner:
         if missing.any():
             src, dst = rows[missing.any(axis=1)], cols[missing.any(axis=0)]
             inner = self.cost.inner
-            m[np.ix_(src, dst)] = self.cost.redistributions(
+            m[np.ix_(src, dst)] = self._passes() * self.cost.redistributions(
                 [dist_for(shape, *self.states[i], inner=inner) for i in src],
                 [dist_for(shape, *self.states[j], inner=inner) for j in dst])
             m[np.diag_indices(len(self.states))] = 0.0
@@ -465,7 +470,7 @@ class Planner:
             p = self.cost.nprocs
             ranks = np.unique(np.linspace(0, p - 1, min(p, _BOUND_RANKS)).astype(np.intp))
             dists = [dist_for(shape, *st, inner=self.cost.inner) for st in self.states]
-            m = self.cost.redistribution_bounds(dists, dists, ranks)
+            m = self._passes() * self.cost.redistribution_bounds(dists, dists, ranks)
             m[np.diag_indices(len(self.states))] = 0.0
             self._shuffle_low[shape] = m
         return self._shuffle_low[shape]
