@@ -805,7 +805,7 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     best: tuple[Plan, _Mirror, list[_Leaf]] | None = None
     times = []
     for fmt in options:
-        mirror, network, leaves = _mirrored(gm, dtype, elementwise, batch_norm_stats,
+        mirror, network, leaves = _mirrored(gm, shape, dtype, elementwise, batch_norm_stats,
                                             fmt == "channels_last")
         plan = given if given is not None else _make(
             network, leaves, shape, dtype, name, memory_per_rank, comm, baseline, fmt)
@@ -824,8 +824,9 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     return plan, _relayouts(gm, plan, mirror, leaves, shape, comm)
 
 
-def _mirrored(gm: GraphModule, dtype: torch.dtype, elementwise: Callable[[Node], bool],
-              batch_norm_stats: str, channels_last: bool) -> tuple[_Mirror, Any, list[_Leaf]]:
+def _mirrored(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype,
+              elementwise: Callable[[Node], bool], batch_norm_stats: str,
+              channels_last: bool) -> tuple[_Mirror, Any, list[_Leaf]]:
     """The planner's network for the traced graph, and its leaves in the planner's order
     (refused where the graph is not a chain of layers with residual and skip
     connections)."""
@@ -834,7 +835,7 @@ def _mirrored(gm: GraphModule, dtype: torch.dtype, elementwise: Callable[[Node],
     leaves = mirror.leaves
     if not leaves:
         _fail(None, "the model has no operation to plan")
-    nodes = leaf_nodes(trace(network, tuple(_shape(mirror.graph.source))))
+    nodes = leaf_nodes(trace(network, tuple(shape)))
     order = {id(leaf.layer): leaf for leaf in leaves}
     leaves = [order[id(n.layer)] for n in nodes]  # the planner's order
     seen: set[Node] = set()
