@@ -446,8 +446,9 @@ def _measured_machine(monkeypatch, tmp_path):
 @pytest.mark.parallel([1, 2])
 def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_path):
     """On a measured profile the model is planned on (N, C, H, W) and on channels-last
-    blocks; the plan predicted faster is kept, says so, and the blocks are laid out as it
-    was timed; outputs and gradients equal one process's either way."""
+    blocks (the input blocks' conversion timed into the latter); the plan predicted faster
+    is kept, says so, and the blocks are laid out as it was timed; outputs and gradients
+    equal one process's either way."""
     machine = _measured_machine(monkeypatch, tmp_path)
     shape = (4, 2, 16, 16)
     model, _, _ = make("cnn", torch.float64)
@@ -457,6 +458,9 @@ def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_pat
         plan = parallelize(copy.deepcopy(model), shape, machine=machine,
                            memory_format=fmt).plan
         collective_assert(plan.memory_format == name, plan.memory_format)
+        # the input blocks' conversion, timed on every rank, is part of channels-last's time
+        converted = [n for n in plan.notes if n.startswith("input blocks put in channels-last")]
+        collective_assert(len(converted) == (name == "channels_last"), plan.notes)
         times[name] = plan.time
     ref = copy.deepcopy(model)
     pm = parallelize(model, shape, machine=machine)  # memory_format='auto', the default

@@ -37,6 +37,8 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import statistics
+import time
 from dataclasses import replace
 from types import ModuleType
 from typing import Any
@@ -52,8 +54,8 @@ from disttensor.backend import array_namespace
 from ..costspec import CostSpec, largest_block
 from ..module import Layer
 
-__all__ = ["ModuleTwin", "as_run", "channels_last_view", "priced", "runs_as_module",
-           "standard_view"]
+__all__ = ["ModuleTwin", "as_run", "channels_last_view", "conversion_seconds", "priced",
+           "runs_as_module", "standard_view"]
 
 
 def as_run(dist: Distribution) -> Distribution:
@@ -114,6 +116,33 @@ def standard_view(t: torch.Tensor) -> torch.Tensor:
         return t
     back = t.permute(0, *range(2, t.dim()), 1)
     return back.view(t.shape) if back.is_contiguous() else t.contiguous()
+
+
+def conversion_seconds(block: tuple[int, ...], dtype: torch.dtype, comm: MPI.Intracomm,
+                       reps: int = 5) -> float:
+    """Seconds to put an ``(N, C, *S)`` block of ``block``'s shape in channels-last layout
+    (``Tensor.contiguous(memory_format=...)``, what a parallel model does to each input
+    block it is given in another layout), timed on every rank of ``comm`` at once: the
+    slowest rank's median of ``reps``, the same on every rank (collective). Timed once
+    per process for each shape, dtype and number of ranks (so that plans made in turn
+    compare alike).
+    """
+    key = (tuple(block), dtype, comm.Get_size())
+    if comm.allreduce(key in _CONVERSIONS, op=MPI.LAND):  # every rank's, or timed again
+        return float(comm.allreduce(_CONVERSIONS[key], op=MPI.MAX))
+    fmt = torch.channels_last if len(block) == 4 else torch.channels_last_3d
+    x = torch.rand(tuple(block), dtype=torch.float32).to(dtype)
+    times = []
+    for _ in range(reps + 1):  # the first untimed
+        comm.Barrier()
+        t0 = time.perf_counter()
+        x.contiguous(memory_format=fmt)
+        times.append(time.perf_counter() - t0)
+    _CONVERSIONS[key] = float(comm.allreduce(statistics.median(times[1:]), op=MPI.MAX))
+    return _CONVERSIONS[key]
+
+
+_CONVERSIONS: dict[tuple[Any, ...], float] = {}
 
 
 def _settings(module: nn.Module) -> str:
