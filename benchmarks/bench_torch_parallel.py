@@ -31,7 +31,10 @@ only ``global`` runs).
 (``parallelize(memory_format=torch.channels_last)``), and adds the baseline in the same
 layout (``ddp-cl``, or ``torch-cl`` on one rank: the reference model and its input
 converted, as PyTorch's recipe for it goes), so that the ratios are given against both; the
-ceiling's plain halves then run channels-last as well.
+ceiling's plain halves then run channels-last as well. The input is then converted once,
+before the steps, for the parallelized models as for the baseline (without the flag a
+parallelized model that chose channels-last converts each step's input block, as it
+would a data loader's batch).
 
 ``--auto`` lays the parallelized models out by the planner (``layout="auto"``, the
 default of ``parallelize``) instead of one grid over ``--split``'s dimension, in the memory
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     fmt = torch.channels_last if a.channels_last else "auto" if a.auto else None
     pm = parallelize(par, shape, layout=grid, memory_format=fmt)
     x = dt.DistArray.from_global(x_all, pm.input_dist, xp=torch)
+    if a.channels_last:  # given in the layout the channels-last baseline's input is given in
+        x = dt.DistArray(x.local.contiguous(memory_format=torch.channels_last), x.dist)
     if a.auto and rank == 0:
         print(pm.plan.table())
     grouped = a.split == "N" and size > 1 and a.bn_stats != "global"
