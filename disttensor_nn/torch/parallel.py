@@ -236,11 +236,10 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     if batch_norm_stats not in BATCH_NORM_STATS:
         raise ValueError(f"parallelize: batch_norm_stats must be 'global' or 'group', "
                          f"got {batch_norm_stats!r}")
-    planned = "auto" if memory_format == "auto" else None
-    memory_format = None if planned else _memory_format(memory_format, len(shape))
-    if planned is None:
-        planned = "channels_last" if memory_format in (
-            torch.channels_last, torch.channels_last_3d) else "contiguous"
+    auto = isinstance(memory_format, str) and memory_format == "auto"
+    memory_format = None if auto else _memory_format(memory_format, len(shape))
+    planned = "auto" if auto else "channels_last" if memory_format in (
+        torch.channels_last, torch.channels_last_3d) else "contiguous"
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - whatever torch.fx refuses

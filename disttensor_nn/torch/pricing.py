@@ -3,7 +3,7 @@ runs for it on each layout, not the built-in layer that stands for it.
 
 The planner sees a traced model as a network of built-in layers (a convolution
 module as :class:`~disttensor_nn.Conv2d`, and so on: :mod:`.autoplan`), whose cost
-specs and 1-process twins it prices. Two things the parallelized model does
+specs and 1-process twins it prices. What the parallelized model does
 differently, and which change which layout is cheapest:
 
 - **Dimensions of length one are never split.** Where a candidate's grid splits
@@ -30,6 +30,11 @@ differently, and which change which layout is cheapest:
   statistics on small blocks (compared in ``docs/performance.md``); function
   nodes (``F.relu``, ``F.interpolate``) and traced operations keep the
   built-in price everywhere.
+- **Blocks may be channels-last.** The modules that run as themselves are
+  timed on blocks of the layout the plan is for (``ModuleTwin(channels_last=...)``,
+  reading the timer's C-contiguous arrays as channels-last memory with no copy),
+  and a channels-last plan pays for putting each input block in that layout
+  (:func:`conversion_seconds`).
 """
 
 from __future__ import annotations
