@@ -443,7 +443,7 @@ def _measured_machine(monkeypatch, tmp_path):
     return path
 
 
-@pytest.mark.parallel([1, 2])
+@pytest.mark.parallel(SIZES)
 def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_path):
     """On a measured profile the model is planned on (N, C, H, W) and on channels-last
     blocks (the input blocks' conversion timed into the latter); the plan predicted faster
@@ -483,7 +483,7 @@ def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_pat
         collective_assert(rel(a.grad, b.grad) < 1e-10, f"grad {name}")
 
 
-@pytest.mark.parallel([1, 2])
+@pytest.mark.parallel(SIZES)
 def test_auto_memory_format_times_nothing_on_a_published_profile():
     """A published profile times no kernel: nothing tells the layouts apart, the blocks
     stay as they come; a grid layout ignores 'auto' alike; other values are refused on
