@@ -201,7 +201,7 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     ValueError
         For a negative or non-numeric ``baseline``, a ``batch_norm_stats``
         other than 'global' and 'group', a ``memory_format`` that is not a
-        torch.memory_format or does not suit the input's rank, an input shape the
+        torch.memory_format, 'auto' or None, or does not suit the input's rank, an input shape the
         model does not accept, a grid that does not hold the ranks, an
         operation on a split dimension that parallelize
         cannot split (naming the node and the dimension), a parameter

@@ -210,8 +210,8 @@ class ModuleTwin(Layer, checked=False):
         return tuple(self.like.output_shape(tuple(in_shape)))
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
-        """The built-in layer's work on the whole block, run as it is: no halo, no
-        message."""
+        """The built-in layer's work on the block, run as it is: no halo, no message (the
+        sums of its parameters' gradients are priced by the layer it stands for)."""
         spec = self.like.cost_spec(dist, itemsize)
         return replace(spec, local_shape=largest_block(dist), halo=None, allreduces=(),
                        redistributions=(), twin=None)
