@@ -14,6 +14,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mpi4py import MPI
 from nn_reference import (
     KERNELS,
@@ -32,12 +34,14 @@ from nn_reference import (
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import assert_allclose
+from disttensor_nn.kernels import torch_kernels
 from disttensor_nn.optim.optimizer import CHUNK
 from disttensor_nn.reduction import GradientBuckets
 
 SIZES = [1, 2, 3, 4]
 comm = MPI.COMM_WORLD
 TOL = {"rtol": 1e-12, "atol": 1e-12}
+HAS_TORCH = torch_kernels.available()
 SHAPE = {1: (3, 2, 11), 2: (3, 2, 13, 11), 3: (2, 2, 7, 6, 5)}
 
 
@@ -115,6 +119,76 @@ def test_pool_matches_reference_on_every_layout(op, nd, kw, kernels):
         check.true(dx.dist == dist, f"{msg}: dx in {dx.dist}")
         check.close(dx, dx_want, f"{msg}: dx")
     check.finish()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
+@pytest.mark.parallel(SIZES)
+def test_max_pool_of_many_channels_with_torch_kernels_matches_reference_on_every_layout():
+    """A 2-D max pool of enough channels runs on a channels-last copy of the block with the
+    torch kernels (a channel split leaves fewer on some layouts: the other route); its
+    output and gradient equal the reference on every layout, with the kernel's padding,
+    a halo's, strides and a dilation."""
+    c = torch_kernels.MAX_POOL_CHANNELS_LAST_MIN + 1
+    shape = (3, c, 13, 11)
+    x = distinct(shape, seed=9)
+    check = Checks()
+    for kw in ({"kernel_size": 3, "stride": 2, "padding": 1},
+               {"kernel_size": (2, 3), "stride": (1, 2), "dilation": (2, 1)}):
+        want, dx_of = pool_ref_for(2, kw, x)("max")
+        dy = np.random.default_rng(4).standard_normal(want.shape)
+        dx_want = dx_of(dy)
+        for lname, dist in layouts(shape):
+            pool = nn.MaxPool2d(**kw)
+            pool.kernel_backend = "torch"
+            y = pool(dt.DistArray.from_global(x, dist))
+            check.close(y, want, f"{kw} on {lname}")
+            dx = pool.backward(dt.DistArray.from_global(dy, y.dist))
+            check.close(dx, dx_want, f"{kw} on {lname}: dx")
+    check.finish()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_max_pool_on_a_channels_last_copy_gives_atens_values_and_indices(data):
+    """The channels-last route of the torch kernels' 2-D max pool against ATen on the block
+    as it is: the same values and flat indices bit for bit (ties, NaN, windows of nothing
+    but -inf, padding, strides, dilations), and the same input gradient as the NumPy
+    kernels on finite values."""
+    draw = data.draw
+    c = draw(st.integers(torch_kernels.MAX_POOL_CHANNELS_LAST_MIN, 9))
+    kernel = tuple(draw(st.integers(1, 3)) for _ in range(2))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(2))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(2))
+    pads = tuple(draw(st.integers(0, k // 2)) for k in kernel)
+    size = tuple(draw(st.integers(d * (k - 1) + 1 - 2 * p, 13))
+                 for k, d, p in zip(kernel, dilation, pads))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-2, 3, (2, c, *[max(n, 1) for n in size])).astype(np.float32)
+    finite = x.astype(np.float64)
+    u = rng.random(x.shape)
+    x[u < 0.05] = np.nan
+    x[(u >= 0.05) & (u < 0.15)] = -np.inf
+    x[:, :draw(st.integers(0, 2))] = -np.inf
+    y, idx = torch_kernels.pool_forward(x, kernel, stride, dilation, "max", padding=pads)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_kernels, "MAX_POOL_CHANNELS_LAST_MIN", 10**9)
+        y0, idx0 = torch_kernels.pool_forward(x, kernel, stride, dilation, "max",
+                                              padding=pads)
+    assert y.flags.c_contiguous and idx.is_contiguous()
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(idx.numpy(), idx0.numpy())
+    yf, arg = torch_kernels.pool_forward(finite, kernel, stride, dilation, "max", padding=pads)
+    yn, argn = nn.kernels.numpy_kernels.pool_forward(finite, kernel, stride, dilation, "max",
+                                                     padding=pads)
+    np.testing.assert_array_equal(yf, yn)
+    dy = rng.standard_normal(yf.shape)
+    np.testing.assert_array_equal(
+        torch_kernels.pool_backward(dy, finite.shape, kernel, stride, dilation, "max", arg,
+                                    padding=pads),
+        nn.kernels.numpy_kernels.pool_backward(dy, finite.shape, kernel, stride, dilation,
+                                               "max", argn, padding=pads))
 
 
 @pytest.mark.parallel(SIZES)

@@ -84,6 +84,21 @@ INSTALL_HINT = 'the torch kernels need PyTorch: pip install "disttensor[torch]"'
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 """Dtypes the kernels run on a CPU besides bfloat16 (float16 convolutions are GPU kernels)."""
 
+MAX_POOL_CHANNELS_LAST_MIN = 4
+"""Channels from which a 2-D max pool of an ``(N, C, H, W)`` block on a CPU runs on a
+channels-last copy of it (:func:`pool_forward`).
+
+ATen's CPU max pool with indices vectorises over the channels of a channels-last
+input and runs each plane's windows in scalar code otherwise: with PyTorch 2.13
+on one thread, ResNet's 3 x 3 / 2 pool of ``(8, 64, 56, 56)`` took 12.1 ms on the
+block as it is and 3.2 ms with the copy into channels-last and the copies of the
+output and indices back included; ``(4, 16, 256, 256)``, 2 x 2 / 2: 21.5 ms against
+12.2; with 4 channels 6.1 against 3.4, but with 2 channels 3.0 against 5.7.
+The values and indices are the same either way (the same first maximum of each
+window, NaN propagated alike). Not for 3-D pools: there a window of nothing but -inf
+gets index 0 on channels-last input (PyTorch 2.13), not its first element.
+"""
+
 _state: dict[str, Any] = {"torch": None, "threads": None}
 
 
@@ -301,7 +316,10 @@ def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
     1-D pooling runs as 2-D over a unit height. With ``padding`` the kernel
     pads both sides (-inf for max; zeros counted in the average, as a halo
     fill does). Average pooling with a dilation, which ATen lacks, runs the
-    NumPy kernel (its ``arg`` is None either way), without ``padding``.
+    NumPy kernel (its ``arg`` is None either way), without ``padding``. A 2-D
+    max pool of :data:`MAX_POOL_CHANNELS_LAST_MIN` or more channels on a CPU
+    runs on a channels-last copy of ``x`` (several times faster there); its
+    output and indices come back in ``x``'s layout.
     """
     if op == "avg" and any(d != 1 for d in dilation):
         if padding is not None and any(padding):
@@ -317,7 +335,14 @@ def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
     if op == "max":
         fn = torch.ops.aten.max_pool2d_with_indices if nd == 2 else \
             torch.ops.aten.max_pool3d_with_indices
-        y, idx = fn(xt, list(k), list(s), p, list(d), False)
+        if _channels_last_pool(xt, lead):
+            y, idx = fn(xt.contiguous(memory_format=torch.channels_last), list(k), list(s), p,
+                        list(d), False)
+            out = _out(x, y)  # the output in the layout the layers use, the indices too
+            y = out["out"].copy_(y) if out else y.contiguous()
+            idx = idx.contiguous()
+        else:
+            y, idx = fn(xt, list(k), list(s), p, list(d), False)
     else:
         fn = torch.ops.aten.avg_pool2d if nd == 2 else torch.ops.aten.avg_pool3d
         y, idx = fn(xt, list(k), list(s), p, False, True, None), None
@@ -325,6 +350,15 @@ def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
         y = y.squeeze(2)
         idx = None if idx is None else idx.squeeze(2)
     return _back(y, x), idx
+
+
+def _channels_last_pool(xt: Any, lead: tuple[int, ...]) -> bool:
+    """Whether a max pool of the tensor ``xt`` runs on a channels-last copy of it
+    (:data:`MAX_POOL_CHANNELS_LAST_MIN`): a 2-D pool on the CPU, not already
+    channels-last, of enough channels."""
+    return not lead and xt.device.type == "cpu" and xt.ndim == 4 and \
+        xt.shape[1] >= MAX_POOL_CHANNELS_LAST_MIN and xt.numel() > 0 and \
+        xt.stride(1) != 1
 
 
 def pool_backward(dy: Any, x_shape: Sequence[int], kernel: Sequence[int],

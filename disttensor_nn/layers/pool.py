@@ -12,7 +12,7 @@ from disttensor import DistArray, Distribution, backend
 from disttensor.backend import array_namespace
 
 from ..costspec import Allreduce, CostSpec, largest_block
-from ..kernels import kernels_for, numpy_kernels
+from ..kernels import kernels_for, numpy_kernels, torch_kernels
 from ..module import Layer, allreduce_, check_input, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import WindowLayer
@@ -92,16 +92,21 @@ class _Pool(WindowLayer):
         scratch: with the NumPy kernels the forward's running offsets and mask (three
         bytes per output for windows of up to 256 elements, seventeen above) and the
         temporaries of a chunk of indices; with the torch kernels a one-byte mask and a
-        masked gradient per output. Where the NumPy kernels pad it themselves (no
-        spatial split), the padded copy is the forward's scratch, not kept."""
+        masked gradient per output in backward, and in the forward of a 2-D pool of
+        enough channels (:data:`~disttensor_nn.kernels.torch_kernels.MAX_POOL_CHANNELS_LAST_MIN`)
+        a channels-last copy of the extended block, with the output and the indices in
+        that layout. Where the NumPy kernels pad it themselves (no spatial split), the
+        padded copy is the forward's scratch, not kept."""
         spec = super().cost_spec(dist, itemsize)
         if self.op != "max":
             return spec
-        _, out_block, _ = self._window_blocks(dist)
+        ext, out_block, _ = self._window_blocks(dist)
         n = math.prod(out_block)
         saved = spec.saved
         if self.kernel_backend == "torch":
             scratch = n * (1 + itemsize)
+            if self.nd == 2 and out_block[1] >= torch_kernels.MAX_POOL_CHANNELS_LAST_MIN:
+                scratch = max(scratch, math.prod(ext) * itemsize + n * (itemsize + 8))
         else:
             # the chunk of indices, with np.take's own copies (three chunks)
             scratch = n * (3 if math.prod(self.spec.kernel) <= 256 else 17) + \
