@@ -69,6 +69,7 @@ from disttensor_nn.layers.dense import Linear
 from disttensor_nn.layers.elementwise import ReLU, Sigmoid
 from disttensor_nn.layers.norm import BatchNorm2d, set_batch_norm_stats
 from disttensor_nn.layers.pool import GlobalAvgPool, MaxPool2d
+from disttensor_nn.memory import keep_heap_top, map_large_allocations
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.models.mesh import DepthToSpace
 from disttensor_nn.reduction import DEFAULT_BUCKET_BYTES, GradientBuckets
@@ -337,6 +338,12 @@ def main(argv=None) -> int:
                    help="our batch norms' statistics: over the whole batch (as one process "
                         "on it; a sum over the ranks per layer and pass) or over each "
                         "rank's samples (as PyTorch's BatchNorm under DDP)")
+    p.add_argument("--heap", choices=("default", "warm"), default="default",
+                   help="the C allocator as the process starts (both libraries' scratch "
+                        "mapped afresh when it is large), or as disttensor-train sets it "
+                        "for its steps (scratch of up to --heap-mib kept warm in the heap), "
+                        "for both libraries alike (one process)")
+    p.add_argument("--heap-mib", type=int, default=256)
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
@@ -348,6 +355,9 @@ def main(argv=None) -> int:
         return 2
     threads = 1 if comm.Get_size() > 1 else args.threads
     args.threads = threads
+    if args.heap == "warm":  # as the training driver's steps: large scratch from the heap
+        map_large_allocations(args.heap_mib * 2**20)
+        keep_heap_top(args.heap_mib * 2**20)
     if args.kernels == "torch":  # as the training driver sets them: PyTorch's intra-op
         # threads, the NumPy kernels' pool of as many (the optimizer's sweep, NumPy layers)
         # and a one-thread BLAS beside them
@@ -394,9 +404,11 @@ def main(argv=None) -> int:
             for key in ("disttensor", "torch"):
                 r.pop(f"{key}_range", None)
         tag = f"_{'-'.join(names)}_p{comm.Get_size()}_t{threads}_{args.kernels}" + (
-            "" if args.bn_stats == "global" else "_bngroup")
+            "" if args.bn_stats == "global" else "_bngroup") + (
+            "" if args.heap == "default" else "_warmheap")
         path = write_json(f"bench_step{tag}", rows, layers=layers, reps=args.reps,
-                          rounds=args.rounds)
+                          rounds=args.rounds, heap=args.heap,
+                          heap_bytes=args.heap_mib * 2**20 if args.heap == "warm" else None)
         print(f"\nwrote {path}")
     if torch is not None and comm.Get_size() > 1:
         tdist.destroy_process_group()

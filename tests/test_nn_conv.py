@@ -25,6 +25,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mpi4py import MPI
 from nn_reference import (
     KERNELS,
@@ -42,6 +44,7 @@ import disttensor as dt
 import disttensor_nn as nn
 from disttensor.blockcache import BlockCache, block_cache
 from disttensor.testing import assert_allclose, collective_assert
+from disttensor_nn.kernels import torch_kernels
 from disttensor_nn.reduction import GradientBuckets
 
 SIZES = [1, 2, 3, 4]
@@ -178,6 +181,93 @@ def test_conv_matches_reference_on_every_layout(nd, name, kw, kernels):
             check.close(a, b_, f"{name} on {lname}: overlap changes the result", rtol=1e-14,
                         atol=1e-14)
     check.finish()
+
+
+@pytest.mark.skipif(not torch_kernels.available(), reason="needs PyTorch")
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("route", ["always", "tuned"])
+def test_float32_conv_on_channels_last_copies_matches_reference_on_every_layout(route,
+                                                                                 monkeypatch):
+    """The torch kernels' float32 2-D convolution on channels-last copies of its blocks
+    (every call, or where the first call of a shape found it faster): output and every
+    gradient within float32 rounding of the float64 reference on every layout, with the
+    kernel's padding and a halo's, a stride and a bias."""
+    monkeypatch.setattr(torch_kernels, "CONV_CHANNELS_LAST", route)
+    shape = (3, 5, 13, 11)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(shape)
+    check = Checks()
+    for kw in ({"kernel_size": 3, "padding": 1}, {"kernel_size": (5, 3), "stride": 2,
+                                                   "padding": (2, 1), "bias": False}):
+        conv = nn.Conv2d(5, 6, dtype=np.float32, **kw)
+        conv.kernel_backend = "torch"
+        w = conv.weight.data.astype(np.float64)
+        b = None if conv.bias is None else conv.bias.data.astype(np.float64)
+        args = dict(stride=kw.get("stride", 1), pads=pad_pairs(kw["padding"], kw["kernel_size"],
+                                                                1, 2),
+                    dilation=1, groups=1, mode="zeros")
+        want = conv_ref(x, w, b, **args)
+        dy = rng.standard_normal(want.shape)
+        dx_want, dw_want, db_want = conv_ref_backward(x, w, dy, **args)
+        tol = {"rtol": 1e-4, "atol": 1e-4 * float(np.abs(want).max())}
+        for lname, dist in layouts(shape):
+            msg = f"{kw} on {lname}"
+            y = conv(dt.DistArray.from_global(x.astype(np.float32), dist))
+            check.close(y, want, msg, **tol)
+            conv.zero_grad()
+            dx = conv.backward(dt.DistArray.from_global(dy.astype(np.float32), y.dist))
+            check.close(dx, dx_want, f"{msg}: dx", **tol)
+            check.close(conv.weight.grad, dw_want, f"{msg}: dW", rtol=1e-4,
+                        atol=1e-4 * float(np.abs(dw_want).max()))
+            if b is not None:
+                check.close(conv.bias.grad, db_want, f"{msg}: db", rtol=1e-4, atol=1e-3)
+    check.finish()
+
+
+@pytest.mark.skipif(not torch_kernels.available(), reason="needs PyTorch")
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_channels_last_copies_give_the_plain_convolution_to_rounding(data):
+    """Random float32 2-D convolutions (channels, kernel, stride, dilation, padding, bias,
+    which gradients): on channels-last copies the output and gradients equal the plain
+    call's to float32 rounding, come back C-contiguous, and a tuned process repeats its
+    results bit for bit."""
+    draw = data.draw
+    c_in, c_out = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    kernel = tuple(draw(st.integers(1, 4)) for _ in range(2))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(2))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(2))
+    pads = tuple(draw(st.integers(0, 2)) for _ in range(2))
+    size = tuple(draw(st.integers(max(1, d * (k - 1) + 1 - 2 * p), 12))
+                 for k, d, p in zip(kernel, dilation, pads))
+    need = (draw(st.booleans()), draw(st.booleans()), draw(st.booleans()))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = rng.standard_normal((draw(st.integers(1, 3)), c_in, *size)).astype(np.float32)
+    w = rng.standard_normal((c_out, c_in, *kernel)).astype(np.float32)
+    b = rng.standard_normal(c_out).astype(np.float32) if need[2] else None
+    results = {}
+    for route in ("never", "always", "tuned", "tuned"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch_kernels, "CONV_CHANNELS_LAST", route)
+            y = torch_kernels.conv_forward(x, w, b, stride, dilation, padding=pads)
+            dy = np.linspace(-1, 1, y.size, dtype=np.float32).reshape(y.shape)
+            grads = torch_kernels.conv_backward(dy, x, w, stride, dilation, need_dx=need[0],
+                                                need_dw=need[1], need_db=need[2],
+                                                padding=pads)
+        got = [y, *grads]
+        assert all(g is None or g.flags.c_contiguous for g in got)
+        if route in results:  # the process kept its choice
+            for a, b_ in zip(got, results[route]):
+                assert (a is None) == (b_ is None)
+                if a is not None:
+                    np.testing.assert_array_equal(a, b_)
+        results[route] = got
+    for route in ("always", "tuned"):
+        for a, b_ in zip(results[route], results["never"]):
+            assert (a is None) == (b_ is None)
+            if a is not None:
+                np.testing.assert_allclose(a, b_, rtol=1e-4,
+                                           atol=1e-4 * max(1.0, float(np.abs(b_).max())))
 
 
 # --------------------------------------------------------------------------- finite differences

@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -226,6 +227,62 @@ def _pads(padding: Sequence[int] | None, nd: int) -> list[int]:
     return [0] * nd if padding is None else [int(p) for p in padding]
 
 
+CONV_CHANNELS_LAST = "tuned"
+"""When a 2-D float32 convolution on a CPU runs on channels-last copies of its blocks:
+``"tuned"`` (where the first call of each shape found it faster, both ways timed),
+``"never"`` or ``"always"``.
+
+oneDNN's convolutions on ``(N, C, H, W)`` blocks are much slower for some
+shapes than on channels-last ones, even with the copies both ways (PyTorch 2.13,
+one thread: the mesh model's first convolution, 18 -> 16 channels, 5 x 5 / 2, on
+``(4, 18, 256, 256)``, forward and weight gradient 73.6 ms as they are, 44.2 ms
+with the copies), and faster for others (``(4, 16, 128, 128)``, 16 -> 16, 3 x 3:
+12.5 against 14.7 ms). Which is which does not follow from the shape, so each
+distinct call (forward; backward with its gradients asked) is timed both ways
+once per process, the copies included, and takes channels-last only where that
+was faster by a tenth. The results agree to rounding (the two orders of the
+sums); a process keeps its choice, so its steps repeat bit for bit.
+"""
+
+CONV_TUNE_MAX_ELEMENTS = 2**25
+"""Blocks above this many elements keep their layout under ``"tuned"`` (timing four calls
+of a convolution on them would cost more than it can save, and the copies more memory)."""
+
+_conv_routes: dict[tuple[Any, ...], bool] = {}
+
+
+def _channels_last_conv(key: tuple[Any, ...], xt: Any, plain: Any, copies: Any) -> bool:
+    """Whether the convolution call ``key`` on ``xt`` runs channels-last
+    (:data:`CONV_CHANNELS_LAST`); ``plain`` and ``copies`` run it each way (timed here,
+    twice each, on the first call of ``key``)."""
+    mode = CONV_CHANNELS_LAST
+    if mode == "never" or xt.device.type != "cpu" or xt.ndim != 4 or \
+            xt.dtype != _state["torch"].float32 or xt.stride(1) == 1 or xt.numel() == 0:
+        return False
+    if mode == "always":
+        return True
+    if xt.numel() > CONV_TUNE_MAX_ELEMENTS:
+        return False
+    key = (*key, num_threads())
+    route = _conv_routes.get(key)
+    if route is None:
+        times = []
+        for run in (plain, copies):
+            run()  # the first call of each sets up oneDNN's primitive
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        route = _conv_routes[key] = times[1] < 0.9 * times[0]
+    return route
+
+
+def _nchw(t: Any, like: Any) -> Any:
+    """The channels-last tensor ``t`` copied into an ``(N, C, ...)`` array beside ``like``
+    (a block of the active block cache where there is one)."""
+    out = _out(like, t)
+    return _back(out["out"].copy_(t) if out else t.contiguous(), like)
+
+
 def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
                  dilation: Sequence[int], groups: int = 1, workspace_bytes: int = 0,
                  padding: Sequence[int] | None = None) -> Any:
@@ -247,9 +304,22 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
         y = torch.ops.aten.convolution(cut, wt, bt, stride[:-1] + [1], pads, list(dilation),
                                        False, [0] * nd, int(groups))
         return _back(y[..., :1].contiguous(), x)
-    y = torch.ops.aten.convolution(xt, wt, bt, stride, pads, list(dilation),
-                                   False, [0] * nd, int(groups))
-    return _back(y, x)
+    args = (stride, pads, list(dilation), False, [0] * nd, int(groups))
+    cl = torch.channels_last
+
+    def plain() -> Any:
+        return torch.ops.aten.convolution(xt, wt, bt, *args)
+
+    def copies() -> Any:
+        return torch.ops.aten.convolution(xt.contiguous(memory_format=cl), wt, bt,
+                                          *args).contiguous()
+
+    key = ("fwd", tuple(xt.shape), tuple(wt.shape), bt is not None, *map(tuple, args[:3]),
+           args[5])
+    if _channels_last_conv(key, xt, plain, copies):
+        return _nchw(torch.ops.aten.convolution(xt.contiguous(memory_format=cl), wt, bt,
+                                                *args), x)
+    return _back(plain(), x)
 
 
 def one_window(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
@@ -294,10 +364,29 @@ def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequ
     nd = w.ndim - 2
     dyt, xt, wt = _t(dy), _t(x), _t(w)
     need_db = need_dw if need_db is None else need_db
-    dx, dw, db = torch.ops.aten.convolution_backward(
-        dyt, xt, wt, [w.shape[0]] if need_db else None, list(stride), _pads(padding, nd),
-        list(dilation), False, [0] * nd, int(groups),
-        [bool(need_dx), bool(need_dw), bool(need_db)])
+    args = ([w.shape[0]] if need_db else None, list(stride), _pads(padding, nd),
+            list(dilation), False, [0] * nd, int(groups),
+            [bool(need_dx), bool(need_dw), bool(need_db)])
+    cl = torch.channels_last
+
+    def plain() -> Any:
+        return torch.ops.aten.convolution_backward(dyt, xt, wt, *args)
+
+    def on_copies() -> Any:
+        return torch.ops.aten.convolution_backward(
+            dyt.contiguous(memory_format=cl), xt.contiguous(memory_format=cl), wt, *args)
+
+    def copies() -> Any:
+        return tuple(None if g is None else g.contiguous() for g in on_copies())
+
+    key = ("bwd", tuple(xt.shape), tuple(wt.shape), *map(tuple, args[1:4]), *args[6:7],
+           tuple(args[7]))
+    if _channels_last_conv(key, xt, plain, copies):
+        dx, dw, db = on_copies()
+        return (None if dx is None else _nchw(dx, x),
+                None if dw is None else _back(dw.contiguous(), x),
+                None if db is None else _back(db, x))
+    dx, dw, db = plain()
     return (None if dx is None else _back(dx, x), None if dw is None else _back(dw, x),
             None if db is None else _back(db, x))
 

@@ -56,7 +56,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 or what a time means, so that older times are not reused (they live in another file)."""
 
@@ -393,7 +393,10 @@ class KernelTimer:
         array of a segment is released before the next): forward in order,
         backward in reverse, one untimed round, then rounds until ``reps``
         were taken or the segment's share of ``max_seconds`` has passed (at
-        least one).
+        least one). Each layer's input is newly written before its forward
+        (the layer before wrote it), but the first layer's (the first query's
+        layer, on every layout asked), which is read out of the caches, as the
+        data loader's block is in training.
 
         When a node holds more of these ranks than it has cores, ranks wait at
         every synchronisation in training for peers that the operating system
@@ -435,6 +438,11 @@ class KernelTimer:
             job.targets[key] = (self.scale(layer, shape, tile), flops)
         if not jobs:
             return 0
+        # the first layer reads the data loader's block (on each layout asked), which no
+        # layer wrote just before it: its input is timed out of the caches
+        first = {key for (layer, *_), key in zip(queries, keys) if layer is queries[0][0]}
+        for job in jobs.values():
+            job.cold_input = not first.isdisjoint(job.targets)
         limit = min(2.0**30, (memory or 4 * 2.0**30) / 4)
         segments: list[list[_Job]] = [[]]
         used = 0.0
@@ -449,7 +457,7 @@ class KernelTimer:
                    disable=True if (comm.Get_rank() or not progress) else None)
         for segment in segments:  # the time allowed is shared by the segments' sizes
             self._run_segment(segment, comm, sync, reps,
-                              max_seconds * len(segment) / len(jobs))
+                              max_seconds * len(segment) / len(jobs), int(min(limit, 2**26)))
             bar.update(len(segment))
         bar.close()
         for tkey, job in jobs.items():
@@ -465,8 +473,9 @@ class KernelTimer:
         return len(jobs)
 
     def _run_segment(self, jobs: list[_Job], comm: Any, sync: Any, reps: int,
-                     max_seconds: float) -> None:
-        """Time ``jobs`` in order (forward, then backward in reverse) on every rank at once."""
+                     max_seconds: float, evict_bytes: int = 2**26) -> None:
+        """Time ``jobs`` in order (forward, then backward in reverse) on every rank at once
+        (a first layer's input out of the caches: ``evict_bytes`` written over them)."""
         xp = self.xp
         twins = [self._twin(job.layer) for job in jobs]
         # one source of random values, copied into each input and gradient just before use
@@ -493,6 +502,8 @@ class KernelTimer:
                         x = _self_array(prev)  # the layer before wrote it just now
                     else:
                         x = _self_array(_fresh(source, job.shape, job.dtype))
+                        if job.cold_input:
+                            _evict_caches(evict_bytes)
                     prev = None
                     t0 = self._clock()
                     y = twin.forward(x)
@@ -618,6 +629,7 @@ class _Job:
     targets: dict[str, tuple[float, float]]  # key -> (time factor, FLOPs of that key's block)
     result: tuple[float, float] = (0.0, 0.0)
     synced: tuple[float, float] | None = None  # until the barrier after it, where there is one
+    cold_input: bool = False  # the network's first layer: its input comes from memory
 
     @property
     def out_shape(self) -> tuple[int, ...]:
