@@ -78,6 +78,9 @@ __all__ = [
     "copy_",
     "release_workspace",
     "INSTALL_HINT",
+    "MAX_POOL_CHANNELS_LAST_MIN",
+    "CONV_CHANNELS_LAST",
+    "CONV_TUNE_MAX_ELEMENTS",
 ]
 
 INSTALL_HINT = 'the torch kernels need PyTorch: pip install "disttensor[torch]"'
@@ -248,7 +251,7 @@ that was faster by a tenth. The results agree to rounding (the two orders of the
 sums); a process keeps its choice, so its steps repeat bit for bit.
 """
 
-CONV_TUNE_MAX_ELEMENTS = 2**25
+CONV_TUNE_MAX_ELEMENTS = 2**24
 """Blocks above this many elements keep their layout under ``"tuned"`` (timing eight calls
 of a convolution on them would cost more than it can save, and the copies more memory)."""
 
