@@ -316,7 +316,8 @@ def test_measure_chain_keeps_the_time_until_the_barrier_where_ranks_share_cores(
 def test_measure_chain_times_the_first_layers_input_out_of_the_caches(tmp_path, monkeypatch):
     """The network's first layer reads the data loader's block, which no layer wrote just
     before: measure_chain evicts the caches before its forward (each round, on every layout
-    asked of it, within the chain's memory), and before no other layer's."""
+    asked of it and for the planner's copy of it for another kernel backend, within the
+    chain's memory), and before no other layer's."""
     from disttensor_nn.plan import timer as timer_module
 
     comm = MPI.COMM_WORLD
@@ -333,16 +334,20 @@ def test_measure_chain_times_the_first_layers_input_out_of_the_caches(tmp_path, 
 
         monkeypatch.setattr(cls, "forward", spy)
     first, relu = nn.Conv2d(2, 2, 3, padding=1), nn.ReLU()
+    other = nn.kernels.with_backend(first, "numpy")  # shares its parameters
     queries = [(first, (1, 2, 12, 12), f4, 1.0), (relu, (1, 2, 12, 12), f4, 1.0),
-               (first, (1, 2, 6, 12), f4, 1.0), (relu, (1, 2, 6, 12), f4, 1.0)]
+               (other, (1, 2, 6, 12), f4, 1.0), (relu, (1, 2, 6, 12), f4, 1.0),
+               (nn.Conv2d(2, 2, 3, padding=1), (1, 2, 4, 12), f4, 1.0)]
     timer = KernelTimer("t", cache_dir=str(tmp_path), reps=2)
     timer.measure_chain(queries, comm, reps=2, max_seconds=1e9, memory=2**22)
     # each forward's count of evictions so far: one more right before each Conv2d's
     grew = [(name, shape, n - (running[i - 1][2] if i else 0))
             for i, (name, shape, n) in enumerate(running)]
-    ok = all(d == (1 if name == "Conv2d" else 0) for name, _, d in grew) and \
+    ok = all(d == (1 if name == "Conv2d" and shape != (1, 2, 4, 12) else 0)
+             for name, shape, d in grew) and \
         {shape for name, shape, _ in grew if name == "Conv2d"} == {(1, 2, 12, 12),
-                                                                   (1, 2, 6, 12)} and \
+                                                                   (1, 2, 6, 12),
+                                                                   (1, 2, 4, 12)} and \
         all(n <= 2**20 for n in evicted)
     collective_assert(ok, f"{grew} {evicted}")
 

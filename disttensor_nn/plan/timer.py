@@ -440,7 +440,8 @@ class KernelTimer:
             return 0
         # the first layer reads the data loader's block (on each layout asked), which no
         # layer wrote just before it: its input is timed out of the caches
-        first = {key for (layer, *_), key in zip(queries, keys) if layer is queries[0][0]}
+        origin = _origin(queries[0][0])  # its copies for other backends share its parameters
+        first = {key for (layer, *_), key in zip(queries, keys) if _origin(layer) == origin}
         for job in jobs.values():
             job.cold_input = not first.isdisjoint(job.targets)
         limit = min(2.0**30, (memory or 4 * 2.0**30) / 4)
@@ -713,6 +714,13 @@ def _self_array(local: Any) -> DistArray:
     """``local`` as a DistArray on a 1-process grid."""
     grid = _self_grid(local.ndim)
     return DistArray(local, Distribution(local.shape, grid, tuple(range(local.ndim))))
+
+
+def _origin(layer: Layer) -> tuple[int, ...]:
+    """What identifies ``layer`` and the planner's copies of it for other kernel backends
+    (:func:`~disttensor_nn.kernels.with_backend`): its parameters, or itself without."""
+    own = tuple(id(p) for p in layer.own_parameters())
+    return own or (id(layer),)
 
 
 def _evict_caches(nbytes: int = 64 * 2**20) -> None:
