@@ -261,7 +261,8 @@ _conv_routes: dict[tuple[Any, ...], bool] = {}
 def _channels_last_conv(key: tuple[Any, ...], xt: Any, plain: Any, copies: Any) -> bool:
     """Whether the convolution call ``key`` on ``xt`` runs channels-last
     (:data:`CONV_CHANNELS_LAST`); ``plain`` and ``copies`` run it each way (timed here,
-    twice each, on the first call of ``key``)."""
+    alternated, four calls each of which the last three count, on the first call of
+    ``key``)."""
     mode = CONV_CHANNELS_LAST
     if mode == "never" or xt.device.type != "cpu" or xt.ndim != 4 or \
             xt.dtype != _state["torch"].float32 or xt.stride(1) == 1 or xt.numel() == 0:

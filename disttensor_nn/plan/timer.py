@@ -395,8 +395,9 @@ class KernelTimer:
         were taken or the segment's share of ``max_seconds`` has passed (at
         least one). Each layer's input is newly written before its forward
         (the layer before wrote it), but the first layer's (the first query's
-        layer, on every layout asked), which is read out of the caches, as the
-        data loader's block is in training.
+        layer and its copies for other kernel backends, on every layout asked),
+        which is read out of the caches, as the data loader's block is in
+        training.
 
         When a node holds more of these ranks than it has cores, ranks wait at
         every synchronisation in training for peers that the operating system
