@@ -186,8 +186,8 @@ def test_conv_matches_reference_on_every_layout(nd, name, kw, kernels):
 @pytest.mark.skipif(not torch_kernels.available(), reason="needs PyTorch")
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("route", ["always", "tuned"])
-def test_float32_conv_on_channels_last_copies_matches_reference_on_every_layout(route,
-                                                                                 monkeypatch):
+def test_torch_kernels_float32_conv_on_channels_last_copies_match_reference(route,
+                                                                            monkeypatch):
     """The torch kernels' float32 2-D convolution on channels-last copies of its blocks
     (every call, or where the first call of a shape found it faster): output and every
     gradient within float32 rounding of the float64 reference on every layout, with the
@@ -227,7 +227,7 @@ def test_float32_conv_on_channels_last_copies_matches_reference_on_every_layout(
 @pytest.mark.skipif(not torch_kernels.available(), reason="needs PyTorch")
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_channels_last_copies_give_the_plain_convolution_to_rounding(data):
+def test_torch_kernels_channels_last_copies_give_the_plain_convolution(data):
     """Random float32 2-D convolutions (channels, kernel, stride, dilation, padding, bias,
     which gradients): on channels-last copies the output and gradients equal the plain
     call's to float32 rounding, come back C-contiguous, and a tuned process repeats its

@@ -150,7 +150,7 @@ def test_max_pool_of_many_channels_with_torch_kernels_matches_reference_on_every
 @pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_max_pool_on_a_channels_last_copy_gives_atens_values_and_indices(data):
+def test_torch_kernels_max_pool_on_a_channels_last_copy_gives_atens_indices(data):
     """The channels-last route of the torch kernels' 2-D max pool against ATen on the block
     as it is: the same values and flat indices bit for bit (ties, NaN, windows of nothing
     but -inf, padding, strides, dilations), and the same input gradient as the NumPy
