@@ -4,6 +4,7 @@ Run (unset the OpenBLAS overrides for timing only):
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/bench_step.py \
         [--models mesh-demo,resnet18] [--threads 1] [--reps 7] [--rounds 3] [--kernels torch]
+        [--heap warm]
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mpiexec -n 2 python benchmarks/bench_step.py
 
 Models (float32): ``mesh-demo`` (batch 4, 18x256x256), ``resnet18`` (batch 8,
@@ -35,6 +36,11 @@ then ``reps / rounds`` timed ones each), so that one library's idle thread
 pools do not slow the other; medians and ranges (slowest rank per step), and
 the ratio of the two fastest steps (``ratio_of_minima``: where other guests
 share the machine they only add time, so the minima move least).
+Both libraries run with the C allocator as the process starts, where large
+scratch (oneDNN's reorders of a block, among others) is mapped afresh at each
+call; ``--heap warm`` gives both the training driver's settings for its steps
+(``map_large_allocations`` and ``keep_heap_top`` at ``--heap-mib``, 256 MiB), so
+that such scratch stays in the heap from call to call.
 The per-layer-type breakdown comes from separate steps with forward and
 backward hooks on every leaf layer (ours: the library's hooks; torch:
 module hooks), so it includes the hooks' small overhead and is not used for
