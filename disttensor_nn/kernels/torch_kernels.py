@@ -264,7 +264,7 @@ def _channels_last_conv(key: tuple[Any, ...], xt: Any, plain: Any, copies: Any) 
     alternated, four calls each of which the last three count, on the first call of
     ``key``)."""
     mode = CONV_CHANNELS_LAST
-    if mode == "never" or xt.device.type != "cpu" or xt.ndim != 4 or \
+    if mode == "never" or not xt.is_cpu or xt.ndim != 4 or \
             xt.dtype != _state["torch"].float32 or xt.stride(1) == 1 or xt.numel() == 0:
         return False
     if mode == "always":
@@ -454,7 +454,7 @@ def _channels_last_pool(xt: Any, lead: tuple[int, ...]) -> bool:
     """Whether a max pool of the tensor ``xt`` runs on a channels-last copy of it
     (:data:`MAX_POOL_CHANNELS_LAST_MIN`): a 2-D pool on the CPU, not already
     channels-last, of enough channels."""
-    return not lead and xt.device.type == "cpu" and xt.ndim == 4 and \
+    return not lead and xt.is_cpu and xt.ndim == 4 and \
         xt.shape[1] >= MAX_POOL_CHANNELS_LAST_MIN and xt.numel() > 0 and \
         xt.stride(1) != 1
 
