@@ -248,7 +248,10 @@ from the shape, so each distinct call (forward; backward with its gradients
 asked) is timed both ways once per process (the fastest of three calls each way,
 alternated, after one), the copies included, and takes channels-last only where
 that was faster by a tenth. The results agree to rounding (the two orders of the
-sums); a process keeps its choice, so its steps repeat bit for bit.
+sums); a process keeps its choice, so its steps repeat bit for bit. Each process
+decides alone: two ranks that hold copies of one block (a grid axis that splits
+nothing) may take different routes, and their copies then differ by rounding; set
+``"never"`` (or ``"always"``) where such copies must stay bit for bit the same.
 """
 
 CONV_TUNE_MAX_ELEMENTS = 2**24
