@@ -288,11 +288,16 @@ def _channels_last_conv(key: tuple[Any, ...], xt: Any, plain: Any, copies: Any) 
     return route
 
 
-def _nchw(t: Any, like: Any) -> Any:
-    """The channels-last tensor ``t`` copied into an ``(N, C, ...)`` array beside ``like``
-    (a block of the active block cache where there is one)."""
+def _standard(t: Any, like: Any) -> Any:
+    """The channels-last tensor ``t`` copied into an ``(N, C, ...)`` tensor beside the
+    array ``like`` (a block of the active block cache where there is one)."""
     out = _out(like, t)
-    return _back(out["out"].copy_(t) if out else t.contiguous(), like)
+    return out["out"].copy_(t) if out else t.contiguous()
+
+
+def _nchw(t: Any, like: Any) -> Any:
+    """:func:`_standard` as an array of ``like``'s module."""
+    return _back(_standard(t, like), like)
 
 
 def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
@@ -439,9 +444,7 @@ def pool_forward(x: Any, kernel: Sequence[int], stride: Sequence[int],
         if _channels_last_pool(xt, lead):
             y, idx = fn(xt.contiguous(memory_format=torch.channels_last), list(k), list(s), p,
                         list(d), False)
-            out = _out(x, y)  # the output in the layout the layers use, the indices too
-            y = out["out"].copy_(y) if out else y.contiguous()
-            idx = idx.contiguous()
+            y, idx = _standard(y, x), idx.contiguous()  # in the layout the layers use
         else:
             y, idx = fn(xt, list(k), list(s), p, list(d), False)
     else:
