@@ -75,6 +75,7 @@ from disttensor_nn.layers.dense import Linear
 from disttensor_nn.layers.elementwise import ReLU, Sigmoid
 from disttensor_nn.layers.norm import BatchNorm2d, set_batch_norm_stats
 from disttensor_nn.layers.pool import GlobalAvgPool, MaxPool2d
+from disttensor_nn.layout import MEMORY_FORMATS, to_memory_format
 from disttensor_nn.memory import keep_heap_top, map_large_allocations
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.models.mesh import DepthToSpace
@@ -226,7 +227,8 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
 
     def ours_step() -> float:
         opt.zero_grad()
-        loss = loss_fn(model(x), t_all)
+        # the input in the layers' memory format: a copy each step where it differs
+        loss = loss_fn(model(to_memory_format(x, args.memory_format)), t_all)
         if args.bucket_bytes:
             with GradientBuckets(args.bucket_bytes):
                 model.call_backward(loss_fn.backward())
@@ -250,6 +252,10 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
         lo, hi = dist.local_slices()[0].start, dist.local_slices()[0].stop
         tx = torch.from_numpy(x_all[lo:hi].copy())
         tt = torch.from_numpy(t_all[lo:hi].copy())
+        torch_format = torch.channels_last if args.torch_memory_format == "channels_last" \
+            else torch.contiguous_format
+        torch_model.to(memory_format=torch_format)  # its parameters (the model as written:
+        # contiguous ones)
         tm = torch_model
         if size > 1:
             tm = nn.parallel.DistributedDataParallel(torch_model)
@@ -258,7 +264,7 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
 
         def torch_step() -> float:
             topt.zero_grad()
-            loss = tloss(tm(tx), tt)
+            loss = tloss(tm(tx.contiguous(memory_format=torch_format)), tt)
             loss.backward()
             topt.step()
             return loss.item()
@@ -277,7 +283,8 @@ def bench_model(name: str, args, comm: MPI.Comm) -> tuple[dict, list[dict]]:
                 fn()
                 samples[key].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     row = {"model": name, "ranks": size, "threads": args.threads, "kernels": args.kernels,
-           "bn_stats": args.bn_stats,
+           "bn_stats": args.bn_stats, "memory_format": args.memory_format,
+           "torch_memory_format": args.torch_memory_format,
            "bucket_bytes": args.bucket_bytes,
            "threads_in": args.threads_in, "batch": batch,
            "sample": "x".join(map(str, sample))}
@@ -350,6 +357,13 @@ def main(argv=None) -> int:
                         "for its steps (scratch of up to --heap-mib kept warm in the heap), "
                         "for both libraries alike (one process)")
     p.add_argument("--heap-mib", type=int, default=256)
+    p.add_argument("--memory-format", choices=MEMORY_FORMATS, default="contiguous",
+                   help="our blocks' memory format: the input is put in it each step (a "
+                        "copy, timed) and the layers that run on channels-last blocks keep "
+                        "it (disttensor_nn.layout.to_memory_format)")
+    p.add_argument("--torch-memory-format", choices=MEMORY_FORMATS, default="contiguous",
+                   help="PyTorch's: the model as written, or converted with "
+                        "model.to(memory_format=torch.channels_last) and its input each step")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     names = args.models.split(",")
@@ -411,7 +425,9 @@ def main(argv=None) -> int:
                 r.pop(f"{key}_range", None)
         tag = f"_{'-'.join(names)}_p{comm.Get_size()}_t{threads}_{args.kernels}" + (
             "" if args.bn_stats == "global" else "_bngroup") + (
-            "" if args.heap == "default" else "_warmheap")
+            "" if args.heap == "default" else "_warmheap") + (
+            "" if args.memory_format == "contiguous" else "_cl") + (
+            "" if args.torch_memory_format == "contiguous" else "_torchcl")
         path = write_json(f"bench_step{tag}", rows, layers=layers, reps=args.reps,
                           rounds=args.rounds, heap=args.heap,
                           heap_bytes=args.heap_mib * 2**20 if args.heap == "warm" else None)

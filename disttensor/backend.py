@@ -45,7 +45,9 @@ __all__ = [
     "dense_order",
     "device_of",
     "empty",
+    "empty_in_order",
     "empty_like_layout",
+    "is_channels_last",
     "zeros",
     "fill",
     "from_numpy",
@@ -267,6 +269,30 @@ def dense_order(a: Any) -> tuple[int, ...] | None:
     return order
 
 
+def is_channels_last(a: Any) -> bool:
+    """Whether ``a`` is an ``(N, C, H, W)`` or ``(N, C, D, H, W)`` array that lies dense in
+    channels-last order (``(N, H, W, C)`` in memory, PyTorch's ``channels_last``) and is not
+    also C-contiguous (one channel, or one pixel). Axes of one element may have any stride."""
+    nd = getattr(a, "ndim", 0)
+    if nd not in (4, 5):
+        return False
+    strides = getattr(a, "strides", None)
+    if strides is None:  # PyTorch's tensors (their strides are a method)
+        if not is_torch(array_namespace(a)) or a.is_contiguous():
+            return False
+        xp = array_namespace(a)
+        return bool(a.is_contiguous(memory_format=xp.channels_last if nd == 4 else
+                                    xp.channels_last_3d))
+    if a.flags.c_contiguous:  # NumPy's and CuPy's, read off directly (each layer asks)
+        return False
+    shape, expect = a.shape, a.itemsize
+    for d in (1, *range(nd - 1, 1, -1), 0):  # innermost first: C, the last axis, ...
+        if shape[d] > 1 and strides[d] != expect:
+            return False
+        expect *= shape[d]
+    return True
+
+
 def empty_like_layout(like: Any, shape: tuple[int, ...], dtype: Any = None) -> Any:
     """An uninitialised array of ``shape`` whose axes lie in memory in the order of
     ``like``'s (:func:`dense_order`; C order where ``like`` is C-contiguous or not dense),
@@ -275,10 +301,21 @@ def empty_like_layout(like: Any, shape: tuple[int, ...], dtype: Any = None) -> A
     xp = array_namespace(like)
     dtype = like.dtype if dtype is None else dtype
     order = dense_order(like) if not is_c_contiguous(like) else None
-    if order is None or order == tuple(range(len(shape))):
-        return empty(xp, tuple(shape), dtype, device_of(like))
-    inner = empty(xp, tuple(shape[d] for d in order), dtype, device_of(like))
-    return permute_dims(inner, tuple(int(i) for i in np.argsort(order)))
+    return empty_in_order(xp, tuple(shape), dtype, order, device_of(like))
+
+
+def empty_in_order(xp: ModuleType, shape: tuple[int, ...], dtype: Any,
+                   order: Sequence[int] | None, device: Any = None) -> Any:
+    """As :func:`empty`, with the axes lying in memory in ``order`` (outermost first, as
+    :func:`dense_order` gives it; None: C order): ``(0, 2, 3, 1)`` makes an ``(N, C, H, W)``
+    array channels-last."""
+    if order is None or tuple(order) == tuple(range(len(shape))):
+        return empty(xp, tuple(shape), dtype, device)
+    inner = empty(xp, tuple(shape[d] for d in order), dtype, device)
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return permute_dims(inner, tuple(inverse))
 
 
 def zeros(xp: ModuleType, shape: tuple[int, ...], dtype: Any, device: Any = None) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from disttensor import DistArray
+from disttensor import DistArray, Distribution
 
 from .layers.elementwise import Add, add_blocks
 from .layers.merge import Concat
@@ -43,6 +43,10 @@ class Sequential(Layer):
     def __iter__(self) -> Iterator[Layer]:
         """The layers in order (a layer given twice comes twice)."""
         return iter(self._modules.values())
+
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """True: each layer takes the blocks as it says (:meth:`Layer.takes_channels_last`)."""
+        return True
 
     def forward(self, x: DistArray) -> DistArray:
         self._moves = []
@@ -125,6 +129,11 @@ class Residual(Layer):
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
         out = self.merged_shape(in_shape)
         return self.post.output_shape(out) if self.post is not None else out
+
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """With an addition (each sub-layer takes the blocks as it says, and the sum keeps
+        its operands' layout); not with a concatenation."""
+        return isinstance(self._merge, Add)
 
     def forward(self, x: DistArray) -> DistArray:
         x, self._moved = _to_layout(x, self.layout)

@@ -8,9 +8,58 @@ from collections.abc import Sequence
 from typing import Any
 
 from disttensor import DistArray, Distribution, ProcessGrid
-from disttensor.backend import contiguous
+from disttensor.backend import (
+    contiguous,
+    device_of,
+    empty_in_order,
+    is_c_contiguous,
+    is_channels_last,
+)
 
-__all__ = ["Layout", "full_array", "local_block"]
+__all__ = ["Layout", "full_array", "local_block", "memory_format_of",
+           "to_memory_format"]
+
+MEMORY_FORMATS = ("contiguous", "channels_last")
+"""How a layer's ``(N, C, *S)`` blocks may lie in memory: C order, or channels-last
+(``(N, *S, C)`` in memory, PyTorch's ``channels_last`` and ``channels_last_3d``)."""
+
+
+def memory_format_of(x: DistArray) -> str:
+    """``"channels_last"`` where this rank's block of ``x`` lies channels-last
+    (:func:`~disttensor.backend.is_channels_last`), else ``"contiguous"``."""
+    return "channels_last" if is_channels_last(x.local) else "contiguous"
+
+
+def to_memory_format(x: DistArray, memory_format: str) -> DistArray:
+    """``x`` with its block in ``memory_format`` (:data:`MEMORY_FORMATS`): ``x`` itself where
+    it is already, else a copy (no communication; margins dropped).
+
+    A network whose layers run on channels-last blocks (the torch kernels' convolutions,
+    pooling, batch norms, element-wise layers and residual sums, which keep the layout
+    from layer to layer: :meth:`~disttensor_nn.Layer.takes_channels_last`) gets its input
+    so once a step; the layers that do not take such blocks get C-contiguous copies.
+
+    Raises
+    ------
+    ValueError
+        For another format, or ``"channels_last"`` for an array of fewer than 4 or more
+        than 5 dimensions.
+    """
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format must be one of {MEMORY_FORMATS}, got "
+                         f"{memory_format!r}")
+    local = x.local
+    if memory_format == "contiguous":
+        return x if is_c_contiguous(local) else DistArray(contiguous(local), x.dist)
+    if x.ndim not in (4, 5):
+        raise ValueError(f"channels_last needs an (N, C, H, W) or (N, C, D, H, W) array, "
+                         f"got {x.ndim} dimensions")
+    if is_channels_last(local):
+        return x
+    out = empty_in_order(x.xp, tuple(local.shape), local.dtype, (0, *range(2, x.ndim), 1),
+                         device_of(local))
+    out[...] = local
+    return DistArray(out, x.dist)
 
 
 def full_array(local: Any, dist: Distribution | None) -> Any:

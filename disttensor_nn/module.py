@@ -28,6 +28,7 @@ from disttensor.backend import (
     astype,
     contiguous,
     device_of,
+    is_channels_last,
     numpy_dtype,
     reshape,
 )
@@ -93,8 +94,15 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         d = self.__dict__
         if d.get("_in_forward"):  # a subclass's forward calling super().forward
             return forward(self, x, *args, **kwargs)
-        if d.get("kernel_backend") not in (None, "numpy") and isinstance(x, DistArray):
-            check_kernels(self, x)
+        if isinstance(x, DistArray):
+            if is_channels_last(x.local):  # a layer that does not say it runs on
+                d["_channels_last"] = ok = self.takes_channels_last(x.dist)
+                if not ok:  # channels-last blocks gets a C-contiguous copy
+                    x = DistArray(contiguous(x.local), x.dist)
+            else:
+                d["_channels_last"] = False
+            if d.get("kernel_backend") not in (None, "numpy"):
+                check_kernels(self, x)
         d["_output"], d["_in_forward"] = None, True
         gathered = _gather_weights(self)
         try:
@@ -120,6 +128,9 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             return backward(self, dy, *args, **kwargs)
         if out is not _UNCHECKED:
             dy = check_grad(dy, out, f"{type(self).__name__}.backward")
+        if not d.get("_channels_last") and isinstance(dy, DistArray) and \
+                is_channels_last(dy.local):  # as its forward's input (see takes_channels_last)
+            dy = DistArray(contiguous(dy.local), dy.dist)
         d["_in_backward"] = True
         gathered = _gather_weights(self)
         try:
@@ -270,6 +281,21 @@ class Layer:
     such a layer gives the same gradient to the branch and the shortcut; otherwise the
     shortcut's is a copy. False unless a layer says so (as PyTorch's autograd functions,
     the built-in convolutions, batch norms and ReLUs leave ``dy`` as it is)."""
+
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """Whether this layer runs on channels-last blocks of an input distributed as
+        ``dist`` (:func:`~disttensor.backend.is_channels_last`: ``(N, C, H, W)`` blocks lying
+        in memory as ``(N, H, W, C)``, where PyTorch's CPU convolutions run fastest), and
+        gives its output and input gradient in the layout of its input and output gradient.
+
+        False here: the calling protocol gives a layer that does not say so a C-contiguous
+        copy of such a block (and of such a gradient, when it took its input C-contiguous),
+        so that a layer author never meets one unasked. The torch kernels' convolutions,
+        pooling, batch norms and element-wise layers, the residual sum, global pooling and
+        the containers say so (:func:`~disttensor_nn.layout.to_memory_format` puts a
+        model's input in that layout; the planner decides whether it pays).
+        """
+        return False
 
     def compute_dtype(self, dtype: Any, backend: str | None = None,
                       device: str = "cpu") -> np.dtype:

@@ -188,6 +188,11 @@ class ConvNd(WindowLayer):
         return self.groups if self.groups == 1 or channels == self.in_channels else \
             channels // (self.in_channels // self.groups)
 
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """As :meth:`WindowLayer.takes_channels_last`, with neither the channels nor the
+        filters split."""
+        return super().takes_channels_last(dist) and not any(self.weight_splits(dist))
+
     def _check(self, x: DistArray) -> None:
         check_input(x, self.nd + 2, type(self).__name__, self.in_channels, io_dtype(self),
                     split_channels=True)

@@ -30,6 +30,10 @@ class LeakyReLU(Layer):
     def __init__(self, negative_slope: float = 0.01):
         self.negative_slope = negative_slope
 
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """With the torch kernels (ATen's element-wise kernels keep the layout)."""
+        return self.kernel_backend == "torch"
+
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):
             raise TypeError(f"{type(self).__name__} expects a DistArray")
@@ -88,6 +92,10 @@ class Sigmoid(Layer):
 
     saved_for_backward = ("_y",)
     kernel_backends = ("numpy", "torch")
+
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """With the torch kernels (ATen's element-wise kernels keep the layout)."""
+        return self.kernel_backend == "torch"
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):

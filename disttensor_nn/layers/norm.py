@@ -216,6 +216,10 @@ class BatchNormNd(Layer):
         self.register_buffer("running_mean", np.zeros(num_features, np.float64))
         self.register_buffer("running_var", np.ones(num_features, np.float64))
 
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """With the torch kernels (ATen's batch-norm kernels run on channels-last blocks)."""
+        return self.kernel_backend == "torch"
+
     def compute_dtype(self, dtype: Any, backend: str | None = None,
                       device: str = "cpu") -> np.dtype:
         """16-bit blocks are computed in the parameters' dtype (converted); others as they are."""

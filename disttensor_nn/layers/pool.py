@@ -53,6 +53,12 @@ class _Pool(WindowLayer):
             return self._padding_without_halo(x.dist)
         return super().kernel_padding(x)
 
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """As :meth:`WindowLayer.takes_channels_last`; not a dilated average pool (the NumPy
+        kernel runs it)."""
+        return super().takes_channels_last(dist) and not (
+            self.op == "avg" and any(d != 1 for d in self.spec.dilation))
+
     def _pool_forward(self, xwin: Any) -> tuple[Any, Any | None]:
         s = self.spec
         kernels = kernels_for(xwin, self.kernel_backend)
@@ -189,14 +195,24 @@ class GlobalAvgPool(Layer):
         allreduce_(sums, split_axes_comm(x.dist, spatial))
         out_dist = x.dist.replace(global_shape=x.shape[:2], axes=x.dist.axes[:2],
                                   splits=x.dist.splits[:2])
-        self._in = (x.dist, x.local_shape, count)
+        order = backend.dense_order(x.local) if backend.is_channels_last(x.local) else None
+        self._in = (x.dist, x.local_shape, count, order)
         return DistArray.from_local(backend.astype(sums / count, x.dtype), out_dist)
 
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """True: the sums read any layout, and the gradient is made in the input's."""
+        return True
+
     def backward(self, dy: DistArray) -> DistArray:
-        dist, shape, count = self._in
+        dist, shape, count, order = self._in
         xp = dy.xp
         grad = xp.broadcast_to((dy.local / count)[(...,) + (None,) * (len(shape) - 2)], shape)
-        return DistArray.from_local(backend.contiguous(grad, writeable=True), dist)
+        if order is None:
+            return DistArray.from_local(backend.contiguous(grad, writeable=True), dist)
+        dx = backend.empty_in_order(xp, tuple(shape), dy.local.dtype, order,
+                                    backend.device_of(dy.local))
+        dx[...] = grad
+        return DistArray(dx, dist)
 
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         """Forward and backward each stream the block once, timed on the twin (priced at

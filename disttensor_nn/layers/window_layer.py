@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from disttensor import DistArray, Distribution, halo_plan
-from disttensor.backend import device_of, is_c_contiguous, zeros
+from disttensor.backend import device_of, is_c_contiguous, is_channels_last, zeros
 
 from ..costspec import CostSpec, largest_block
 from ..module import Layer, check_input
@@ -107,6 +107,13 @@ class WindowLayer(Layer):
             return None
         return self._padding_without_halo(dist)
 
+    def takes_channels_last(self, dist: Distribution) -> bool:
+        """With the torch kernels, a 2-D window whose padding the kernel applies itself (no
+        spatial split: :meth:`kernel_padding`); its output and input gradient keep the
+        layout (a halo's extended block would not)."""
+        return self.kernel_backend == "torch" and self.nd == 2 and \
+            self._padding_without_halo(dist) is not None
+
     def _padding_without_halo(self, dist: Distribution) -> tuple[int, ...] | None:
         """The padding per spatial dimension where a kernel may apply it itself for an input
         distributed as ``dist`` (no spatial split, symmetric constant padding), else None."""
@@ -128,7 +135,8 @@ class WindowLayer(Layer):
         if self._pads is not None:  # the kernels pad: no halo
             out_dist = self.output_distribution(x.dist)
             local = self._kernel_forward(x.local)
-            out = DistArray(local, out_dist) if is_c_contiguous(local) else \
+            out = DistArray(local, out_dist) if is_c_contiguous(local) or \
+                is_channels_last(local) else \
                 DistArray.from_local(x.xp.ascontiguousarray(local), out_dist)
             self._saved = (xin, x, None, None, None)
             return self._finish_output(out)
