@@ -27,6 +27,9 @@ from disttensor_nn import SGD, MSELoss, SoftmaxCrossEntropy, kernels
 from disttensor_nn.kernels import torch_kernels
 from disttensor_nn.layout import MEMORY_FORMATS, memory_format_of, to_memory_format
 from disttensor_nn.models import mesh_fcn, resnet
+from disttensor_nn.plan import make_plan
+from disttensor_nn.plan.timer import KernelTimer
+from disttensor_nn.training.cli import train_main
 
 SIZES = [1, 2, 3, 4]
 comm = MPI.COMM_WORLD
@@ -180,6 +183,7 @@ def _layers(dtype=np.float32):
         ("batch norm", bn, bn_reference),
         ("max pool k3 s2 p1", nn.MaxPool2d(3, 2, padding=1), pool_reference),
         ("relu", nn.ReLU(), relu_reference),
+        ("relu (NumPy)", nn.ReLU(), relu_reference),
         ("global average pool", nn.GlobalAvgPool(), gap_reference),
     ]
 
@@ -203,7 +207,7 @@ def test_torch_layers_on_channels_last_blocks_match_reference(chunk, monkeypatch
     check = Checks()
     with block_cache(cache=BlockCache(min_bytes=1)):  # the kernels' out= blocks too
         for name, layer, ref in _layers():
-            layer.kernel_backend = "torch"
+            layer.kernel_backend = "numpy" if "NumPy" in name else "torch"
             want, dy, dx_want, grads_want = ref(x, lambda s: rng.standard_normal(s))
             scale = max(float(np.abs(want).max()), 1.0)
             tol = {"rtol": 2e-4, "atol": 2e-4 * scale}
@@ -319,3 +323,56 @@ def test_torch_networks_train_alike_on_channels_last_input(model_name):
                    f"parameter {i}'s gradient: channels-last {err_cl:.3g} from float64, "
                    f"C order {err_c:.3g} (norm {scale:.3g})")
     check.finish()
+
+
+def test_make_plan_names_the_memory_format_and_refuses_others():
+    """``make_plan(memory_format=...)``: the plan names the format it was made in; ``"auto"``
+    keeps C order where no kernel is timed (a published profile); another name is
+    refused before any work."""
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    shape = (4, 2, 16, 16)
+    for fmt, want in (("contiguous", "contiguous"), ("channels_last", "channels_last"),
+                      ("auto", "contiguous")):
+        plan, _ = make_plan(net, shape, 1, "v100-nvlink-edr", memory_format=fmt)
+        assert plan.memory_format == want, (fmt, plan.memory_format)
+        assert ("blocks in channels_last memory format" in plan.table()) == \
+            (want == "channels_last")
+    with pytest.raises(ValueError, match="memory_format must be one of"):
+        make_plan(net, shape, 1, "v100-nvlink-edr", memory_format="nhwc")
+
+
+def test_the_kernel_timer_keys_and_lays_out_by_memory_format(tmp_path):
+    """A channels-last timer keeps its 4-D and 5-D times apart from C order's (the key
+    says so), times a twin on channels-last blocks, and refuses other formats."""
+    relu = nn.ReLU()
+    timers = {f: KernelTimer("probe", cache_dir=str(tmp_path), memory_format=f, reps=1)
+              for f in MEMORY_FORMATS}
+    c, cl = (timers[f].key(relu, (2, 3, 4, 5), np.float32) for f in MEMORY_FORMATS)
+    assert c != cl and cl.endswith("|cl") and not c.endswith("|cl")
+    assert timers["contiguous"].key(relu, (2, 3), np.float32) == \
+        timers["channels_last"].key(relu, (2, 3), np.float32)
+    with pytest.raises(ValueError, match="memory_format must be one of"):
+        KernelTimer("probe", cache_dir=str(tmp_path), memory_format="nhwc")
+    block = dt.DistArray.from_local(np.arange(120, dtype=np.float32).reshape(2, 3, 4, 5),
+                                    dt.Distribution((2, 3, 4, 5), dt.ProcessGrid(
+                                        (1,), MPI.COMM_SELF), (0, None, None, None)))
+    laid = timers["channels_last"]._laid_out(block)
+    assert is_channels_last(laid.local) and np.array_equal(laid.local, block.local)
+    assert timers["contiguous"]._laid_out(block) is block
+    order = timers["channels_last"]._order((2, 3, 4, 5))
+    assert order == (0, 2, 3, 1) and timers["contiguous"]._order((2, 3, 4, 5)) is None
+
+
+@needs_torch
+def test_torch_train_command_line_runs_on_channels_last_blocks(tmp_path, capsys):
+    """``disttensor-train --memory-format channels_last`` plans and trains in that format
+    (the plan table says so); a bad name stops with one message and exit 2."""
+    argv = ["mesh-demo", "--size", "64x64", "--batch", "2", "--steps", "2", "--machine",
+            "v100-nvlink-edr", "--no-progress", "--metrics", "", "--kernels", "torch"]
+    assert train_main([*argv, "--memory-format", "channels_last"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks in channels_last memory format" in out and "loss" in out
+    with pytest.raises(SystemExit) as exc:
+        train_main([*argv, "--memory-format", "nhwc"])
+    assert exc.value.code == 2
+    assert "--memory-format" in capsys.readouterr().err

@@ -190,8 +190,9 @@ class ConvNd(WindowLayer):
 
     def takes_channels_last(self, dist: Distribution) -> bool:
         """As :meth:`WindowLayer.takes_channels_last`, with neither the channels nor the
-        filters split."""
-        return super().takes_channels_last(dist) and not any(self.weight_splits(dist))
+        filters split (over grid axes of more than one rank)."""
+        return super().takes_channels_last(dist) and not any(
+            dist.grid_shape[a] > 1 for axes in self.weight_splits(dist) for a in axes)
 
     def _check(self, x: DistArray) -> None:
         check_input(x, self.nd + 2, type(self).__name__, self.in_channels, io_dtype(self),

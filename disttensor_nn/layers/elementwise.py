@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from disttensor import DistArray, Distribution
-from disttensor.backend import device_of, empty, writes_in_place
+from disttensor.backend import empty_like_layout, writes_in_place
 
 from ..costspec import CostSpec, largest_block
 from ..kernels import kernels_for, torch_kernels
@@ -31,8 +31,8 @@ class LeakyReLU(Layer):
         self.negative_slope = negative_slope
 
     def takes_channels_last(self, dist: Distribution) -> bool:
-        """With the torch kernels (ATen's element-wise kernels keep the layout)."""
-        return self.kernel_backend == "torch"
+        """True: its output, mask and input gradient are made in its input's layout."""
+        return True
 
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):
@@ -42,9 +42,8 @@ class LeakyReLU(Layer):
             y, self._mask = kernels_for(xl, "torch").relu_forward(xl, self.negative_slope)
             return DistArray(y, x.dist)
         if writes_in_place(xp):  # into blocks of the block cache where one is active
-            device = device_of(xl)
-            self._mask = mask = xp.greater(xl, 0, out=empty(xp, xl.shape, bool, device))
-            y = empty(xp, xl.shape, xl.dtype, device)
+            self._mask = mask = xp.greater(xl, 0, out=empty_like_layout(xl, xl.shape, bool))
+            y = empty_like_layout(xl, xl.shape)
             if self.negative_slope == 0:
                 xp.maximum(xl, 0, out=y)
             else:
@@ -62,7 +61,7 @@ class LeakyReLU(Layer):
                                                                    self.negative_slope), dy.dist)
         if not writes_in_place(xp):
             return DistArray(xp.where(self._mask, g, g * self.negative_slope), dy.dist)
-        dx = empty(xp, g.shape, g.dtype, device_of(g))
+        dx = empty_like_layout(g, g.shape)
         if self.negative_slope == 0:
             return DistArray(xp.multiply(g, self._mask, dtype=g.dtype, out=dx), dy.dist)
         xp.multiply(g, self.negative_slope, out=dx)

@@ -6,18 +6,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
-from disttensor import Distribution
+from disttensor import DistArray, Distribution, ProcessGrid
 from disttensor.device import use_device
 
-from ..kernels import BACKENDS, available_backends, check_backend
+from ..costspec import largest_block
+from ..kernels import BACKENDS, available_backends, check_backend, torch_kernels
+from ..layout import MEMORY_FORMATS, to_memory_format
 from ..memory import MemoryProfile
 from ..optim.optimizer import STAGES
 from ..precision import activation_dtype, is_half
-from .costmodel import CostModel
+from .costmodel import CostModel, dist_for
 from .machine import load_profile
 from .planner import Planner
 from .result import Plan
@@ -34,7 +38,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               channels: bool = False, max_states: int | None = None,
               kernels: str | None = None, shard_state: str = "none",
               state_slots: int = 1,
-              runs_as: Callable[[Distribution], Distribution] | None = None
+              runs_as: Callable[[Distribution], Distribution] | None = None,
+              memory_format: str = "contiguous"
               ) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
@@ -119,6 +124,16 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     runs_as : callable, optional
         The distribution the runtime holds for a candidate's, where it differs
         (:class:`CostModel`'s ``runs_as``).
+    memory_format : {"contiguous", "channels_last", "auto"}
+        How the activations' ``(N, C, H, W)`` blocks lie in memory
+        (:data:`~disttensor_nn.layout.MEMORY_FORMATS`): the kernels are timed on
+        blocks so (:class:`KernelTimer`), and a channels-last plan counts the
+        conversion of each input block (timed on every rank). ``"auto"`` plans
+        both where the kernels are timed, the input has two spatial dimensions
+        and the torch kernels may run (the layers that take channels-last blocks
+        are theirs: :meth:`~disttensor_nn.Layer.takes_channels_last`), and keeps
+        the faster, noting both; otherwise C order. The plan names it
+        (:attr:`Plan.memory_format`); the training driver puts each input batch so.
 
     Returns
     -------
@@ -131,8 +146,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     ------
     ValueError
         When nothing fits the memory budget (on every rank of ``comm``; with
-        ``"auto"``, under no stage), or for an unknown ``kernels`` or
-        ``shard_state``.
+        ``"auto"``, under no stage), or for an unknown ``kernels``,
+        ``shard_state`` or ``memory_format``.
     ImportError
         For ``kernels="torch"`` without PyTorch (naming the extra).
     """
@@ -140,6 +155,9 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     if shard_state not in (*STAGES, "auto"):  # before any work, the same on every rank
         raise ValueError(f"unknown shard_state {shard_state!r}; the stages are "
                          f"{', '.join(STAGES)}, or auto")
+    if memory_format not in (*MEMORY_FORMATS, "auto"):
+        raise ValueError(f"memory_format must be one of {[*MEMORY_FORMATS, 'auto']}, got "
+                         f"{memory_format!r}")
     machine_profile = load_profile(machine)
     memory = machine_profile.memory_per_rank if memory is None else memory
     dtype = activation_dtype(model) if is_half(activation_dtype(model)) else None
@@ -149,6 +167,35 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
         timer = KernelTimer(machine_id(machine_profile), measure=measure, xp=xp)
     if kernels == "auto" and timer is None:
         backends = None
+    formats = [memory_format]
+    if memory_format == "auto":
+        torch_may_run = torch_kernels.available() and (backends is None or "torch" in backends)
+        formats = ["contiguous", "channels_last"] if timer is not None and \
+            len(batch_shape) == 4 and torch_may_run else ["contiguous"]
+    made = []
+    for fmt in formats:
+        if timer is not None:
+            timer.memory_format = fmt
+        made.append(_plan_in(fmt, model, batch_shape, nprocs, machine_profile, timer, memory,
+                             itemsize, comm, baseline, profile, recompute, training, channels,
+                             max_states, backends, shard_state, state_slots, runs_as, dtype))
+    if len(made) == 1:
+        return made[0]
+    plan, planner = min(made, key=lambda m: m[0].time)  # the same plans on every rank
+    plan.notes.append("memory format chosen: " + ", ".join(
+        f"{p.memory_format} {1e3 * p.time:.2f} ms" for p, _ in made) +
+        f" predicted; {plan.memory_format} kept")
+    return plan, planner
+
+
+def _plan_in(memory_format: str, model: Any, batch_shape: tuple[int, ...], nprocs: int,
+             machine_profile: Any, timer: KernelTimer | None, memory: float, itemsize: int,
+             comm: MPI.Comm | None, baseline: float, profile: MemoryProfile | None,
+             recompute: bool | str, training: bool, channels: bool, max_states: int | None,
+             backends: tuple[str, ...] | None, shard_state: str, state_slots: int,
+             runs_as: Callable[[Distribution], Distribution] | None, dtype: Any
+             ) -> tuple[Plan, Planner | None]:
+    """:func:`make_plan` in one memory format (the timer set to it)."""
     planners = [Planner(model, batch_shape,
                         CostModel(machine_profile, nprocs, timer, itemsize, training=training,
                                   backends=backends, shard_state=stage,
@@ -179,10 +226,42 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
             result = comm.bcast(result, root=0)
     if isinstance(result, Exception):
         raise result
+    chosen = 0
     if shard_state == "auto":
         result, chosen = result
-        return result, planners[chosen] if root else None
-    return result, planners[0] if root else None
+    if memory_format == "channels_last":
+        result = _with_conversion(result, comm, timer, dtype or _FLOATS.get(itemsize,
+                                                                             np.float32))
+    return result, planners[chosen] if root else None
+
+
+_FLOATS = {2: np.float16, 4: np.float32, 8: np.float64}
+
+
+def _with_conversion(plan: Plan, comm: MPI.Comm | None, timer: KernelTimer | None,
+                     dtype: Any) -> Plan:
+    """``plan`` in channels-last format, with the conversion of each step's input block
+    (:func:`~disttensor_nn.layout.to_memory_format`) timed on every rank and counted in
+    its time and compute where the kernels are timed."""
+    plan = replace(plan, memory_format="channels_last")
+    if timer is None or len(plan.batch_shape) not in (4, 5):
+        return plan
+    comm = MPI.COMM_SELF if comm is None else comm
+    grid = ProcessGrid((1,) * len(plan.batch_shape), MPI.COMM_SELF)
+    block = largest_block(dist_for(plan.batch_shape, tuple(plan.entries[0].grid),
+                                   plan.entries[0].split_channels, inner=plan.inner))
+    x = DistArray.from_local(np.random.default_rng(0).random(block).astype(dtype),
+                             Distribution(block, grid, tuple(range(len(block)))))
+    times = []
+    for _ in range(4):  # the first untimed
+        comm.Barrier()
+        t0 = time.perf_counter()
+        to_memory_format(x, "channels_last")
+        times.append(time.perf_counter() - t0)
+    t = float(comm.allreduce(min(times[1:]), op=MPI.MAX))
+    return replace(plan, time=plan.time + t, compute=plan.compute + t, notes=[
+        *plan.notes, f"input blocks put in channels-last layout: {1e3 * t:.2f} ms a step "
+                     "(timed), in the time and the compute"])
 
 
 def _best_stage(planners: Sequence[Planner]) -> tuple[Plan, int]:

@@ -82,8 +82,9 @@ class Plan:
     # the activations' dtype the plan is for (precision.PRECISIONS): 16-bit blocks count 2
     # bytes in its memory and communication
     precision: str = "fp32"
-    # how the blocks of a PyTorch model's activations lie in memory, as the plan's kernels
-    # were timed (disttensor_nn.torch.parallelize): "contiguous" or "channels_last"
+    # how the activations' blocks lie in memory, as the plan's kernels were timed
+    # (make_plan's and disttensor_nn.torch.parallelize's memory_format): "contiguous" or
+    # "channels_last"
     memory_format: str = "contiguous"
 
     def table(self) -> str:
@@ -145,8 +146,8 @@ class Plan:
             lines.append(f"parameter state sharded over the ranks that replicate it: "
                          f"{self.shard_state} (optim.shard_state; time and peak count it)")
         if self.memory_format != "contiguous":
-            lines.append(f"blocks in {self.memory_format} memory format (the modules run "
-                         "as themselves are timed so)")
+            lines.append(f"blocks in {self.memory_format} memory format (the kernels timed "
+                         "so; each step's input block put so, counted)")
         if self.inner != "space":
             lines.append("ranks placed so that the sample split stays inside a node and the "
                          "spatial splits span nodes (grids laid out (C.., S.., N))")

@@ -34,7 +34,13 @@ from mpi4py import MPI
 from tqdm import tqdm
 
 from disttensor import DistArray, Distribution, ProcessGrid, block_cache
-from disttensor.backend import is_numpy
+from disttensor.backend import (
+    array_namespace,
+    device_of,
+    empty_in_order,
+    is_channels_last,
+    is_numpy,
+)
 from disttensor.blockcache import active_block_cache
 
 from ..costspec import CostSpec
@@ -46,6 +52,7 @@ from ..kernels import (
     torch_kernels,
     with_backend,
 )
+from ..layout import MEMORY_FORMATS, to_memory_format
 from ..memory import release_free_memory
 from ..module import Layer
 from ..optim import SGD, Adam
@@ -56,7 +63,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
 
-CACHE_VERSION = 11
+CACHE_VERSION = 12
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 or what a time means, so that older times are not reused (they live in another file)."""
 
@@ -103,6 +110,12 @@ class KernelTimer:
     (:func:`disttensor_nn.kernels.synchronize`); its name is part of the keys,
     and so is a layer's ``kernel_backend`` other than NumPy's (each backend's
     kernels are timed apart, and the planner keeps the faster).
+    With ``memory_format="channels_last"`` every 4-D or 5-D input and output
+    gradient a twin is given lies channels-last
+    (:func:`~disttensor_nn.layout.to_memory_format`, as the training driver
+    puts a plan's input so), so that the layers that take such blocks are timed
+    on them and the others with the copy the calling protocol makes for them;
+    the format is part of the keys.
     """
 
     tile_bytes: float = 64 * 2**20
@@ -111,10 +124,15 @@ class KernelTimer:
     """Most forward FLOPs a twin is timed with; larger blocks are timed on a tile."""
 
     def __init__(self, machine: str, cache_dir: str | None = None, measure: bool = True,
-                 reps: int = 5, xp: ModuleType | None = None):
+                 reps: int = 5, xp: ModuleType | None = None,
+                 memory_format: str = "contiguous"):
+        if memory_format not in MEMORY_FORMATS:
+            raise ValueError(f"memory_format must be one of {MEMORY_FORMATS}, got "
+                             f"{memory_format!r}")
         self.path = os.path.join(cache_dir or default_cache_dir(),
                                  f"kernels-v{CACHE_VERSION}-{machine}.json")
         self.measure, self.reps = measure, reps
+        self.memory_format = memory_format
         self.xp = np if xp is None else xp
         self._where = "" if is_numpy(self.xp) else f"|{self.xp.__name__}"
         self.table: dict[str, list[float]] = {}
@@ -132,8 +150,22 @@ class KernelTimer:
         where = (f"seq{corun}" if corun else "alone") + f"|t{pool}.{blas}"
         nodx = "" if layer.input_grad else "|nodx"  # backward without the input gradient
         kernels = layer.kernel_backend if layer.kernel_backend not in (None, "numpy") else ""
+        layout = "|cl" if self.memory_format == "channels_last" and len(local_in) in (4, 5) \
+            else ""
         return (f"{layer.kernel_signature()}{nodx}|{tuple(local_in)}|{np.dtype(dtype).str}|"
-                f"{where}{self._where}" + (f"|{kernels}" if kernels else ""))
+                f"{where}{self._where}" + (f"|{kernels}" if kernels else "") + layout)
+
+    def _laid_out(self, a: DistArray) -> DistArray:
+        """``a`` in this timer's memory format (4-D and 5-D arrays; others as they are)."""
+        if self.memory_format == "contiguous" or a.ndim not in (4, 5):
+            return a
+        return to_memory_format(a, self.memory_format)
+
+    def _order(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """How an array of ``shape`` lies in memory in this timer's format (None: C order)."""
+        if self.memory_format == "contiguous" or len(shape) not in (4, 5):
+            return None
+        return (0, *range(2, len(shape)), 1)
 
     def times(self, layer: Layer, local_in: tuple[int, ...], dtype: np.dtype,
               flops: float, corun: int = 1, synced: bool = False
@@ -298,15 +330,15 @@ class KernelTimer:
             return 0.0, 0.0
         xp = self.xp
         twin = self._twin(layer)
-        x = _self_array(xp.asarray(np.random.default_rng(0).standard_normal(local_in)
-                                   .astype(dtype)))
+        x = self._laid_out(_self_array(xp.asarray(
+            np.random.default_rng(0).standard_normal(local_in).astype(dtype))))
         fwd, bwd = [], []
         for _ in range(self.reps + 1):
             x.local[...] = x.local
             t0 = self._clock()
             y = twin.forward(x)
             t1 = self._clock()
-            dy = _self_array(xp.ones(y.local_shape, y.dtype))
+            dy = self._laid_out(_self_array(xp.ones(y.local_shape, y.dtype)))
             _evict_caches()
             t2 = self._clock()
             twin.backward(dy)
@@ -500,10 +532,13 @@ class KernelTimer:
                 outs: list[Any] = []
                 prev = None
                 for j, (job, twin) in enumerate(zip(jobs, twins)):
-                    if prev is not None and prev.shape == job.shape and prev.dtype == job.dtype:
+                    if prev is not None and prev.shape == job.shape and \
+                            prev.dtype == job.dtype and (self._order(job.shape) is None) != \
+                            is_channels_last(prev):  # in this timer's format
                         x = _self_array(prev)  # the layer before wrote it just now
                     else:
-                        x = _self_array(_fresh(source, job.shape, job.dtype))
+                        x = _self_array(_fresh(source, job.shape, job.dtype,
+                                               self._order(job.shape)))
                         if job.cold_input:
                             _evict_caches(evict_bytes)
                     prev = None
@@ -520,7 +555,9 @@ class KernelTimer:
                 prev = None
                 for j in reversed(range(len(jobs))):
                     y = outs.pop()
-                    dy = _self_array(_fresh(source, y.local_shape, y.dtype))
+                    # in the output's layout, as the layer after gives it back
+                    dy = _self_array(_fresh(source, y.local_shape, y.dtype, self._order(
+                        y.local_shape) if is_channels_last(y.local) else None))
                     del y
                     t0 = self._clock()
                     twins[j].backward(dy)
@@ -682,9 +719,11 @@ def _least_spatial(layer: Layer, shape: tuple[int, ...]) -> list[int]:
     return [min(n, max(32, span)) for n, span in zip(shape[2:], spans)]
 
 
-def _fresh(source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+def _fresh(source: Any, shape: tuple[int, ...], dtype: Any,
+           order: tuple[int, ...] | None = None) -> Any:
     """A newly written array of ``shape`` filled from ``source`` (random values; sized
-    to the largest input or output of the segment, so it holds enough).
+    to the largest input or output of the segment, so it holds enough), its axes lying in
+    memory in ``order`` (:func:`~disttensor.backend.empty_in_order`; None: C order).
 
     Inside a block cache (NumPy) the array is one of its blocks, as a layer's
     input and output gradient are in training: from the C heap, it would move
@@ -695,8 +734,14 @@ def _fresh(source: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     values = source[:math.prod(shape)].reshape(shape)
     cache = active_block_cache()
     if cache is None or not is_numpy(values):
-        return values.astype(dtype, copy=True)
-    out = cache.empty(shape, dtype)
+        out = values.astype(dtype, copy=True)
+        if order is None:
+            return out
+        laid = empty_in_order(array_namespace(out), tuple(shape), out.dtype, order,
+                              device_of(out))
+        laid[...] = out
+        return laid
+    out = empty_in_order(np, tuple(shape), dtype, order)
     if torch_kernels.loaded() and torch_kernels.num_threads() > 1:
         # written over PyTorch's threads, as the layer before in training writes it: each
         # thread's part in its own core's cache (one-rank mesh-demo on two threads: the

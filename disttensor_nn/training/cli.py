@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from ..kernels import BACKENDS, limit_threads
 from ..layers.norm import BATCH_NORM_STATS, set_batch_norm_stats
+from ..layout import MEMORY_FORMATS
 from ..optim import STAGES
 from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
 from ..plan.calibrate import calibrate
@@ -144,6 +145,12 @@ def _kernel_options(parser: argparse.ArgumentParser, default: str = "auto") -> N
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                         help="kernel threads per rank (default: the cores of a node divided "
                         "by its ranks)")
+    parser.add_argument("--memory-format", choices=("auto", *MEMORY_FORMATS), default="auto",
+                        help="how the activations' (N, C, H, W) blocks lie in memory: C order, "
+                        "channels-last ((N, H, W, C): the torch kernels' convolutions, pooling, "
+                        "batch norms and element-wise layers run on them and keep them; each "
+                        "step's input is put so), or auto: both planned where the torch kernels "
+                        "may run, the faster kept (the plan table says which)")
 
 
 def _check_kernels(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -305,7 +312,8 @@ def _plan(args: argparse.Namespace, comm: MPI.Comm | None) -> int:
     try:
         plan, _ = make_plan(model, shape, nprocs, args.machine, args.memory_per_rank,
                             not args.no_measure, comm=comm, recompute=RECOMPUTE[args.recompute],
-                            channels=args.channel_splits, kernels=args.kernels)
+                            channels=args.channel_splits, kernels=args.kernels,
+                            memory_format=args.memory_format)
     except (ValueError, FileNotFoundError) as exc:
         if root:
             print(f"disttensor-plan: error: {exc}", file=sys.stderr)
@@ -562,7 +570,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                       warmup_start_factor=a.warmup_start_factor, step_size=a.step_size,
                       gamma=a.gamma, min_lr=a.min_lr, schedule_steps=a.schedule_steps,
                       clip_grad_norm=a.clip_grad_norm, shard_state=a.shard_state,
-                      precision=a.precision, bn_stats=a.bn_stats)
+                      precision=a.precision, bn_stats=a.bn_stats,
+                      memory_format=a.memory_format)
     if a.model_file is not None:
         return _train_model_file(parser, a, cfg)
     problem = recipe_problem(cfg, a.lr if a.lr is not None else model_spec(a.model).lr)
@@ -712,7 +721,8 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
                         out=a.out,
                         data_input=a.data_input, machine=a.machine,
                         memory_per_rank=a.memory_per_rank, chunks=a.chunks,
-                        progress=not a.no_progress, device=a.device, kernels=a.kernels)
+                        progress=not a.no_progress, device=a.device, kernels=a.kernels,
+                        memory_format=a.memory_format)
     torch_driver = _torch_driver(parser) if a.model_file is not None else None
     try:
         result = predict(cfg) if torch_driver is None else \

@@ -18,6 +18,7 @@ from disttensor.blockcache import active_block_cache, block_cache
 from ..container import Sequential
 from ..kernels import optimizer_backend, synchronize
 from ..layers.norm import BATCH_NORM_STATS, set_batch_norm_stats
+from ..layout import to_memory_format
 from ..memory import (
     HEAP_TOP_KEPT,
     MemoryProfile,
@@ -147,6 +148,9 @@ class TrainConfig:
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
     accumulate: int = 1  # micro-batches of `batch` samples per step, one gradient reduction
     kernels: str = "auto"  # "numpy", "torch" or "auto" (each layer's faster; make_plan)
+    # the activations' blocks in "contiguous" or "channels_last" layout, or "auto": both
+    # planned where the torch kernels may run on 2-D samples, the faster kept (make_plan)
+    memory_format: str = "auto"
     threads: int | None = None  # kernel threads per rank (None: the cores / ranks per node)
     # batches prepared ahead by a thread while a step runs (0: none; None: 1 where each rank
     # of the node has a core for the thread beside its kernel threads, else 0)
@@ -243,7 +247,8 @@ def _plan(cfg: TrainConfig, model: Any, shape: tuple[int, ...], comm: MPI.Comm,
     plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
                         comm=comm, baseline=baseline, profile=memory,
                         recompute=RECOMPUTE[cfg.recompute], kernels=cfg.kernels,
-                        shard_state=cfg.shard_state, state_slots=state_slots(cfg))
+                        shard_state=cfg.shard_state, state_slots=state_slots(cfg),
+                        memory_format=cfg.memory_format)
     return plan
 
 
@@ -562,7 +567,8 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
         with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
                 as cache:
             step = run_steps(cfg, comm, Batches(loader, it, heap_top),
-                             _layer_step(cfg, memory, xp, model, loss_fn, opt, sched, scaler),
+                             _layer_step(cfg, memory, xp, model, loss_fn, opt, sched, scaler,
+                                         plan.memory_format),
                              step, history, times, data_times, bar, model=model,
                              optimizer=opt, scheduler=sched,
                              checkpoint_extra=lambda: {"grad_scaler": scaler.state_dict()},
@@ -621,9 +627,10 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
 
 def _layer_step(cfg: TrainConfig, memory: MemoryProfile, xp: Any, model: Layer,
                 loss_fn: Any, opt: Any, sched: LRScheduler | None,
-                scaler: GradScaler) -> Any:
+                scaler: GradScaler, memory_format: str = "contiguous") -> Any:
     """One training step of a built-in model, for :func:`~.loop.run_steps`: the layers'
-    backward over ``cfg.accumulate`` micro-batches, then the disttensor optimizer.
+    backward over ``cfg.accumulate`` micro-batches, then the disttensor optimizer. Each
+    input batch is put in the plan's ``memory_format`` first (a copy where it differs).
 
     With an enabled ``scaler`` (float16), the loss gradient is scaled and a step whose
     gradients are not finite is skipped (``skipped`` in its history entry).
@@ -634,7 +641,7 @@ def _layer_step(cfg: TrainConfig, memory: MemoryProfile, xp: Any, model: Layer,
         for micro in range(cfg.accumulate):
             x, y = batches.next()
             with memory.phase("forward"):
-                out = model(x)
+                out = model(to_memory_format(x, memory_format))
                 losses.append(loss_fn(out, y))
             # the gradient of the mean over the micro-batches; its sums over ranks fused and
             # overlapped, and sent once, with the last micro-batch's backward

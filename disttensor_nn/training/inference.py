@@ -31,6 +31,7 @@ from disttensor.io import optional_module
 
 from ..container import Sequential
 from ..kernels import kernels_for, synchronize
+from ..layout import to_memory_format
 from ..memory import MemoryProfile, map_large_allocations, release_free_memory, resident_bytes
 from ..plan import Plan, apply_plan, make_plan
 from ..plan.calibrate import calibrate_if_stale
@@ -60,6 +61,8 @@ class PredictConfig:
     progress: bool = True
     device: str = "cpu"  # "cpu" (NumPy) or "gpu" (CuPy, one GPU per rank of a node)
     kernels: str = "auto"  # "numpy", "torch" or "auto" (each layer's faster; make_plan)
+    # the blocks' layout: "contiguous", "channels_last" or "auto" (make_plan's memory_format)
+    memory_format: str = "auto"
 
 
 def predict_machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
@@ -161,7 +164,7 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
     plan: Plan
     plan, _ = make_plan(model, shape, comm.Get_size(), machine, cfg.memory_per_rank,
                         comm=comm, baseline=baseline, profile=memory, training=False,
-                        kernels=cfg.kernels)
+                        kernels=cfg.kernels, memory_format=cfg.memory_format)
     apply_plan(model, plan, shape, comm)
     if not is_numpy(xp):
         model.to(xp)
@@ -191,7 +194,7 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
             if not is_numpy(xp):
                 x = DistArray(as_module(x.local, xp), x.dist)
             t1 = time.perf_counter()
-            y = model(x)
+            y = model(to_memory_format(x, plan.memory_format))
             del x
             synchronize(xp)
             t2 = time.perf_counter()

@@ -259,6 +259,10 @@ def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+_TORCH_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+"""``--memory-format`` as ``parallelize`` takes it (``"auto"`` as it is)."""
+
+
 def _parallel(cfg: ModelFileConfig, model: nn.Module, shape: tuple[int, ...],
               comm: MPI.Comm, machine: str, baseline: float = 0.0) -> ParallelModule:
     """The model on this job's ranks, planned (or by the plan file ``cfg.layout``) with
@@ -267,7 +271,8 @@ def _parallel(cfg: ModelFileConfig, model: nn.Module, shape: tuple[int, ...],
     try:
         pm = parallelize(model, shape, layout, memory_per_rank=cfg.memory_per_rank,
                          machine=machine, comm=comm, baseline=baseline,
-                         batch_norm_stats=cfg.bn_stats)
+                         batch_norm_stats=cfg.bn_stats,
+                         memory_format=_TORCH_FORMATS.get(cfg.memory_format, "auto"))
     except (TypeError, NotImplementedError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from exc
     if not isinstance(pm.output_dist, Distribution):
