@@ -4,7 +4,7 @@ Run (unset the OpenBLAS overrides for timing only):
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/bench_step.py \
         [--models mesh-demo,resnet18] [--threads 1] [--reps 7] [--rounds 3] [--kernels torch]
-        [--heap warm]
+        [--heap warm] [--memory-format channels_last] [--torch-memory-format channels_last]
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE mpiexec -n 2 python benchmarks/bench_step.py
 
 Models (float32): ``mesh-demo`` (batch 4, 18x256x256), ``resnet18`` (batch 8,
@@ -41,6 +41,11 @@ scratch (oneDNN's reorders of a block, among others) is mapped afresh at each
 call; ``--heap warm`` gives both the training driver's settings for its steps
 (``map_large_allocations`` and ``keep_heap_top`` at ``--heap-mib``, 256 MiB), so
 that such scratch stays in the heap from call to call.
+``--memory-format channels_last`` runs our layers on channels-last blocks
+(the input put so at each step, the copy timed;
+``disttensor_nn.layout.to_memory_format``); ``--torch-memory-format
+channels_last`` converts PyTorch's model and input so (the baseline as its
+user would tune it; by default the model as written).
 The per-layer-type breakdown comes from separate steps with forward and
 backward hooks on every leaf layer (ours: the library's hooks; torch:
 module hooks), so it includes the hooks' small overhead and is not used for

@@ -1,6 +1,7 @@
-"""How arrays lie on process grids: a layer's :class:`Layout` (grid axes for arrays of any
-shape), and full arrays to and from a rank's block under a Distribution
-(:func:`full_array`, :func:`local_block`)."""
+"""How arrays lie on process grids and in memory: a layer's :class:`Layout` (grid axes for
+arrays of any shape), full arrays to and from a rank's block under a Distribution
+(:func:`full_array`, :func:`local_block`), and a block's memory format
+(:func:`to_memory_format`: C order or channels-last)."""
 
 from __future__ import annotations
 
