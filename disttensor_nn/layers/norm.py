@@ -17,6 +17,7 @@ from disttensor.backend import (
     device_kw,
     device_of,
     empty,
+    is_channels_last,
     is_numpy,
     namespace_dtype,
     numpy_dtype,
@@ -63,7 +64,13 @@ thread; a larger one takes the centred passes there, faster on one thread (a 2-c
 AVX-512 machine: ATen's one call 0.12 ms against 0.16 at 64 Ki elements, 2.8 ms against
 2.1 at 1.5 Mi, before the per-channel arithmetic the centred passes add, some 0.1 ms).
 With more than one PyTorch thread every size takes the one call, which spreads over them
-(forward and backward of ``(8, 64, 56, 56)`` on 2 threads: 1.95 ms against 3.28)."""
+(forward and backward of ``(8, 64, 56, 56)`` on 2 threads: 1.95 ms against 3.28), and so
+does a channels-last block (ATen's channels-last kernel, vectorised over the channels:
+forward of ``(8, 64, 56, 56)`` on one thread 1.39 ms against 3.58 for the centred passes
+on it and 2.65 on a C-order block). Its statistics are PyTorch's own in that layout: the
+rows added one after another in float32, relative errors of 5e-6 to 4e-5 in the mean and
+inverse deviation on ResNet's and the mesh model's blocks against 5e-8 in C order (the
+statistics shared by several ranks are summed in float64 in either layout)."""
 
 _NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 """Blocks the one-call path takes (its running statistics are updated in the block's dtype:
@@ -252,7 +259,8 @@ class BatchNormNd(Layer):
             count = math.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * math.prod(x.shape[2:]))
             if fused and not converted and 0 < kept.size and (
-                    kept.size <= NATIVE_BATCH_NORM_MAX or kernels.num_threads() > 1) and \
+                    kept.size <= NATIVE_BATCH_NORM_MAX or kernels.num_threads() > 1 or
+                    is_channels_last(kept)) and \
                     self.dtype in _NATIVE_DTYPES and self.stats == "global" and \
                     not self.shared_statistics and comm.Get_size() == 1:
                 return self._native_forward(x, kernels, x3)
