@@ -29,7 +29,6 @@ from disttensor_nn.layout import MEMORY_FORMATS, memory_format_of, to_memory_for
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.plan import make_plan
 from disttensor_nn.plan.timer import KernelTimer
-from disttensor_nn.training.cli import train_main
 
 SIZES = [1, 2, 3, 4]
 comm = MPI.COMM_WORLD
@@ -361,18 +360,3 @@ def test_the_kernel_timer_keys_and_lays_out_by_memory_format(tmp_path):
     assert timers["contiguous"]._laid_out(block) is block
     order = timers["channels_last"]._order((2, 3, 4, 5))
     assert order == (0, 2, 3, 1) and timers["contiguous"]._order((2, 3, 4, 5)) is None
-
-
-@needs_torch
-def test_torch_train_command_line_runs_on_channels_last_blocks(tmp_path, capsys):
-    """``disttensor-train --memory-format channels_last`` plans and trains in that format
-    (the plan table says so); a bad name stops with one message and exit 2."""
-    argv = ["mesh-demo", "--size", "64x64", "--batch", "2", "--steps", "2", "--machine",
-            "v100-nvlink-edr", "--no-progress", "--metrics", "", "--kernels", "torch"]
-    assert train_main([*argv, "--memory-format", "channels_last"]) == 0
-    out = capsys.readouterr().out
-    assert "blocks in channels_last memory format" in out and "loss" in out
-    with pytest.raises(SystemExit) as exc:
-        train_main([*argv, "--memory-format", "nhwc"])
-    assert exc.value.code == 2
-    assert "--memory-format" in capsys.readouterr().err

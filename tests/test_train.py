@@ -173,6 +173,23 @@ def test_train_command_line(tmp_path, capsys):
     assert os.path.exists(prefix + ".csv") and os.path.exists(prefix + ".json")
 
 
+def test_train_command_line_runs_on_channels_last_blocks(tmp_path, capsys):
+    """``disttensor-train --memory-format channels_last`` plans and trains in that format
+    (the plan table says so; layers that do not take such blocks get C-order copies); a
+    bad name stops with one message and exit 2."""
+    from disttensor_nn.training.cli import train_main
+
+    argv = ["mesh-demo", "--size", "64x64", "--batch", "2", "--steps", "2", "--machine",
+            V100, "--no-progress", "--metrics", ""]
+    assert train_main([*argv, "--memory-format", "channels_last"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks in channels_last memory format" in out and "loss" in out
+    with pytest.raises(SystemExit) as exc:
+        train_main([*argv, "--memory-format", "nhwc"])
+    assert exc.value.code == 2
+    assert "--memory-format" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- the command lines
 def _usage_error(capsys, argv, main=None) -> str:
     """Run a command line that must stop with exit status 2 before any work; its stderr."""

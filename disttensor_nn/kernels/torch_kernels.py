@@ -244,6 +244,15 @@ def _unplanes(r: Any, t: Any) -> Any:
     return r.squeeze(2) if r.ndim == 4 and t.ndim == 3 else r
 
 
+def _planes_out(out: dict[str, Any], t4: Any) -> Any | None:
+    """:func:`_out`'s block as :func:`_planes` made ``t4`` (None where there is none, or it
+    lies otherwise: ATen allocates then)."""
+    if not out:
+        return None
+    o = _planes(out["out"])
+    return o if o.ndim == t4.ndim else None
+
+
 def _pads(padding: Sequence[int] | None, nd: int) -> list[int]:
     return [0] * nd if padding is None else [int(p) for p in padding]
 
@@ -665,16 +674,15 @@ def affine(x3: Any, scale: Any, shift: Any) -> Any:
     w, b = _t(scale).to(t.dtype), _t(shift).to(t.dtype)
     zero = torch.zeros(c, dtype=t.dtype, device=t.device)
     one = torch.ones(c, dtype=t.dtype, device=t.device)
-    out = _out(x3, t)
     t4 = _planes(t)
-    if not out or t.numel() == 0:
+    out = _planes_out(_out(x3, t), t4)
+    if out is None or t.numel() == 0:
         y = torch.batch_norm(t4, w, b, zero, one, False, 0.0, 0.0, False)
         return _back(_unplanes(y, t), x3)
     nothing = torch.empty(0, dtype=t.dtype, device=t.device)
-    torch.ops.aten.native_batch_norm.out(t4, w, b, zero, one, False, 0.0, 0.0,
-                                         out=_planes(out["out"]) if t4 is not t else out["out"],
+    torch.ops.aten.native_batch_norm.out(t4, w, b, zero, one, False, 0.0, 0.0, out=out,
                                          save_mean=nothing, save_invstd=nothing.clone())
-    return _back(out["out"], x3)
+    return _back(_unplanes(out, t), x3)
 
 
 def scale_shift(x3: Any, centre: Any, scale: Any, shift: Any) -> Any:
@@ -729,12 +737,11 @@ def batch_norm_train(x3: Any, weight: Any | None, bias: Any | None, eps: float,
     b = None if bias is None else _t(bias).to(t.dtype)
     rm, rv = (None, None) if running is None else \
         (_t(r).to(**kw, copy=True) for r in running)  # copies: ATen writes into them
-    out = _out(x3, t)
     t4 = _planes(t)
-    if out:
+    out = _planes_out(_out(x3, t), t4)
+    if out is not None:
         y, mean, invstd = torch.ops.aten.native_batch_norm.out(
-            t4, w, b, rm, rv, True, float(momentum), float(eps),
-            out=_planes(out["out"]) if t4 is not t else out["out"],
+            t4, w, b, rm, rv, True, float(momentum), float(eps), out=out,
             save_mean=torch.empty(c, **kw), save_invstd=torch.empty(c, **kw))
     else:
         y, mean, invstd = torch.native_batch_norm(t4, w, b, rm, rv, True, float(momentum),
