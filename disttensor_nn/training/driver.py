@@ -641,7 +641,9 @@ def _layer_step(cfg: TrainConfig, memory: MemoryProfile, xp: Any, model: Layer,
         for micro in range(cfg.accumulate):
             x, y = batches.next()
             with memory.phase("forward"):
-                out = model(to_memory_format(x, memory_format))
+                # the batch's own block is let go once converted: one input block at the peak
+                x = to_memory_format(x, memory_format)
+                out = model(x)
                 losses.append(loss_fn(out, y))
             # the gradient of the mean over the micro-batches; its sums over ranks fused and
             # overlapped, and sent once, with the last micro-batch's backward

@@ -194,7 +194,8 @@ def predict(cfg: PredictConfig, comm: MPI.Comm | None = None, *,
             if not is_numpy(xp):
                 x = DistArray(as_module(x.local, xp), x.dist)
             t1 = time.perf_counter()
-            y = model(to_memory_format(x, plan.memory_format))
+            x = to_memory_format(x, plan.memory_format)  # the C-order block let go
+            y = model(x)
             del x
             synchronize(xp)
             t2 = time.perf_counter()
