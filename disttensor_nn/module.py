@@ -96,11 +96,11 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             return forward(self, x, *args, **kwargs)
         if isinstance(x, DistArray):
             if is_channels_last(x.local):  # a layer that does not say it runs on
-                d["_channels_last"] = ok = self.takes_channels_last(x.dist)
+                d["_took_channels_last"] = ok = self.takes_channels_last(x.dist)
                 if not ok:  # channels-last blocks gets a C-contiguous copy
                     x = DistArray(contiguous(x.local), x.dist)
             else:
-                d["_channels_last"] = False
+                d["_took_channels_last"] = False
             if d.get("kernel_backend") not in (None, "numpy"):
                 check_kernels(self, x)
         d["_output"], d["_in_forward"] = None, True
@@ -128,7 +128,7 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             return backward(self, dy, *args, **kwargs)
         if out is not _UNCHECKED:
             dy = check_grad(dy, out, f"{type(self).__name__}.backward")
-        if not d.get("_channels_last") and isinstance(dy, DistArray) and \
+        if not d.get("_took_channels_last") and isinstance(dy, DistArray) and \
                 is_channels_last(dy.local):  # as its forward's input (see takes_channels_last)
             dy = DistArray(contiguous(dy.local), dy.dist)
         d["_in_backward"] = True
