@@ -25,7 +25,7 @@ from .costmodel import CostModel, dist_for
 from .machine import load_profile
 from .planner import Planner
 from .result import Plan
-from .timer import KernelTimer, machine_id
+from .timer import KernelTimer, machine_id, seconds_on_every_rank
 
 __all__ = ["make_plan", "predict_scaling", "wait_for_root", "kernel_choice"]
 
@@ -252,13 +252,7 @@ def _with_conversion(plan: Plan, comm: MPI.Comm | None, timer: KernelTimer | Non
                                    plan.entries[0].split_channels, inner=plan.inner))
     x = DistArray.from_local(np.random.default_rng(0).random(block).astype(dtype),
                              Distribution(block, grid, tuple(range(len(block)))))
-    times = []
-    for _ in range(4):  # the first untimed
-        comm.Barrier()
-        t0 = time.perf_counter()
-        to_memory_format(x, "channels_last")
-        times.append(time.perf_counter() - t0)
-    t = float(comm.allreduce(min(times[1:]), op=MPI.MAX))
+    t = seconds_on_every_rank(lambda: to_memory_format(x, "channels_last"), comm)
     return replace(plan, time=plan.time + t, compute=plan.compute + t, notes=[
         *plan.notes, f"input blocks put in channels-last layout: {1e3 * t:.2f} ms a step "
                      "(timed), in the time and the compute"])

@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
@@ -61,7 +61,7 @@ from ..parameter import Parameter
 from ..window import WindowSpec
 from .machine import MachineProfile, default_cache_dir
 
-__all__ = ["KernelTimer", "QueryRecorder", "machine_id", "warm_up"]
+__all__ = ["KernelTimer", "QueryRecorder", "machine_id", "seconds_on_every_rank", "warm_up"]
 
 CACHE_VERSION = 12
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
@@ -732,17 +732,10 @@ def _fresh(source: Any, shape: tuple[int, ...], dtype: Any,
     they write it.
     """
     values = source[:math.prod(shape)].reshape(shape)
-    cache = active_block_cache()
-    if cache is None or not is_numpy(values):
-        out = values.astype(dtype, copy=True)
-        if order is None:
-            return out
-        laid = empty_in_order(array_namespace(out), tuple(shape), out.dtype, order,
-                              device_of(out))
-        laid[...] = out
-        return laid
-    out = empty_in_order(np, tuple(shape), dtype, order)
-    if torch_kernels.loaded() and torch_kernels.num_threads() > 1:
+    out = empty_in_order(array_namespace(values), tuple(shape), dtype, order,
+                         device_of(values))
+    if active_block_cache() is not None and is_numpy(values) and \
+            torch_kernels.loaded() and torch_kernels.num_threads() > 1:
         # written over PyTorch's threads, as the layer before in training writes it: each
         # thread's part in its own core's cache (one-rank mesh-demo on two threads: the
         # plan's step 75.0 ms against 66 measured when one thread wrote it, 71.0 now)
@@ -750,6 +743,19 @@ def _fresh(source: Any, shape: tuple[int, ...], dtype: Any,
     else:
         out[...] = values
     return out
+
+
+def seconds_on_every_rank(fn: Callable[[], Any], comm: Any, reps: int = 5) -> float:
+    """Seconds ``fn()`` takes run on every rank of ``comm`` at once (after a barrier each
+    time): the slowest rank's median of ``reps`` calls after an untimed one, the same on
+    every rank (collective)."""
+    times = []
+    for _ in range(reps + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(comm.allreduce(statistics.median(times[1:]), op=MPI.MAX))
 
 
 def _nothing() -> None:

@@ -42,8 +42,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import statistics
-import time
 from dataclasses import replace
 from types import ModuleType
 from typing import Any
@@ -58,6 +56,7 @@ from disttensor.backend import array_namespace
 
 from ..costspec import CostSpec, largest_block
 from ..module import Layer
+from ..plan.timer import seconds_on_every_rank
 
 __all__ = ["ModuleTwin", "as_run", "channels_last_view", "conversion_seconds", "priced",
            "runs_as_module", "standard_view"]
@@ -137,13 +136,8 @@ def conversion_seconds(block: tuple[int, ...], dtype: torch.dtype, comm: MPI.Int
         return float(comm.allreduce(_CONVERSIONS[key], op=MPI.MAX))
     fmt = torch.channels_last if len(block) == 4 else torch.channels_last_3d
     x = torch.rand(tuple(block), dtype=torch.float32).to(dtype)
-    times = []
-    for _ in range(reps + 1):  # the first untimed
-        comm.Barrier()
-        t0 = time.perf_counter()
-        x.contiguous(memory_format=fmt)
-        times.append(time.perf_counter() - t0)
-    _CONVERSIONS[key] = float(comm.allreduce(statistics.median(times[1:]), op=MPI.MAX))
+    _CONVERSIONS[key] = seconds_on_every_rank(lambda: x.contiguous(memory_format=fmt), comm,
+                                              reps)
     return _CONVERSIONS[key]
 
 
