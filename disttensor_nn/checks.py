@@ -1,5 +1,5 @@
 """Argument checks that every rank passes or fails alike, before any communication: a
-layer's input (:func:`check_input`), the gradient given to its backward
+layer's input (:func:`check_input`, :func:`check_input_layout`), the gradient given to its backward
 (:func:`check_grad`), integer options (:func:`check_int`) and whether its kernel backend
 runs the input (:func:`check_kernels`)."""
 
@@ -15,7 +15,8 @@ from disttensor.backend import numpy_dtype
 
 from .kernels import check_backend, layer_supports
 
-__all__ = ["check_input", "check_grad", "check_int", "check_kernels"]
+__all__ = ["check_input", "check_input_layout", "check_grad", "check_int", "check_kernels",
+           "check_kernels_on"]
 
 
 def check_input(x: Any, ndim: int, name: str, channels: int | None = None,
@@ -27,14 +28,25 @@ def check_input(x: Any, ndim: int, name: str, channels: int | None = None,
     """
     if not isinstance(x, DistArray):
         raise TypeError(f"{name} expects a DistArray, got {type(x).__name__}")
-    if x.ndim != ndim:
-        raise ValueError(f"{name} expects a {ndim}-D input (N, C, ...), got shape {x.shape}")
-    if channels is not None and x.shape[1] != channels:
-        raise ValueError(f"{name} expects {channels} channels, got {x.shape[1]}")
-    if ndim >= 2 and x.dist.nblocks[1] > 1 and not split_channels:
-        raise ValueError(f"{name}: the channel dimension must not be split, got {x.dist}")
-    if dtype is not None and x.dtype != np.dtype(dtype):
-        raise TypeError(f"{name} takes {np.dtype(dtype)} inputs but the input is {x.dtype}")
+    check_input_layout(x.dist, x.dtype, ndim, name, channels, dtype,
+                       split_channels=split_channels)
+
+
+def check_input_layout(dist: Distribution, dtype: Any, ndim: int, name: str,
+                       channels: int | None = None, want: Any = None, *,
+                       split_channels: bool = False) -> None:
+    """:func:`check_input` of an input distributed as ``dist`` with elements of ``dtype``
+    (``want`` the dtype the layer takes, None: any): what a layer may check once per
+    distribution (:func:`disttensor_nn.module.derived`)."""
+    shape = dist.global_shape
+    if len(shape) != ndim:
+        raise ValueError(f"{name} expects a {ndim}-D input (N, C, ...), got shape {shape}")
+    if channels is not None and shape[1] != channels:
+        raise ValueError(f"{name} expects {channels} channels, got {shape[1]}")
+    if ndim >= 2 and dist.nblocks[1] > 1 and not split_channels:
+        raise ValueError(f"{name}: the channel dimension must not be split, got {dist}")
+    if want is not None and dtype != np.dtype(want):
+        raise TypeError(f"{name} takes {np.dtype(want)} inputs but the input is {dtype}")
 
 
 def check_grad(dy: Any, out: tuple[Distribution, Any] | None, name: str) -> DistArray:
@@ -121,10 +133,15 @@ def check_kernels(layer: Any, x: DistArray) -> None:
     ImportError
         For a backend whose library is not installed, naming the extra.
     """
+    check_kernels_on(layer, x.dtype, "cpu" if backend.is_numpy(x.xp) else "gpu")
+
+
+def check_kernels_on(layer: Any, dtype: Any, device: str) -> None:
+    """:func:`check_kernels` of an input of ``dtype`` on ``device`` (``"cpu"``: NumPy
+    blocks; ``"gpu"``: others)."""
     name = check_backend(layer.kernel_backend)
-    device = "cpu" if backend.is_numpy(x.xp) else "gpu"
     # 16-bit activations run in float32 on converted blocks where the kernels have no
     # 16-bit version (Layer.compute_dtype): the dtype the kernels see is checked
-    if not layer_supports(layer, name, x.dtype, device):
-        raise TypeError(f"{type(layer).__name__}: the {name} kernels do not run {x.dtype} "
+    if not layer_supports(layer, name, dtype, device):
+        raise TypeError(f"{type(layer).__name__}: the {name} kernels do not run {dtype} "
                         f"arrays on the {device}; use kernel_backend='numpy' for this layer")

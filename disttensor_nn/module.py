@@ -29,11 +29,12 @@ from disttensor.backend import (
     contiguous,
     device_of,
     is_channels_last,
+    is_numpy,
     numpy_dtype,
     reshape,
 )
 
-from .checks import check_grad, check_input, check_int, check_kernels
+from .checks import check_grad, check_input, check_int, check_kernels, check_kernels_on
 from .costspec import CostSpec, largest_block
 from .layout import Layout, full_array, local_block
 from .parameter import Parameter
@@ -55,12 +56,54 @@ from .shards import (  # noqa: F401 (former public names outside __all__)
 __all__ = ["Parameter", "Layer", "Layout", "RemovableHandle", "IncompatibleKeys",
            "GradientBuckets", "no_sync", "reduce_gradients_", "split_axes_comm", "check_input",
            "check_grad", "check_int", "check_kernels", "full_array", "local_block",
-           "prefetch_weights"]
+           "prefetch_weights", "derived"]
 
 
 _UNCHECKED = ()
 """What a forward call that returned something other than a DistArray records: its
 backward gets ``dy`` unchecked."""
+
+
+_DERIVED_KEPT = 32
+"""Results of :func:`derived` methods a layer keeps (the oldest dropped first)."""
+
+
+def derived(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a :class:`Layer` method whose result follows from the layer's settings and
+    its (hashable) arguments alone, a ``Distribution`` say: the result is kept per
+    arguments and returned again, until one of the layer's settings is set (an attribute
+    whose name does not start with ``_`` and that is not a parameter or a buffer:
+    ``training``, ``kernel_backend``, ``filter_axes``...), which drops all it kept.
+
+    For what a layer derives from its input's distribution on every call (the output's
+    distribution, the kernels' padding, the weight's splits): a training step calls
+    each layer on the same distributions step after step. An exception is not kept:
+    the next call raises again. A copy of a layer keeps its own results.
+
+    Examples
+    --------
+    >>> class Twice(Layer):                             # doctest: +SKIP
+    ...     @derived
+    ...     def output_distribution(self, dist):
+    ...         return dist.replace(global_shape=...)    # computed once per dist
+    """
+    name = method.__qualname__
+
+    @functools.wraps(method)
+    def wrapper(self: Layer, *args: Any) -> Any:
+        kept = self.__dict__.get("_derived")
+        if kept is None:
+            kept = self.__dict__["_derived"] = {}
+        key = (name, *args)
+        value = kept.get(key, kept)
+        if value is kept:
+            value = method(self, *args)
+            if len(kept) >= _DERIVED_KEPT:
+                del kept[next(iter(kept))]
+            kept[key] = value
+        return value
+
+    return wrapper
 
 
 def prefetch_weights(layer: Layer | None, last: bool = False) -> None:
@@ -86,6 +129,14 @@ def _gather_weights(layer: Layer) -> list[Parameter]:
             if p is not None and p._held is not None and p.gather_()]
 
 
+@derived
+def _kernels_run(layer: Layer, dtype: np.dtype, device: str) -> bool:
+    """:func:`check_kernels` of ``layer`` on ``dtype`` blocks on ``device``; kept once
+    passed."""
+    check_kernels_on(layer, dtype, device)
+    return True
+
+
 def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` that remembers its output's distribution and dtype for :func:`check_grad`."""
 
@@ -102,7 +153,7 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             else:
                 d["_took_channels_last"] = False
             if d.get("kernel_backend") not in (None, "numpy"):
-                check_kernels(self, x)
+                _kernels_run(self, x.dtype, "cpu" if is_numpy(x.xp) else "gpu")
         d["_output"], d["_in_forward"] = None, True
         gathered = _gather_weights(self)
         try:
@@ -359,16 +410,20 @@ class Layer:
                 raise TypeError(f"buffer {name!r} must be an array or None, got "
                                 f"{type(value).__name__}")
             buffers[name] = value
+        if name[0] != "_" and name not in params and name not in buffers:
+            d.pop("_derived", None)  # a setting: what derived methods kept may not hold
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
         for registry in (self._parameters, self._buffers, self._modules):
             registry.pop(name, None)
+        self.__dict__.pop("_derived", None)
         object.__delattr__(self, name)
 
     def __copy__(self) -> Layer:
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
+        new.__dict__.pop("_derived", None)  # a copy's settings may change apart
         for name in _REGISTRIES:  # a copy registers and hooks on its own
             new.__dict__[name] = dict(self.__dict__[name])
         return new

@@ -677,3 +677,33 @@ def test_planner_keeps_depth_to_space_off_channel_splits_it_refuses():
     assert np.isfinite(planner.layer_cost(node, whole).fwd)
     plan = planner.plan()
     assert not (plan.entries[1].grid[1] > 1 and plan.entries[1].split_channels)
+
+
+@pytest.mark.parallel(SIZES)
+def test_one_conv_through_every_layout_its_filter_axes_changed_between_calls():
+    """One layer object reused: what it derived for a distribution (``module.derived``) must
+    follow each new ``filter_axes`` and each new input distribution, called twice each and
+    the first layout again at the end."""
+    shape = SHAPE[2]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape)
+    conv = make_conv(2, ())
+    w, b = conv.weight.full().copy(), conv.bias.full().copy()
+    want = conv_ref(x, w, b, 2, [(1, 1)] * 2, 1)
+    dy = rng.standard_normal(want.shape)
+    dx_want, dw_want, db_want = conv_ref_backward(x, w, dy, 2, [(1, 1)] * 2, 1)
+    check = Checks()
+    layouts = cf_layouts(shape)
+    for name, dist, fa in [*layouts, layouts[0]]:
+        conv.filter_axes = fa
+        for call in range(2):
+            msg = f"{name} {dist} filter_axes={fa} call {call}"
+            conv.zero_grad()
+            y = conv(dt.DistArray.from_global(x, dist))
+            check.close(y, want, msg)
+            check.true(y.dist.dim_axes[1] == fa, f"{msg}: output split {y.dist}")
+            dx = conv.backward(dt.DistArray.from_global(dy, y.dist))
+            check.close(dx, dx_want, f"{msg}: dx")
+            check.close(conv.weight.grad, block(conv.weight, dw_want), f"{msg}: dW")
+            check.close(conv.bias.grad, block(conv.bias, db_want), f"{msg}: db")
+    check.finish()

@@ -25,7 +25,7 @@ import disttensor_nn as nn
 from disttensor.backend import array_namespace, to_numpy
 from disttensor.testing import assert_equal, collective_assert
 from disttensor_nn.models import mesh_fcn, resnet
-from disttensor_nn.module import IncompatibleKeys, RemovableHandle
+from disttensor_nn.module import IncompatibleKeys, RemovableHandle, derived
 from disttensor_nn.training.driver import _timed
 
 xps = pytest.importorskip("array_api_strict")
@@ -255,6 +255,51 @@ def test_copies_have_their_own_registries_and_hooks():
     deep = copy.deepcopy(nested())
     assert list(deep.state_dict()) == NESTED_STATE
     assert deep[0].weight is not nested()[0].weight
+
+
+class Derives(nn.Layer):
+    """A layer whose derived method counts how often it really runs."""
+
+    def __init__(self):
+        self.width = 1
+        self.w = nn.Parameter(np.ones(2))
+        self.register_buffer("seen", np.zeros(1))
+        self.runs = []
+
+    @derived
+    def shifted(self, n):
+        self.__dict__["runs"].append(n)  # not a setting: kept results stay
+        if n < 0:
+            raise ValueError(f"negative {n}")
+        return n + self.width
+
+
+def test_derived_results_kept_until_a_setting_is_assigned():
+    layer = Derives()
+    assert [layer.shifted(3), layer.shifted(3), layer.shifted(4)] == [4, 4, 5]
+    assert layer.runs == [3, 4]
+    layer.w = nn.Parameter(np.zeros(2))  # parameters, buffers and private names are state
+    layer.seen = np.ones(1)
+    layer._scratch = 1
+    assert layer.shifted(3) == 4 and layer.runs == [3, 4]
+    layer.width = 10  # a setting: recomputed
+    assert layer.shifted(3) == 13 and layer.runs == [3, 4, 3]
+    layer.train(False)  # train/eval assign the setting training
+    assert layer.shifted(3) == 13 and layer.runs == [3, 4, 3, 3]
+    del layer.width
+    layer.width = 2
+    assert layer.shifted(3) == 5
+    for _ in range(2):  # an exception is not kept: it raises each time
+        with pytest.raises(ValueError, match="negative -1"):
+            layer.shifted(-1)
+    assert layer.runs.count(-1) == 2
+    twin = copy.copy(layer)  # a copy keeps its own (its settings may change apart)
+    twin.__dict__["runs"] = []
+    twin.width = 100
+    assert twin.shifted(3) == 103 and layer.shifted(3) == 5
+    for n in range(100):  # bounded: the oldest dropped first
+        layer.shifted(n)
+    assert len(layer.__dict__["_derived"]) <= 64
 
 
 def test_train_eval_zero_grad():

@@ -13,9 +13,10 @@ import numpy as np
 from disttensor import DistArray, Distribution
 from disttensor.backend import array_namespace, namespace_dtype, numpy_dtype
 
+from ..checks import check_input_layout
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for, numpy_kernels
-from ..module import Parameter, check_input, check_int, reduce_gradients_, split_axes_comm
+from ..module import Parameter, check_int, derived, reduce_gradients_, split_axes_comm
 from ..precision import compute_dtype, io_dtype, kernel_dtype, to_dtype
 from ..window import WindowSpec
 from .sharding import (
@@ -137,6 +138,7 @@ class ConvNd(WindowLayer):
     def filter_axes(self, axes: Any) -> None:
         self._filter_axes = normalize_axes(axes, "filter_axes")
 
+    @derived
     def weight_splits(self, dist: Distribution) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Grid axes that split the weight's (filters, channels) for an input split as ``dist``.
 
@@ -188,20 +190,27 @@ class ConvNd(WindowLayer):
         return self.groups if self.groups == 1 or channels == self.in_channels else \
             channels // (self.in_channels // self.groups)
 
+    @derived
     def takes_channels_last(self, dist: Distribution) -> bool:
         """As :meth:`WindowLayer.takes_channels_last`, with neither the channels nor the
         filters split (over grid axes of more than one rank)."""
         return super().takes_channels_last(dist) and not any(
             dist.grid_shape[a] > 1 for axes in self.weight_splits(dist) for a in axes)
 
-    def _check(self, x: DistArray) -> None:
-        check_input(x, self.nd + 2, type(self).__name__, self.in_channels, io_dtype(self),
-                    split_channels=True)
-        self.weight_splits(x.dist)
+    @derived
+    def _check_layout(self, dist: Distribution, dtype: np.dtype) -> bool:
+        """As :meth:`WindowLayer._check_layout`, with the channels, the dtype and the
+        weight's splits checked."""
+        check_input_layout(dist, dtype, self.nd + 2, type(self).__name__, self.in_channels,
+                           io_dtype(self), split_channels=True)
+        self._check_window(dist.global_shape)
+        self.weight_splits(dist)
+        return True
 
     def _channels_out(self, c_in: int) -> int:
         return self.out_channels
 
+    @derived
     def output_distribution(self, in_dist: Distribution) -> Distribution:
         """As :meth:`WindowLayer.output_distribution`, the filters split over ``filter_axes``."""
         d = super().output_distribution(in_dist)

@@ -24,14 +24,15 @@ from disttensor.backend import (
     writes_in_place,
 )
 
+from ..checks import check_input, check_input_layout
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for
 from ..module import (
     Layer,
     Parameter,
     allreduce_,
-    check_input,
     check_int,
+    derived,
     reduce_gradients_,
     split_axes_comm,
 )
@@ -233,9 +234,9 @@ class BatchNormNd(Layer):
         return self.dtype if is_half(dtype) else numpy_dtype(dtype)
 
     def forward(self, x: DistArray) -> DistArray:
-        check_input(x, self.nd + 2, type(self).__name__, self.num_features, io_dtype(self),
-                    split_channels=True)
-        self._check_batch(x)
+        if not isinstance(x, DistArray):
+            check_input(x, self.nd + 2, type(self).__name__)  # raises its TypeError
+        self._check_layout(x.dist, x.dtype)
         axes = (0, *range(2, x.ndim))
         chans = x.dist.local_slices()[1]
         # 16-bit activations: normalised in the parameters' dtype, one slice of channels
@@ -254,8 +255,7 @@ class BatchNormNd(Layer):
         y3 = None if fused or converted else _scratch(xp, kept3.shape, kept.dtype)
         batch_stats = self.training or not self.track_running_stats
         if batch_stats:
-            spatial = tuple(range(2, x.ndim))
-            comm = split_axes_comm(x.dist, (1, *(axes if self.stats == "global" else spatial)))
+            comm = self._stats_comm(x.dist)
             count = math.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * math.prod(x.shape[2:]))
             if fused and not converted and 0 < kept.size and (
@@ -361,7 +361,25 @@ class BatchNormNd(Layer):
             out[i * self.num_features + chans.start:i * self.num_features + chans.stop] = part
         return out
 
-    def _check_batch(self, x: DistArray) -> None:
+    @derived
+    def _check_layout(self, dist: Distribution, dtype: np.dtype) -> bool:
+        """The checks of an input distributed as ``dist`` with elements of ``dtype`` (raising
+        as :func:`~disttensor_nn.checks.check_input` does), and :meth:`_check_batch`; kept
+        once passed (:func:`~disttensor_nn.module.derived`)."""
+        check_input_layout(dist, dtype, self.nd + 2, type(self).__name__, self.num_features,
+                           io_dtype(self), split_channels=True)
+        self._check_batch(dist)
+        return True
+
+    @derived
+    def _stats_comm(self, dist: Distribution) -> Any:
+        """The ranks that share this rank's statistics for an input distributed as ``dist``:
+        those that split the channels and, with ``stats="global"``, the samples and space
+        (``"group"``: space alone)."""
+        dims = range(dist.ndim) if self.stats == "global" else (1, *range(2, dist.ndim))
+        return split_axes_comm(dist, tuple(dims))
+
+    def _check_batch(self, dist: Distribution) -> None:
         """Refuse batch statistics over one value per channel, as PyTorch does (all ranks alike).
 
         With ``stats="group"`` the smallest non-empty sample group counts: its
@@ -369,15 +387,16 @@ class BatchNormNd(Layer):
         """
         if not (self.training or not self.track_running_stats):
             return
-        per_sample = math.prod(x.shape[2:])
+        shape = dist.global_shape
+        per_sample = math.prod(shape[2:])
         if self.stats == "global":
-            count = x.shape[0] * per_sample
+            count = shape[0] * per_sample
         else:
-            b = x.dist.boundaries[0]
+            b = dist.boundaries[0]
             count = min((hi - lo for lo, hi in zip(b, b[1:]) if hi > lo), default=0) * per_sample
         if count == 1:
             raise ValueError(f"{type(self).__name__}: expected more than 1 value per channel "
-                             f"when training, got input size {x.shape}"
+                             f"when training, got input size {shape}"
                              + (" (one sample per group with stats='group')"
                                 if self.stats == "group" else ""))
 
@@ -406,7 +425,6 @@ class BatchNormNd(Layer):
 
     def backward(self, dy: DistArray) -> DistArray:
         dist, kept, mean, inv, count, batch_stats, centre = self._saved
-        axes = (0, *range(2, dy.ndim))
         chans = dist.local_slices()[1]
         xp = dy.xp
         f64 = namespace_dtype(xp, np.float64)
@@ -419,10 +437,9 @@ class BatchNormNd(Layer):
         fused = self.kernel_backend == "torch"  # the torch kernels' fused passes
         kernels = kernels_for(kept, "torch") if fused else None
         x3, g3 = (kept3, gin3) if not converted else (None, None)
-        shared = (1, *(axes if self.stats == "global" else range(2, dy.ndim)))
         if fused and batch_stats and not converted and kept.size and \
                 not self.shared_statistics and \
-                split_axes_comm(dist, shared).Get_size() == 1:
+                self._stats_comm(dist).Get_size() == 1:
             # no other rank shares the statistics: ATen's batch-norm backward in one call
             gamma = self.weight.data[chans] if self.affine else None
             dx3, *moms = kernels.batch_norm_backward(g3, x3, gamma, mean, inv)
@@ -459,7 +476,7 @@ class BatchNormNd(Layer):
                          concat([mo[i] for mo in moments]) for i in range(2))
         offset = mean - astype(centre, np.float64)  # the mean about the centre
         sums = self._whole(xp, dist, sum_g, inv * (sum_gd - offset * sum_g))
-        sums = allreduce_(sums, split_axes_comm(dist, shared))
+        sums = allreduce_(sums, self._stats_comm(dist))
         self._parameter_grads(xp, dist, sums)
         C = self.num_features
         sums = concat([sums[:C][chans], sums[C:][chans]])

@@ -10,8 +10,9 @@ import numpy as np
 from disttensor import DistArray, Distribution, halo_plan
 from disttensor.backend import device_of, is_c_contiguous, is_channels_last, zeros
 
+from ..checks import check_input, check_input_layout
 from ..costspec import CostSpec, largest_block
-from ..module import Layer, check_input
+from ..module import Layer, derived
 from ..window import WindowGeometry, WindowSpec, geometry, output_layout
 
 __all__ = ["WindowLayer", "PADDING_MODES"]
@@ -62,7 +63,18 @@ class WindowLayer(Layer):
         return c_in
 
     def _check(self, x: DistArray) -> None:
-        check_input(x, self.nd + 2, type(self).__name__, split_channels=True)
+        """Validate the input (its distribution and dtype once: :meth:`_check_layout`)."""
+        if not isinstance(x, DistArray):
+            check_input(x, self.nd + 2, type(self).__name__)  # raises its TypeError
+        self._check_layout(x.dist, x.dtype)
+
+    @derived
+    def _check_layout(self, dist: Distribution, dtype: np.dtype) -> bool:
+        """The checks of an input distributed as ``dist`` with elements of ``dtype``
+        (raising as :func:`check_input` does); kept once passed."""
+        check_input_layout(dist, dtype, self.nd + 2, type(self).__name__, split_channels=True)
+        self._check_window(dist.global_shape)
+        return True
 
     def _check_window(self, in_shape: tuple[int, ...]) -> None:
         """Refuse an input whose padded size is below the (dilated) kernel, as PyTorch does."""
@@ -81,6 +93,7 @@ class WindowLayer(Layer):
         shape[1] = self._channels_out(shape[1])
         return tuple(shape)
 
+    @derived
     def output_distribution(self, in_dist):
         """Distribution of the output for an input distributed as ``in_dist``."""
         geo = geometry(self.spec, in_dist)
@@ -101,12 +114,14 @@ class WindowLayer(Layer):
         """
         return self.kernel_padding_for(x.dist)
 
+    @derived
     def kernel_padding_for(self, dist: Distribution) -> tuple[int, ...] | None:
         """:meth:`kernel_padding` for an input distributed as ``dist``."""
         if self.kernel_backend != "torch":
             return None
         return self._padding_without_halo(dist)
 
+    @derived
     def takes_channels_last(self, dist: Distribution) -> bool:
         """With the torch kernels, a 2-D window whose padding the kernel applies itself (no
         spatial split: :meth:`kernel_padding`); its output and input gradient keep the
@@ -128,7 +143,6 @@ class WindowLayer(Layer):
 
     def forward(self, x: DistArray) -> DistArray:
         self._check(x)
-        self._check_window(x.shape)
         xin = x
         x = self._kernel_input(xin)
         self._pads = self.kernel_padding(x)
