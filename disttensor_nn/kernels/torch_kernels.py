@@ -183,7 +183,9 @@ def release_workspace() -> None:
 
 def _t(a: Any) -> Any:
     """``a`` as a tensor sharing its memory (NumPy: ``from_numpy``; others: DLPack)."""
-    torch = require()
+    torch = _state["torch"] or require()
+    if type(a) is np.ndarray and a.flags.writeable and a.dtype.kind != "V":
+        return torch.from_numpy(a)  # the common case first: one call per kernel argument
     if isinstance(a, np.ndarray):
         if a.dtype.kind == "V" and a.dtype.name == "bfloat16":  # ml_dtypes': same bits
             return _t(a.view(np.int16)).view(torch.bfloat16)
@@ -199,6 +201,8 @@ def _t(a: Any) -> Any:
 
 def _back(t: Any, like: Any) -> Any:
     """The tensor ``t`` as an array of ``like``'s module, sharing its memory."""
+    if type(like) is np.ndarray and t.dtype is not _state["torch"].bfloat16:
+        return t.numpy()  # the common case first
     if isinstance(like, np.ndarray) or is_numpy(array_namespace(like)):
         if t.dtype == _state["torch"].bfloat16:  # as ml_dtypes' bfloat16, the same bits
             return t.view(_state["torch"].int16).numpy().view(_bfloat16())
@@ -237,6 +241,11 @@ def _planes(t: Any) -> Any:
     if t.ndim == 3 and t.shape[1] > 1 and t.stride(1) == 1 and not t.is_contiguous():
         return t.unsqueeze(2)
     return t
+
+
+def _as(t: Any, dtype: Any) -> Any:
+    """``t`` in ``dtype`` (itself when it has it: no call into ATen)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _unplanes(r: Any, t: Any) -> Any:
@@ -733,8 +742,8 @@ def batch_norm_train(x3: Any, weight: Any | None, bias: Any | None, eps: float,
     t = _t(x3)
     c = t.shape[1]
     kw = {"dtype": t.dtype, "device": t.device}
-    w = None if weight is None else _t(weight).to(t.dtype)
-    b = None if bias is None else _t(bias).to(t.dtype)
+    w = None if weight is None else _as(_t(weight), t.dtype)
+    b = None if bias is None else _as(_t(bias), t.dtype)
     rm, rv = (None, None) if running is None else \
         (_t(r).to(**kw, copy=True) for r in running)  # copies: ATen writes into them
     t4 = _planes(t)
@@ -756,21 +765,21 @@ def batch_norm_backward(g3: Any, x3: Any, weight: Any | None, mean: Any, invstd:
     of this ``(N, C, M)`` block alone, ``xhat = (x3 - mean) * invstd``.
 
     ATen's batch-norm backward in training mode, one call (it subtracts the
-    mean itself), ``weight`` the scale (None: ones); the sums in float64.
+    mean itself), ``weight`` the scale (None: ones); the sums in the block's dtype, as
+    ATen gives them (the parameters' gradients take them so).
     """
     torch = require()
     g, x = _t(g3), _t(x3)
     c = g.shape[1]
     kw = {"dtype": g.dtype, "device": g.device}
-    w = torch.ones(c, **kw) if weight is None else _t(weight).to(g.dtype)
-    args = (_planes(g), _planes(x), w, None, None, _t(mean).to(g.dtype),
-            _t(invstd).to(g.dtype), True, 0.0, [True, True, True])
+    w = torch.ones(c, **kw) if weight is None else _as(_t(weight), g.dtype)
+    args = (_planes(g), _planes(x), w, None, None, _as(_t(mean), g.dtype),
+            _as(_t(invstd), g.dtype), True, 0.0, [True, True, True])
     # no out=: this op has no out kernel of its own (ATen's generated one computes apart
     # and copies in: ResNet-50's batch norms took 84 ms of backward a step against 59)
     dx, dw, db = torch.ops.aten.native_batch_norm_backward(*args)
     # ATen's weight gradient is sum(g * xhat) (the scale does not enter it)
-    return _back(_unplanes(dx, g), g3), _back(db.to(torch.float64), g3), \
-        _back(dw.to(torch.float64), g3)
+    return _back(_unplanes(dx, g), g3), _back(db, g3), _back(dw, g3)
 
 
 def affine_grad(g3: Any, x3: Any, centre: Any, a: Any, b: Any, c: Any) -> Any:
