@@ -5,6 +5,7 @@ arrays of any shape), full arrays to and from a rank's block under a Distributio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,8 +56,9 @@ def to_memory_format(x: DistArray, memory_format: str) -> DistArray:
     if x.ndim not in (4, 5):
         raise ValueError(f"channels_last needs an (N, C, H, W) or (N, C, D, H, W) array, "
                          f"got {x.ndim} dimensions")
-    if is_channels_last(local):
-        return x
+    if is_channels_last(local) or is_c_contiguous(local) and (
+            local.shape[1] == 1 or math.prod(local.shape[2:]) == 1):
+        return x  # (one channel or one pixel: the two orders lie alike)
     out = empty_in_order(x.xp, tuple(local.shape), local.dtype, (0, *range(2, x.ndim), 1),
                          device_of(local))
     out[...] = local

@@ -36,7 +36,7 @@ from disttensor.backend import (
 
 from .checks import check_grad, check_input, check_int, check_kernels, check_kernels_on
 from .costspec import CostSpec, largest_block
-from .layout import Layout, full_array, local_block
+from .layout import Layout, full_array, local_block, to_memory_format
 from .parameter import Parameter
 from .reduction import (
     DEFAULT_BUCKET_BYTES,  # noqa: F401 (a former public name outside __all__)
@@ -137,6 +137,15 @@ def _kernels_run(layer: Layer, dtype: np.dtype, device: str) -> bool:
     return True
 
 
+def _channels_last(y: Any) -> Any:
+    """A 4-D or 5-D DistArray ``y`` on a channels-last block (a copy where it is not), what
+    a layer that took a C-order copy of a channels-last input gives back; anything else
+    as it is."""
+    if isinstance(y, DistArray) and y.ndim in (4, 5):
+        return to_memory_format(y, "channels_last")
+    return y
+
+
 def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` that remembers its output's distribution and dtype for :func:`check_grad`."""
 
@@ -145,11 +154,13 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         d = self.__dict__
         if d.get("_in_forward"):  # a subclass's forward calling super().forward
             return forward(self, x, *args, **kwargs)
+        copied = False
         if isinstance(x, DistArray):
             if is_channels_last(x.local):  # a layer that does not say it runs on
                 d["_took_channels_last"] = ok = self.takes_channels_last(x.dist)
                 if not ok:  # channels-last blocks gets a C-contiguous copy
                     x = DistArray(contiguous(x.local), x.dist)
+                    copied = True
             else:
                 d["_took_channels_last"] = False
             if d.get("kernel_backend") not in (None, "numpy"):
@@ -162,6 +173,11 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             d["_in_forward"] = False
             for p in gathered:
                 p.drop_()
+        # and its output goes on channels-last, as the layers after it were planned and
+        # timed to get it (the input gradient likewise in backward)
+        d["_restores"] = copied
+        if copied:
+            y = _channels_last(y)
         d["_output"] = (y.dist, y.dtype) if isinstance(y, DistArray) else _UNCHECKED
         return y
 
@@ -185,7 +201,8 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         d["_in_backward"] = True
         gathered = _gather_weights(self)
         try:
-            return backward(self, dy, *args, **kwargs)
+            dx = backward(self, dy, *args, **kwargs)
+            return _channels_last(dx) if d.get("_restores") else dx
         finally:
             d["_in_backward"] = False
             for p in gathered:

@@ -82,6 +82,10 @@ def test_to_memory_format_copies_only_where_the_layout_differs():
     assert to_memory_format(b, "channels_last") is b
     c = to_memory_format(b, "contiguous")
     assert c.local.flags.c_contiguous and np.array_equal(c.local, x)
+    for shape in [(2, 1, 4, 5), (2, 3, 1, 1)]:  # one channel or one pixel: both orders alike
+        one = dt.DistArray.from_local(np.ones(shape, np.float32),
+                                      dt.Distribution(shape, grid, (0, None, None, None)))
+        assert to_memory_format(one, "channels_last") is one
     assert to_memory_format(a, "contiguous") is a
     assert MEMORY_FORMATS == ("contiguous", "channels_last")
     with pytest.raises(ValueError, match="memory_format must be one of"):
@@ -110,7 +114,9 @@ class _Recorder(nn.Layer):
 def test_a_layer_that_does_not_take_channels_last_blocks_gets_c_order_copies():
     """The calling protocol hands a layer that does not say it takes channels-last blocks
     (the default) C-contiguous copies of its input and of its output gradient, with the
-    same values; a container passes the blocks on as they are."""
+    same values, and puts its output and input gradient back on channels-last blocks (as
+    the layers around it were planned to get them); a C-order input stays C order
+    throughout; a container passes the blocks on as they are."""
     shape = (5, 3, 4, 6)
     rng = np.random.default_rng(3)
     x = rng.standard_normal(shape)
@@ -126,6 +132,14 @@ def test_a_layer_that_does_not_take_channels_last_blocks_gets_c_order_copies():
         dx = model.call_backward(dy)
         check.close(dx, 2 * x, f"{lname}: backward")
         check.true(all(flag for _, flag in rec.seen), f"{lname}: {rec.seen}")
+        if min(xa.local.shape[1:]) > 1:
+            check.true(is_channels_last(y.local) and is_channels_last(dx.local),
+                       f"{lname}: results given back in {y.local.strides}, "
+                       f"{dx.local.strides}")
+        model(xa)  # C order in: the results as the layer gives them (no copies)
+        dx = model.call_backward(dt.DistArray.from_global(x, dist))
+        check.true(dx.local.flags.c_contiguous, f"{lname}: C order given back as "
+                   f"{dx.local.strides}")
     check.finish()
 
 
@@ -189,15 +203,17 @@ def _layers(dtype=np.float32):
 
 @needs_torch
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_torch_layers_on_channels_last_blocks_match_reference(chunk, monkeypatch):
+@pytest.mark.parametrize("chunk,dy_format", [(None, "channels_last"), (7, "channels_last"),
+                                             (None, "contiguous")])
+def test_torch_layers_on_channels_last_blocks_match_reference(chunk, dy_format, monkeypatch):
     """Each layer that takes channels-last blocks (convolutions with the kernel's padding
     and a stride, batch norm, max pooling, ReLU, global pooling; the torch kernels), given
     a channels-last input and output gradient on every layout: output and gradients within
-    float32 rounding of the float64 reference; where it takes them, its output and input
-    gradient lie channels-last; where not (a split height or width: a halo), it ran on a
-    C-contiguous copy. Also with the batch norms' channels-last sums taken in pieces of a
-    few rows (``torch_kernels.SUMS_CHUNK``)."""
+    float32 rounding of the float64 reference; its output and input gradient lie
+    channels-last, whether it takes such blocks or (a split height or width: a halo) ran
+    on a C-contiguous copy and gave its results back so. Also with the batch norms'
+    channels-last sums taken in pieces of a few rows (``torch_kernels.SUMS_CHUNK``), and
+    with a C-order output gradient (the values alike, the layout free)."""
     if chunk is not None:
         monkeypatch.setattr(torch_kernels, "SUMS_CHUNK", chunk)
     shape = (5, 5, 4, 5)
@@ -220,7 +236,7 @@ def test_torch_layers_on_channels_last_blocks_match_reference(chunk, monkeypatch
                 check.close(y, want, msg, **tol)
                 g = dt.DistArray.from_global(dy.astype(np.float32), y.dist)
                 if y.ndim == 4:
-                    g = to_memory_format(g, "channels_last")
+                    g = to_memory_format(g, dy_format)
                 dx = layer.call_backward(g)
                 check.close(dx, dx_want, f"{msg}: dx", rtol=2e-4,
                             atol=2e-4 * max(float(np.abs(dx_want).max()), 1.0))
@@ -230,14 +246,14 @@ def test_torch_layers_on_channels_last_blocks_match_reference(chunk, monkeypatch
                         check.close(p.grad, gw, f"{msg}: d{pname}", rtol=2e-4,
                                     atol=2e-4 * max(float(np.abs(gw).max()), 1.0))
                 big = min(xa.local.shape[1:]) > 1 and xa.local.shape[0] > 0
+                # taken or not (then run on a C-order copy), the results lie channels-last
                 if big and y.ndim == 4 and min(y.local.shape[1:]) > 1:
-                    check.true(is_channels_last(y.local) == takes,
+                    check.true(is_channels_last(y.local),
                                f"{msg}: output layout {y.local.strides} (takes: {takes})")
-                if big:
-                    check.true(is_channels_last(dx.local) == takes or not takes,
-                               f"{msg}: input gradient layout {dx.local.strides}")
-                    check.true(not takes or is_channels_last(dx.local),
-                               f"{msg}: input gradient not channels-last")
+                if big and dy_format == "channels_last":
+                    check.true(is_channels_last(dx.local),
+                               f"{msg}: input gradient layout {dx.local.strides} (takes: "
+                               f"{takes})")
     check.finish()
 
 

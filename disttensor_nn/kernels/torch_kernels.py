@@ -770,6 +770,10 @@ def batch_norm_backward(g3: Any, x3: Any, weight: Any | None, mean: Any, invstd:
     """
     torch = require()
     g, x = _t(g3), _t(x3)
+    if g.stride() != x.stride():  # the input in the gradient's layout (a layer above that
+        # takes no channels-last blocks gives a C-order gradient): ATen's planes need both
+        # alike, and the input gradient follows the output gradient's
+        x = torch.empty_like(g).copy_(x)
     c = g.shape[1]
     kw = {"dtype": g.dtype, "device": g.device}
     w = torch.ones(c, **kw) if weight is None else _as(_t(weight), g.dtype)

@@ -63,7 +63,7 @@ from .machine import MachineProfile, default_cache_dir
 
 __all__ = ["KernelTimer", "QueryRecorder", "machine_id", "seconds_on_every_rank", "warm_up"]
 
-CACHE_VERSION = 12
+CACHE_VERSION = 13
 """Version of the kernels whose times the cache holds: raised when the local kernels change,
 or what a time means, so that older times are not reused (they live in another file)."""
 
