@@ -155,6 +155,7 @@ def test_the_training_heap_keeps_kernel_scratch_warm_across_the_per_step_trim():
     from disttensor_nn.memory import (
         HEAP_TOP_KEPT,
         MALLOPT_MAX,
+        free_heap_bytes,
         keep_heap_top,
         map_large_allocations,
         release_free_memory,
@@ -186,6 +187,27 @@ def test_the_training_heap_keeps_kernel_scratch_warm_across_the_per_step_trim():
         grown = resident_bytes() - before
         del c
         assert grown > 16 * MiB, f"a full trim kept {24 - grown / MiB:.1f} MiB"
+        # given back only above a bound of free bytes (the driver's: what it keeps anyway)
+        free = free_heap_bytes()
+        if free is not None:
+            d = np.ones(24 * MiB // 8)
+            pad = np.ones(MiB // 8)  # a live array above it: d's pages lie below the top
+            del d
+            free = free_heap_bytes()
+            assert free >= 24 * MiB
+            assert not release_free_memory(0, if_above=free)  # no more free than that: kept
+            before = resident_bytes()
+            e = np.ones(24 * MiB // 8)
+            grown = resident_bytes() - before
+            del e
+            assert grown < 4 * MiB, f"{grown / MiB:.1f} MiB faulted in again"
+            # more free than 16 MiB less: given back
+            assert release_free_memory(0, if_above=free_heap_bytes() - 16 * MiB)
+            before = resident_bytes()
+            e = np.ones(24 * MiB // 8)
+            grown = resident_bytes() - before
+            del e, pad
+            assert grown > 16 * MiB, f"a trim kept {24 - grown / MiB:.1f} MiB"
     finally:
         map_large_allocations(2**22)
         release_free_memory()

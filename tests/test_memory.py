@@ -632,10 +632,10 @@ def test_memory_released_before_each_step_leaves_the_training_unchanged(monkeypa
     calls = []
     release = loop.release_free_memory  # before each batch, in the step loop
     monkeypatch.setattr(loop, "release_free_memory",
-                        lambda *keep: calls.append(1) or release(*keep))
+                        lambda *keep, **only: calls.append(1) or release(*keep, **only))
     kept = train(_config(steps=2, size=(32, 32)))
     collective_assert(len(calls) >= 2, f"released {len(calls)} times in 2 steps")
-    monkeypatch.setattr(loop, "release_free_memory", lambda *keep: True)
+    monkeypatch.setattr(loop, "release_free_memory", lambda *keep, **only: True)
     not_kept = train(_config(steps=2, size=(32, 32)))
     collective_assert(kept["history"] == not_kept["history"],
                       f"{kept['history']} {not_kept['history']}")

@@ -323,16 +323,20 @@ class Batches:
         self.wait_s = 0.0
 
     def next(self) -> tuple[Any, Any]:
-        """The next ``(input, target)`` batch; what the process freed is released first.
+        """The next ``(input, target)`` batch; what the process freed is released first
+        where it is more than ``keep`` bytes.
 
         The loader's scratch and the last step's arrays, freed, leave the
         process before this step's peak (the C allocator would keep them
         resident), but for ``keep`` bytes at the heap's top (see
-        :func:`mapping_threshold`).
+        :func:`mapping_threshold`); while the allocator holds no more than
+        ``keep`` bytes free in all, nothing is given back: the step takes the
+        same scratch again, without faulting its pages in anew.
         """
         t_data = time.perf_counter()
         x, y, self.plain = next_batch(self.loader, self.it, self.plain)
-        release_free_memory(self.keep)  # the heap's top stays warm for kernels' scratch
+        # the heap's top stays warm for kernels' scratch, and all of it while it is small
+        release_free_memory(self.keep, if_above=self.keep)
         self.wait_s += time.perf_counter() - t_data
         return x, y
 
