@@ -39,7 +39,8 @@ def to_memory_format(x: DistArray, memory_format: str) -> DistArray:
     A network whose layers run on channels-last blocks (the torch kernels' convolutions,
     pooling, batch norms, element-wise layers and residual sums, which keep the layout
     from layer to layer: :meth:`~disttensor_nn.Layer.takes_channels_last`) gets its input
-    so once a step; the layers that do not take such blocks get C-contiguous copies.
+    so once a step; the layers that do not take such blocks get C-contiguous copies (and
+    give their results back on channels-last blocks).
 
     Raises
     ------
