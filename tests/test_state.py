@@ -297,9 +297,13 @@ def test_derived_results_kept_until_a_setting_is_assigned():
     twin.__dict__["runs"] = []
     twin.width = 100
     assert twin.shifted(3) == 103 and layer.shifted(3) == 5
-    for n in range(100):  # bounded: the oldest dropped first
+    for n in range(100, 200):  # bounded: the oldest dropped first
         layer.shifted(n)
-    assert len(layer.__dict__["_derived"]) <= 64
+    assert len(layer.__dict__["_derived"]) < 100
+    layer.runs.clear()
+    layer.shifted(199)  # the newest is kept, the oldest recomputed
+    layer.shifted(100)
+    assert layer.runs == [100]
 
 
 def test_train_eval_zero_grad():
