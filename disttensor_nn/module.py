@@ -359,10 +359,11 @@ class Layer:
         False here: the calling protocol gives a layer that does not say so a C-contiguous
         copy of such a block (and of such a gradient, when it took its input C-contiguous),
         so that a layer author never meets one unasked, and puts that layer's output and
-        input gradient back on channels-last blocks for the layers around it. The torch kernels' convolutions,
-        pooling, batch norms and element-wise layers, the residual sum, global pooling and
-        the containers say so (:func:`~disttensor_nn.layout.to_memory_format` puts a
-        model's input in that layout; the planner decides whether it pays).
+        input gradient back on channels-last blocks for the layers around it. The torch
+        kernels' convolutions, pooling, batch norms and element-wise layers, the residual
+        sum, global pooling and the containers say so
+        (:func:`~disttensor_nn.layout.to_memory_format` puts a model's input in that layout;
+        the planner decides whether it pays).
         """
         return False
 
