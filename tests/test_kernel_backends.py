@@ -23,6 +23,7 @@ from threadpoolctl import threadpool_info
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import collective_assert
+from disttensor_nn.costspec import largest_block
 from disttensor_nn.kernels import (
     BACKENDS,
     available_backends,
@@ -308,3 +309,58 @@ def test_torch_convolution_gradients_skip_the_bias_only_where_asked(nd):
     dx, dw, db = torch_kernels.conv_backward(dy, x, w, stride, dilation, need_dw=False)
     assert dw is None and db is None
     np.testing.assert_allclose(dx, want[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch")
+@pytest.mark.parallel([1, 2, 3])
+@pytest.mark.parametrize("make", [
+    lambda: nn.Conv2d(3, 5, 3, padding=1), lambda: nn.Conv2d(3, 4, 5, stride=2, padding=2),
+    lambda: nn.MaxPool2d(3, 2, padding=1), lambda: nn.AvgPool2d(3, 1, padding=1)])
+def test_the_twin_the_timer_runs_makes_the_layers_kernel_calls(make, monkeypatch):
+    """Where the torch kernels pad (the samples split, the image whole), the timer's twin
+    keeps the padding and runs on the unpadded block: the kernel calls it makes are the
+    layer's (shapes and padding), not those on a block padded beforehand. On a grid over
+    the height the twin takes no channels-last blocks, as the layer takes none."""
+    calls: list[tuple] = []
+    for name in ("conv_forward", "conv_backward", "pool_forward", "pool_backward"):
+        kernel = getattr(torch_kernels, name)
+
+        def record(*args, _kernel=kernel, _name=name, **kw):
+            calls.append((_name, tuple(args[0].shape), tuple(kw.get("padding") or ())))
+            return _kernel(*args, **kw)
+        monkeypatch.setattr(torch_kernels, name, record)
+    p = comm.Get_size()
+    layer = with_backend(make(), "torch")
+    shape = (2 * p + 1, 3, 9, 10)  # uneven sample blocks
+    grid = dt.ProcessGrid((p,), comm)
+    dist = dt.Distribution(shape, grid, (0, None, None, None))
+    spec = layer.cost_spec(dist)
+    twin = with_backend(spec.twin, "torch").local_twin()  # as the timer builds its own
+    twin.kernel_backend = "torch"
+    whole = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    x = dt.DistArray.from_global(whole, dist)
+    y = layer.forward(x)
+    layer.backward(dt.DistArray(np.ones_like(y.local), y.dist))
+    ours = list(calls)
+    calls.clear()
+    block = dt.Distribution(spec.local_shape, dt.ProcessGrid((1,), MPI.COMM_SELF),
+                            (0, None, None, None))
+    t = twin.forward(dt.DistArray.from_local(np.ones(spec.local_shape, np.float32), block))
+    twin.backward(dt.DistArray(np.ones_like(t.local), t.dist))
+    collective_assert(
+        spec.local_shape == largest_block(dist) and twin.twin_pads and
+        twin.spec.padding == layer.spec.padding and
+        (ours == calls or x.local.shape != spec.local_shape),
+        f"layer calls {ours}, twin calls {calls} on {spec.local_shape}")
+    if p > 1:  # the height split: a halo pads, and no channels-last blocks for either
+        hdist = dt.Distribution((2, 3, 6 * p, 10), grid, (None, None, 0, None))
+        hspec = layer.cost_spec(hdist)
+        htwin = with_backend(hspec.twin, "torch").local_twin()
+        htwin.kernel_backend = "torch"
+        one = dt.Distribution(hspec.local_shape, dt.ProcessGrid((1,), MPI.COMM_SELF),
+                              (0, None, None, None))
+        collective_assert(
+            not layer.takes_channels_last(hdist) and not htwin.takes_channels_last(one) and
+            not htwin.twin_pads and hspec.local_shape[2] > 6 and
+            htwin.kernel_signature() != layer.local_twin().kernel_signature(),
+            f"{hspec.local_shape}, {htwin.kernel_signature()}")

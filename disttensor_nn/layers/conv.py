@@ -377,12 +377,12 @@ class ConvNd(WindowLayer):
             sums.append(Allreduce(out_bytes, (1,)))
         if a_f and not gathered_mode and not local and self.input_grad:  # dx's partial sums
             sums.append(Allreduce(math.prod(largest_block(dist)) * itemsize, (), axes=a_f))
-        twin = None
+        twin = base.twin
         if (c_loc, f_loc) != (self.in_channels, self.out_channels):
             s = self.spec
             twin = _sliced_twin(type(self), c_loc, f_loc, s.kernel, s.stride, s.dilation,
                                 g_loc, self.bias is not None, self.dtype.str, self.input_grad,
-                                self.activation_dtype)
+                                self.activation_dtype, *self.twin_settings(kin))
         # 16-bit blocks on kernels without a 16-bit version: their float32 copies (forward
         # the input and output; backward the output gradient, the input and its gradient)
         act = io_dtype(self)
@@ -418,23 +418,39 @@ class ConvNd(WindowLayer):
 
     def kernel_signature(self) -> str:
         s = self.spec
+        twin = self._twin_signature()
         return (f"conv{self.nd}:{self.in_channels}>{self.out_channels}:k{s.kernel}s{s.stride}"
-                f"d{s.dilation}g{self.groups}b{self.bias is not None}")
+                f"d{s.dilation}g{self.groups}b{self.bias is not None}" +
+                (f":{twin}" if twin else ""))
 
     def local_twin(self) -> ConvNd:
         s = self.spec
-        return type(self)(self.in_channels, self.out_channels, s.kernel, s.stride, 0,
-                          s.dilation, self.groups, self.bias is not None, dtype=self.dtype)
+        return self._as_twin(type(self)(
+            self.in_channels, self.out_channels, s.kernel, s.stride, self._twin_padding(),
+            s.dilation, self.groups, self.bias is not None, dtype=self.dtype))
+
+    def _new_twin(self, pads: tuple[int, ...] | None, channels_last: bool) -> ConvNd:
+        """As :meth:`WindowLayer._new_twin`, one per settings for the process (building
+        one draws its weights, and the planner asks for each candidate layout)."""
+        s = self.spec
+        return _sliced_twin(type(self), self.in_channels, self.out_channels, s.kernel,
+                            s.stride, s.dilation, self.groups, self.bias is not None,
+                            self.dtype.str, self.input_grad, self.activation_dtype, pads,
+                            channels_last)
 
 
 @functools.lru_cache(maxsize=256)
 def _sliced_twin(cls: type, c: int, f: int, kernel: tuple, stride: tuple, dilation: tuple,
                  groups: int, bias: bool, dtype: str, input_grad: bool,
-                 activation_dtype: Any = None) -> ConvNd:
-    """The convolution one rank runs on a slice of ``c`` channels into ``f`` filters."""
-    twin = cls(c, f, kernel, stride, 0, dilation, groups, bias, dtype=np.dtype(dtype))
+                 activation_dtype: Any = None, pads: tuple[int, ...] | None = None,
+                 channels_last: bool = True) -> ConvNd:
+    """The convolution one rank runs on a slice of ``c`` channels into ``f`` filters (the
+    timing settings ``pads`` and ``channels_last``: :meth:`WindowLayer.twin_settings`)."""
+    twin = cls(c, f, kernel, stride, 0 if pads is None else pads, dilation, groups, bias,
+               dtype=np.dtype(dtype))
     twin.input_grad = input_grad
     twin.activation_dtype = activation_dtype
+    twin.twin_pads, twin.twin_channels_last = pads is not None, channels_last
     return twin
 
 

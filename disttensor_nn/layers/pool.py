@@ -13,7 +13,7 @@ from disttensor.backend import array_namespace
 
 from ..costspec import Allreduce, CostSpec, largest_block
 from ..kernels import kernels_for, numpy_kernels, torch_kernels
-from ..module import Layer, allreduce_, check_input, split_axes_comm
+from ..module import Layer, allreduce_, check_input, derived, split_axes_comm
 from ..window import WindowSpec
 from .window_layer import WindowLayer
 
@@ -47,11 +47,16 @@ class _Pool(WindowLayer):
         """As :meth:`WindowLayer.kernel_padding`; never for a dilated average pool (ATen's
         average pools have no dilation, so the NumPy kernel runs it on a halo); the NumPy
         kernels pad max pooling too (its gradient then needs no extended block)."""
-        if self.op == "avg" and any(d != 1 for d in self.spec.dilation):
-            return None
         if self.op == "max" and kernels_for(x.local, self.kernel_backend) is numpy_kernels:
             return self._padding_without_halo(x.dist)
         return super().kernel_padding(x)
+
+    @derived
+    def kernel_padding_for(self, dist: Distribution) -> tuple[int, ...] | None:
+        """As :meth:`WindowLayer.kernel_padding_for`; never for a dilated average pool."""
+        if self.op == "avg" and any(d != 1 for d in self.spec.dilation):
+            return None
+        return super().kernel_padding_for(dist)
 
     def takes_channels_last(self, dist: Distribution) -> bool:
         """As :meth:`WindowLayer.takes_channels_last`; not a dilated average pool (the NumPy
@@ -124,11 +129,13 @@ class _Pool(WindowLayer):
 
     def kernel_signature(self) -> str:
         s = self.spec
-        return f"{type(self).__name__}:k{s.kernel}s{s.stride}d{s.dilation}"
+        twin = self._twin_signature()
+        return f"{type(self).__name__}:k{s.kernel}s{s.stride}d{s.dilation}" + \
+            (f":{twin}" if twin else "")
 
     def local_twin(self) -> _Pool:
         s = self.spec
-        return type(self)(s.kernel, s.stride, 0, s.dilation)
+        return self._as_twin(type(self)(s.kernel, s.stride, self._twin_padding(), s.dilation))
 
 
 class MaxPool1d(_Pool):
