@@ -356,6 +356,33 @@ def test_make_plan_names_the_memory_format_and_refuses_others():
         make_plan(net, shape, 1, "v100-nvlink-edr", memory_format="nhwc")
 
 
+def test_a_channels_last_plan_counts_the_copies_around_a_layer_that_takes_none():
+    """Planned on channels-last blocks, a layer that takes none needs the calling
+    protocol's copies (its input in C order, its output put back) besides its own
+    transient memory; one that takes them, and any layer in a C-order plan, does not."""
+    from disttensor_nn.plan import CostModel, load_profile
+    from disttensor_nn.plan.timer import QueryRecorder
+
+    class Recorder(QueryRecorder):
+        def __init__(self, memory_format):
+            super().__init__()
+            self.memory_format = memory_format
+
+    profile = load_profile("v100-nvlink-edr")
+    shape, cand = (4, 8, 32, 32), (2, 1, 1)  # two ranks over the samples
+    halves = []
+    for backend in ("numpy", "torch"):
+        conv = kernels.with_backend(nn.Conv2d(8, 6, 3, padding=1), backend)
+        plain, laid = (CostModel(profile, 2, Recorder(f)).layer(conv, shape, cand)
+                       for f in MEMORY_FORMATS)
+        halves.append(laid.transient - plain.transient)
+    block_in, block_out = 2 * 8 * 32 * 32 * 4, 2 * 6 * 32 * 32 * 4
+    if torch_kernels.available():  # the torch kernels pad this convolution: it takes them
+        assert halves == [block_in + block_out, 0], halves
+    else:
+        assert halves[0] == block_in + block_out, halves
+
+
 def test_the_kernel_timer_keys_and_lays_out_by_memory_format(tmp_path):
     """A channels-last timer keeps its 4-D and 5-D times apart from C order's (the key
     says so), times a twin on channels-last blocks, and refuses other formats."""

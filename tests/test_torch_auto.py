@@ -26,6 +26,7 @@ from torch import nn  # noqa: E402
 
 from disttensor_nn.plan import Plan, builtin_profiles  # noqa: E402
 from disttensor_nn.plan import timer as timer_module  # noqa: E402
+from disttensor_nn.plan.make import CHANNELS_LAST_GAIN  # noqa: E402
 from disttensor_nn.torch import gather, parallelize  # noqa: E402
 
 SIZES = [1, 2, 3]
@@ -447,8 +448,8 @@ def _measured_machine(monkeypatch, tmp_path):
 def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_path):
     """On a measured profile the model is planned on (N, C, H, W) and on channels-last
     blocks (the input blocks' conversion timed into the latter); the plan predicted faster
-    is kept, says so, and the blocks are laid out as it was timed; outputs and gradients
-    equal one process's either way."""
+    is kept (channels-last by more than the margin), says so, and the blocks are laid out
+    as it was timed; outputs and gradients equal one process's either way."""
     machine = _measured_machine(monkeypatch, tmp_path)
     shape = (4, 2, 16, 16)
     model, _, _ = make("cnn", torch.float64)
@@ -464,7 +465,9 @@ def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_pat
         times[name] = plan.time
     ref = copy.deepcopy(model)
     pm = parallelize(model, shape, machine=machine)  # memory_format='auto', the default
-    best = min(times, key=times.get)
+    # channels-last only where it is faster by more than the margin
+    best = "channels_last" if times["channels_last"] < \
+        (1 - CHANNELS_LAST_GAIN) * times["contiguous"] else "contiguous"
     collective_assert(pm.plan.memory_format == best and pm.plan.time == times[best],
                       (pm.plan.memory_format, pm.plan.time, times))
     collective_assert(any("memory format chosen" in n and best + " kept" in n

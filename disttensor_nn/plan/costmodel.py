@@ -374,8 +374,13 @@ class CostModel:
             out_bytes = math.prod(largest_block(self.held(
                 dist_for(out_shape, cand, split_out, inner=self.inner)))) * self.itemsize
         training = self.training
+        copies = 0  # channels-last blocks: the calling protocol's copies for a layer that
+        # takes none (its input in C order, its output put back; backward the same)
+        if getattr(self.timer, "memory_format", "contiguous") == "channels_last" and \
+                len(in_shape) in (4, 5) and not layer.takes_channels_last(dist):
+            copies = in_bytes + out_bytes
         cost = LayerCost(memory=spec.kept(in_bytes, out_bytes, training),
-                         transient=spec.transient(in_bytes, out_bytes, training),
+                         transient=spec.transient(in_bytes, out_bytes, training) + copies,
                          keeps_input=in_bytes * spec.keeps_input * training,
                          keeps_output=out_bytes * spec.keeps_output * training,
                          kernels=(layer.kernel_backend or "numpy") if layer.kernel_backends
