@@ -358,15 +358,16 @@ def test_measure_chain_takes_one_ranks_median_and_several_ranks_mean(tmp_path,
     """A layer's time is the median of its repetitions for one rank alone (its step is the
     sum of its own layers, reported as a median over steps) and their mean where ranks ran
     at once (their waits for each other are part of the expected step). A clock driven by
-    the layer itself: repetitions of 1, 1 and 10 ms forward (2, 2 and 20 backward) after an
-    untimed round of 50."""
+    the layer itself: repetitions of 1, 1 and 10 ms forward (2, 2 and 20 backward) after
+    two untimed rounds of 50 and 30 (WARM_ROUNDS)."""
     from disttensor_nn.plan import timer as timer_module
 
     comm = MPI.COMM_WORLD
     f4 = np.dtype(np.float32)
     now = [0.0]
-    script = {"forward": iter([50e-3, 1e-3, 1e-3, 10e-3]),
-              "backward": iter([50e-3, 2e-3, 2e-3, 20e-3])}
+    assert timer_module.WARM_ROUNDS == 2
+    script = {"forward": iter([50e-3, 30e-3, 1e-3, 1e-3, 10e-3]),
+              "backward": iter([50e-3, 30e-3, 2e-3, 2e-3, 20e-3])}
     forward, backward = nn.ReLU.forward, nn.ReLU.backward
 
     def timed(original, kind):
@@ -714,3 +715,33 @@ def test_a_model_whose_small_tensors_lie_on_fewer_ranks_plans(ranks, capsys):
     split, whole = dist_for(shape, (1, 1, 1, 4)), dist_for(shape, (1, 1, 1, 1))
     assert _received(split, whole) == (96, 3)
     assert _received(whole, split) == (0, 0)  # each rank holds its quarter already
+
+
+def test_measure_chain_warms_up_once_where_a_round_is_long(tmp_path, monkeypatch):
+    """A first untimed round longer than a quarter of the time allowed is the only one: the
+    timed rounds follow it (5 s untimed against 8 s allowed, then timed forward
+    rounds of 1, 1 and 9 ms; a second untimed round would have taken the first 1 ms
+    and left 1 and 9, whose median is 5)."""
+    from disttensor_nn.plan import timer as timer_module
+
+    f4 = np.dtype(np.float32)
+    now = [0.0]
+    script = {"forward": iter([5.0, 1e-3, 1e-3, 9e-3]),
+              "backward": iter([0.0, 2e-3, 2e-3, 2e-3])}
+    forward, backward = nn.ReLU.forward, nn.ReLU.backward
+
+    def timed(original, kind):
+        def run(self, x):
+            now[0] += next(script[kind])
+            return original(self, x)
+        return run
+
+    monkeypatch.setattr(nn.ReLU, "forward", timed(forward, "forward"))
+    monkeypatch.setattr(nn.ReLU, "backward", timed(backward, "backward"))
+    monkeypatch.setattr(timer_module.KernelTimer, "_clock", lambda self: now[0])
+    monkeypatch.setattr(timer_module.time, "perf_counter", lambda: now[0])
+    layer, shape = nn.ReLU(), (1, 2, 6, 6)
+    timer = KernelTimer("t", cache_dir=str(tmp_path), reps=3)
+    timer.measure_chain([(layer, shape, f4, 1.0)], MPI.COMM_SELF, reps=3, max_seconds=8.0)
+    got = timer.table[timer.key(layer, shape, f4, 1)][:2]
+    assert np.allclose(got, (1e-3, 2e-3)), got

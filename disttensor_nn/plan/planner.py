@@ -400,7 +400,7 @@ class Planner:
         when planning for it. The queries of every candidate, in network
         order, go to one :meth:`KernelTimer.measure_chain`, which times each
         distinct local shape once, large ones on tiles, in segments that fit
-        the memory budget; after one untimed round, timed rounds repeat up to
+        the memory budget; after untimed rounds, timed rounds repeat up to
         ``reps`` times while they take less than ``max_seconds`` in all (at
         least one). Layers whose memory alone exceeds the budget are
         not measured (they cannot be chosen). Returns the number of
