@@ -352,6 +352,23 @@ def test_measure_chain_times_the_first_layers_input_out_of_the_caches(tmp_path, 
     collective_assert(ok, f"{grew} {evicted}")
 
 
+def _scripted_relu(monkeypatch, script: dict, now: list) -> None:
+    """ReLU's passes advance the clock ``now`` by the next time of ``script[kind]``, and the
+    kernel timer reads that clock."""
+    from disttensor_nn.plan import timer as timer_module
+    forward, backward = nn.ReLU.forward, nn.ReLU.backward
+
+    def timed(original, kind):
+        def run(self, x):
+            now[0] += next(script[kind])
+            return original(self, x)
+        return run
+
+    monkeypatch.setattr(nn.ReLU, "forward", timed(forward, "forward"))
+    monkeypatch.setattr(nn.ReLU, "backward", timed(backward, "backward"))
+    monkeypatch.setattr(timer_module.KernelTimer, "_clock", lambda self: now[0])
+
+
 @pytest.mark.parallel([1, 2])
 def test_measure_chain_takes_one_ranks_median_and_several_ranks_mean(tmp_path,
                                                                       monkeypatch):
@@ -368,17 +385,7 @@ def test_measure_chain_takes_one_ranks_median_and_several_ranks_mean(tmp_path,
     assert timer_module.WARM_ROUNDS == 2
     script = {"forward": iter([50e-3, 30e-3, 1e-3, 1e-3, 10e-3]),
               "backward": iter([50e-3, 30e-3, 2e-3, 2e-3, 20e-3])}
-    forward, backward = nn.ReLU.forward, nn.ReLU.backward
-
-    def timed(original, kind):
-        def run(self, x):
-            now[0] += next(script[kind])
-            return original(self, x)
-        return run
-
-    monkeypatch.setattr(nn.ReLU, "forward", timed(forward, "forward"))
-    monkeypatch.setattr(nn.ReLU, "backward", timed(backward, "backward"))
-    monkeypatch.setattr(timer_module.KernelTimer, "_clock", lambda self: now[0])
+    _scripted_relu(monkeypatch, script, now)
     monkeypatch.setattr(timer_module.os, "cpu_count", lambda: 64)  # no barrier per layer
     layer, shape = nn.ReLU(), (1, 2, 6, 6)
     timer = KernelTimer("t", cache_dir=str(tmp_path), reps=3)
@@ -728,17 +735,7 @@ def test_measure_chain_warms_up_once_where_a_round_is_long(tmp_path, monkeypatch
     now = [0.0]
     script = {"forward": iter([5.0, 1e-3, 1e-3, 9e-3]),
               "backward": iter([0.0, 2e-3, 2e-3, 2e-3])}
-    forward, backward = nn.ReLU.forward, nn.ReLU.backward
-
-    def timed(original, kind):
-        def run(self, x):
-            now[0] += next(script[kind])
-            return original(self, x)
-        return run
-
-    monkeypatch.setattr(nn.ReLU, "forward", timed(forward, "forward"))
-    monkeypatch.setattr(nn.ReLU, "backward", timed(backward, "backward"))
-    monkeypatch.setattr(timer_module.KernelTimer, "_clock", lambda self: now[0])
+    _scripted_relu(monkeypatch, script, now)
     monkeypatch.setattr(timer_module.time, "perf_counter", lambda: now[0])
     layer, shape = nn.ReLU(), (1, 2, 6, 6)
     timer = KernelTimer("t", cache_dir=str(tmp_path), reps=3)
