@@ -28,7 +28,7 @@ from .result import Plan
 from .timer import KernelTimer, machine_id, seconds_on_every_rank
 
 __all__ = ["make_plan", "predict_scaling", "wait_for_root", "kernel_choice",
-           "CHANNELS_LAST_GAIN"]
+           "CHANNELS_LAST_GAIN", "kept_memory_format"]
 
 CHANNELS_LAST_GAIN = 0.03
 """How much faster a channels-last plan must be predicted than the C-order one for
@@ -38,6 +38,15 @@ least well: the copies around the layers that take no such blocks, timed on tile
 largest sizes (mesh at 2048 x 2048 on 2 ranks: channels-last predicted 32.05 s against
 32.32 for C order, 0.8% apart, and measured 39.1 s, 1.22 of its prediction and its peak
 memory +14%, where C-order plans measured 32.8-33.8 s)."""
+
+
+def kept_memory_format(contiguous_s: float, channels_last_s: float) -> str:
+    """The memory format a planner keeps of a plan in C order predicted at
+    ``contiguous_s`` seconds a step and one on channels-last blocks at ``channels_last_s``:
+    ``"channels_last"`` where it is faster by more than :data:`CHANNELS_LAST_GAIN`, else
+    ``"contiguous"`` (:func:`make_plan` and :func:`disttensor_nn.torch.parallelize`)."""
+    return "channels_last" if channels_last_s < (1 - CHANNELS_LAST_GAIN) * contiguous_s \
+        else "contiguous"
 
 
 def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: str = "this",
@@ -192,9 +201,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
                              max_states, backends, shard_state, state_slots, runs_as, dtype))
     if len(made) == 1:
         return made[0]
-    # the same plans on every rank; channels-last where it pays by more than the margin
-    plan, planner = made[1] if made[1][0].time < (1 - CHANNELS_LAST_GAIN) * made[0][0].time \
-        else made[0]
+    # the same plans on every rank
+    plan, planner = made[formats.index(kept_memory_format(made[0][0].time, made[1][0].time))]
     plan.notes.append("memory format chosen: " + ", ".join(
         f"{p.memory_format} {1e3 * p.time:.2f} ms" for p, _ in made) +
         f" predicted; {plan.memory_format} kept")

@@ -63,6 +63,7 @@ from ..layers.upsample import Upsample
 from ..module import Layer, Parameter
 from ..plan import Plan, load_profile, make_plan
 from ..plan.costmodel import dist_for
+from ..plan.make import kept_memory_format
 from ..plan.tracing import leaf_nodes, trace
 from ..window import WindowSpec
 from .interpolation import INTERPOLATION_MODES
@@ -802,7 +803,7 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         options = ["contiguous", "channels_last"] if measured else ["contiguous"]
     else:
         options = [memory_format]
-    best: tuple[Plan, _Mirror, list[_Leaf]] | None = None
+    made: list[tuple[Plan, _Mirror, list[_Leaf]]] = []
     times = []
     for fmt in options:
         mirror, network, leaves = _mirrored(gm, shape, dtype, elementwise, batch_norm_stats,
@@ -810,9 +811,9 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         plan = given if given is not None else _make(
             network, leaves, shape, dtype, name, memory_per_rank, comm, baseline, fmt)
         times.append(plan.time)
-        if best is None or plan.time < best[0].time:
-            best = (plan, mirror, leaves)
-    plan, mirror, leaves = best  # type: ignore[misc]
+        made.append((plan, mirror, leaves))
+    plan, mirror, leaves = made[0] if len(made) == 1 else \
+        made[options.index(kept_memory_format(*times))]
     if len(options) > 1:
         plan.notes.append("memory format chosen: " + ", ".join(
             f"{fmt} {1e3 * t:.2f} ms" for fmt, t in zip(options, times)) +
