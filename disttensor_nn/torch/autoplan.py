@@ -768,7 +768,8 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         How the blocks lie in memory: the modules that run as themselves are
         timed on blocks so (:class:`~disttensor_nn.torch.pricing.ModuleTwin`).
         ``'auto'``: on a measured machine profile, with 4-D or 5-D inputs, the
-        model is planned both ways and the plan predicted faster kept;
+        model is planned both ways and channels-last kept where predicted faster by
+        more than :data:`~disttensor_nn.plan.make.CHANNELS_LAST_GAIN`;
         otherwise ``'contiguous'`` (nothing would tell the two apart). Ignored
         for a given plan (its own ``memory_format`` holds).
 
