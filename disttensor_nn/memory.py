@@ -136,7 +136,10 @@ def release_free_memory(keep: int = 0, if_above: int | None = None) -> bool:
         that, what a step freed is what the next step takes again, warm
         (each page given back would be faulted in anew; a training step
         of the mesh model on two ranks took 62 ms with a trim before each
-        step against 51 without, at the same resident peak).
+        step against 51 without, at the same resident peak). The count
+        includes pages given back before, whose chunks stay free: the
+        training driver's bound is what was free after its last give-back
+        plus ``keep`` (``training.loop.Batches``), not a fixed one.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise ValueError(f"keep must be a non-negative number of bytes, got {keep!r}")

@@ -331,8 +331,8 @@ class WindowLayer(Layer):
         """
         ext, out_block, widths = self._window_blocks(dist)
         block = largest_block(dist)
-        pads, _ = self.twin_settings(dist)  # where the kernels pad, on the block itself
-        return CostSpec(ext if pads is None else block, twin=self.timing_twin(dist),
+        twin = self.timing_twin(dist)  # where it pads as the kernels do: the block itself
+        return CostSpec(block if twin is not None and twin.twin_pads else ext, twin=twin,
                         flops=float(math.prod(out_block) * math.prod(self.spec.kernel)),
                         nbytes=(math.prod(ext) + math.prod(out_block)) * itemsize, halo=widths,
                         saved=(math.prod(ext) - math.prod(block)) * itemsize,

@@ -335,12 +335,9 @@ class Batches:
         pages in anew (one rank of unet3d on two did: 3,700 page faults a step, the other
         rank waiting for it at every halo and sum).
         """
-        free = free_heap_bytes()
-        if free is not None and self._free_kept is not None and \
-                free <= self._free_kept + self.keep:
-            return
-        release_free_memory(self.keep)
-        self._free_kept = free_heap_bytes()
+        bound = None if self._free_kept is None else self._free_kept + self.keep
+        if release_free_memory(self.keep, if_above=bound):
+            self._free_kept = free_heap_bytes()
 
     def next(self) -> tuple[Any, Any]:
         """The next ``(input, target)`` batch; what the process freed is released first
