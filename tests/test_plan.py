@@ -411,6 +411,44 @@ def test_group_norm_and_global_pooling_are_timed_on_their_twins(tmp_path):
         assert (c.fwd, c.bwd) == pytest.approx((7e-3, 9e-3)), type(layer).__name__
 
 
+@pytest.mark.parametrize("make", [
+    lambda: nn.Conv2d(3, 4, 3, padding=1), lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2),
+    lambda: nn.ConvTranspose2d(3, 4, 2, stride=2), lambda: nn.BatchNorm2d(3),
+    lambda: nn.MaxPool2d(2)])
+def test_the_timer_runs_what_a_one_rank_job_runs(make, tmp_path, monkeypatch):
+    """The timer's blocks are laid out as a one-rank job's: a twin makes the
+    redistributions and reductions the layer makes there, and no others (the channels on
+    a grid axis of one rank made a convolution's twin gather its input's channels and sum
+    its partial outputs, copies the layer never makes)."""
+    from disttensor_nn.layers import norm, sharding
+
+    layer = make()
+    shape = (2, 3 if not isinstance(layer, nn.Conv2d) or layer.groups == 1 else 4, 8, 8)
+    calls: list[str] = []
+    for module in (norm, sharding):
+        def allreduce(buf, *args, _f=module.allreduce_, _m=module.__name__, **kw):
+            calls.append(f"{_m}.allreduce_")
+            return _f(buf, *args, **kw)
+        monkeypatch.setattr(module, "allreduce_", allreduce)
+    redistribute = dt.DistArray.redistribute
+
+    def spy(self, *args, **kw):
+        calls.append("redistribute")
+        return redistribute(self, *args, **kw)
+    monkeypatch.setattr(dt.DistArray, "redistribute", spy)
+    dist = dt.Distribution(shape, dt.ProcessGrid((1,), MPI.COMM_SELF), (0, None, None, None))
+    x = dt.DistArray.from_global(np.ones(shape, np.float32), dist)
+    y = layer.forward(x)
+    layer.backward(dt.DistArray(np.ones_like(y.local), y.dist))
+    trained = set(calls)
+    calls.clear()
+    spec = layer.cost_spec(dist)
+    timer = KernelTimer("t", cache_dir=str(tmp_path), reps=1)
+    timer.measure_chain([(spec.twin or layer, spec.local_shape, np.dtype(np.float32), 1.0)],
+                        MPI.COMM_SELF, reps=1)
+    assert set(calls) == trained, (calls, trained)
+
+
 def test_first_layer_is_timed_without_its_input_gradient(tmp_path, monkeypatch):
     """A layer with ``input_grad = False`` (a network's first) has its own timing entry.
 
