@@ -2,6 +2,7 @@ import os
 
 import pytest
 from hypothesis import settings
+from mpi_helpers import remove_shared_tmpdirs
 
 import disttensor.testing.strategies  # noqa: F401  (registers the "mpi" profile)
 from disttensor_nn.kernels import limit_threads, threads_now
@@ -19,3 +20,10 @@ def _one_kernel_thread_again():
     yield
     if threads_now() != before:
         limit_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_tmpdir_left():
+    """The directories a test made with ``mpi_helpers.shared_tmpdir`` go with it."""
+    yield
+    remove_shared_tmpdirs()

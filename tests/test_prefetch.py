@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 
+import mpi_helpers
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -104,7 +104,7 @@ def test_training_with_prefetching_gives_the_same_losses_as_without():
     a = train(TrainConfig(prefetch=0, **base))["history"]
     b = train(TrainConfig(prefetch=2, **base))["history"]
     collective_assert(a == b, f"{a} vs {b}")
-    tmp = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
+    tmp = mpi_helpers.shared_tmpdir("dt-prefetch-", comm)
     ckpt = os.path.join(tmp, "ck")
     train(TrainConfig(prefetch=2, checkpoint=ckpt, **dict(base, steps=3)))
     c = train(TrainConfig(prefetch=2, checkpoint=ckpt, resume=True, **base))["history"]

@@ -20,8 +20,8 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 
+import mpi_helpers
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -269,8 +269,7 @@ SHARDED = [s for s in BUILT_STAGES if s != "none"]
 
 
 def shared_dir(c: MPI.Comm = comm) -> str:
-    path = tempfile.mkdtemp(prefix="dt-shard-") if c.rank == 0 else None
-    return c.bcast(path, root=0)
+    return mpi_helpers.shared_tmpdir("dt-shard-", c)
 
 
 def checkpoint_weights(path: str) -> list[np.ndarray]:

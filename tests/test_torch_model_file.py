@@ -16,8 +16,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
+import mpi_helpers
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -92,8 +92,7 @@ C, H, W, N = 2, 12, 10, 4
 
 
 def shared_tmpdir() -> str:
-    path = tempfile.mkdtemp(prefix="dt-model-file-") if comm.Get_rank() == 0 else None
-    return comm.bcast(path, root=0)
+    return mpi_helpers.shared_tmpdir("dt-model-file-", comm)
 
 
 def model_file(directory: str) -> str:

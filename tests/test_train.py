@@ -6,8 +6,8 @@ import dataclasses
 import os
 import subprocess
 import sys
-import tempfile
 
+import mpi_helpers
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -22,8 +22,7 @@ V100 = "v100-nvlink-edr"  # a rate-model profile: planning measures nothing
 
 
 def shared_tmpdir(comm: MPI.Comm) -> str:
-    path = tempfile.mkdtemp(prefix="dt-train-") if comm.Get_rank() == 0 else None
-    return comm.bcast(path, root=0)
+    return mpi_helpers.shared_tmpdir("dt-train-", comm)
 
 
 def uniform_plan_file(model_name, size, batch, grid, directory) -> str:
