@@ -142,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         pm_g = parallelize(par_g, shape, layout=grid, batch_norm_stats="group",
                            memory_format=fmt)
         gopt = torch.optim.SGD(pm_g.parameters(), lr=0.01, momentum=0.9)
+        # its own input: with --auto its plan may want another layout than pm's
+        x_g = dt.DistArray.from_global(x_all, pm_g.input_dist, xp=torch)
+        if a.channels_last:
+            x_g = dt.DistArray(x_g.local.contiguous(memory_format=torch.channels_last),
+                               x_g.dist)
         if a.auto and rank == 0:
             print(f"with batch_norm_stats='group': blocks {pm_g.plan.memory_format}, "
                   f"predicted {1e3 * pm_g.plan.time:.2f} ms")
@@ -156,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         return torch.autocast("cpu", dtype=torch.bfloat16) \
             if on and a.precision == "bf16" else contextlib.nullcontext()
 
-    def ours(half: bool = True, model: nn.Module = pm, opt: torch.optim.Optimizer = popt
-             ) -> None:
+    def ours(half: bool = True, model: nn.Module = pm, opt: torch.optim.Optimizer = popt,
+             inputs: dt.DistArray = x) -> None:
         nonlocal y_dist
         opt.zero_grad()
         with cast(half):
-            y = model(x)
+            y = model(inputs)
         y_dist = y.dist
         t = t_all[y.dist.local_slices()]
         # the global mean: each rank's sum over its block, divided by every element
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if not grouped or a.bn_stats == "both":
         steps["parallelize"] = ours
     if grouped:
-        steps["parallelize-group"] = lambda: ours(model=pm_g, opt=gopt)
+        steps["parallelize-group"] = lambda: ours(model=pm_g, opt=gopt, inputs=x_g)
     if a.precision == "bf16" and "parallelize" in steps:
         steps["parallelize-fp32"] = lambda: ours(False)
     if size == 1:

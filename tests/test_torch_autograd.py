@@ -378,14 +378,20 @@ def test_broadcast_of_an_all_reduce_is_the_sum_over_replicas():
 
 # ------------------------------------------------------------------------ batch norm
 @pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("constant", [False, True])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_split_batch_norm_is_torchs_on_the_global_array(dtype):
+def test_split_batch_norm_is_torchs_on_the_global_array(dtype, layout, constant):
     """Output, statistics, input gradient and the parameters' gradient sums against
     ``F.batch_norm`` on the whole array in one process (float64: 1e-12; bfloat16 within its
-    rounding), on every split of N and space, uneven and empty blocks included."""
+    rounding), on every split of N and space, uneven and empty blocks included, on C-order
+    and channels-last blocks (whose statistics come from ATen's training-mode kernel), with
+    and without a constant channel (no spread: ATen's kernel gives no variance there)."""
     shape = (3, 4, 7, 5)
     rng = np.random.default_rng(3)
     x64 = torch.tensor(rng.standard_normal(shape) * 2 + 3)
+    if constant:
+        x64[:, 2] = 1.75
     g64 = torch.tensor(rng.standard_normal(shape))
     w64, b64 = torch.tensor(rng.random(4) + 0.5), torch.tensor(rng.standard_normal(4))
     pdt = torch.float64 if dtype == torch.float64 else torch.float32
@@ -399,7 +405,7 @@ def test_split_batch_norm_is_torchs_on_the_global_array(dtype):
         dist = distribution(name, shape)
         sl = dist.local_slices()
         group = split_axes_comm(dist, [0, 2, 3])
-        x = x64.to(dtype)[sl].detach().clone().requires_grad_()
+        x = x64.to(dtype)[sl].detach().clone(memory_format=layout).requires_grad_()
         w = w64.to(pdt).detach().clone().requires_grad_()
         b = b64.to(pdt).detach().clone().requires_grad_()
         y, mean, var = split_batch_norm(x, w, b, group, 3 * 7 * 5)
