@@ -45,7 +45,7 @@ from disttensor_nn.plan.machine import this_machine_path
 from disttensor_nn.plan.planner import leaf_nodes, trace
 from disttensor_nn.training import build_model
 from disttensor_nn.training.cli import parse_bytes
-from disttensor_nn.training.driver import _timed
+from disttensor_nn.training.clocks import LayerClocks
 
 
 def measure(model, shape, plan, comm, iters, target):
@@ -58,16 +58,16 @@ def measure(model, shape, plan, comm, iters, target):
     """
     apply_plan(model, plan, shape)
     nodes = leaf_nodes(trace(model, shape))
-    clocks, hooks = _timed(nodes)  # the training driver's per-layer clocks
+    clocks = LayerClocks(nodes)  # the training driver's per-layer clocks
     first = nodes[0].layer.layout
     x = dt.random.default_rng(1).standard_normal(first.distribution(shape), np.float32)
     loss_fn = nn.MSELoss()
     opt = nn.SGD(model.parameters(), lr=1e-3)
     per_layer, per_layer_min, per_iter = [], [], []
     for it in range(iters + 1):
-        for c in clocks:
-            c[0] = 0.0
+        clocks.discard()
         comm.Barrier()
+        clocks.start_step()
         t0 = time.perf_counter()
         y = model.forward(x)
         loss_fn(y, target(y))
@@ -75,7 +75,7 @@ def measure(model, shape, plan, comm, iters, target):
         opt.step()
         opt.zero_grad()
         t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        mine = np.array([c[0] for c in clocks])
+        mine = clocks.durations()
         lt, lmin = mine.copy(), mine.copy()
         comm.Allreduce(MPI.IN_PLACE, lt, op=MPI.MAX)
         comm.Allreduce(MPI.IN_PLACE, lmin, op=MPI.MIN)
@@ -83,8 +83,7 @@ def measure(model, shape, plan, comm, iters, target):
             per_iter.append(t)
             per_layer.append(lt)
             per_layer_min.append(lmin)
-    for hook in hooks:
-        hook.remove()
+    clocks.remove()
     return per_layer, per_layer_min, per_iter
 
 

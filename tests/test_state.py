@@ -26,7 +26,7 @@ from disttensor.backend import array_namespace, to_numpy
 from disttensor.testing import assert_equal, collective_assert
 from disttensor_nn.models import mesh_fcn, resnet
 from disttensor_nn.module import IncompatibleKeys, RemovableHandle, derived
-from disttensor_nn.training.driver import _timed
+from disttensor_nn.training.clocks import LayerClocks
 
 xps = pytest.importorskip("array_api_strict")
 
@@ -602,15 +602,59 @@ class Sleep(nn.Layer):
 def test_training_driver_clocks_use_hooks():
     slow, fast = Sleep(), nn.ReLU()
     model = nn.Sequential(slow, fast)
-    clocks, handles = _timed([SimpleNamespace(layer=slow), SimpleNamespace(layer=fast)])
+    clocks = LayerClocks([SimpleNamespace(layer=slow), SimpleNamespace(layer=fast)])
     one = dt.ProcessGrid((1,), MPI.COMM_SELF)
     x = dt.DistArray.from_global(np.ones((2, 2)), dt.Distribution((2, 2), one, (None, None)))
     for _ in range(2):
+        clocks.start_step()
         model.backward(model(x))
-    assert 0.1 <= clocks[0][0] < 1.0, clocks
-    assert clocks[1][0] < clocks[0][0] / 10, clocks
-    for h in handles:
-        h.remove()
-    seen = clocks[0][0]
+    own, spans = clocks.durations(), clocks.spans(MPI.COMM_SELF)
+    assert 0.1 <= own[0] < 1.0 and own[1] < own[0] / 10, own
+    # one rank: a layer's span in a step is its own time (the mean over the two steps)
+    assert np.allclose(spans, own / 2, rtol=1e-9), (spans, own)
+    clocks.remove()
+    clocks.start_step()
     model.backward(model(x))
-    assert clocks[0][0] == seen
+    assert clocks.durations()[0] == own[0]
+
+
+class _WaitsForAll(nn.Layer):
+    """Forward: a barrier (a layer's collective), nothing else."""
+
+    def forward(self, x):
+        comm.Barrier()
+        return x
+
+    def backward(self, dy):
+        comm.Barrier()
+        return dy
+
+
+class _SlowOnRankZero(nn.Layer):
+    def forward(self, x):
+        time.sleep(0.05 if comm.Get_rank() == 0 else 0.0)
+        return x
+
+    def backward(self, dy):
+        return dy
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_training_driver_clocks_count_a_wait_in_the_layer_that_caused_it():
+    """A layer slow on one rank, then one that synchronises: the other ranks' own clocks
+    put the delay in the second layer too; its span, from the last rank's start to the
+    last rank's end, does not (it is counted once, in the slow layer)."""
+    slow, sync = _SlowOnRankZero(), _WaitsForAll()
+    model = nn.Sequential(slow, sync)
+    clocks = LayerClocks([SimpleNamespace(layer=slow), SimpleNamespace(layer=sync)])
+    one = dt.ProcessGrid((1,), MPI.COMM_SELF)
+    x = dt.DistArray.from_global(np.ones((2, 2)), dt.Distribution((2, 2), one, (None, None)))
+    for _ in range(3):
+        comm.Barrier()
+        clocks.start_step()
+        model.backward(model(x))
+    spans, own = clocks.spans(comm), clocks.durations() / 3
+    waited = comm.Get_rank() > 0
+    collective_assert(0.045 <= spans[0] < 0.5 and spans[1] < 0.02 and
+                      (own[1] >= 0.045) == waited, f"spans {spans}, own {own}")
+    clocks.remove()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -28,7 +27,7 @@ from ..memory import (
     release_free_memory,
     resident_bytes,
 )
-from ..module import GradientBuckets, Layer, Layout, RemovableHandle, no_sync
+from ..module import GradientBuckets, Layer, Layout, no_sync
 from ..optim import clip_grad_norm_
 from ..optim.lr_scheduler import LRScheduler
 from ..plan import Plan, apply_plan, kernel_choice, make_plan
@@ -43,6 +42,7 @@ from ..precision import (
 )
 from ..recompute import recompute_segments
 from .checkpoint import CheckpointError, checkpoint_manifest, load_checkpoint
+from .clocks import LayerClocks
 from .data import Loader, Prefetcher, open_dataset
 from .loop import (  # noqa: F401 - importable from here as before
     KEEP_SHARE,
@@ -166,31 +166,6 @@ class TrainConfig:
     # norms under DistributedDataParallel; BatchNormNd's stats, parallelize's
     # batch_norm_stats)
     bn_stats: str = "global"
-
-
-def _timed(nodes: list) -> tuple[list[list[float]], list[RemovableHandle]]:
-    """Accumulate each layer's forward+backward wall time (to compare with the plan).
-
-    Returns one clock (``[seconds]``) per node, kept by forward and backward
-    hooks on the node's layer, and the hooks' handles (``remove()`` them to stop).
-    """
-    clocks, handles = [], []
-    for node in nodes:
-        clock, start = [0.0], [0.0]
-
-        def begin(layer: Layer, *args: Any, start: list[float] = start) -> None:
-            start[0] = time.perf_counter()
-
-        def end(layer: Layer, *args: Any, clock: list[float] = clock,
-                start: list[float] = start) -> None:
-            clock[0] += time.perf_counter() - start[0]
-
-        layer = node.layer
-        handles += [layer.register_forward_pre_hook(begin), layer.register_forward_hook(end),
-                    layer.register_full_backward_pre_hook(begin),
-                    layer.register_full_backward_hook(end)]
-        clocks.append(clock)
-    return clocks, handles
 
 
 def plan_mismatch(plan: Plan, model: Layer, shape: tuple[int, ...], nprocs: int) -> str | None:
@@ -537,7 +512,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
             raise
         raise SetupError(str(exc)) from exc
     model, shape, plan, nodes, loss_fn, loader, (opt, sched, scaler), step, history = state
-    clocks, _ = _timed(nodes)
+    clocks = LayerClocks(nodes)
     if cfg.profile_memory:
         memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
     bar = progress_bar(cfg, comm, step, cfg.model)
@@ -545,12 +520,12 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     it = Prefetcher(loader, cfg.prefetch) if cfg.prefetch else None
     times: list[float] = []
     data_times: list[float] = []
-    # the first step warms caches and allocator: not in the layer times
-    warmup = [0.0] * len(clocks)
+    # the first step warms caches and allocator: not in the layer times (where others follow)
     warm_misses = [0]
+    warmed = [False]
 
     def first_step() -> None:
-        warmup[:] = [c[0] for c in clocks]
+        warmed[0] = True
         cache = active_block_cache()
         warm_misses[0] = cache.stats.misses if cache is not None else 0
     cache_limit = _cache_limit(plan, model, comm, plan.shard_state) \
@@ -566,9 +541,16 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     try:
         with (block_cache(cache_limit) if cfg.block_cache else contextlib.nullcontext()) \
                 as cache:
-            step = run_steps(cfg, comm, Batches(loader, it, heap_top),
-                             _layer_step(cfg, memory, xp, model, loss_fn, opt, sched, scaler,
-                                         plan.memory_format),
+            one_step = _layer_step(cfg, memory, xp, model, loss_fn, opt, sched, scaler,
+                                   plan.memory_format)
+
+            def clocked_step(batches: Batches) -> Any:
+                if warmed[0]:
+                    clocks.discard()
+                    warmed[0] = False
+                clocks.start_step()  # run_steps starts each step at a barrier
+                return one_step(batches)
+            step = run_steps(cfg, comm, Batches(loader, it, heap_top), clocked_step,
                              step, history, times, data_times, bar, model=model,
                              optimizer=opt, scheduler=sched,
                              checkpoint_extra=lambda: {"grad_scaler": scaler.state_dict()},
@@ -581,11 +563,10 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
             it.close()
     if bar is not None:
         bar.close()
-    measured = np.array([c[0] for c in clocks])
-    if len(times) > 1:
-        measured -= warmup
-    comm.Allreduce(MPI.IN_PLACE, measured, op=MPI.MAX)
-    measured /= max(len(times) - (len(times) > 1), 1)
+    # each layer's time on the step's critical path (a wait for other ranks counted in
+    # the layer that caused it), over the steps after the first
+    measured = clocks.spans(comm)
+    clocks.remove()
     peaks = memory_summary(comm, memory)
     summary = {
         "model": cfg.model, "batch_shape": list(shape), "ranks": comm.Get_size(),

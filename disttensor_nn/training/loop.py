@@ -522,8 +522,9 @@ def prediction_warning(summary: dict, tolerance: float = 0.25, top: int = 3) -> 
 
     ``summary`` is what :func:`~disttensor_nn.training.train` returns: its
     ``compute_time_per_iteration_s`` and ``predicted_time_per_iteration_s``,
-    and per layer ``predicted_s`` and ``measured_s`` (the driver's forward and
-    backward clocks, communication included).
+    and per layer ``predicted_s`` and ``measured_s`` (what the layer's forward and
+    backward add to the step, communication included:
+    :meth:`~disttensor_nn.training.clocks.LayerClocks.spans`).
     """
     measured = summary.get("compute_time_per_iteration_s")
     predicted = summary.get("predicted_time_per_iteration_s")
