@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 from mpi4py import MPI
+from threadpoolctl import threadpool_limits
 
 __all__ = ["abort_on_exception", "limit_blas_threads", "node_share"]
 
@@ -188,8 +189,6 @@ def limit_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None)
     same (or set ``OMP_NUM_THREADS`` before starting Python).
     """
     global _thread_limits
-    from threadpoolctl import threadpool_limits
-
     if threads is None:
         local, cores = node_share(comm)
         threads = max(1, cores // local)
