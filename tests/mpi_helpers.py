@@ -27,7 +27,8 @@ _shared_dirs: list[tuple[str, MPI.Comm]] = []
 
 def shared_tmpdir(prefix: str = "dt-test-", c: MPI.Comm = comm) -> str:
     """A new directory that every rank of ``c`` names (collective); removed after the test
-    that made it (:func:`remove_shared_tmpdirs`, called by the tests' conftest)."""
+    that made it (:func:`remove_shared_tmpdirs`, called by the tests' conftest, which
+    synchronises ``c``'s ranks then: ``c`` must outlive the test)."""
     path = c.bcast(tempfile.mkdtemp(prefix=prefix) if c.Get_rank() == 0 else None, root=0)
     _shared_dirs.append((path, c))
     return path

@@ -632,7 +632,7 @@ class _WaitsForAll(nn.Layer):
 
 class _SlowOnRankZero(nn.Layer):
     def forward(self, x):
-        time.sleep(0.05 if comm.Get_rank() == 0 else 0.0)
+        time.sleep(0.2 if comm.Get_rank() == 0 else 0.0)
         return x
 
     def backward(self, dy):
@@ -655,6 +655,46 @@ def test_training_driver_clocks_count_a_wait_in_the_layer_that_caused_it():
         model.backward(model(x))
     spans, own = clocks.spans(comm), clocks.durations() / 3
     waited = comm.Get_rank() > 0
-    collective_assert(0.045 <= spans[0] < 0.5 and spans[1] < 0.02 and
-                      (own[1] >= 0.045) == waited, f"spans {spans}, own {own}")
+    collective_assert(0.19 <= spans[0] < 1.0 and spans[1] < 0.1 and
+                      (own[1] >= 0.19) == waited, f"spans {spans}, own {own}")
+    clocks.remove()
+
+
+class _Delay(nn.Layer):
+    delay = 0.0
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return x
+
+    def backward(self, dy):
+        return dy
+
+
+def test_training_driver_clocks_keep_every_pass_and_the_last_steps():
+    """With two micro-batches a step (two forwards, two backwards) every pass is counted
+    (the first two alone with ``passes=2``); the spans average the last ``kept_steps``
+    steps, the ranks' own clocks sum all of them."""
+    one = dt.ProcessGrid((1,), MPI.COMM_SELF)
+    x = dt.DistArray.from_global(np.ones((2, 2)), dt.Distribution((2, 2), one, (None, None)))
+    slow = Sleep()  # 20 ms forward, 30 ms backward
+    every, first = (LayerClocks([SimpleNamespace(layer=slow)], passes=p) for p in (4, 2))
+    for clocks in (every, first):
+        clocks.start_step()
+    for _ in range(2):
+        slow.call_backward(slow(x))
+    spans = [c.spans(MPI.COMM_SELF)[0] for c in (every, first)]
+    own = [c.durations()[0] for c in (every, first)]
+    assert 0.1 <= spans[0] < 0.2 and 0.05 <= spans[1] < 0.1, spans
+    assert 0.1 <= own[0] < 0.2 and 0.1 <= own[1] < 0.2, own
+    for clocks in (every, first):
+        clocks.remove()
+    layer = _Delay()
+    clocks = LayerClocks([SimpleNamespace(layer=layer)], kept_steps=2)
+    for delay in (0.15, 0.01, 0.01):  # the first step falls out of the spans
+        layer.delay = delay
+        clocks.start_step()
+        layer.call_backward(layer(x))
+    got, own = clocks.spans(MPI.COMM_SELF)[0], clocks.durations()[0]
+    assert clocks.steps == 3 and 0.01 <= got < 0.04 and own >= 0.17, (got, own)
     clocks.remove()

@@ -782,8 +782,8 @@ def _self_array(local: Any) -> DistArray:
     ask which axes split it: the channels on one made a convolution's twin run the
     channel-parallel path (a gather of its input's channels and a sum of its partial
     outputs, copies the layer never makes: the mesh model's 16 -> 16 convolution on
-    (4, 16, 128, 128) channels-last blocks, two threads, timed 2.9 / 5.3 ms forward /
-    backward against 1.7 / 3.4 as it runs)."""
+    (4, 16, 128, 128) channels-last blocks, two threads, timed 2.8 / 5.2 ms forward /
+    backward against 1.7 / 3.3 as it runs)."""
     axes = (0,) + (None,) * (local.ndim - 1) if local.ndim else ()
     return DistArray(local, Distribution(local.shape, _self_grid(), axes))
 

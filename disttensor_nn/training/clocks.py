@@ -25,11 +25,6 @@ from ..module import RemovableHandle
 
 __all__ = ["LayerClocks"]
 
-_PASSES = 3
-"""Pass slots of a layer in one step: its forward, a second forward (a recomputed segment
-runs its layers' forward again during backward), its backward."""
-
-
 class LayerClocks:
     """Forward and backward clocks of ``nodes``' layers (each with a ``layer``), kept by
     hooks on them from construction until :meth:`remove`.
@@ -38,61 +33,63 @@ class LayerClocks:
     (after a barrier: the steps' starts are the clocks' common origin). Every rank runs
     every layer in the same order, as the layers' collectives require.
 
+    A layer's passes in a step are its forwards and backwards in the order they run (two
+    for a step of one batch; ``2 K`` for ``K`` accumulated micro-batches); the k-th is
+    matched with every other rank's k-th. A forward that a recomputed segment runs inside
+    a backward calls the layers' own ``forward`` and is in no layer's clocks.
+
     Parameters
     ----------
     nodes : list
         Objects with a ``layer`` attribute (the planner's leaf nodes).
+    passes : int
+        The passes of a layer in one step that :meth:`spans` keeps (more are in the ranks'
+        own clocks only).
     kept_steps : int
         How many of the last steps :meth:`spans` averages over (the ranks' own
         clocks, :meth:`durations`, cover every step).
     """
 
-    def __init__(self, nodes: list, kept_steps: int = 256) -> None:
+    def __init__(self, nodes: list, passes: int = 2, kept_steps: int = 256) -> None:
         n = len(nodes)
         # [row, node, pass, begin/end]: seconds since the row's step started; -inf unused
-        self._stamps = np.full((max(kept_steps, 1), n, _PASSES, 2), -np.inf)
+        self._stamps = np.full((max(kept_steps, 1), n, max(passes, 1), 2), -np.inf)
         self._own = np.zeros(n)
         self._steps = 0
         self._row = 0
         self._t0 = time.perf_counter()
-        self._forwards = np.zeros(n, dtype=np.int64)  # forward passes of each node this step
-        self._open = np.zeros((n, 2))  # when each node's backward [0] or forward [1] began
+        self._passes = np.zeros(n, dtype=np.int64)  # passes of each node begun this step
+        self._open = np.zeros(n)  # when each node's pass now running began
         self._handles: list[RemovableHandle] = []
         for i, node in enumerate(nodes):
             layer = node.layer
             self._handles += [
-                layer.register_forward_pre_hook(lambda *_, i=i: self._begin(i, True)),
-                layer.register_forward_hook(lambda *_, i=i: self._end(i, True)),
-                layer.register_full_backward_pre_hook(lambda *_, i=i: self._begin(i, False)),
-                layer.register_full_backward_hook(lambda *_, i=i: self._end(i, False))]
+                layer.register_forward_pre_hook(lambda *_, i=i: self._begin(i)),
+                layer.register_forward_hook(lambda *_, i=i: self._end(i)),
+                layer.register_full_backward_pre_hook(lambda *_, i=i: self._begin(i)),
+                layer.register_full_backward_hook(lambda *_, i=i: self._end(i))]
 
-    def _slot(self, i: int, forward: bool) -> int | None:
-        """The pass slot of node ``i``'s pass now (None: a third forward in one step)."""
-        if not forward:
-            return 2
-        return None if self._forwards[i] > 2 else int(self._forwards[i]) - 1
-
-    def _begin(self, i: int, forward: bool) -> None:
+    def _begin(self, i: int) -> None:
         now = time.perf_counter() - self._t0
-        self._forwards[i] += forward
-        self._open[i, int(forward)] = now
-        slot = self._slot(i, forward)
-        if slot is not None:
-            self._stamps[self._row, i, slot, 0] = now
+        self._open[i] = now
+        k = int(self._passes[i])
+        self._passes[i] += 1
+        if k < self._stamps.shape[2]:
+            self._stamps[self._row, i, k, 0] = now
 
-    def _end(self, i: int, forward: bool) -> None:
+    def _end(self, i: int) -> None:
         now = time.perf_counter() - self._t0
-        self._own[i] += now - self._open[i, int(forward)]
-        slot = self._slot(i, forward)
-        if slot is not None:
-            self._stamps[self._row, i, slot, 1] = now
+        self._own[i] += now - self._open[i]
+        k = int(self._passes[i]) - 1
+        if k < self._stamps.shape[2]:
+            self._stamps[self._row, i, k, 1] = now
 
     def start_step(self) -> None:
         """A new step starts now (on every rank at once)."""
         if self._steps:
             self._row = (self._row + 1) % len(self._stamps)
         self._stamps[self._row] = -np.inf
-        self._forwards[:] = 0
+        self._passes[:] = 0
         self._steps += 1
         self._t0 = time.perf_counter()
 
@@ -109,14 +106,26 @@ class LayerClocks:
         return self._steps
 
     def durations(self) -> np.ndarray:
-        """Per layer, this rank's own seconds in its passes, summed over the recorded steps
-        (waits for other ranks inside them included)."""
+        """This rank's own clocks.
+
+        Returns
+        -------
+        numpy.ndarray
+            Per layer, the seconds of its passes on this rank, summed over the recorded
+            steps (waits for other ranks inside them included).
+        """
         return self._own.copy()
 
     def spans(self, comm: MPI.Comm) -> np.ndarray:
-        """Per layer, the mean over the last recorded steps (``kept_steps``) of the time
-        from the last rank's start of each of its passes to the last rank's end of it,
-        summed over the passes. Collective over ``comm``; the same on every rank."""
+        """What each layer adds to a step. Collective over ``comm``.
+
+        Returns
+        -------
+        numpy.ndarray
+            Per layer, the time from the last rank's start of each of its passes to the
+            last rank's end of it, summed over its passes and averaged over the last
+            recorded steps (at most ``kept_steps``); the same on every rank.
+        """
         used = min(self._steps, len(self._stamps))
         stamps = np.ascontiguousarray(self._stamps[:used])
         if comm.Get_size() > 1:

@@ -512,7 +512,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
             raise
         raise SetupError(str(exc)) from exc
     model, shape, plan, nodes, loss_fn, loader, (opt, sched, scaler), step, history = state
-    clocks = LayerClocks(nodes)
+    clocks = LayerClocks(nodes, passes=2 * cfg.accumulate)  # each micro-batch's two passes
     if cfg.profile_memory:
         memory.watch([(f"{n.name} {type(n.layer).__name__}", n.layer) for n in nodes])
     bar = progress_bar(cfg, comm, step, cfg.model)
@@ -564,7 +564,7 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     if bar is not None:
         bar.close()
     # each layer's time on the step's critical path (a wait for other ranks counted in
-    # the layer that caused it), over the steps after the first
+    # the layer that caused it), over the last steps after the first (LayerClocks)
     measured = clocks.spans(comm)
     clocks.remove()
     peaks = memory_summary(comm, memory)
