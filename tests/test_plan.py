@@ -15,6 +15,7 @@ from mpi4py import MPI
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor.testing import assert_allclose, collective_assert
+from disttensor_nn.layers import norm, sharding
 from disttensor_nn.plan import (
     CostModel,
     KernelTimer,
@@ -420,8 +421,6 @@ def test_the_timer_runs_what_a_one_rank_job_runs(make, tmp_path, monkeypatch):
     redistributions and reductions the layer makes there, and no others (the channels on
     a grid axis of one rank made a convolution's twin gather its input's channels and sum
     its partial outputs, copies the layer never makes)."""
-    from disttensor_nn.layers import norm, sharding
-
     layer = make()
     shape = (2, 3 if not isinstance(layer, nn.Conv2d) or layer.groups == 1 else 4, 8, 8)
     calls: list[str] = []

@@ -599,12 +599,17 @@ class Sleep(nn.Layer):
         return dy
 
 
+def _one_process_array() -> dt.DistArray:
+    """A small array on one process, what the clock tests' layers pass along."""
+    one = dt.ProcessGrid((1,), MPI.COMM_SELF)
+    return dt.DistArray.from_global(np.ones((2, 2)), dt.Distribution((2, 2), one, (None, None)))
+
+
 def test_training_driver_clocks_use_hooks():
     slow, fast = Sleep(), nn.ReLU()
     model = nn.Sequential(slow, fast)
     clocks = LayerClocks([SimpleNamespace(layer=slow), SimpleNamespace(layer=fast)])
-    one = dt.ProcessGrid((1,), MPI.COMM_SELF)
-    x = dt.DistArray.from_global(np.ones((2, 2)), dt.Distribution((2, 2), one, (None, None)))
+    x = _one_process_array()
     for _ in range(2):
         clocks.start_step()
         model.backward(model(x))
@@ -647,8 +652,7 @@ def test_training_driver_clocks_count_a_wait_in_the_layer_that_caused_it():
     slow, sync = _SlowOnRankZero(), _WaitsForAll()
     model = nn.Sequential(slow, sync)
     clocks = LayerClocks([SimpleNamespace(layer=slow), SimpleNamespace(layer=sync)])
-    one = dt.ProcessGrid((1,), MPI.COMM_SELF)
-    x = dt.DistArray.from_global(np.ones((2, 2)), dt.Distribution((2, 2), one, (None, None)))
+    x = _one_process_array()
     for _ in range(3):
         comm.Barrier()
         clocks.start_step()
@@ -675,8 +679,7 @@ def test_training_driver_clocks_keep_every_pass_and_the_last_steps():
     """With two micro-batches a step (two forwards, two backwards) every pass is counted
     (the first two alone with ``passes=2``); the spans average the last ``kept_steps``
     steps, the ranks' own clocks sum all of them."""
-    one = dt.ProcessGrid((1,), MPI.COMM_SELF)
-    x = dt.DistArray.from_global(np.ones((2, 2)), dt.Distribution((2, 2), one, (None, None)))
+    x = _one_process_array()
     slow = Sleep()  # 20 ms forward, 30 ms backward
     every, first = (LayerClocks([SimpleNamespace(layer=slow)], passes=p) for p in (4, 2))
     for clocks in (every, first):

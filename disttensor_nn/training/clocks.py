@@ -16,7 +16,6 @@ in the layer that made it.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -24,6 +23,7 @@ from mpi4py import MPI
 from ..module import RemovableHandle
 
 __all__ = ["LayerClocks"]
+
 
 class LayerClocks:
     """Forward and backward clocks of ``nodes``' layers (each with a ``layer``), kept by
@@ -142,9 +142,3 @@ class LayerClocks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    def __enter__(self) -> LayerClocks:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
