@@ -520,12 +520,9 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
     it = Prefetcher(loader, cfg.prefetch) if cfg.prefetch else None
     times: list[float] = []
     data_times: list[float] = []
-    # the first step warms caches and allocator: not in the layer times (where others follow)
     warm_misses = [0]
-    warmed = [False]
 
     def first_step() -> None:
-        warmed[0] = True
         cache = active_block_cache()
         warm_misses[0] = cache.stats.misses if cache is not None else 0
     cache_limit = _cache_limit(plan, model, comm, plan.shard_state) \
@@ -545,9 +542,8 @@ def _train(cfg: TrainConfig, comm: MPI.Comm, memory: MemoryProfile, xp: Any
                                    plan.memory_format)
 
             def clocked_step(batches: Batches) -> Any:
-                if warmed[0]:
-                    clocks.discard()
-                    warmed[0] = False
+                if len(times) == 1 == clocks.steps:  # the first step warmed caches and
+                    clocks.discard()  # allocator: not in the layer times where others follow
                 clocks.start_step()  # run_steps starts each step at a barrier
                 return one_step(batches)
             step = run_steps(cfg, comm, Batches(loader, it, heap_top), clocked_step,
