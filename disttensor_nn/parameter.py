@@ -77,6 +77,10 @@ class Parameter:
         self._pending: tuple[Any, np.ndarray] | None = None  # a gather started ahead
         self._grad: Any = array_namespace(self._data).zeros_like(self._data)
         self._grad_zero = False  # zero_grad() was called: ``_grad`` is zeros, not yet written
+        # ``_grad`` is a kernel's own array, given away (add_grad_'s ``owned``): zero_grad
+        # drops it then, keeping only what the next one must be like (``_grad`` None)
+        self._grad_given = False
+        self._grad_like: tuple[tuple[int, ...], Any, type, Any, Any] | None = None
         self.dist = dist
         self.unreduced: Any = None  # this rank's gradient parts kept back by no_sync
         # the communicator the last backward pass summed the gradient over (the ranks
@@ -262,16 +266,19 @@ class Parameter:
         After :meth:`zero_grad` it reads as zeros; the zeros are written
         only when it is read before :meth:`add_grad_` wrote it (the first
         gradient of a step is copied in, where adding it to zeros would take
-        another pass over the array).
+        another pass over the array), into a new array where
+        :meth:`zero_grad` dropped a kernel's.
         """
-        if self._grad_zero:
+        if self._grad is None:  # dropped by zero_grad: zeros of the same kind
+            self._grad, self._grad_zero = self._new_grad("zeros"), False
+        elif self._grad_zero:
             fill(self._grad, 0)
             self._grad_zero = False
         return self._grad
 
     @grad.setter
     def grad(self, value: Any) -> None:
-        self._grad, self._grad_zero = value, False
+        self._grad, self._grad_zero, self._grad_given = value, False, False
 
     def add_grad_(self, g: Any, owned: bool = False) -> None:
         """``grad += g`` (``g`` of ``grad``'s size, any shape; cast to its dtype); the
@@ -280,26 +287,53 @@ class Parameter:
         With ``owned`` the caller gives ``g`` away (nothing else refers to it
         or writes it later): a first gradient of ``grad``'s dtype, array module
         and memory layout then becomes ``grad`` itself, with no copy (as
-        PyTorch's autograd keeps a kernel's weight gradient).
+        PyTorch's autograd keeps a kernel's weight gradient), and the next
+        :meth:`zero_grad` drops it.
         """
         grad = self._grad
-        g = reshape(g, grad.shape) if tuple(g.shape) != tuple(grad.shape) else g
-        if g.dtype != grad.dtype:
-            g = astype(g, grad.dtype)
+        shape, dtype, kind, device, _ = self._grad_like if grad is None else \
+            (tuple(grad.shape), grad.dtype, type(grad), None, None)
+        g = reshape(g, shape) if tuple(g.shape) != shape else g
+        if g.dtype != dtype:
+            g = astype(g, dtype)
         if self._grad_zero:
             self._grad_zero = False
-            if owned and type(g) is type(grad) and is_c_contiguous(g) and \
-                    device_of(g) == device_of(grad):
-                self._grad = g
+            device = device_of(grad) if grad is not None else device
+            if owned and type(g) is kind and is_c_contiguous(g) and device_of(g) == device:
+                self._grad, self._grad_given = g, True
+            elif grad is None:  # dropped: a new array of the same kind, the copy in it
+                self._grad = self._new_grad("empty")
+                self._grad[...] = g
             else:
                 grad[...] = g
         else:
             grad += g
 
+    def _new_grad(self, make: str) -> Any:
+        """A new gradient array like the one :meth:`zero_grad` dropped (``make``:
+        ``"zeros"`` or ``"empty"``), of the array module's own allocation: a gradient
+        lives from step to step, not in the block cache of a step's blocks."""
+        shape, dtype, _, device, xp = self._grad_like
+        return getattr(xp, make)(shape, dtype=dtype, **({} if device is None else
+                                                        {"device": device}))
+
     def zero_grad(self) -> None:
-        """Set the gradient to zero (and drop parts kept back by :func:`no_sync`)."""
+        """Set the gradient to zero (and drop parts kept back by :func:`no_sync`).
+
+        A gradient that a kernel gave away (:meth:`add_grad_`'s ``owned``) is
+        dropped, as ``torch.optim.Optimizer.zero_grad`` sets PyTorch's to None:
+        its memory is free during the next forward pass, and the kernels' next
+        gradient is not made while it still lives. It reads as zeros
+        (:attr:`grad`) until the next one arrives.
+        """
         self._grad_zero = True
         self.unreduced = None
+        grad = self._grad
+        if self._grad_given and grad is not None and self._held is None and \
+                self.grad_range is None:
+            self._grad_like = (tuple(grad.shape), grad.dtype, type(grad), device_of(grad),
+                               array_namespace(grad))
+            self._grad, self._grad_given = None, False
 
     def __repr__(self) -> str:
         split = "" if self.dist is None else f", dist={self.dist}"

@@ -804,3 +804,60 @@ def test_an_owned_first_gradient_becomes_the_gradient_and_later_ones_add():
     p.add_grad_(strided, owned=True)
     assert not np.shares_memory(p.grad, strided)
     np.testing.assert_array_equal(p.grad, np.arange(0.0, 12.0, 2).reshape(2, 3))
+
+
+@pytest.mark.parallel([1])
+def test_zero_grad_drops_a_gradient_a_kernel_gave_away():
+    """A gradient kept without a copy (owned) is let go at zero_grad, as PyTorch's
+    set_to_none: nothing of the parameter refers to it any more; the gradient reads as
+    zeros of its shape and dtype until the next one, which becomes it where given away
+    and is copied into a new array otherwise; one copied in is kept and reused."""
+    import weakref
+
+    import disttensor_nn as nn
+
+    p = nn.Parameter(np.zeros((2, 3), np.float32))
+    p.zero_grad()
+    g = np.arange(6, dtype=np.float32)
+    p.add_grad_(g, owned=True)
+    p.add_grad_(np.ones(6, np.float32))  # a second micro-batch's: added into it
+    np.testing.assert_array_equal(p.grad, (np.arange(6.0) + 1).reshape(2, 3))
+    gone = weakref.ref(g)
+    del g
+    p.zero_grad()
+    assert gone() is None  # dropped: its memory is free for the next forward pass
+    read = p.grad
+    assert read.shape == (2, 3) and read.dtype == np.float32
+    np.testing.assert_array_equal(read, np.zeros((2, 3)))
+    p.zero_grad()  # read as zeros, written by no kernel: kept
+    assert p.grad is read
+    p.zero_grad()
+    h = np.full(6, 2.0, np.float32)
+    p.add_grad_(h, owned=True)
+    assert np.shares_memory(p.grad, h)
+    p.zero_grad()
+    p.add_grad_(np.arange(6.0))  # after a drop, not given: copied into a new float32 array
+    first = p.grad
+    assert first.dtype == np.float32 and first.flags.c_contiguous
+    np.testing.assert_array_equal(first, np.arange(6.0).reshape(2, 3))
+    p.zero_grad()
+    p.add_grad_(np.ones(12, np.float32)[::2], owned=True)  # strided: copied into it
+    assert p.grad is first
+    np.testing.assert_array_equal(p.grad, np.ones((2, 3)))
+
+
+@pytest.mark.parallel([1])
+def test_sgd_steps_on_a_dropped_gradient_as_on_zeros():
+    """An optimizer step after zero_grad dropped a gradient, with no backward between,
+    updates as from zero gradients (momentum alone moves the weights)."""
+    import disttensor_nn as nn
+
+    p = nn.Parameter(np.ones(4))
+    opt = SGD([p], lr=0.5, momentum=0.5)
+    opt.zero_grad()
+    p.add_grad_(np.full(4, 2.0), owned=True)
+    opt.step()  # buf = 2, w = 1 - 0.5 * 2 = 0
+    opt.zero_grad()
+    opt.step()  # buf = 0.5 * 2 + 0 = 1, w = 0 - 0.5 = -0.5
+    np.testing.assert_array_equal(p.data, np.full(4, -0.5))
+    np.testing.assert_array_equal(p.grad, np.zeros(4))
