@@ -269,8 +269,8 @@ class Parameter:
         another pass over the array), into a new array where
         :meth:`zero_grad` dropped a kernel's.
         """
-        if self._grad is None:  # dropped by zero_grad: zeros of the same kind
-            self._grad, self._grad_zero = self._new_grad("zeros"), False
+        if self._grad is None and self._grad_like is not None:  # dropped by zero_grad
+            self._grad, self._grad_zero = self._new_grad("zeros"), False  # zeros alike
         elif self._grad_zero:
             fill(self._grad, 0)
             self._grad_zero = False
@@ -278,7 +278,11 @@ class Parameter:
 
     @grad.setter
     def grad(self, value: Any) -> None:
-        self._grad, self._grad_zero, self._grad_given = value, False, False
+        # the same array back (``p.grad *= c``) stays a kernel's, dropped at zero_grad
+        self._grad_given = self._grad_given and value is self._grad
+        self._grad, self._grad_zero = value, False
+        if value is None:
+            self._grad_like = None
 
     def add_grad_(self, g: Any, owned: bool = False) -> None:
         """``grad += g`` (``g`` of ``grad``'s size, any shape; cast to its dtype); the
@@ -302,8 +306,9 @@ class Parameter:
             if owned and type(g) is kind and is_c_contiguous(g) and device_of(g) == device:
                 self._grad, self._grad_given = g, True
             elif grad is None:  # dropped: a new array of the same kind, the copy in it
-                self._grad = self._new_grad("empty")
-                self._grad[...] = g
+                new = self._new_grad("empty")
+                new[...] = g
+                self._grad = new
             else:
                 grad[...] = g
         else:

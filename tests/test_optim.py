@@ -835,6 +835,22 @@ def test_zero_grad_drops_a_gradient_a_kernel_gave_away():
     h = np.full(6, 2.0, np.float32)
     p.add_grad_(h, owned=True)
     assert np.shares_memory(p.grad, h)
+    p.zero_grad()  # dropped, and nothing read before the next one: taken as it is
+    gone = weakref.ref(h)
+    del h
+    assert gone() is None
+    k = np.full(6, 3.0, np.float32)
+    p.add_grad_(k, owned=True)
+    assert np.shares_memory(p.grad, k) and p.grad.shape == (2, 3)
+    p.grad *= 2  # the same array back through the setter: still the kernel's
+    np.testing.assert_array_equal(p.grad, np.full((2, 3), 6.0))
+    gone = weakref.ref(k)
+    del k
+    p.zero_grad()
+    assert gone() is None
+    p.add_grad_(np.full(6, 4.0), owned=True)  # float64 after a drop: cast to float32
+    assert p.grad.dtype == np.float32
+    np.testing.assert_array_equal(p.grad, np.full((2, 3), 4.0))
     p.zero_grad()
     p.add_grad_(np.arange(6.0))  # after a drop, not given: copied into a new float32 array
     first = p.grad
@@ -849,15 +865,24 @@ def test_zero_grad_drops_a_gradient_a_kernel_gave_away():
 @pytest.mark.parallel([1])
 def test_sgd_steps_on_a_dropped_gradient_as_on_zeros():
     """An optimizer step after zero_grad dropped a gradient, with no backward between,
-    updates as from zero gradients (momentum alone moves the weights)."""
+    updates as from zero gradients (momentum alone moves the weights); clipping the
+    gradients in place (through the setter) leaves them the kernel's, dropped after."""
+    import weakref
+
     import disttensor_nn as nn
 
     p = nn.Parameter(np.ones(4))
     opt = SGD([p], lr=0.5, momentum=0.5)
     opt.zero_grad()
-    p.add_grad_(np.full(4, 2.0), owned=True)
-    opt.step()  # buf = 2, w = 1 - 0.5 * 2 = 0
+    g = np.full(4, 2.0)
+    p.add_grad_(g, owned=True)
+    c = 2.0 / (4.0 + 1e-6)  # clipped from norm 4 to 2, in place
+    assert clip_grad_norm_([p], 2.0) == pytest.approx(4.0)
+    opt.step()  # buf = 2c, w = 1 - 0.5 * 2c
+    gone = weakref.ref(g)
+    del g
     opt.zero_grad()
-    opt.step()  # buf = 0.5 * 2 + 0 = 1, w = 0 - 0.5 = -0.5
-    np.testing.assert_array_equal(p.data, np.full(4, -0.5))
+    assert gone() is None  # the step runs on a dropped gradient
+    opt.step()  # buf = 0.5 * 2c + 0, w = 1 - 1.5c
+    np.testing.assert_allclose(p.data, np.full(4, 1 - 1.5 * c), rtol=1e-12)
     np.testing.assert_array_equal(p.grad, np.zeros(4))
