@@ -28,6 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .backend import (
+    _MOVABLE_DTYPE_TYPES,
     array_namespace,
     as_module,
     astype,
@@ -184,7 +185,8 @@ class DistArray:
     __array_priority__ = 100
 
     def __init__(self, buffer: Any, dist: Distribution, margins: Margins | None = None):
-        _check_dist(dist)
+        if type(dist) is not Distribution or dist.grid is None:
+            _check_dist(dist)
         local_shape = dist.local_shape()
         if margins:
             margins = tuple((int(lo), int(hi)) for lo, hi in margins)
@@ -193,11 +195,16 @@ class DistArray:
             margins, want = _NO_MARGINS[dist.ndim], local_shape
         if tuple(buffer.shape) != want:
             raise ValueError(f"buffer shape {tuple(buffer.shape)} does not match {want}")
-        check_movable(buffer.dtype)
+        if type(buffer) is np.ndarray:  # the common case: a NumPy block of a plain dtype
+            if type(buffer.dtype) not in _MOVABLE_DTYPE_TYPES:
+                check_movable(buffer.dtype)
+            self.xp: ModuleType = np
+        else:
+            check_movable(buffer.dtype)
+            self.xp = array_namespace(buffer)
         self._buffer = buffer
         self._margins = margins
         self.dist = dist
-        self.xp: ModuleType = array_namespace(buffer)
         self._halo_token: object | None = None  # identifies the last halo fill
 
     # ----------------------------------------------------------- creation
@@ -384,7 +391,8 @@ class DistArray:
     @property
     def dtype(self) -> np.dtype:
         """Element type (as a NumPy dtype, whatever the array module)."""
-        return numpy_dtype(self._buffer.dtype)
+        dtype = self._buffer.dtype
+        return dtype if isinstance(dtype, np.dtype) else numpy_dtype(dtype)
 
     @property
     def grid(self) -> ProcessGrid:

@@ -476,6 +476,8 @@ class Distribution:
         return (self.global_shape, self.grid_shape, self._axes, self.boundaries)
 
     def __eq__(self, other: object) -> bool:
+        if self is other:  # the common case: a layer's output compared with its gradient's
+            return True
         if not isinstance(other, Distribution):
             return NotImplemented
         if self._key != other._key:
@@ -484,8 +486,12 @@ class Distribution:
             return self.grid is other.grid
         return self.grid == other.grid
 
-    def __hash__(self) -> int:
+    @cached_property
+    def _hash(self) -> int:
         return hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __repr__(self) -> str:
         splits = [None if c is None else list(c) for c in self.splits]

@@ -10,6 +10,7 @@ from .layers.elementwise import Add, add_blocks
 from .layers.merge import Concat
 from .layout import Layout
 from .module import Layer, prefetch_weights
+from .parameter import Parameter
 
 __all__ = ["Sequential", "Residual", "Skip"]
 
@@ -49,20 +50,27 @@ class Sequential(Layer):
         return True
 
     def forward(self, x: DistArray) -> DistArray:
-        self._moves = []
+        self._moves = moves = []
         layers = list(self)
+        prefetch = Parameter.ever_sharded
         for k, layer in enumerate(layers):
-            # sharded weights (shard_state "full"): the next layer's gathered meanwhile
-            prefetch_weights(layers[k + 1] if k + 1 < len(layers) else None)
-            x, moved_from = _to_layout(x, layer.layout)
-            self._moves.append(moved_from)
+            if prefetch:  # sharded weights (shard_state "full"): the next layer's gathered
+                prefetch_weights(layers[k + 1] if k + 1 < len(layers) else None)
+            layout = layer.layout
+            if layout is None:
+                moves.append(None)
+            else:
+                x, moved_from = _to_layout(x, layout)
+                moves.append(moved_from)
             x = layer(x)
         return x
 
     def backward(self, dy: DistArray) -> DistArray:
         layers = list(self)
+        prefetch = Parameter.ever_sharded
         for k, (layer, moved_from) in enumerate(zip(reversed(layers), reversed(self._moves))):
-            prefetch_weights(layers[-k - 2] if k + 1 < len(layers) else None, last=True)
+            if prefetch:
+                prefetch_weights(layers[-k - 2] if k + 1 < len(layers) else None, last=True)
             dy = layer.call_backward(dy)
             if dy is None:  # the layer computes no input gradient: nothing flows further back
                 return None

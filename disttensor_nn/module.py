@@ -111,6 +111,8 @@ def prefetch_weights(layer: Layer | None, last: bool = False) -> None:
     ``layer`` that has parameters of its own (the last with ``last``: the next one of a
     backward pass), to overlap with the layer running now (:meth:`Parameter.prefetch_`).
     Containers call it before each of their layers; collective as the passes are."""
+    if not Parameter.ever_sharded:  # nothing to gather anywhere (the common case)
+        return
     while layer is not None:
         own = [p for p in layer.__dict__["_parameters"].values() if p is not None]
         if own:
@@ -166,7 +168,7 @@ def _recording_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             if d.get("kernel_backend") not in (None, "numpy"):
                 _kernels_run(self, x.dtype, "cpu" if is_numpy(x.xp) else "gpu")
         d["_output"], d["_in_forward"] = None, True
-        gathered = _gather_weights(self)
+        gathered = _gather_weights(self) if Parameter.ever_sharded else ()
         try:
             y = forward(self, x, *args, **kwargs)
         finally:
@@ -193,13 +195,15 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         out = d.get("_output")
         if d.get("_in_backward"):
             return backward(self, dy, *args, **kwargs)
-        if out is not _UNCHECKED:
+        if out is not _UNCHECKED and not (  # (a gradient on the output's own distribution
+                isinstance(dy, DistArray) and out is not None and dy.dist is out[0] and
+                dy.dtype == out[1]):  # and dtype passes: the common case, checked first)
             dy = check_grad(dy, out, f"{type(self).__name__}.backward")
         if not d.get("_took_channels_last") and isinstance(dy, DistArray) and \
                 is_channels_last(dy.local):  # as its forward's input (see takes_channels_last)
             dy = DistArray(contiguous(dy.local), dy.dist)
         d["_in_backward"] = True
-        gathered = _gather_weights(self)
+        gathered = _gather_weights(self) if Parameter.ever_sharded else ()
         try:
             dx = backward(self, dy, *args, **kwargs)
             return _channels_last(dx) if d.get("_restores") else dx
@@ -208,7 +212,7 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
             for p in gathered:
                 p.drop_()
             for p in d["_parameters"].values():
-                if p is not None:
+                if p is not None and p.shard_weights:
                     p.settle_weights_()
 
     return wrapper
@@ -410,6 +414,11 @@ class Layer:
                                  f"attribute of that name would hide it")
         d = self.__dict__
         params, buffers, modules = d["_parameters"], d["_buffers"], d["_modules"]
+        if name[0] == "_" and name not in params and name not in buffers and \
+                name not in modules and not isinstance(value, (Parameter, Layer)):
+            # per-pass state (``_saved``...): no registry, no setting
+            object.__setattr__(self, name, value)
+            return
         if isinstance(value, Parameter):
             buffers.pop(name, None)
             modules.pop(name, None)
@@ -468,15 +477,18 @@ class Layer:
 
     def __call__(self, x: DistArray) -> DistArray:
         """:meth:`forward` with the forward pre-hooks before and the forward hooks after."""
-        for hook in tuple(self._forward_pre_hooks.values()):
-            result = hook(self, x)
-            if result is not None:
-                x = result
+        d = self.__dict__
+        if d["_forward_pre_hooks"]:
+            for hook in tuple(d["_forward_pre_hooks"].values()):
+                result = hook(self, x)
+                if result is not None:
+                    x = result
         y = self.forward(x)
-        for hook in tuple(self._forward_hooks.values()):
-            result = hook(self, x, y)
-            if result is not None:
-                y = result
+        if d["_forward_hooks"]:
+            for hook in tuple(d["_forward_hooks"].values()):
+                result = hook(self, x, y)
+                if result is not None:
+                    y = result
         return y
 
     def call_backward(self, dy: DistArray) -> DistArray:
@@ -486,15 +498,18 @@ class Layer:
         loop may call ``model.backward(dy)`` (no hooks of the model itself) or
         ``model.call_backward(dy)``.
         """
-        for hook in tuple(self._backward_pre_hooks.values()):
-            result = hook(self, dy)
-            if result is not None:
-                dy = result
+        d = self.__dict__
+        if d["_backward_pre_hooks"]:
+            for hook in tuple(d["_backward_pre_hooks"].values()):
+                result = hook(self, dy)
+                if result is not None:
+                    dy = result
         dx = self.backward(dy)
-        for hook in tuple(self._backward_hooks.values()):
-            result = hook(self, dx, dy)
-            if result is not None:
-                dx = result
+        if d["_backward_hooks"]:
+            for hook in tuple(d["_backward_hooks"].values()):
+                result = hook(self, dx, dy)
+                if result is not None:
+                    dx = result
         return dx
 
     def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:

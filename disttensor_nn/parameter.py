@@ -60,6 +60,11 @@ class Parameter:
         replicated).
     """
 
+    ever_sharded = False
+    """Whether any parameter of this process has kept only its piece of the weights (the
+    ``"full"`` stage of :func:`disttensor_nn.optim.shard_state`) since the process began:
+    until then no layer has weights to gather or prefetch for a pass (read on the class)."""
+
     def __init__(self, data: Any, dist: Distribution | None = None):
         data = data if hasattr(data, "shape") else np.asarray(data)
         if dist is not None:
@@ -170,6 +175,7 @@ class Parameter:
             shape = tuple(self._data.shape)
             self.piece = contiguous(reshape(self._data, (-1,))[start:stop], copy=True)
             self._held = _Held(comm, start, stop, shape)
+            Parameter.ever_sharded = True
         self._data = None
 
     def settle_weights_(self) -> None:

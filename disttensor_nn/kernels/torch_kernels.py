@@ -335,6 +335,18 @@ def _nchw(t: Any, like: Any) -> Any:
     return _back(_standard(t, like), like)
 
 
+_conv_calls: dict[tuple[Any, ...], Any] = {}
+"""How each distinct convolution call runs (its arguments for ATen and its route,
+:data:`CONV_CHANNELS_LAST`), by its shapes, strides, settings and threads: found on its
+first call, so that later ones go straight to the kernel."""
+
+
+def _conv_key(kind: str, xt: Any, wt: Any, *settings: Any) -> tuple[Any, ...]:
+    """The key of a convolution call in :data:`_conv_calls`."""
+    return (kind, tuple(xt.shape), xt.stride(), xt.dtype, xt.is_cpu, tuple(wt.shape),
+            *settings, CONV_CHANNELS_LAST, _state["torch"].get_num_threads())
+
+
 def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
                  dilation: Sequence[int], groups: int = 1, workspace_bytes: int = 0,
                  padding: Sequence[int] | None = None) -> Any:
@@ -345,33 +357,49 @@ def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],
     sides of each spatial dimension inside the kernel. ``workspace_bytes``
     is accepted for the NumPy kernels' signature (the library sizes its own).
     """
-    torch = require()
-    nd = w.ndim - 2
+    require()
     xt, wt = _t(x), _t(w)
     bt = None if b is None else _t(b)
+    key = _conv_key("fwd", xt, wt, bt is None, tuple(stride), tuple(dilation), int(groups),
+                    None if padding is None else tuple(padding))
+    run = _conv_calls.get(key)
+    if run is None:
+        run = _conv_calls[key] = _forward_call(xt, wt, bt, stride, dilation, groups, padding)
+    return run(xt, wt, bt, x)
+
+
+def _forward_call(xt: Any, wt: Any, bt: Any | None, stride: Sequence[int],
+                  dilation: Sequence[int], groups: int, padding: Sequence[int] | None) -> Any:
+    """How :func:`conv_forward` runs a call like this one: ``run(xt, wt, bt, x)``."""
+    torch = _state["torch"]
+    convolution = torch.ops.aten.convolution
+    nd = wt.ndim - 2
     pads, stride = _pads(padding, nd), list(stride)
-    if one_window(xt.shape, w.shape, stride, pads, dilation):
+    if one_window(xt.shape, wt.shape, stride, pads, dilation):
         # unstrided on what the one window reads (see one_window), its first column kept
-        cut = xt[..., :window_reach(xt.shape, w.shape, pads, dilation)]
-        y = torch.ops.aten.convolution(cut, wt, bt, stride[:-1] + [1], pads, list(dilation),
-                                       False, [0] * nd, int(groups))
-        return _back(y[..., :1].contiguous(), x)
+        reach = window_reach(xt.shape, wt.shape, pads, dilation)
+        args = (stride[:-1] + [1], pads, list(dilation), False, [0] * nd, int(groups))
+
+        def one(xt: Any, wt: Any, bt: Any, x: Any) -> Any:
+            return _back(convolution(xt[..., :reach], wt, bt, *args)[..., :1].contiguous(), x)
+
+        return one
     args = (stride, pads, list(dilation), False, [0] * nd, int(groups))
     cl = torch.channels_last
 
-    def plain() -> Any:
-        return torch.ops.aten.convolution(xt, wt, bt, *args)
+    def plain(xt: Any, wt: Any, bt: Any, x: Any) -> Any:
+        return _back(convolution(xt, wt, bt, *args), x)
 
-    def copies() -> Any:
-        return torch.ops.aten.convolution(xt.contiguous(memory_format=cl), wt, bt,
-                                          *args).contiguous()
+    def on_copies(xt: Any, wt: Any, bt: Any, x: Any) -> Any:
+        return _nchw(convolution(xt.contiguous(memory_format=cl), wt, bt, *args), x)
 
     key = ("fwd", tuple(xt.shape), tuple(wt.shape), bt is not None, *map(tuple, args[:3]),
            args[5])
-    if _channels_last_conv(key, xt, plain, copies):
-        return _nchw(torch.ops.aten.convolution(xt.contiguous(memory_format=cl), wt, bt,
-                                                *args), x)
-    return _back(plain(), x)
+    if _channels_last_conv(key, xt, lambda: convolution(xt, wt, bt, *args),
+                           lambda: convolution(xt.contiguous(memory_format=cl), wt, bt,
+                                               *args).contiguous()):
+        return on_copies
+    return plain
 
 
 def one_window(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
@@ -412,36 +440,52 @@ def conv_backward(dy: Any, x: Any, w: Any, stride: Sequence[int], dilation: Sequ
     otherwise. A layer without a bias asks for no ``db``, as PyTorch's
     autograd does (on ResNet's shapes, one thread, the calls took 1% less).
     """
-    torch = require()
-    nd = w.ndim - 2
+    require()
     dyt, xt, wt = _t(dy), _t(x), _t(w)
     need_db = need_dw if need_db is None else need_db
-    args = ([w.shape[0]] if need_db else None, list(stride), _pads(padding, nd),
-            list(dilation), False, [0] * nd, int(groups),
+    key = _conv_key("bwd", xt, wt, dyt.stride(), tuple(stride), tuple(dilation), int(groups),
+                    None if padding is None else tuple(padding), bool(need_dx), bool(need_dw),
+                    bool(need_db))
+    run = _conv_calls.get(key)
+    if run is None:
+        run = _conv_calls[key] = _backward_call(
+            dyt, xt, wt, stride, dilation, groups, padding,
             [bool(need_dx), bool(need_dw), bool(need_db)])
+    return run(dyt, xt, wt, x)
+
+
+def _backward_call(dyt: Any, xt: Any, wt: Any, stride: Sequence[int], dilation: Sequence[int],
+                   groups: int, padding: Sequence[int] | None, mask: list[bool]) -> Any:
+    """How :func:`conv_backward` runs a call like this one: ``run(dyt, xt, wt, x)``."""
+    torch = _state["torch"]
+    backward = torch.ops.aten.convolution_backward
+    nd = wt.ndim - 2
+    args = ([wt.shape[0]] if mask[2] else None, list(stride), _pads(padding, nd),
+            list(dilation), False, [0] * nd, int(groups), mask)
     cl = torch.channels_last
 
-    def plain() -> Any:
-        return torch.ops.aten.convolution_backward(dyt, xt, wt, *args)
+    def plain(dyt: Any, xt: Any, wt: Any, x: Any) -> tuple[Any, Any, Any]:
+        dx, dw, db = backward(dyt, xt, wt, *args)  # (on channels-last blocks ATen may give
+        return (None if dx is None else _back(dx, x),  # dw channels-last too)
+                None if dw is None else _back(dw.contiguous(), x),
+                None if db is None else _back(db, x))
 
-    def on_copies() -> Any:
-        return torch.ops.aten.convolution_backward(
-            dyt.contiguous(memory_format=cl), xt.contiguous(memory_format=cl), wt, *args)
-
-    def copies() -> Any:
-        return tuple(None if g is None else g.contiguous() for g in on_copies())
-
-    key = ("bwd", tuple(xt.shape), tuple(wt.shape), *map(tuple, args[1:4]), *args[6:7],
-           tuple(args[7]))
-    if _channels_last_conv(key, xt, plain, copies):
-        dx, dw, db = on_copies()
+    def on_copies(dyt: Any, xt: Any, wt: Any, x: Any) -> tuple[Any, Any, Any]:
+        dx, dw, db = backward(dyt.contiguous(memory_format=cl),
+                              xt.contiguous(memory_format=cl), wt, *args)
         return (None if dx is None else _nchw(dx, x),
                 None if dw is None else _back(dw.contiguous(), x),
                 None if db is None else _back(db, x))
-    dx, dw, db = plain()  # (on channels-last blocks ATen may give dw channels-last too)
-    return (None if dx is None else _back(dx, x),
-            None if dw is None else _back(dw.contiguous(), x),
-            None if db is None else _back(db, x))
+
+    def copies() -> tuple[Any, ...]:
+        return tuple(None if g is None else g.contiguous() for g in backward(
+            dyt.contiguous(memory_format=cl), xt.contiguous(memory_format=cl), wt, *args))
+
+    key = ("bwd", tuple(xt.shape), tuple(wt.shape), *map(tuple, args[1:4]), *args[6:7],
+           tuple(args[7]))
+    if _channels_last_conv(key, xt, lambda: backward(dyt, xt, wt, *args), copies):
+        return on_copies
+    return plain
 
 
 def _pool_args(kernel: Sequence[int]) -> tuple[int, tuple[int, ...]]:
@@ -744,8 +788,9 @@ def batch_norm_train(x3: Any, weight: Any | None, bias: Any | None, eps: float,
     kw = {"dtype": t.dtype, "device": t.device}
     w = None if weight is None else _as(_t(weight), t.dtype)
     b = None if bias is None else _as(_t(bias), t.dtype)
-    rm, rv = (None, None) if running is None else \
-        (_t(r).to(**kw, copy=True) for r in running)  # copies: ATen writes into them
+    rm = rv = None
+    if running is not None:  # copies: ATen writes into them
+        rm, rv = _t(running[0]).to(**kw, copy=True), _t(running[1]).to(**kw, copy=True)
     t4 = _planes(t)
     out = _planes_out(_out(x3, t), t4)
     if out is not None:
@@ -755,7 +800,8 @@ def batch_norm_train(x3: Any, weight: Any | None, bias: Any | None, eps: float,
     else:
         y, mean, invstd = torch.native_batch_norm(t4, w, b, rm, rv, True, float(momentum),
                                                   float(eps))
-    new = None if running is None else tuple(_back(r.to(torch.float64), x3) for r in (rm, rv))
+    new = None if running is None else (_back(rm.to(torch.float64), x3),
+                                        _back(rv.to(torch.float64), x3))
     return _back(_unplanes(y, t), x3), _back(mean, x3), _back(invstd, x3), new
 
 

@@ -217,13 +217,25 @@ class ConvNd(WindowLayer):
         return channel_split_axes(d, tuple(a % len(d.grid_shape) for a in self.filter_axes))
 
     # ------------------------------------------------------------ channel and filter splits
+    @derived
+    def _input_route(self, dist: Distribution) -> tuple[tuple[Any, Any], bool, bool, bool]:
+        """For an input distributed as ``dist``: the weight's splits (:meth:`weight_splits`),
+        whether each rank holds whole groups, whether the parameters are replicated (every
+        axis of their splits of one rank) and whether the input is gathered along C."""
+        a_f, a_c = self.weight_splits(dist)
+        replicated = math.prod(dist.grid_shape[a] for a in (*a_f, *a_c)) == 1
+        # grouped, each rank's whole groups: its channels are all its kernels need
+        whole_groups = self.groups > 1 and bool(dist.dim_axes[1])
+        gather = not whole_groups and bool(dist.dim_axes[1]) and not a_c
+        return (a_f, a_c), whole_groups, replicated, gather
+
     def _kernel_input(self, x: DistArray) -> DistArray:
         """Shard the parameters for ``x``'s split; gather ``x`` along C if filter-parallel."""
-        self._splits = a_f, a_c = self.weight_splits(x.dist)
-        shard_parameters(self.weight, self.bias, x, a_f, a_c)
-        # grouped, each rank's whole groups: its channels are all its kernels need
-        self._whole_groups = self.groups > 1 and bool(x.dist.dim_axes[1])
-        return x if self._whole_groups else gather_channels(x, a_c)
+        self._splits, self._whole_groups, replicated, gather = self._input_route(x.dist)
+        w, b = self.weight, self.bias
+        if not replicated or w.dist is not None or b is not None and b.dist is not None:
+            shard_parameters(w, b, x, *self._splits)
+        return gather_channels(x, self._splits[1]) if gather else x
 
     def _finish_output(self, y: DistArray) -> DistArray:
         """Channel-parallel: sum the partial outputs over the channel group, then add the bias."""
@@ -236,69 +248,96 @@ class ConvNd(WindowLayer):
         return dx if self._whole_groups else sum_input_grad(dx, x, self._splits[0])
 
     # ------------------------------------------------------------ kernels
+    @derived
+    def _kernels_for(self, dtype: Any, xp: Any) -> tuple[np.dtype, Any]:
+        """The dtype the kernels compute ``dtype`` blocks of module ``xp`` in
+        (:func:`~disttensor_nn.precision.kernel_dtype`), and the kernel module."""
+        like = xp.empty((0,), dtype=dtype)
+        return kernel_dtype(self, like), kernels_for(like, self.kernel_backend)
+
     def _kernel_forward(self, xwin: Any) -> Any:
         # 16-bit blocks: the kernels run in kernel_dtype (16 bits where the backend has the
         # kernel, else float32 on converted blocks) with the weights cast to it
-        rd = kernel_dtype(self, xwin)
+        rd, kernels = self._kernels_for(xwin.dtype, array_namespace(xwin))
         b = self.bias.data if self.bias is not None and not self._splits[1] else None
-        w, b = to_dtype(self.weight.data, rd), to_dtype(b, rd)
+        w = self.weight.data
+        if w.dtype is not rd:  # (to_dtype compares; NumPy's dtypes of one kind are one object)
+            w, b = to_dtype(w, rd), to_dtype(b, rd)
+        elif b is not None and b.dtype is not rd:
+            b = to_dtype(b, rd)
         s = self.spec
-        kernels = kernels_for(xwin, self.kernel_backend)
-        pads = self._kernel_pads()
         if w.size == 0:  # an empty filter or channel slice
+            pads = self._kernel_pads()
             out = kernels.out_shape(tuple(n + 2 * p for n, p in zip(xwin.shape[2:], pads)),
                                     s.kernel, s.stride, s.dilation)
             y = array_namespace(xwin).zeros((xwin.shape[0], w.shape[0], *out), dtype=xwin.dtype)
             if b is not None:
                 y += to_dtype(b, xwin.dtype).reshape((-1,) + (1,) * self.nd)
             return y
-        y = kernels.conv_forward(to_dtype(xwin, rd), w, b, s.stride, s.dilation,
-                                 self._local_groups(xwin.shape[1]), **self._padding_kw())
-        return to_dtype(y, xwin.dtype)
+        groups = self.groups if self.groups == 1 else self._local_groups(xwin.shape[1])
+        x = xwin if xwin.dtype is rd else to_dtype(xwin, rd)
+        if self._pads is None:
+            y = kernels.conv_forward(x, w, b, s.stride, s.dilation, groups)
+        else:
+            y = kernels.conv_forward(x, w, b, s.stride, s.dilation, groups, padding=self._pads)
+        return y if y.dtype is xwin.dtype else to_dtype(y, xwin.dtype)
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
-        if self.weight.data.size == 0:
+        w = self.weight.data
+        if w.size == 0:
             return array_namespace(xwin).zeros(xwin.shape, dtype=dy.dtype)
         # the torch kernels give the weight gradient in the same call at little extra cost
         # (one convolution_backward, as torch's autograd makes); _param_backward takes it
         both = self.kernel_backend == "torch"
-        rd = kernel_dtype(self, xwin)
-        dx, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
-            to_dtype(dy, rd), to_dtype(xwin, rd), to_dtype(self.weight.data, rd),
-            self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
-            need_dx=True, need_dw=both, need_db=both and self.bias is not None,
-            **self._padding_kw())
+        rd, kernels = self._kernels_for(xwin.dtype, array_namespace(xwin))
+        s = self.spec
+        kw = {} if self._pads is None else {"padding": self._pads}
+        dx, dw, db = kernels.conv_backward(
+            dy if dy.dtype is rd else to_dtype(dy, rd),
+            xwin if xwin.dtype is rd else to_dtype(xwin, rd),
+            w if w.dtype is rd else to_dtype(w, rd), s.stride, s.dilation,
+            self.groups if self.groups == 1 else self._local_groups(xwin.shape[1]),
+            need_dx=True, need_dw=both, need_db=both and self.bias is not None, **kw)
         self._pending = (dw, db) if both else None
-        return to_dtype(dx, dy.dtype)
+        return dx if dx.dtype is dy.dtype else to_dtype(dx, dy.dtype)
+
+    @derived
+    def _grad_comm(self, dist: Distribution) -> Any:
+        """The ranks over which the parameters' gradients of an output gradient distributed
+        as ``dist`` are summed: those that split its samples or space."""
+        return split_axes_comm(dist, (0, *range(2, dist.ndim)))
 
     def _param_backward(self, dy: DistArray, xwin: Any | None) -> None:
-        xp = dy.xp
         w = self.weight.data
-        sum_axes = (0, *range(2, dy.ndim))
         pending, self._pending = self._pending, None
         owned = False
         if xwin is None or w.size == 0:
+            xp = dy.xp
             dw = xp.zeros_like(w)
-            db = xp.sum(dy.local, axis=sum_axes, dtype=namespace_dtype(xp, self.dtype)) \
-                if self.bias is not None else None
+            db = xp.sum(dy.local, axis=(0, *range(2, dy.ndim)),
+                        dtype=namespace_dtype(xp, self.dtype)) if self.bias is not None else None
         else:
             if pending is not None:  # computed with the input gradient
                 dw, db = pending
             else:
-                rd = kernel_dtype(self, xwin)
-                _, dw, db = kernels_for(xwin, self.kernel_backend).conv_backward(
+                rd, kernels = self._kernels_for(xwin.dtype, array_namespace(xwin))
+                _, dw, db = kernels.conv_backward(
                     to_dtype(dy.local, rd), to_dtype(xwin, rd), to_dtype(w, rd),
                     self.spec.stride, self.spec.dilation, self._local_groups(xwin.shape[1]),
                     need_dx=False, need_dw=True, need_db=self.bias is not None,
                     **self._padding_kw())
             # the torch kernel's own new arrays: given to the parameters where no cast
             # copies them (nothing else holds them)
-            owned = self.kernel_backend == "torch" and numpy_dtype(dw.dtype) == self.dtype
+            owned = self.kernel_backend == "torch" and (
+                dw.dtype is self.dtype or numpy_dtype(dw.dtype) == self.dtype)
         # The ranks that split N or space hold parts of the sums of the same shard; the
         # parameters' gradients in their own dtype (float32 under 16-bit activations).
-        reduce_gradients_([(self.weight, to_dtype(dw, self.dtype)),
-                           (self.bias, to_dtype(db, self.dtype))],
-                          split_axes_comm(dy.dist, sum_axes), owned=owned)
+        if dw.dtype is not self.dtype:
+            dw = to_dtype(dw, self.dtype)
+        if db is not None and db.dtype is not self.dtype:
+            db = to_dtype(db, self.dtype)
+        reduce_gradients_([(self.weight, dw), (self.bias, db)], self._grad_comm(dy.dist),
+                          owned=owned)
 
     def __repr__(self) -> str:
         s = self.spec

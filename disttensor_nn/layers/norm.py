@@ -26,7 +26,7 @@ from disttensor.backend import (
 
 from ..checks import check_input, check_input_layout
 from ..costspec import Allreduce, CostSpec, largest_block
-from ..kernels import kernels_for
+from ..kernels import kernels_for, torch_kernels
 from ..module import (
     Layer,
     Parameter,
@@ -233,10 +233,27 @@ class BatchNormNd(Layer):
         """16-bit blocks are computed in the parameters' dtype (converted); others as they are."""
         return self.dtype if is_half(dtype) else numpy_dtype(dtype)
 
+    @derived
+    def _native(self, dist: Distribution, dtype: np.dtype) -> bool:
+        """Whether a block distributed as ``dist`` with elements of ``dtype`` may run ATen's
+        one-call batch-norm kernels (:meth:`_native_forward`): the torch kernels, batch
+        statistics of this rank's block alone (no other rank shares them), in a dtype ATen
+        runs natively and the parameters'."""
+        return self.kernel_backend == "torch" and dtype == self.dtype and \
+            self.dtype in _NATIVE_DTYPES and (self.training or not self.track_running_stats) \
+            and self.stats == "global" and not self.shared_statistics and \
+            self._stats_comm(dist).Get_size() == 1
+
     def forward(self, x: DistArray) -> DistArray:
         if not isinstance(x, DistArray):
             check_input(x, self.nd + 2, type(self).__name__)  # raises its TypeError
-        self._check_layout(x.dist, x.dtype)
+        dtype = x.dtype
+        self._check_layout(x.dist, dtype)
+        kept = x.local
+        if 0 < kept.size and self._native(x.dist, dtype) and (
+                kept.size <= NATIVE_BATCH_NORM_MAX or is_channels_last(kept) or
+                torch_kernels.num_threads() > 1):
+            return self._native_forward(x, kept)
         axes = (0, *range(2, x.ndim))
         chans = x.dist.local_slices()[1]
         # 16-bit activations: normalised in the parameters' dtype, one slice of channels
@@ -258,12 +275,6 @@ class BatchNormNd(Layer):
             comm = self._stats_comm(x.dist)
             count = math.prod([x.shape[d] for d in axes]) if self.stats == "global" else (
                 x.local_shape[0] * math.prod(x.shape[2:]))
-            if fused and not converted and 0 < kept.size and (
-                    kept.size <= NATIVE_BATCH_NORM_MAX or kernels.num_threads() > 1 or
-                    is_channels_last(kept)) and \
-                    self.dtype in _NATIVE_DTYPES and self.stats == "global" and \
-                    not self.shared_statistics and comm.Get_size() == 1:
-                return self._native_forward(x, kernels, x3)
             # sums about this rank's own mean (the centre), so that no sum cancels: with
             # d = x - centre, sum(x) = m * centre + sum(d) and sum(x^2) = sum(d^2) +
             # 2 centre sum(d) + m centre^2 (m values here), rows pairwise in the input's
@@ -333,22 +344,27 @@ class BatchNormNd(Layer):
         self._saved = (x.dist, kept, mean, inv, count, batch_stats, centre)
         return DistArray(y, x.dist)
 
-    def _native_forward(self, x: DistArray, kernels: Any, x3: Any) -> DistArray:
-        """Forward on a small block whose statistics are its own: ATen's training-mode
-        kernel in one call (as PyTorch in one process), its running statistics updated
-        by the same call."""
+    def _native_forward(self, x: DistArray, kept: Any) -> DistArray:
+        """Forward on a block whose statistics are its own (:meth:`_native`): ATen's
+        training-mode kernel in one call (as PyTorch in one process), its running
+        statistics updated by the same call."""
         running = (self.running_mean, self.running_var) if self.track_running_stats \
             else None
         if running is not None:
-            self._follow(x.local)
+            self._follow(kept)
             running = (self.running_mean, self.running_var)
-        y3, mean, inv, running = kernels.batch_norm_train(
+        n, c = kept.shape[:2]
+        m = kept.size // max(n * c, 1)
+        xp = x.xp
+        x3 = kept.reshape((n, c, m)) if type(kept) is np.ndarray else xp.reshape(kept, (n, c, m))
+        y3, mean, inv, running = torch_kernels.batch_norm_train(
             x3, self.weight.data if self.affine else None,
             self.bias.data if self.affine else None, self.eps, running, self.momentum)
         if running is not None:
             self.running_mean, self.running_var = running
-        self._saved = (x.dist, x.local, mean, inv, math.prod(x3.shape[::2]), True, mean)
-        return DistArray(x.xp.reshape(y3, x.local.shape), x.dist)
+        self._saved = (x.dist, kept, mean, inv, n * m, True, mean)
+        return DistArray(y3.reshape(kept.shape) if type(y3) is np.ndarray else
+                         xp.reshape(y3, kept.shape), x.dist)
 
     def _whole(self, xp: Any, dist: Distribution, *parts: Any) -> Any:
         """Per-channel ``parts`` of this rank's channel slice placed into whole-C zeros, joined."""
@@ -403,6 +419,9 @@ class BatchNormNd(Layer):
     def _follow(self, like: Any) -> None:
         """Move the running statistics to the array module and device of ``like`` (no copy if
         already there)."""
+        if type(like) is np.ndarray and type(self.running_mean) is np.ndarray and \
+                type(self.running_var) is np.ndarray:  # where they are (the common case)
+            return
         xp, device = array_namespace(like), device_of(like)
         self.running_mean = as_module(self.running_mean, xp, device)
         self.running_var = as_module(self.running_var, xp, device)
@@ -423,8 +442,18 @@ class BatchNormNd(Layer):
         self.running_mean = (1 - m) * self.running_mean + m * stats[:self.num_features]
         self.running_var = (1 - m) * self.running_var + m * stats[self.num_features:]
 
+    @derived
+    def _own_statistics(self, dist: Distribution) -> bool:
+        """Whether the statistics of an input distributed as ``dist`` are this rank's block's
+        alone (no other rank shares them: its channels are whole)."""
+        return not self.shared_statistics and self._stats_comm(dist).Get_size() == 1
+
     def backward(self, dy: DistArray) -> DistArray:
         dist, kept, mean, inv, count, batch_stats, centre = self._saved
+        if batch_stats and self.kernel_backend == "torch" and kept.size and \
+                (kept.dtype is self.dtype or numpy_dtype(kept.dtype) == self.dtype) and \
+                self._own_statistics(dist):
+            return self._native_backward(dy, dist, kept, mean, inv)
         chans = dist.local_slices()[1]
         xp = dy.xp
         f64 = namespace_dtype(xp, np.float64)
@@ -437,14 +466,6 @@ class BatchNormNd(Layer):
         fused = self.kernel_backend == "torch"  # the torch kernels' fused passes
         kernels = kernels_for(kept, "torch") if fused else None
         x3, g3 = (kept3, gin3) if not converted else (None, None)
-        if fused and batch_stats and not converted and kept.size and \
-                not self.shared_statistics and \
-                self._stats_comm(dist).Get_size() == 1:
-            # no other rank shares the statistics: ATen's batch-norm backward in one call
-            gamma = self.weight.data[chans] if self.affine else None
-            dx3, *moms = kernels.batch_norm_backward(g3, x3, gamma, mean, inv)
-            self._parameter_grads(xp, dist, self._whole(xp, dist, *moms))
-            return DistArray(xp.reshape(dx3, kept.shape), dist)
         dx3 = None
         moments = []
         for cs in parts:
@@ -502,6 +523,27 @@ class BatchNormNd(Layer):
             return DistArray(dx, dist)
         dx3 = self._input_grad(xp, kernels, x3, g3, centre, scale, b, shift, dx3)
         return DistArray(xp.reshape(dx3, kept.shape), dist)
+
+    def _native_backward(self, dy: DistArray, dist: Distribution, kept: Any, mean: Any,
+                         inv: Any) -> DistArray:
+        """Backward where no other rank shares the statistics (:meth:`_own_statistics`):
+        ATen's batch-norm backward in one call, the channels whole."""
+        n, c = kept.shape[:2]
+        shape3 = (n, c, kept.size // (n * c))
+        g = dy.local
+        if type(kept) is np.ndarray and type(g) is np.ndarray:
+            x3, g3 = kept.reshape(shape3), g.reshape(shape3)
+        else:
+            x3, g3 = dy.xp.reshape(kept, shape3), dy.xp.reshape(g, shape3)
+        dx3, sum_g, sum_gx = torch_kernels.batch_norm_backward(
+            g3, x3, self.weight.data if self.affine else None, mean, inv)
+        if self.affine and self.stats == "global":
+            self.bias.add_grad_(sum_g)
+            self.weight.add_grad_(sum_gx)
+        else:
+            self._parameter_grads(dy.xp, dist, self._whole(dy.xp, dist, sum_g, sum_gx))
+        return DistArray(dx3.reshape(kept.shape) if type(dx3) is np.ndarray else
+                         dy.xp.reshape(dx3, kept.shape), dist)
 
     def _parameter_grads(self, xp: Any, dist: Distribution, sums: Any) -> None:
         """Add the whole-C ``(sum(dy), sum(dy * xhat))`` of the ranks that share the

@@ -98,8 +98,9 @@ def by_chunks(fn: Callable[..., None], *arrays: Any) -> None:
     Otherwise ``fn`` runs once on the whole arrays with ``scratch`` None.
     """
     first = arrays[0]
-    if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.shape == first.shape
-               and a.dtype == first.dtype for a in arrays) or first.size <= CHUNK:
+    if first.size <= CHUNK or not all(
+            isinstance(a, np.ndarray) and a.flags.c_contiguous and a.shape == first.shape
+            and a.dtype == first.dtype for a in arrays):
         fn(*arrays, None)
         return
     flat = [a.reshape(-1) for a in arrays]
@@ -328,13 +329,18 @@ class Optimizer:
     def _follow(self, i: int, p: Parameter) -> None:
         """Re-split and move ``state[i]`` as ``p`` was (collective when ``p`` is sharded)."""
         entry = self.state[i]
-        if entry is not None and self._dists[i] != p.dist:  # the layer re-split p
+        if entry is None:
+            self._dists[i] = p.dist
+            return
+        if self._dists[i] != p.dist:  # the layer re-split p
             old, new = self._dists[i], p.dist
             entry = _map_arrays(entry, lambda a: local_block(full_array(a, old), new))
         self._dists[i] = p.dist
-        if entry is not None and any(array_namespace(a) is not array_namespace(p.like)
-                                     for a in _arrays(entry)):  # the model moved
-            entry = _map_arrays(entry, lambda a: _like(p.like, a))
+        like = p.like
+        if type(entry) is not type(like) and any(  # (one array type: one module)
+                array_namespace(a) is not array_namespace(like)
+                for a in _arrays(entry)):  # the model moved
+            entry = _map_arrays(entry, lambda a: _like(like, a))
         self.state[i] = entry
 
     def _update(self, i: int, p: Parameter) -> None:

@@ -75,12 +75,14 @@ class SGD(Optimizer):
 
     def _update(self, i: int, p: Parameter) -> None:
         g = p.grad
-        lr, momentum, dampening, decay = self.lr, self.momentum, self.dampening, \
-            self.weight_decay
+        hyper = self.param_groups[0]
+        lr, momentum, dampening, decay, nesterov = hyper["lr"], hyper["momentum"], \
+            hyper["dampening"], hyper["weight_decay"], hyper["nesterov"]
         buf, fresh = None, False
         if momentum:
             buf = self.state[i]
-            if buf is not None and array_namespace(buf) is not array_namespace(g):
+            if buf is not None and type(buf) is not type(g) and \
+                    array_namespace(buf) is not array_namespace(g):
                 buf = self.state[i] = _like(g, buf)  # the gradient moved
             elif buf is None:
                 buf = self.state[i] = array_namespace(g).empty_like(g)
@@ -88,9 +90,9 @@ class SGD(Optimizer):
         if self.kernel_backend == "torch" and g.dtype == p.data.dtype and g.size > CHUNK \
                 and isinstance(p.data, np.ndarray) and torch_kernels.supports(g.dtype):
             torch_kernels.sgd_update_(p.data, g, buf, lr, momentum, dampening, decay,
-                                      self.nesterov, fresh)
+                                      nesterov, fresh)
             return
-        if not self.nesterov and g.dtype == p.data.dtype:
+        if not nesterov and g.dtype == p.data.dtype:
             # d = g + decay * p; buf = momentum * buf + (1 - dampening) * d; p -= lr * buf,
             # in one sweep over cache-sized pieces (no temporary of the parameter's size)
             def step(data: Any, grad: Any, *rest: Any) -> None:
@@ -119,7 +121,7 @@ class SGD(Optimizer):
             else:
                 buf *= momentum
                 add_scaled_(buf, g, 1 - dampening)
-            g = add_scaled_(g + 0, buf, momentum) if self.nesterov else buf
+            g = add_scaled_(g + 0, buf, momentum) if nesterov else buf
         if g.dtype != p.data.dtype:
             p.data -= astype(lr * g, p.data.dtype)
         else:
