@@ -47,7 +47,8 @@ class _Pool(WindowLayer):
         """As :meth:`WindowLayer.kernel_padding`; never for a dilated average pool (ATen's
         average pools have no dilation, so the NumPy kernel runs it on a halo); the NumPy
         kernels pad max pooling too (its gradient then needs no extended block)."""
-        if self.op == "max" and kernels_for(x.local, self.kernel_backend) is numpy_kernels:
+        if self.op == "max" and self.kernel_backend != "torch" and \
+                kernels_for(x.local, self.kernel_backend) is numpy_kernels:
             return self._padding_without_halo(x.dist)
         return super().kernel_padding(x)
 
