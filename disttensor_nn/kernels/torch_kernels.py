@@ -372,8 +372,8 @@ def _forward_call(xt: Any, wt: Any, bt: Any | None, stride: Sequence[int],
                   dilation: Sequence[int], groups: int, padding: Sequence[int] | None) -> Any:
     """How :func:`conv_forward` runs a call like this one: ``run(xt, wt, bt, x)``."""
     torch = _state["torch"]
-    convolution = torch.ops.aten.convolution
-    nd = wt.ndim - 2
+    convolution = torch.convolution  # aten.convolution through its own binding (faster to
+    nd = wt.ndim - 2  # call than torch.ops' boxed one)
     pads, stride = _pads(padding, nd), list(stride)
     if one_window(xt.shape, wt.shape, stride, pads, dilation):
         # unstrided on what the one window reads (see one_window), its first column kept
@@ -458,7 +458,7 @@ def _backward_call(dyt: Any, xt: Any, wt: Any, stride: Sequence[int], dilation: 
                    groups: int, padding: Sequence[int] | None, mask: list[bool]) -> Any:
     """How :func:`conv_backward` runs a call like this one: ``run(dyt, xt, wt, x)``."""
     torch = _state["torch"]
-    backward = torch.ops.aten.convolution_backward
+    backward = torch.ops.aten.convolution_backward.default
     nd = wt.ndim - 2
     args = ([wt.shape[0]] if mask[2] else None, list(stride), _pads(padding, nd),
             list(dilation), False, [0] * nd, int(groups), mask)
@@ -827,7 +827,7 @@ def batch_norm_backward(g3: Any, x3: Any, weight: Any | None, mean: Any, invstd:
             _as(_t(invstd), g.dtype), True, 0.0, [True, True, True])
     # no out=: this op has no out kernel of its own (ATen's generated one computes apart
     # and copies in: ResNet-50's batch norms took 84 ms of backward a step against 59)
-    dx, dw, db = torch.ops.aten.native_batch_norm_backward(*args)
+    dx, dw, db = torch.ops.aten.native_batch_norm_backward.default(*args)
     # ATen's weight gradient is sum(g * xhat) (the scale does not enter it)
     return _back(_unplanes(dx, g), g3), _back(db, g3), _back(dw, g3)
 
