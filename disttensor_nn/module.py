@@ -195,9 +195,11 @@ def _checked_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
         out = d.get("_output")
         if d.get("_in_backward"):
             return backward(self, dy, *args, **kwargs)
-        if out is not _UNCHECKED and not (  # (a gradient on the output's own distribution
+        # a gradient on the output's own distribution and dtype passes (the common case,
+        # checked first); any other goes through check_grad
+        if out is not _UNCHECKED and not (
                 isinstance(dy, DistArray) and out is not None and dy.dist is out[0] and
-                dy.dtype == out[1]):  # and dtype passes: the common case, checked first)
+                dy.dtype == out[1]):
             dy = check_grad(dy, out, f"{type(self).__name__}.backward")
         if not d.get("_took_channels_last") and isinstance(dy, DistArray) and \
                 is_channels_last(dy.local):  # as its forward's input (see takes_channels_last)

@@ -372,8 +372,9 @@ def _forward_call(xt: Any, wt: Any, bt: Any | None, stride: Sequence[int],
                   dilation: Sequence[int], groups: int, padding: Sequence[int] | None) -> Any:
     """How :func:`conv_forward` runs a call like this one: ``run(xt, wt, bt, x)``."""
     torch = _state["torch"]
-    convolution = torch.convolution  # aten.convolution through its own binding (faster to
-    nd = wt.ndim - 2  # call than torch.ops' boxed one)
+    # aten.convolution through its own binding: faster to call than torch.ops' boxed one
+    convolution = torch.convolution
+    nd = wt.ndim - 2
     pads, stride = _pads(padding, nd), list(stride)
     if one_window(xt.shape, wt.shape, stride, pads, dilation):
         # unstrided on what the one window reads (see one_window), its first column kept
@@ -465,8 +466,9 @@ def _backward_call(dyt: Any, xt: Any, wt: Any, stride: Sequence[int], dilation: 
     cl = torch.channels_last
 
     def plain(dyt: Any, xt: Any, wt: Any, x: Any) -> tuple[Any, Any, Any]:
-        dx, dw, db = backward(dyt, xt, wt, *args)  # (on channels-last blocks ATen may give
-        return (None if dx is None else _back(dx, x),  # dw channels-last too)
+        dx, dw, db = backward(dyt, xt, wt, *args)
+        # (on channels-last blocks ATen may give dw channels-last too)
+        return (None if dx is None else _back(dx, x),
                 None if dw is None else _back(dw.contiguous(), x),
                 None if db is None else _back(db, x))
 
