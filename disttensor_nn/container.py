@@ -52,9 +52,10 @@ class Sequential(Layer):
     def forward(self, x: DistArray) -> DistArray:
         self._moves = moves = []
         layers = list(self)
-        prefetch = Parameter.ever_sharded
         for k, layer in enumerate(layers):
-            if prefetch:  # sharded weights (shard_state "full"): the next layer's gathered
+            # sharded weights (shard_state "full"): the next layer's gathered meanwhile (read
+            # at each layer: a pass may shard a weight that a later layer shares)
+            if Parameter.ever_sharded:
                 prefetch_weights(layers[k + 1] if k + 1 < len(layers) else None)
             layout = layer.layout
             if layout is None:
@@ -67,9 +68,8 @@ class Sequential(Layer):
 
     def backward(self, dy: DistArray) -> DistArray:
         layers = list(self)
-        prefetch = Parameter.ever_sharded
         for k, (layer, moved_from) in enumerate(zip(reversed(layers), reversed(self._moves))):
-            if prefetch:
+            if Parameter.ever_sharded:
                 prefetch_weights(layers[-k - 2] if k + 1 < len(layers) else None, last=True)
             dy = layer.call_backward(dy)
             if dy is None:  # the layer computes no input gradient: nothing flows further back

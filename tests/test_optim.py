@@ -886,3 +886,25 @@ def test_sgd_steps_on_a_dropped_gradient_as_on_zeros():
     opt.step()  # buf = 0.5 * 2c + 0, w = 1 - 1.5c
     np.testing.assert_allclose(p.data, np.full(4, 1 - 1.5 * c), rtol=1e-12)
     np.testing.assert_array_equal(p.grad, np.zeros(4))
+
+
+@pytest.mark.parallel([1])
+@pytest.mark.parametrize("n", [5, 2**17 + 3])
+def test_sgd_updates_parameters_held_as_torch_tensors(n):
+    # blocks of any array module are parameters, PyTorch's tensors too (whose .size is a
+    # method): SGD with momentum and weight decay against the formula on NumPy arrays
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(n)
+    grads = [rng.standard_normal(n) for _ in range(3)]
+    p = nn.Parameter(torch.tensor(w0))
+    opt = SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    w, buf = w0.copy(), None
+    for g in grads:
+        p.grad = torch.tensor(g)
+        opt.step()
+        d = g + 0.01 * w
+        buf = d if buf is None else 0.9 * buf + d
+        w = w - 0.1 * buf
+    assert isinstance(p.data, torch.Tensor)
+    np.testing.assert_allclose(p.data.numpy(), w, rtol=1e-12, atol=1e-12)

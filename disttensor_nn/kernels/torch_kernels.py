@@ -337,14 +337,15 @@ def _nchw(t: Any, like: Any) -> Any:
 
 _conv_calls: dict[tuple[Any, ...], Any] = {}
 """How each distinct convolution call runs (its arguments for ATen and its route,
-:data:`CONV_CHANNELS_LAST`), by its shapes, strides, settings and threads: found on its
-first call, so that later ones go straight to the kernel."""
+:data:`CONV_CHANNELS_LAST`), by its shapes, strides, dtype, settings (the routes' too) and
+threads: found on its first call, so that later ones go straight to the kernel."""
 
 
 def _conv_key(kind: str, xt: Any, wt: Any, *settings: Any) -> tuple[Any, ...]:
     """The key of a convolution call in :data:`_conv_calls`."""
     return (kind, tuple(xt.shape), xt.stride(), xt.dtype, xt.is_cpu, tuple(wt.shape),
-            *settings, CONV_CHANNELS_LAST, _state["torch"].get_num_threads())
+            *settings, CONV_CHANNELS_LAST, CONV_TUNE_MAX_ELEMENTS,
+            _state["torch"].get_num_threads())
 
 
 def conv_forward(x: Any, w: Any, b: Any | None, stride: Sequence[int],

@@ -261,7 +261,7 @@ class ConvNd(WindowLayer):
         rd, kernels = self._kernels_for(xwin.dtype, array_namespace(xwin))
         b = self.bias.data if self.bias is not None and not self._splits[1] else None
         w = self.weight.data
-        if w.dtype is not rd:  # (to_dtype compares; NumPy's dtypes of one kind are one object)
+        if w.dtype is not rd:  # (an identical dtype skips to_dtype, which compares others)
             w, b = to_dtype(w, rd), to_dtype(b, rd)
         elif b is not None and b.dtype is not rd:
             b = to_dtype(b, rd)

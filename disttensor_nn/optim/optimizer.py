@@ -98,7 +98,7 @@ def by_chunks(fn: Callable[..., None], *arrays: Any) -> None:
     Otherwise ``fn`` runs once on the whole arrays with ``scratch`` None.
     """
     first = arrays[0]
-    if first.size <= CHUNK or not all(
+    if not isinstance(first, np.ndarray) or first.size <= CHUNK or not all(
             isinstance(a, np.ndarray) and a.flags.c_contiguous and a.shape == first.shape
             and a.dtype == first.dtype for a in arrays):
         fn(*arrays, None)
