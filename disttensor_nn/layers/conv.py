@@ -275,11 +275,9 @@ class ConvNd(WindowLayer):
                 y += to_dtype(b, xwin.dtype).reshape((-1,) + (1,) * self.nd)
             return y
         groups = self.groups if self.groups == 1 else self._local_groups(xwin.shape[1])
-        x = xwin if xwin.dtype is rd else to_dtype(xwin, rd)
-        if self._pads is None:
-            y = kernels.conv_forward(x, w, b, s.stride, s.dilation, groups)
-        else:
-            y = kernels.conv_forward(x, w, b, s.stride, s.dilation, groups, padding=self._pads)
+        kw = {} if self._pads is None else {"padding": self._pads}
+        y = kernels.conv_forward(xwin if xwin.dtype is rd else to_dtype(xwin, rd), w, b,
+                                 s.stride, s.dilation, groups, **kw)
         return y if y.dtype is xwin.dtype else to_dtype(y, xwin.dtype)
 
     def _kernel_backward(self, dy: Any, xwin: Any) -> Any:
