@@ -42,6 +42,11 @@ format it predicts faster (``memory_format="auto"``, the default too, unless
 ``--channels-last``), and prints the plan; ``--split`` then still says how DDP and the
 ceiling split the batch.
 
+``--channel-splits`` (with ``--auto``) adds a parallelized model whose planner may split
+convolutions' input channels too (``parallelize(channel_splits=True)``,
+``parallelize-channels``), timed in the same rounds; with ``--ceiling`` its speedup and
+share are printed beside the first's.
+
 ``--precision bf16`` runs both forwards under ``torch.autocast`` (bfloat16, float32
 weights) and times the parallelized model in float32 beside them (``parallelize-fp32``).
 
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bn-stats", choices=("global", "group", "both"), default="both")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--auto", action="store_true")
+    p.add_argument("--channel-splits", action="store_true")
     p.add_argument("--json", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "bench_torch_parallel.json"))
     a = p.parse_args(argv)
@@ -150,12 +156,22 @@ def main(argv: list[str] | None = None) -> int:
         if a.auto and rank == 0:
             print(f"with batch_norm_stats='group': blocks {pm_g.plan.memory_format}, "
                   f"predicted {1e3 * pm_g.plan.time:.2f} ms")
+    channels = a.auto and a.channel_splits
+    if channels:
+        par_c = trunk(build())
+        par_c.load_state_dict(plain.state_dict())
+        pm_c = parallelize(par_c, shape, layout=grid, memory_format=fmt, channel_splits=True)
+        copt = torch.optim.SGD(pm_c.parameters(), lr=0.01, momentum=0.9)
+        x_c = dt.DistArray.from_global(x_all, pm_c.input_dist, xp=torch)
+        if rank == 0:
+            print(pm_c.plan.table())
     out_shape = plain(x_all[:1]).shape[1:]
     t_all = torch.rand((a.batch, *out_shape))
     y_dist = None
 
     popt = torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9)
-    planned = {"parallelize": pm, **({"parallelize-group": pm_g} if grouped else {})}
+    planned = {"parallelize": pm, **({"parallelize-group": pm_g} if grouped else {}),
+               **({"parallelize-channels": pm_c} if channels else {})}
 
     def cast(on: bool = True) -> contextlib.AbstractContextManager:
         return torch.autocast("cpu", dtype=torch.bfloat16) \
@@ -179,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         steps["parallelize"] = ours
     if grouped:
         steps["parallelize-group"] = lambda: ours(model=pm_g, opt=gopt, inputs=x_g)
+    if channels:
+        steps["parallelize-channels"] = lambda: ours(model=pm_c, opt=copt, inputs=x_c)
     if a.precision == "bf16" and "parallelize" in steps:
         steps["parallelize-fp32"] = lambda: ours(False)
     if size == 1:
@@ -216,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ones: list[float] = []
     halves: list[float] = []
     shares: list[float] = []
+    shares_c: list[float] = []  # parallelize-channels
     for _ in range(a.rounds):
         for k, fn in steps.items():
             fn()  # untimed
@@ -230,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             halves += half
             mine = samples["parallelize"][-per:]
             shares.append(statistics.median(half) / statistics.median(mine))
+            if channels:
+                shares_c.append(statistics.median(half) /
+                                statistics.median(samples["parallelize-channels"][-per:]))
     ceiling = None
     if a.ceiling:
         ceiling = (comm.bcast(statistics.median(ones) if rank == 0 else None),
@@ -259,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{best:.2f}: {speedup / best:.0%}; by round (the halves' median over the "
                   f"parallelized steps' in the same round): median {statistics.median(shares):.0%}"
                   f", {min(shares):.0%}-{max(shares):.0%}")
+            if channels:
+                speedup = one / med["parallelize-channels"]
+                print(f"parallelize-channels: speedup {speedup:.2f}: {speedup / best:.0%}; "
+                      f"by round median {statistics.median(shares_c):.0%}, "
+                      f"{min(shares_c):.0%}-{max(shares_c):.0%}")
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"ranks": size, "batch": a.batch, "split": a.split, "size": a.size,
@@ -266,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                        "precision": a.precision, "model": a.model,
                        "ceiling_s": ceiling,
                        "ceiling_share_by_round": shares,
+                       "channels_ceiling_share_by_round": shares_c if channels else None,
                        "samples_s": samples,
                        # the parallelized models that ran and their ratios to the baseline
                        "ratios": ratios,

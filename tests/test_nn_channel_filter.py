@@ -33,7 +33,7 @@ from nn_reference import (
 import disttensor as dt
 import disttensor_nn as nn
 from disttensor_nn.models import DepthToSpace
-from disttensor_nn.plan import CostModel, Planner, apply_plan, load_profile
+from disttensor_nn.plan import CostModel, Planner, apply_plan, load_profile, make_plan
 from disttensor_nn.reduction import GradientBuckets
 from disttensor_nn.training.checkpoint import load_checkpoint, save_checkpoint
 
@@ -707,3 +707,19 @@ def test_one_conv_through_every_layout_its_filter_axes_changed_between_calls():
             check.close(conv.weight.grad, block(conv.weight, dw_want), f"{msg}: dW")
             check.close(conv.bias.grad, block(conv.bias, db_want), f"{msg}: db")
     check.finish()
+
+
+def test_make_plan_keeps_to_the_modes_it_is_given():
+    """``make_plan(modes=...)`` chooses among those convolution modes alone: the gathered
+    mode that it takes for these wide layers when free is not taken when not given."""
+    net = nn.Sequential(nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(256, 256, 3, padding=1))
+    shape = (1, 256, 32, 32)
+    every, _ = make_plan(net, shape, 2, PROFILE, channels=True)
+    assert "gathered" in {e.mode for e in every.entries}
+    given = ("channel", "replicated")
+    kept, _ = make_plan(net, shape, 2, PROFILE, channels=True, modes=given)
+    assert {e.mode for e in kept.entries if e.layer == "Conv2d"} <= set(given)
+    assert kept.time >= every.time  # fewer choices never plan faster
+    with pytest.raises(ValueError, match="modes"):
+        make_plan(net, shape, 2, PROFILE, channels=True, modes=("sideways",))

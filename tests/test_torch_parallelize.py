@@ -1354,10 +1354,9 @@ def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
     exc = outcome(lambda: parallelize(CumSum(), (1, 1, 6, 5), (1, 1, p, 1)))
     collective_assert(isinstance(exc, ValueError) and "cumsum" in str(exc)
                       and "dimension 2" in str(exc), repr(exc))
-    model = ResNet()
-    exc = outcome(lambda: parallelize(model, (2, 3, 20, 18), (1, p, 1, 1)))
-    collective_assert(isinstance(exc, ValueError) and "'conv1'" in str(exc)
-                      and "dimension 1" in str(exc), repr(exc))  # channels are not split yet
+    exc = outcome(lambda: parallelize(Heads(), (3, 2, 8, 9), (1, p, 1, 1)))
+    collective_assert(isinstance(exc, ValueError) and "'getitem_1'" in str(exc)
+                      and "dimension 1" in str(exc), repr(exc))  # selects split channels
     pm = parallelize(CumSum(), (1, 1, 6, 5), (1, 1, 1, p))  # H whole: runs as it is
     x = global_tensor((1, 1, 6, 5), 0, torch.float32)
     collective_assert(pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch)).to_global()
@@ -1489,3 +1488,129 @@ def test_bf16_autocast_convolution_with_one_strided_output_column_per_rank():
             if rel(a, b) > tol]
         collective_assert(out.local.shape[-1] == 1 and not bad,
                           f"stride {stride}, padding {padding}: {out.local.shape} {bad}")
+
+
+# ------------------------------------------------------------------ split channels
+CHANNEL_MODELS = ["resnet", "unet3d", "mesh-fcn", "segnet1d", "norms", "areas"]
+
+
+def channel_grids(ndim):
+    """Grid shapes that split the channels: alone, and at 4 ranks with the samples or the
+    first spatial dimension (uneven and empty channel blocks at 3 and 4 ranks: the models
+    take 2 or 3 channels)."""
+    p = comm.Get_size()
+    out = [tuple([1, p] + [1] * (ndim - 2))]
+    if p == 4:
+        out += [tuple([2, 2] + [1] * (ndim - 2)), tuple([1, 2, 2] + [1] * (ndim - 3))]
+    return out
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", CHANNEL_MODELS)
+def test_split_channels_equal_one_process_float64(name):
+    """An input whose channels are split: the first convolution sums its ranks' partial
+    outputs (channel parallelism), after which the ranks of the channel axis hold the
+    same blocks; outputs and every gradient as one process's."""
+    cls, shape = MODELS[name]
+    for grid in channel_grids(len(shape)):
+        torch.manual_seed(0)
+        _, _, bad = run_both(cls().double(), shape, grid)
+        collective_assert(not bad, f"{name} on {grid}: {bad}")
+
+
+class Wide(nn.Module):
+    """Convolutions of one group between batch norms and ReLUs, with and without bias."""
+
+    def __init__(self, c=3):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, 6, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 5, 3, stride=2, padding=1)
+        self.conv3 = nn.Conv2d(5, 4, 1)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        return self.conv3(F.relu(self.conv2(x)))
+
+
+def channel_plan(model, shape, grid):
+    """The model's plan with every convolution channel-parallel on ``grid`` (its input's
+    channels split, the partial outputs summed) and every other operation on ``grid`` with
+    whole channels: the ranks of the channel axis then hold each value alike and take their
+    channels of it before each convolution."""
+    import dataclasses
+
+    auto = parallelize(copy.deepcopy(model), shape, machine="v100-nvlink-edr",
+                       channel_splits=True).plan
+    conv = {e.name for e in auto.entries if e.layer.startswith("Conv")}
+    return dataclasses.replace(auto, entries=[
+        dataclasses.replace(e, grid=grid, split_channels=e.name in conv,
+                            mode="channel" if e.name in conv else "")
+        for e in auto.entries])
+
+
+@pytest.mark.parallel([2, 3, 4])
+def test_planned_channel_parallel_convolutions_equal_one_process_float64():
+    """A plan whose convolutions are channel-parallel: before each, every rank takes its
+    channels of the value it holds whole (in backward the channels' gradients gathered),
+    and after it the partial outputs are summed; outputs and gradients as one process's,
+    with the samples or space split too at 4 ranks."""
+    p = comm.Get_size()
+    shape = (2, 3, 7, 6)
+    grids = [(1, p, 1, 1)] + ([(2, 2, 1, 1), (1, 2, 2, 1)] if p == 4 else [])
+    for grid in grids:
+        torch.manual_seed(0)
+        model = Wide().double()
+        plan = channel_plan(model, shape, grid)
+        pm, _, bad = run_both(model, shape, plan)
+        table = pm.plan.table()
+        collective_assert(not bad and "C>-" in table, f"{grid}: {bad}\n{table}")
+
+
+@pytest.mark.parallel([2, 3])
+def test_channel_moves_are_the_adjoints_they_claim():
+    """``take_channels``: each rank's channels of a value the ranks hold alike, whose
+    gradient is then the whole one on every rank (the channels' gradients gathered);
+    ``sum_partials``: the sum of the ranks' partials, each of whose gradients is the
+    sum's. Float64, and a bfloat16 sum added in float32."""
+    from disttensor_nn.torch.channels import sum_partials, take_channels
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    c = 2 * p - 1  # uneven blocks
+    bounds = [c * i // p for i in range(p + 1)]
+    x = global_tensor((2, c, 3, 4), 0, torch.float64).requires_grad_()
+    g = global_tensor((2, c, 3, 4), 1, torch.float64)
+    mine = take_channels(x, comm, bounds, r)
+    (mine * g[:, bounds[r]:bounds[r + 1]]).sum().backward()
+    ok_take = torch.equal(mine.detach(), x.detach()[:, bounds[r]:bounds[r + 1]]) and \
+        torch.allclose(x.grad, g, rtol=0, atol=0)
+    parts = [global_tensor((2, 3, 4, 5), 10 + i, torch.float64) for i in range(p)]
+    part = parts[r].clone().requires_grad_()
+    total = sum_partials(part * 1.0, comm)
+    w = global_tensor((2, 3, 4, 5), 20, torch.float64)
+    (total * w).sum().backward()
+    ok_sum = torch.allclose(total.detach(), sum(parts), rtol=1e-14, atol=0) and \
+        torch.equal(part.grad, w)
+    half = sum_partials(parts[r].to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+                        * 1, comm)
+    ok_half = half.dtype == torch.bfloat16 and torch.allclose(
+        half.double(), sum(q.to(torch.bfloat16).double() for q in parts), rtol=2**-7, atol=0)
+    collective_assert(ok_take and ok_sum and ok_half, f"{ok_take} {ok_sum} {ok_half}")
+
+
+@pytest.mark.parallel([2, 3])
+def test_split_channels_that_an_operation_cannot_take_raise_alike():
+    """A grouped convolution, or a per-channel operation, on split channels: a clear error
+    naming the node and dimension 1 on every rank; a channel_splits that is not a bool, a
+    TypeError."""
+    p = comm.Get_size()
+    grouped = nn.Sequential(nn.Conv2d(2 * p, 2 * p, 3, groups=2))
+    exc = outcome(lambda: parallelize(grouped, (1, 2 * p, 6, 6), (1, p, 1, 1)))
+    collective_assert(isinstance(exc, ValueError) and "'_0'" in str(exc) and "groups" in str(exc)
+                      and "dimension 1" in str(exc), repr(exc))
+    normed = nn.Sequential(nn.BatchNorm2d(2 * p), nn.Conv2d(2 * p, 3, 3))
+    exc = outcome(lambda: parallelize(normed, (2, 2 * p, 6, 6), (1, p, 1, 1)))
+    collective_assert(isinstance(exc, ValueError) and "'_0'" in str(exc)
+                      and "dimension 1" in str(exc), repr(exc))
+    exc = outcome(lambda: parallelize(Wide(), (2, 3, 7, 6), channel_splits="yes"))
+    collective_assert(isinstance(exc, TypeError) and "channel_splits" in str(exc), repr(exc))

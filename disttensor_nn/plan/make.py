@@ -58,7 +58,7 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
               kernels: str | None = None, shard_state: str = "none",
               state_slots: int = 1,
               runs_as: Callable[[Distribution], Distribution] | None = None,
-              memory_format: str = "contiguous"
+              memory_format: str = "contiguous", modes: Sequence[str] | None = None
               ) -> tuple[Plan, Planner | None]:
     """Plan ``model`` for ``nprocs`` ranks on a machine profile; returns ``(plan, planner)``.
 
@@ -115,6 +115,10 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
     channels : bool
         Consider channel and filter splits too (grids over (N, C, *S); see
         :class:`Planner`).
+    modes : sequence of str, optional
+        With ``channels``: the convolutions' modes to choose among (keys of
+        :data:`~disttensor_nn.plan.result.MODES`, :class:`Planner`'s ``modes``; a runtime
+        that runs some of them only). Default: all.
     max_states : int, optional
         Search each layer over at most this many states (:class:`Planner`:
         faster, no longer exact). Default: exact.
@@ -198,7 +202,8 @@ def make_plan(model: Any, batch_shape: tuple[int, ...], nprocs: int, machine: st
             timer.memory_format = fmt
         made.append(_plan_in(fmt, model, batch_shape, nprocs, machine_profile, timer, memory,
                              itemsize, comm, baseline, profile, recompute, training, channels,
-                             max_states, backends, shard_state, state_slots, runs_as, dtype))
+                             max_states, backends, shard_state, state_slots, runs_as, dtype,
+                             modes))
     if len(made) == 1:
         return made[0]
     # the same plans on every rank
@@ -214,15 +219,15 @@ def _plan_in(memory_format: str, model: Any, batch_shape: tuple[int, ...], nproc
              comm: MPI.Comm | None, baseline: float, profile: MemoryProfile | None,
              recompute: bool | str, training: bool, channels: bool, max_states: int | None,
              backends: tuple[str, ...] | None, shard_state: str, state_slots: int,
-             runs_as: Callable[[Distribution], Distribution] | None, dtype: Any
-             ) -> tuple[Plan, Planner | None]:
+             runs_as: Callable[[Distribution], Distribution] | None, dtype: Any,
+             modes: Sequence[str] | None = None) -> tuple[Plan, Planner | None]:
     """:func:`make_plan` in one memory format (the timer set to it)."""
     planners = [Planner(model, batch_shape,
                         CostModel(machine_profile, nprocs, timer, itemsize, training=training,
                                   backends=backends, shard_state=stage,
                                   state_slots=state_slots, dtype=dtype, runs_as=runs_as),
                         memory, baseline=baseline, recompute=recompute if training else False,
-                        channels=channels, max_states=max_states)
+                        channels=channels, modes=modes, max_states=max_states)
                 for stage in (STAGES if shard_state == "auto" else (shard_state,))]
     with _phase(profile, "kernel measurement"):
         for planner in planners:  # after the first, the kernels are mostly timed already

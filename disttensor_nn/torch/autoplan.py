@@ -67,7 +67,7 @@ from ..plan.make import kept_memory_format
 from ..plan.tracing import leaf_nodes, trace
 from ..window import WindowSpec
 from .interpolation import INTERPOLATION_MODES
-from .pricing import as_run, conversion_seconds, priced
+from .pricing import CONV_MODES, as_run, conversion_seconds, priced, whole_channels
 
 __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "needs_grad", "plan_layouts", "relayout"]
 
@@ -79,6 +79,7 @@ _UNPOOL = {nn.MaxUnpool1d: F.max_unpool1d, nn.MaxUnpool2d: F.max_unpool2d,
            nn.MaxUnpool3d: F.max_unpool3d}
 _UNPOOL_F = {f: m for m, f in _UNPOOL.items()}
 _CONV = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
+_CHANNEL_PARALLEL = (Conv1d, Conv2d, Conv3d)  # what the compiler runs on split channels
 _CONV_T = {nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d,
            nn.ConvTranspose3d: ConvTranspose3d}
 _POOL = {nn.MaxPool1d: MaxPool1d, nn.MaxPool2d: MaxPool2d, nn.MaxPool3d: MaxPool3d,
@@ -404,10 +405,11 @@ class _Mirror:
 
     def __init__(self, gm: GraphModule, dtype: torch.dtype,
                  elementwise: Callable[[Node], bool], batch_norm_stats: str = "global",
-                 channels_last: bool = False):
+                 channels_last: bool = False, channel_splits: bool = False):
         self.gm = gm
         self.batch_norm_stats = batch_norm_stats
         self.channels_last = channels_last
+        self.channel_splits = channel_splits
         self.graph = _Graph(gm)
         self.dtype = _np_dtype(dtype)
         self.elementwise = elementwise
@@ -498,6 +500,9 @@ class _Mirror:
         if node.op == "call_module" and ok and len(node.args) == 1 and not node.kwargs:
             # timed as the module itself where it runs as itself (pricing.priced)
             layer = priced(layer, self.gm.get_submodule(node.target), self.channels_last)
+        if self.channel_splits and not isinstance(layer, _CHANNEL_PARALLEL):
+            layer = whole_channels(layer)  # the compiler splits channels for convolutions
+            # alone (pricing.CONV_MODES)
         layer.input_grad = self.grads[source]  # none before the first parameter
         # a module called again is named by its node ('pool_1'), as torch.fx names it
         name = node.target if node.op == "call_module" and node.target not in self.names \
@@ -728,8 +733,8 @@ channels-last, or whichever of the two the plan predicts faster."""
 def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, layout: Any,
                  memory_per_rank: float | None, machine: Any, comm: MPI.Intracomm,
                  elementwise: Callable[[Node], bool], baseline: float = 0.0,
-                 batch_norm_stats: str = "global", memory_format: str = "contiguous"
-                 ) -> tuple[Plan, Distribution]:
+                 batch_norm_stats: str = "global", memory_format: str = "contiguous",
+                 channel_splits: bool = False) -> tuple[Plan, Distribution]:
     """Plan the traced model (or check a given plan) and mark its graph with the layouts.
 
     Before each planned operation a :func:`relayout` node is inserted on its
@@ -772,6 +777,11 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         more than :data:`~disttensor_nn.plan.make.CHANNELS_LAST_GAIN`;
         otherwise ``'contiguous'`` (nothing would tell the two apart). Ignored
         for a given plan (its own ``memory_format`` holds).
+    channel_splits : bool
+        Also consider grids over ``(N, C, *S)``: convolutions whose input channels
+        are split (their partial outputs summed over those ranks) or that run whole
+        on each replica of the channel axis (:data:`~.pricing.CONV_MODES`); every
+        other operation takes its channels whole there.
 
     Returns
     -------
@@ -808,9 +818,10 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     times = []
     for fmt in options:
         mirror, network, leaves = _mirrored(gm, shape, dtype, elementwise, batch_norm_stats,
-                                            fmt == "channels_last")
+                                            fmt == "channels_last", channel_splits)
         plan = given if given is not None else _make(
-            network, leaves, shape, dtype, name, memory_per_rank, comm, baseline, fmt)
+            network, leaves, shape, dtype, name, memory_per_rank, comm, baseline, fmt,
+            channel_splits)
         times.append(plan.time)
         made.append((plan, mirror, leaves))
     plan, mirror, leaves = made[0] if len(made) == 1 else \
@@ -828,11 +839,12 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
 
 def _mirrored(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype,
               elementwise: Callable[[Node], bool], batch_norm_stats: str,
-              channels_last: bool) -> tuple[_Mirror, Any, list[_Leaf]]:
+              channels_last: bool, channel_splits: bool = False
+              ) -> tuple[_Mirror, Any, list[_Leaf]]:
     """The planner's network for the traced graph, and its leaves in the planner's order
     (refused where the graph is not a chain of layers with residual and skip
     connections)."""
-    mirror = _Mirror(gm, dtype, elementwise, batch_norm_stats, channels_last)
+    mirror = _Mirror(gm, dtype, elementwise, batch_norm_stats, channels_last, channel_splits)
     network = mirror.build(mirror.graph.source, mirror.graph.result)
     leaves = mirror.leaves
     if not leaves:
@@ -855,14 +867,15 @@ def _mirrored(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype,
 
 def _make(network: Any, leaves: list[_Leaf], shape: tuple[int, ...], dtype: torch.dtype,
           name: str, memory_per_rank: float | None, comm: MPI.Intracomm, baseline: float,
-          memory_format: str) -> Plan:
+          memory_format: str, channel_splits: bool = False) -> Plan:
     """The planner's plan of ``network`` (its entries named by the model's modules)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     profile = load_profile(name)
     try:
         plan, _ = make_plan(network, tuple(shape), comm.Get_size(), name, memory_per_rank,
                             itemsize=itemsize, comm=comm if profile.measured else None,
-                            kernels="torch", baseline=baseline, runs_as=as_run)
+                            kernels="torch", baseline=baseline, runs_as=as_run,
+                            channels=channel_splits and len(shape) > 2, modes=CONV_MODES)
     except ValueError as err:
         raise ValueError(f"parallelize: {err}") from None
     plan = replace(plan, memory_format=memory_format,

@@ -34,6 +34,7 @@ from .autoplan import (
     pool_module,
     relayout,
 )
+from .channels import sum_partials, take_channels
 from .functional import _exchange_planned, all_reduce, broadcast, redistribute
 from .halo_conv import HALO_CONV_MIN_ELEMENTS, halo_conv_plan
 from .interpolation import INTERPOLATION_MODES, source_taps, taps_reach
@@ -112,6 +113,19 @@ def _axes_key(dist: Distribution, dims: Sequence[int] | None = None) -> frozense
     """The grid axes (of more than one rank) that split ``dims`` of ``dist``."""
     dims = range(dist.ndim) if dims is None else dims
     return frozenset(a for d in dims for a in dist.dim_axes[d] if dist.grid_shape[a] > 1)
+
+
+def _takes_channels(src: Distribution, dst: Distribution) -> bool:
+    """Whether ``dst`` is ``src`` but for its channels, which ``src`` holds whole on every
+    rank of one grid axis and ``dst`` splits along that axis: each rank's block of ``dst``
+    is then its channels of its block of ``src``."""
+    if src.ndim <= 2 or src.grid != dst.grid or src.dim_axes[1] or \
+            len(dst.dim_axes[1]) != 1:
+        return False
+    axis = dst.dim_axes[1][0]
+    return all(axis not in a for a in src.dim_axes) and all(
+        src.dim_axes[d] == dst.dim_axes[d] and src.boundaries[d] == dst.boundaries[d]
+        for d in range(src.ndim) if d != 1)
 
 
 def _unsplit(dist: Distribution, dims: Sequence[int]) -> Distribution:
@@ -272,6 +286,10 @@ class _Compiler:
             self.set(node, src)  # laid out as planned: its own cuts are kept
             return lambda args: args[0][0]
         self.set(node, dst)
+        if _takes_channels(src, dst):  # a convolution's channels of a block held alike
+            between = split_axes_comm(dst, [1])
+            bounds, index = tuple(dst.boundaries[1]), dst.block_index()[1]
+            return lambda args: take_channels(args[0][0], between, bounds, index)
         return lambda args: redistribute(args[0][0], src, dst)
 
     def output(self, node: Node) -> Step:
@@ -477,13 +495,25 @@ class _Compiler:
         return lambda *a, **kw: view.call(m, a, kw)
 
     def conv(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
+        """A convolution on this rank's block: its halo exchanged where space is split; where
+        the channels are split too (the planner's ``"channel"`` mode), each rank convolves
+        its channels with their slice of the weight and the partial outputs are summed over
+        the ranks that split the channels, whose output is then whole in its channels and
+        the same on each of them (the bias added by the first)."""
         nd = dist.ndim - 2
-        self.refuse_split(node, dist, [1], f"{type(m).__name__} mixes channels")
+        channels = _split(dist, 1)
+        if channels and m.groups != 1:
+            self.fail(node, f"{type(m).__name__} of {m.groups} groups: dimension 1 of its "
+                            f"input is split over the grid (grid shape {dist.grid_shape}), "
+                            "and only a convolution of one group sums partial outputs over "
+                            "split channels")
         spec = WindowSpec.make(nd, m.kernel_size, m.stride, m.padding, m.dilation)
         mode = _PADDING_MODES[m.padding_mode]
         geo = geometry(spec, dist)
         shape = _shape_of(node)
         out = _with_shape(geo.out_dist, shape)
+        if channels:  # the sums over the channels' ranks: whole, alike on each of them
+            out = _unsplit(out, [1])
         self._check_shape(node, out, shape)
         slices = list(geo.input_slices(geo.out_box))
         fn, widths = _CONV[type(m)], list(geo.widths)
@@ -515,7 +545,7 @@ class _Compiler:
         # faces correct the edges (disttensor_nn.torch.halo_conv), and no extended copy of
         # the block is made (smaller blocks are copied: cheaper than the edges' convolutions)
         large = math.prod(dist.global_shape) >= HALO_CONV_MIN_ELEMENTS * max(dist.nblocks)
-        halo = None if native or mode != "constant" or not large else \
+        halo = None if native or mode != "constant" or not large or channels else \
             halo_conv_plan(spec, dist, fn, tuple(m.weight.shape), m.groups)
         if halo is not None:
             return lambda args: halo(args[0][0], view(m.weight), view(m.bias))
@@ -523,19 +553,43 @@ class _Compiler:
 
         extend = _extend(dist, widths, mode)
 
+        def run(xin: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+            if one_window(xin.shape, weight.shape, m.stride, pad_list, m.dilation):
+                # one strided output column: unstrided on what its window reads (oneDNN's
+                # bfloat16 kernels get the strided one wrong; torch_kernels.one_window)
+                xin = xin[..., :window_reach(xin.shape, weight.shape, pad_list, m.dilation)]
+                return fn(xin, weight, bias, (*m.stride[:-1], 1), pads, m.dilation,
+                          m.groups)[..., :1]
+            return fn(xin, weight, bias, m.stride, pads, m.dilation, m.groups)
+
+        if channels:
+            c0 = dist.local_start()[1]
+            mine = slice(c0, c0 + dist.local_shape()[1])
+            first = dist.block_index()[1] == 0
+            between = split_axes_comm(dist, [1])
+            empty = empty or mine.stop == mine.start
+
+            def partial(args: Any) -> torch.Tensor:
+                ext = extend(args[0][0])
+                weight, bias = view(m.weight)[:, mine], view(m.bias)
+                if bias is not None and not first:  # the first rank adds it, once; the
+                    bias = bias * 0  # others' graphs stay alike
+                if empty:
+                    y = _empty_like_output(ext, local_out, [weight, bias])
+                    if bias is not None:
+                        y = y + bias.view((1, -1) + (1,) * nd).to(y.dtype)
+                else:
+                    y = run(ext[slices], weight, bias)
+                return sum_partials(y, between)
+
+            return partial
+
         def step(args: Any) -> torch.Tensor:
             ext = extend(args[0][0])
             weight, bias = view(m.weight), view(m.bias)
             if empty:
                 return _empty_like_output(ext, local_out, [weight, bias])
-            xin = ext[slices]
-            if one_window(xin.shape, m.weight.shape, m.stride, pad_list, m.dilation):
-                # one strided output column: unstrided on what its window reads (oneDNN's
-                # bfloat16 kernels get the strided one wrong; torch_kernels.one_window)
-                xin = xin[..., :window_reach(xin.shape, m.weight.shape, pad_list, m.dilation)]
-                return fn(xin, weight, bias, (*m.stride[:-1], 1), pads, m.dilation,
-                          m.groups)[..., :1]
-            return fn(xin, weight, bias, m.stride, pads, m.dilation, m.groups)
+            return run(ext[slices], weight, bias)
 
         return step
 

@@ -104,7 +104,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
                 *, memory_per_rank: int | None = None, machine: Any = None,
                 comm: MPI.Intracomm | None = None, baseline: float = 0.0,
                 batch_norm_stats: str = "global",
-                memory_format: torch.memory_format | str | None = "auto") -> ParallelModule:
+                memory_format: torch.memory_format | str | None = "auto",
+                channel_splits: bool = False) -> ParallelModule:
     """An unchanged PyTorch model, run on this rank's blocks of a distributed input.
 
     The model is traced by :mod:`torch.fx` and each node compiled into a step
@@ -185,6 +186,16 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         with a given plan, the plan's; otherwise as they come. Either way a
         block's layout is kept through the halo exchanges, as PyTorch's
         operations keep it; the values are the same in every layout.
+    channel_splits : bool
+        With ``layout='auto'``: let the planner also split the channels of a
+        convolution's input (grids over ``(N, C, *S)``): each rank convolves
+        its channels with their slice of the weight, and the partial outputs
+        are summed over those ranks, which then hold the whole output alike
+        (the plan table's ``C>-``); the operations between convolutions run on
+        whole channels. Off by default: on the 2-core machine of the docs each
+        such sum and the gather of its gradient cost more than the halved
+        convolutions save (``docs/torch.md``). A grid shape that splits the
+        channels (``(1, 2, 1, 1)``) runs a convolution so either way.
 
     Returns
     -------
@@ -198,7 +209,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     ------
     TypeError
         For a model that is not a torch.nn.Module or cannot be traced by
-        torch.fx, or a layout of the wrong type.
+        torch.fx, a layout of the wrong type, or a ``channel_splits`` that is
+        not a bool.
     ValueError
         For a negative or non-numeric ``baseline``, a ``batch_norm_stats``
         other than 'global' and 'group', a ``memory_format`` that is not a
@@ -237,6 +249,9 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
     if batch_norm_stats not in BATCH_NORM_STATS:
         raise ValueError(f"parallelize: batch_norm_stats must be 'global' or 'group', "
                          f"got {batch_norm_stats!r}")
+    if not isinstance(channel_splits, bool):
+        raise TypeError(f"parallelize: channel_splits must be True or False, got "
+                        f"{channel_splits!r}")
     auto = isinstance(memory_format, str) and memory_format == "auto"
     memory_format = None if auto else _memory_format(memory_format, len(shape))
     planned = "auto" if auto else "channels_last" if memory_format in (
@@ -276,7 +291,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         plan, input_dist = plan_layouts(gm, shape, dtype, layout, memory_per_rank, machine,
                                         comm, _runs_on_blocks(gm), baseline=baseline,
                                         batch_norm_stats=batch_norm_stats,
-                                        memory_format=planned)
+                                        memory_format=planned,
+                                        channel_splits=channel_splits)
         if plan.memory_format == "channels_last" and memory_format is None:
             memory_format = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     else:

@@ -30,6 +30,14 @@ differently, and which change which layout is cheapest:
   statistics on small blocks (compared in ``docs/performance.md``); function
   nodes (``F.relu``, ``F.interpolate``) and traced operations keep the
   built-in price everywhere.
+- **Channels are split for convolutions alone.** Under a grid over ``(N, C, S..)``
+  a convolution may take its input with the channels split and sum its partial
+  outputs over those ranks (the planner's ``"channel"`` mode; the compiler's
+  channel-parallel convolution), or run whole on each replica of a channel axis
+  (``"replicated"``); every other operation takes its channels whole
+  (:func:`whole_channels`: its cost spec refuses a channel split, so that the
+  planner does not choose one). Values are then split along their channels only
+  between the move into a convolution and that convolution.
 - **Blocks may be channels-last.** The modules that run as themselves are
   timed on blocks of the layout the plan is for (``ModuleTwin(channels_last=...)``,
   reading the timer's C-contiguous arrays as channels-last memory with no copy),
@@ -58,8 +66,13 @@ from ..costspec import CostSpec, largest_block
 from ..module import Layer
 from ..plan.timer import seconds_on_every_rank
 
-__all__ = ["ModuleTwin", "as_run", "channels_last_view", "conversion_seconds", "priced",
-           "runs_as_module", "standard_view"]
+__all__ = ["CONV_MODES", "ModuleTwin", "as_run", "channels_last_view", "conversion_seconds",
+           "priced", "runs_as_module", "standard_view", "whole_channels"]
+
+CONV_MODES = ("channel", "replicated")
+"""The convolution modes (:data:`disttensor_nn.plan.result.MODES`) the compiler runs under a
+grid over ``(N, C, S..)``: channel-parallel (split channels in, partial outputs summed over
+their ranks) and replicated (whole in and out on each replica)."""
 
 
 def as_run(dist: Distribution) -> Distribution:
@@ -280,8 +293,10 @@ def runs_as_module(spec: CostSpec, dist: Distribution) -> bool:
 
 
 def _plain(layer: Layer) -> Layer:
-    """A copy of ``layer`` of its built-in class (without :class:`_Priced`)."""
-    base = next(c for c in type(layer).__mro__ if not issubclass(c, _Priced))
+    """A copy of ``layer`` of its built-in class (without :class:`_Priced` and
+    :class:`_WholeChannels`)."""
+    base = next(c for c in type(layer).__mro__
+                if not issubclass(c, (_Priced, _WholeChannels)))
     plain = copy.copy(layer)
     plain.__class__ = base
     for key in ("_traced_module", "_module_twins", "_channels_last"):
@@ -343,4 +358,50 @@ def priced(layer: Layer, module: nn.Module, channels_last: bool = False) -> Laye
     new.__class__ = _priced_class(type(layer))
     new.__dict__["_traced_module"] = module
     new.__dict__["_channels_last"] = bool(channels_last)
+    return new
+
+
+def _channels_split(dist: Distribution) -> bool:
+    return dist.ndim > 2 and dist.nblocks[1] > 1
+
+
+class _WholeChannels:
+    """A layer standing for an operation that the compiler runs on whole channels only: a
+    channel split of its input is refused where the planner asks (its cost spec, and for
+    a convolution the weight splits of a mode), so that no plan chooses one (mixed in by
+    :func:`whole_channels`)."""
+
+    def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
+        if _channels_split(dist):
+            raise ValueError(f"parallelize runs {type(self).__name__} on whole channels")
+        return super().cost_spec(dist, itemsize)  # type: ignore[misc]
+
+    def weight_splits(self, dist: Distribution) -> Any:
+        if _channels_split(dist):
+            raise ValueError(f"parallelize runs {type(self).__name__} on whole channels")
+        return super().weight_splits(dist)  # type: ignore[misc]
+
+
+@functools.cache
+def _whole_class(cls: type) -> type:
+    return type(cls.__name__, (_WholeChannels, cls),
+                {"__module__": __name__, "__qualname__": f"whole[{cls.__qualname__}]"})
+
+
+def whole_channels(layer: Layer) -> Layer:
+    """A copy of ``layer`` that refuses an input whose channels are split.
+
+    Parameters
+    ----------
+    layer : Layer
+        The layer standing for a traced operation that the compiler does not run on a
+        channel split (any but a convolution).
+
+    Returns
+    -------
+    Layer
+        The copy; its work, signature and twin are ``layer``'s.
+    """
+    new = copy.copy(layer)
+    new.__class__ = _whole_class(type(layer))
     return new
