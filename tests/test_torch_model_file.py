@@ -447,6 +447,29 @@ def test_plan_prints_the_table_and_its_json_trains(capsys):
         assert "plan" in err and "(2, 2, 12, 10)" in err, err
 
 
+@pytest.mark.parallel([2, 3])
+def test_plan_with_channel_splits_gives_a_plan_that_trains(capsys):
+    """``disttensor-plan --model-file --channel-splits``: the planner may split the
+    convolutions' input channels; its JSON, made so, trains as plain torch does."""
+    tmp = shared_tmpdir()
+    path = model_file(tmp)
+    data, x, t = npy_data(tmp)
+    plan = os.path.join(tmp, "plan.json")
+    assert plan_main(["--model-file", f"{path}:build", "--in-channels", str(C), "--size",
+                      f"{H}x{W}", "--batch", "2", "--machine", V100, "--channel-splits",
+                      "--json", plan]) == 0
+    out = capsys.readouterr().out
+    if comm.Get_rank() == 0:
+        assert "grid (N,C,S..)" in out or "C/F" in out, out  # grids over the channels too
+    comm.Barrier()  # rank 0 writes the file
+    ck = os.path.join(tmp, "ck")
+    assert train_main(base(path, "--data", data, "--batch", "2", "--steps", "1",
+                           "--ranks-layout", plan, "--checkpoint", ck)) == 0
+    capsys.readouterr()
+    order = np.random.default_rng([0, 0]).permutation(N)[:2]
+    assert_close(checkpoint_state(ck), reference(x[order], t[order], 1, "sgd", 0.01))
+
+
 # ------------------------------------------------------------------ inference
 @pytest.mark.parallel([1, 2, 3])
 def test_predict_runs_the_checkpoint_as_plain_torch_does(capsys):

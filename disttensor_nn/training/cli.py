@@ -253,7 +253,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scaling", type=_rank_counts,
                         help="comma-separated rank counts: predicted strong scaling")
     parser.add_argument("--channel-splits", action="store_true",
-                        help="also split channels and filters (grids over (N, C, S..))")
+                        help="also split channels and filters (grids over (N, C, S..)); with "
+                        "--model-file, channel-parallel convolutions")
     parser.add_argument("--plot", help="with --scaling: write a PNG plot here")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="the activations' dtype the plan is for (disttensor-train "
@@ -333,7 +334,6 @@ def _plan_model_file(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     """``disttensor-plan --model-file PATH.py:FUNCTION``: plan the user's PyTorch model on
     this job's ranks and print the plan (collective)."""
     for flag, given in (("--scaling", args.scaling), ("--calibrate", args.calibrate),
-                        ("--channel-splits", args.channel_splits),
                         ("--precision", args.precision != "fp32"),
                         ("--recompute", args.recompute != "auto")):
         if given:
@@ -351,7 +351,8 @@ def _plan_model_file(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     try:
         pm = torch_driver.plan_model_file(args.model_file, shape, machine=args.machine,
                                           memory_per_rank=args.memory_per_rank, comm=comm,
-                                          bn_stats=args.bn_stats)
+                                          bn_stats=args.bn_stats,
+                                          channel_splits=args.channel_splits)
     except ValueError as exc:  # a SetupError, raised on every rank alike
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if comm.Get_rank() == 0:

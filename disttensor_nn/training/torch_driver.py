@@ -264,15 +264,18 @@ _TORCH_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.
 
 
 def _parallel(cfg: ModelFileConfig, model: nn.Module, shape: tuple[int, ...],
-              comm: MPI.Comm, machine: str, baseline: float = 0.0) -> ParallelModule:
+              comm: MPI.Comm, machine: str, baseline: float = 0.0,
+              channel_splits: bool = False) -> ParallelModule:
     """The model on this job's ranks, planned (or by the plan file ``cfg.layout``) with
-    ``baseline`` resident bytes besides the model's data (:func:`.loop.process_baseline`)."""
+    ``baseline`` resident bytes besides the model's data (:func:`.loop.process_baseline`),
+    channel-parallel convolutions among the planner's choices with ``channel_splits``."""
     layout = "auto" if cfg.layout == "auto" else cfg.layout
     try:
         pm = parallelize(model, shape, layout, memory_per_rank=cfg.memory_per_rank,
                          machine=machine, comm=comm, baseline=baseline,
                          batch_norm_stats=cfg.bn_stats,
-                         memory_format=_TORCH_FORMATS.get(cfg.memory_format, "auto"))
+                         memory_format=_TORCH_FORMATS.get(cfg.memory_format, "auto"),
+                         channel_splits=channel_splits)
     except (TypeError, NotImplementedError, FileNotFoundError) as exc:
         raise ValueError(str(exc)) from exc
     if not isinstance(pm.output_dist, Distribution):
@@ -705,12 +708,13 @@ def train_model_file(cfg: ModelFileConfig, comm: MPI.Comm | None = None) -> dict
 
 def plan_model_file(spec: str, shape: Sequence[int], *, machine: str,
                     memory_per_rank: float | None = None, seed: int = 0,
-                    comm: MPI.Comm | None = None, bn_stats: str = "global"
-                    ) -> ParallelModule:
+                    comm: MPI.Comm | None = None, bn_stats: str = "global",
+                    channel_splits: bool = False) -> ParallelModule:
     """The model of ``spec`` (``PATH.py:FUNCTION``) planned for a batch of ``shape`` on
     ``comm``'s ranks (collective), its batch norms' statistics ``bn_stats``
-    (:func:`~disttensor_nn.torch.parallelize`'s ``batch_norm_stats``); its ``plan`` is
-    what ``disttensor-plan`` prints.
+    (:func:`~disttensor_nn.torch.parallelize`'s ``batch_norm_stats``), channel-parallel
+    convolutions among its choices with ``channel_splits`` (``parallelize``'s); its
+    ``plan`` is what ``disttensor-plan`` prints.
 
     Raises
     ------
@@ -725,7 +729,8 @@ def plan_model_file(spec: str, shape: Sequence[int], *, machine: str,
                           bn_stats=bn_stats)
     try:
         return _parallel(cfg, model, tuple(shape), comm, machine,
-                         process_baseline(comm, _param_bytes(model), 0, (), ()))
+                         process_baseline(comm, _param_bytes(model), 0, (), ()),
+                         channel_splits=channel_splits)
     except ValueError as exc:
         raise SetupError(str(exc)) from exc
 
