@@ -31,7 +31,7 @@ def _flat(t: torch.Tensor) -> np.ndarray:
     """The memory of a dense CPU tensor (C order or channels-last) as a flat array."""
     if not t.is_contiguous():
         t = t.permute(sorted(range(t.ndim), key=lambda d: -t.stride(d)))  # C order so
-    return t.reshape(-1).numpy()
+    return t.view(-1).numpy()  # a view (never a copy, which the sum would not reach)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -101,7 +101,8 @@ class _TakeChannels(torch.autograd.Function):
         counts = [(hi - lo) * per for lo, hi in zip(bounds, bounds[1:])]
         displs = [lo * per for lo in bounds[:-1]]
         ctx.comm.Allgatherv(_bits(mine), [_bits(whole), counts, displs, None])
-        return whole.transpose(0, 1), None, None, None
+        # (N, C, *S) again, contiguous: the kernels before take a strided gradient slowly
+        return whole.transpose(0, 1).contiguous(), None, None, None
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
