@@ -419,21 +419,19 @@ def test_a_3d_model_on_synthetic_volumes(capsys):
 
 
 # ------------------------------------------------------------------ planning
-@pytest.mark.parallel([1, 2, 3])
-def test_plan_prints_the_table_and_its_json_trains(capsys):
+def plan_and_train(capsys, *options):
+    """``disttensor-plan --model-file`` (with ``options``) writing its plan's JSON, then one
+    step of ``disttensor-train --ranks-layout`` by it, held to plain torch's; the plan's
+    printout, the model file, the data and the plan's path."""
     tmp = shared_tmpdir()
     path = model_file(tmp)
     data, x, t = npy_data(tmp)
     plan = os.path.join(tmp, "plan.json")
     assert plan_main(["--model-file", f"{path}:build", "--in-channels", str(C), "--size",
-                      f"{H}x{W}", "--batch", "2", "--machine", V100, "--json", plan]) == 0
+                      f"{H}x{W}", "--batch", "2", "--machine", V100, *options,
+                      "--json", plan]) == 0
     out = capsys.readouterr().out
     comm.Barrier()  # rank 0 writes the file
-    if comm.Get_rank() == 0:
-        for name in ("enc.0 Conv2d", "enc.1 BatchNorm2d", "down MaxPool2d",
-                     "up ConvTranspose2d", "out Conv2d", "predicted time per iteration"):
-            assert name in out, out
-        assert f"batch (2, {C}, {H}, {W}) -> output (2, 1, {H}, {W})" in out, out
     ck = os.path.join(tmp, "ck")
     assert train_main(base(path, "--data", data, "--batch", "2", "--steps", "1",
                            "--ranks-layout", plan, "--checkpoint", ck)) == 0
@@ -441,6 +439,17 @@ def test_plan_prints_the_table_and_its_json_trains(capsys):
     # the first batch: the first two samples of epoch 0's order (the Loader's)
     order = np.random.default_rng([0, 0]).permutation(N)[:2]
     assert_close(checkpoint_state(ck), reference(x[order], t[order], 1, "sgd", 0.01))
+    return out, path, data, plan
+
+
+@pytest.mark.parallel([1, 2, 3])
+def test_plan_prints_the_table_and_its_json_trains(capsys):
+    out, path, data, plan = plan_and_train(capsys)
+    if comm.Get_rank() == 0:
+        for name in ("enc.0 Conv2d", "enc.1 BatchNorm2d", "down MaxPool2d",
+                     "up ConvTranspose2d", "out Conv2d", "predicted time per iteration"):
+            assert name in out, out
+        assert f"batch (2, {C}, {H}, {W}) -> output (2, 1, {H}, {W})" in out, out
     err = usage_error(capsys, base(path, "--data", data, "--batch", "4", "--steps", "1",
                                    "--ranks-layout", plan))
     if comm.Get_rank() == 0:
@@ -449,25 +458,11 @@ def test_plan_prints_the_table_and_its_json_trains(capsys):
 
 @pytest.mark.parallel([2, 3])
 def test_plan_with_channel_splits_gives_a_plan_that_trains(capsys):
-    """``disttensor-plan --model-file --channel-splits``: the planner may split the
-    convolutions' input channels; its JSON, made so, trains as plain torch does."""
-    tmp = shared_tmpdir()
-    path = model_file(tmp)
-    data, x, t = npy_data(tmp)
-    plan = os.path.join(tmp, "plan.json")
-    assert plan_main(["--model-file", f"{path}:build", "--in-channels", str(C), "--size",
-                      f"{H}x{W}", "--batch", "2", "--machine", V100, "--channel-splits",
-                      "--json", plan]) == 0
-    out = capsys.readouterr().out
+    """``disttensor-plan --model-file --channel-splits``: the planner plans on grids over
+    the channels too; its JSON trains as plain torch does."""
+    out, *_ = plan_and_train(capsys, "--channel-splits")
     if comm.Get_rank() == 0:
-        assert "grid (N,C,S..)" in out or "C/F" in out, out  # grids over the channels too
-    comm.Barrier()  # rank 0 writes the file
-    ck = os.path.join(tmp, "ck")
-    assert train_main(base(path, "--data", data, "--batch", "2", "--steps", "1",
-                           "--ranks-layout", plan, "--checkpoint", ck)) == 0
-    capsys.readouterr()
-    order = np.random.default_rng([0, 0]).permutation(N)[:2]
-    assert_close(checkpoint_state(ck), reference(x[order], t[order], 1, "sgd", 0.01))
+        assert "C/F" in out, out  # the table's column of grids over (N, C, S..)
 
 
 # ------------------------------------------------------------------ inference
