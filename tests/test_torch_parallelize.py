@@ -1523,13 +1523,13 @@ class Wide(nn.Module):
 
     def __init__(self, c=3):
         super().__init__()
-        self.conv1 = nn.Conv2d(c, 6, 3, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(c, 6, 3, padding=1)
         self.bn1 = nn.BatchNorm2d(6)
-        self.conv2 = nn.Conv2d(6, 5, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(6, 5, 3, stride=2, padding=1, bias=False)
         self.conv3 = nn.Conv2d(5, 4, 1)
 
     def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.bn1(F.relu(self.conv1(x)))  # a bias before a ReLU has a gradient
         return self.conv3(F.relu(self.conv2(x)))
 
 
@@ -1554,17 +1554,18 @@ def test_planned_channel_parallel_convolutions_equal_one_process_float64():
     """A plan whose convolutions are channel-parallel: before each, every rank takes its
     channels of the value it holds whole (in backward the channels' gradients gathered),
     and after it the partial outputs are summed; outputs and gradients as one process's,
-    with the samples or space split too at 4 ranks."""
+    with the samples or space split too at 4 ranks, on channels-last blocks too (3 input
+    channels: blocks of one channel, and an empty first block at 4 ranks, where the
+    bias comes from a rank with no channel)."""
     p = comm.Get_size()
     shape = (2, 3, 7, 6)
     grids = [(1, p, 1, 1)] + ([(2, 2, 1, 1), (1, 2, 2, 1)] if p == 4 else [])
-    for grid in grids:
+    for grid, layout in [(g, f) for g in grids for f in (None, torch.channels_last)]:
         torch.manual_seed(0)
         model = Wide().double()
         plan = channel_plan(model, shape, grid)
-        pm, _, bad = run_both(model, shape, plan)
-        table = pm.plan.table()
-        collective_assert(not bad and "C>-" in table, f"{grid}: {bad}\n{table}")
+        _, _, bad = run_both(model, shape, plan, memory_format=layout)
+        collective_assert(not bad, f"{grid}, {layout}: {bad}")
 
 
 @pytest.mark.parallel([2, 3])
@@ -1580,7 +1581,7 @@ def test_channel_moves_are_the_adjoints_they_claim():
     bounds = [c * i // p for i in range(p + 1)]
     x = global_tensor((2, c, 3, 4), 0, torch.float64).requires_grad_()
     g = global_tensor((2, c, 3, 4), 1, torch.float64)
-    mine = take_channels(x, comm, bounds, r)
+    mine = take_channels(x, comm, bounds)
     (mine * g[:, bounds[r]:bounds[r + 1]]).sum().backward()
     ok_take = torch.equal(mine.detach(), x.detach()[:, bounds[r]:bounds[r + 1]]) and \
         torch.allclose(x.grad, g, rtol=0, atol=0)
@@ -1595,7 +1596,9 @@ def test_channel_moves_are_the_adjoints_they_claim():
                         * 1, comm)
     ok_half = half.dtype == torch.bfloat16 and torch.allclose(
         half.double(), sum(q.to(torch.bfloat16).double() for q in parts), rtol=2**-7, atol=0)
-    collective_assert(ok_take and ok_sum and ok_half, f"{ok_take} {ok_sum} {ok_half}")
+    exc = outcome(lambda: take_channels(x, comm, bounds[:-1]))
+    collective_assert(ok_take and ok_sum and ok_half and isinstance(exc, ValueError) and
+                      "bounds" in str(exc), f"{ok_take} {ok_sum} {ok_half} {exc!r}")
 
 
 @pytest.mark.parallel([2, 3])
@@ -1614,3 +1617,6 @@ def test_split_channels_that_an_operation_cannot_take_raise_alike():
                       and "dimension 1" in str(exc), repr(exc))
     exc = outcome(lambda: parallelize(Wide(), (2, 3, 7, 6), channel_splits="yes"))
     collective_assert(isinstance(exc, TypeError) and "channel_splits" in str(exc), repr(exc))
+    exc = outcome(lambda: parallelize(Wide(), (2, 3, 7, 6), (1, p, 1, 1),
+                                      channel_splits=True))
+    collective_assert(isinstance(exc, ValueError) and "layout='auto'" in str(exc), repr(exc))

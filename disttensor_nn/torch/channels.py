@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch.autograd.function import once_differentiable
 
 __all__ = ["sum_partials", "take_channels"]
 
@@ -55,6 +56,7 @@ class _SumPartials(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return grad, None  # each partial entered the sum with weight one
 
@@ -66,7 +68,8 @@ def sum_partials(y: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
     ----------
     y : torch.Tensor
         This rank's partial output, a dense CPU tensor that nothing else holds (a
-        kernel's new output), of the same shape and dtype on every rank.
+        kernel's new output), of the same shape, dtype and memory layout (C order or
+        channels-last) on every rank: the sum adds the ranks' memory element by element.
     comm : MPI.Intracomm
         The ranks whose partial outputs add up.
 
@@ -86,12 +89,14 @@ def sum_partials(y: torch.Tensor, comm: MPI.Intracomm) -> torch.Tensor:
 
 class _TakeChannels(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: MPI.Intracomm, bounds: tuple[int, ...],
-                index: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: MPI.Intracomm,
+                bounds: tuple[int, ...]) -> torch.Tensor:
         ctx.comm, ctx.bounds = comm, bounds
+        index = comm.Get_rank()
         return x[:, bounds[index]:bounds[index + 1]]
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         bounds = ctx.bounds
         rest = tuple(grad.shape[:1]) + tuple(grad.shape[2:])
@@ -102,7 +107,7 @@ class _TakeChannels(torch.autograd.Function):
         displs = [lo * per for lo in bounds[:-1]]
         ctx.comm.Allgatherv(_bits(mine), [_bits(whole), counts, displs, None])
         # (N, C, *S) again, contiguous: the kernels before take a strided gradient slowly
-        return whole.transpose(0, 1).contiguous(), None, None, None
+        return whole.transpose(0, 1).contiguous(), None, None
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -110,8 +115,8 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def take_channels(x: torch.Tensor, comm: MPI.Intracomm, bounds: Sequence[int],
-                  index: int) -> torch.Tensor:
+def take_channels(x: torch.Tensor, comm: MPI.Intracomm, bounds: Sequence[int]
+                  ) -> torch.Tensor:
     """This rank's channels of a block that the ranks of ``comm`` hold alike.
 
     Parameters
@@ -119,17 +124,29 @@ def take_channels(x: torch.Tensor, comm: MPI.Intracomm, bounds: Sequence[int],
     x : torch.Tensor
         The whole block, ``(N, C, *S)`` on the CPU, the same on every rank of ``comm``.
     comm : MPI.Intracomm
-        The ranks that split the channels, in the order of their blocks.
+        The ranks that split the channels; rank ``r`` takes block ``r``.
     bounds : sequence of int
-        The channel blocks' boundaries (``C + 1`` at most, from 0 to ``C``).
-    index : int
-        This rank's block.
+        The channel blocks' boundaries, one more than ``comm`` has ranks, from 0 to
+        ``C`` and non-decreasing (blocks may be empty).
 
     Returns
     -------
     torch.Tensor
-        A view of ``x``'s channels ``bounds[index]:bounds[index + 1]``; in backward
-        the blocks' gradients are gathered, so that each rank's gradient of ``x`` is
-        the whole one.
+        A view of ``x``'s channels ``bounds[r]:bounds[r + 1]``; in backward the
+        blocks' gradients are gathered, so that each rank's gradient of ``x`` is the
+        whole one.
+
+    Raises
+    ------
+    ValueError
+        For bounds that do not cut ``x``'s channels into a block per rank (alike on
+        every rank, where ``x``'s shape and ``bounds`` are the same on each, as they
+        must be).
     """
-    return _TakeChannels.apply(x, comm, tuple(bounds), index)
+    bounds = tuple(int(b) for b in bounds)
+    if x.ndim < 2 or len(bounds) != comm.Get_size() + 1 or bounds[0] != 0 or \
+            bounds[-1] != x.shape[1] or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"take_channels: bounds {list(bounds)} do not cut the "
+                         f"{x.shape[1] if x.ndim > 1 else 0} channels of a block of shape "
+                         f"{tuple(x.shape)} into one block per rank of {comm.Get_size()}")
+    return _TakeChannels.apply(x, comm, bounds)

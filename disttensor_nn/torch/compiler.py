@@ -208,11 +208,16 @@ class _Compiler:
     """Turns each node of a traced, shape-propagated graph into a step on blocks."""
 
     def __init__(self, gm: GraphModule, model: nn.Module, grid: ProcessGrid,
-                 batch_norm_stats: str = "global"):
+                 batch_norm_stats: str = "global",
+                 memory_format: torch.memory_format | None = None):
         self.gm = gm
         self.model = model
         self.grid = grid
         self.batch_norm_stats = batch_norm_stats
+        # the layout every rank's blocks are put in (None: as they come), and so that of
+        # partial outputs summed over ranks (their memory is added element by element)
+        self.summed_format = memory_format if memory_format in (
+            torch.channels_last, torch.channels_last_3d) else torch.contiguous_format
         self.running = _GroupRunningStats()
         self.values: dict[Node, _Value] = {}
         self.output_dist: Any = None
@@ -288,8 +293,8 @@ class _Compiler:
         self.set(node, dst)
         if _takes_channels(src, dst):  # a convolution's channels of a block held alike
             between = split_axes_comm(dst, [1])
-            bounds, index = tuple(dst.boundaries[1]), dst.block_index()[1]
-            return lambda args: take_channels(args[0][0], between, bounds, index)
+            bounds = tuple(dst.boundaries[1])
+            return lambda args: take_channels(args[0][0], between, bounds)
         return lambda args: redistribute(args[0][0], src, dst)
 
     def output(self, node: Node) -> Step:
@@ -511,7 +516,7 @@ class _Compiler:
         mode = _PADDING_MODES[m.padding_mode]
         geo = geometry(spec, dist)
         shape = _shape_of(node)
-        out = _with_shape(geo.out_dist, shape)
+        out = _with_shape(geo.out_dist, shape, {1: None} if channels else None)
         if channels:  # the sums over the channels' ranks: whole, alike on each of them
             out = _unsplit(out, [1])
         self._check_shape(node, out, shape)
@@ -568,6 +573,9 @@ class _Compiler:
             first = dist.block_index()[1] == 0
             between = split_axes_comm(dist, [1])
             empty = empty or mine.stop == mine.start
+            summed = self.summed_format if (nd, self.summed_format) in (
+                (2, torch.channels_last), (3, torch.channels_last_3d)) else \
+                torch.contiguous_format
 
             def partial(args: Any) -> torch.Tensor:
                 ext = extend(args[0][0])
@@ -580,7 +588,10 @@ class _Compiler:
                         y = y + bias.view((1, -1) + (1,) * nd).to(y.dtype)
                 else:
                     y = run(ext[slices], weight, bias)
-                return sum_partials(y, between)
+                # every rank's partial in one memory layout, as the sum adds the ranks'
+                # memory (a convolution's output follows its input's layout, which a
+                # block of one channel, or none, does not show)
+                return sum_partials(y.contiguous(memory_format=summed), between)
 
             return partial
 
