@@ -195,8 +195,8 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         whole channels. Off by default: the planner does not price the time two
         ranks wait for each other at each such sum and gather, and on the
         2-core machine of the docs such a plan measured 12-20% faster than the
-        default in two runs of five and within 2% in three, against 14%
-        predicted (``docs/torch.md``). A grid shape that splits the channels
+        default in two runs of seven, within 3% in four and 10% slower in one,
+        against 14% faster predicted (``docs/torch.md``). A grid shape that splits the channels
         (``(1, 2, 1, 1)``) runs a convolution so either way; with any layout
         but ``'auto'``, ``channel_splits`` raises.
 
