@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -699,6 +700,15 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     if comm.rank == 0:  # the same machine, calibrated by a job with 2 more ranks per node
         dataclasses.replace(prof, calibrated_ranks_per_node=comm.Get_size() + 2).save(path)
     comm.Barrier()
+    # the calibration kept for this job's number of ranks per node is put back
+    kept = this_machine_path(cache, ranks_per_node=comm.Get_size())
+    collective_assert(stale_calibration(comm, cache_dir=cache) is None, "kept one not used")
+    collective_assert(MachineProfile.load(path) == prof, "another profile put back")
+    comm.Barrier()
+    if comm.rank == 0:  # and without it, the job is told to calibrate
+        os.remove(kept)
+        dataclasses.replace(prof, calibrated_ranks_per_node=comm.Get_size() + 2).save(path)
+    comm.Barrier()
     why = stale_calibration(comm, cache_dir=cache)
     collective_assert(why is not None and f"{comm.Get_size() + 2} ranks per node" in why
                       and f"this job has {comm.Get_size()}" in why, str(why))
@@ -714,8 +724,10 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     why = stale_calibration(comm, cache_dir=cache)
     collective_assert(why is not None and "unrecorded" in why, str(why))
     comm.Barrier()
-    if comm.rank == 0:  # taken by an earlier method (allreduces timed from the caches)
+    if comm.rank == 0:  # taken by an earlier method (allreduces timed from the caches),
+        # and so was the one kept for this many ranks per node: not put back
         dataclasses.replace(prof, calibration_method=METHOD - 1).save(path)
+        dataclasses.replace(prof, calibration_method=METHOD - 1).save(kept)
     comm.Barrier()
     why = stale_calibration(comm, cache_dir=cache)
     collective_assert(why is not None and "earlier method" in why, str(why))

@@ -444,6 +444,34 @@ def _measured_machine(monkeypatch, tmp_path):
     return path
 
 
+@pytest.mark.parallel([2, 3])
+def test_default_machine_is_a_calibration_for_the_jobs_ranks_per_node(monkeypatch, tmp_path):
+    """On ``'this'`` (the default machine) a job never plans on a calibration taken with
+    another number of ranks per node: the one kept for its own is put back first, and the
+    plan is made on it."""
+    from disttensor_nn.plan import machine as machine_module
+    from disttensor_nn.plan.calibrate import METHOD
+    from disttensor_nn.plan.machine import MachineProfile, this_machine_path
+
+    where = comm.bcast(str(tmp_path) if comm.Get_rank() == 0 else None, root=0)
+    monkeypatch.setattr(machine_module, "default_cache_dir", lambda: where)
+    monkeypatch.setattr(timer_module, "default_cache_dir", lambda: where)
+    size = comm.Get_size()  # every rank of this job shares one node
+    base = dataclasses.replace(builtin_profiles()[MACHINE], measured=True, device="cpu",
+                               calibration_method=METHOD)
+    other = dataclasses.replace(base, name="other", calibrated_ranks_per_node=size + 2,
+                                p2p_alpha=1e-3)
+    mine = dataclasses.replace(base, name="mine", calibrated_ranks_per_node=size)
+    if comm.Get_rank() == 0:
+        other.save(this_machine_path())
+        mine.save(this_machine_path(ranks_per_node=size))
+    comm.Barrier()
+    model, _, _ = make("cnn", torch.float64)
+    plan = parallelize(model, (4, 2, 16, 16)).plan
+    collective_assert(plan.machine == "mine", plan.machine)
+    collective_assert(MachineProfile.load(this_machine_path()) == mine, "not put back")
+
+
 @pytest.mark.parallel(SIZES)
 def test_auto_memory_format_keeps_the_plan_predicted_faster(monkeypatch, tmp_path):
     """On a measured profile the model is planned on (N, C, H, W) and on channels-last

@@ -197,28 +197,44 @@ def stale_calibration(comm: MPI.Comm, device: str = "cpu",
     with: ranks that share a node's cores share its compute rate, its memory
     and the time the MPI library takes to progress a message (on a node with
     more ranks than cores, a message waits for its receiver to be scheduled).
-    Returns None when the cached profile holds, otherwise a sentence saying
-    why not (none cached yet, taken by an earlier method (:data:`METHOD`), or
-    with another number of ranks per node), the same on every rank.
+    Where the cached profile (the one ``"this"`` names) does not hold but an
+    earlier calibration with this job's ranks per node was kept beside it
+    (:func:`calibrate` keeps one per number of ranks per node), that one is
+    put back as the cached profile, so that jobs of 2 and of 4 ranks taking
+    turns do not calibrate each time.
+    Returns None when the cached profile holds (or was put back), otherwise a
+    sentence saying why not (none cached yet, taken by an earlier method
+    (:data:`METHOD`), or with another number of ranks per node), the same on
+    every rank.
     """
     per_node = ranks_per_node(comm)
     why = None
     if comm.Get_rank() == 0:
         path = this_machine_path(cache_dir, device)
-        if not os.path.exists(path):
-            why = f"this machine has no calibration yet ({path})"
-        else:
-            cached = MachineProfile.load(path)
-            taken = cached.calibrated_ranks_per_node
-            if cached.calibration_method < METHOD:
-                why = (f"the cached calibration {path} was taken by an earlier method "
-                       f"({cached.calibration_method}; this version's is {METHOD})")
-            elif taken != per_node:
-                ranks = (f"{taken} rank{'' if taken == 1 else 's'}" if taken
-                         else "an unrecorded number of ranks")
-                why = (f"the cached calibration {path} was taken with {ranks} per node and "
-                       f"this job has {per_node}")
+        why = _why_not(path, per_node)
+        kept = this_machine_path(cache_dir, device, ranks_per_node=per_node)
+        if why is not None and os.path.exists(kept) and _why_not(kept, per_node) is None:
+            MachineProfile.load(kept).save(path)
+            why = None
     return comm.bcast(why, root=0)
+
+
+def _why_not(path: str, per_node: int) -> str | None:
+    """Why the profile at ``path`` does not hold for a job of ``per_node`` ranks per node
+    (None where it does)."""
+    if not os.path.exists(path):
+        return f"this machine has no calibration yet ({path})"
+    cached = MachineProfile.load(path)
+    taken = cached.calibrated_ranks_per_node
+    if cached.calibration_method < METHOD:
+        return (f"the cached calibration {path} was taken by an earlier method "
+                f"({cached.calibration_method}; this version's is {METHOD})")
+    if taken != per_node:
+        ranks = (f"{taken} rank{'' if taken == 1 else 's'}" if taken
+                 else "an unrecorded number of ranks")
+        return (f"the cached calibration {path} was taken with {ranks} per node and "
+                f"this job has {per_node}")
+    return None
 
 
 def _units(xp: Any, device: str) -> int:
@@ -249,6 +265,9 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     With ``device="gpu"`` every rank drives a GPU (:func:`disttensor.use_device`),
     buffers live there and the profile is saved as ``this-gpu``
     (``load_profile("this-gpu")``); its compute units per node are the GPUs.
+    A copy is kept for the job's number of ranks per node
+    (``this_machine_path(..., ranks_per_node=k)``), which :func:`stale_calibration` puts
+    back for a later job of as many.
     Returns the same :class:`MachineProfile` on every rank.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -271,8 +290,10 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
         f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}",
         p2p_alpha=p2p[0], p2p_beta=p2p[1], allreduce_alpha=ar[0], allreduce_beta=ar[1],
         alltoall_alpha=a2a[0], alltoall_beta=a2a[1], reduce_scratch=scratch)
-    if save and comm.Get_rank() == 0:
+    if save and comm.Get_rank() == 0:  # the cached one, and the one kept for its ranks
         profile.save(this_machine_path(cache_dir, device))
+        profile.save(this_machine_path(cache_dir, device,
+                                       ranks_per_node=profile.calibrated_ranks_per_node))
     return comm.bcast(profile, root=0)
 
 

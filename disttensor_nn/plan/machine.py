@@ -206,14 +206,19 @@ def default_cache_dir() -> str:
 
 
 def this_machine_path(cache_dir: str | None = None, device: str = "cpu",
-                      one_rank: bool = False) -> str:
+                      one_rank: bool = False, ranks_per_node: int | None = None) -> str:
     """Path of this host's calibrated profile (for ranks computing on ``device``).
 
     With ``one_rank``, the path of the compute rates measured by one rank alone
     (:func:`~disttensor_nn.plan.calibrate.calibrate_compute`), which has no
-    communication figures and is never read as ``"this"``.
+    communication figures and is never read as ``"this"``. With ``ranks_per_node``,
+    the path where the last calibration taken with that many ranks per node is kept
+    (:func:`~disttensor_nn.plan.calibrate.calibrate` writes it beside the one ``"this"``
+    reads, and :func:`~disttensor_nn.plan.calibrate.stale_calibration` puts it back
+    for a job of that many).
     """
-    suffix = ("" if device == "cpu" else f"-{device}") + ("-1rank" if one_rank else "")
+    suffix = ("" if device == "cpu" else f"-{device}") + ("-1rank" if one_rank else "") + (
+        f"-{int(ranks_per_node)}-per-node" if ranks_per_node else "")
     return os.path.join(cache_dir or default_cache_dir(),
                         f"machine-{socket.gethostname()}{suffix}.json")
 

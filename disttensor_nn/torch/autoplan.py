@@ -62,6 +62,7 @@ from ..layers.transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from ..layers.upsample import Upsample
 from ..module import Layer, Parameter
 from ..plan import Plan, load_profile, make_plan
+from ..plan.calibrate import calibrate_if_stale
 from ..plan.costmodel import dist_for
 from ..plan.make import kept_memory_format
 from ..plan.tracing import leaf_nodes, trace
@@ -758,7 +759,10 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
         Bytes per rank the plan must fit (default: the profile's).
     machine : str or None
         A machine profile's name or JSON file (:func:`disttensor_nn.plan.load_profile`);
-        None: ``'this'``, this machine's calibrated profile.
+        None: ``'this'``, this machine's calibrated profile (calibrated first, on
+        ``comm``, where the cached calibration was taken with another number of ranks
+        per node and none taken with this job's is kept:
+        :func:`~disttensor_nn.plan.calibrate.stale_calibration`).
     comm : MPI.Intracomm
         The ranks.
     elementwise : callable
@@ -807,6 +811,10 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
                          f"{memory_format!r}")
     given = _given_plan(layout)
     name = "this" if machine is None else machine
+    if given is None and name in ("this", "this-gpu") and comm.Get_size() > 1:
+        # a calibration taken with another number of ranks per node prices every message
+        # wrongly (4 ranks on 2 cores: a point-to-point latency 4x that of 2 ranks)
+        calibrate_if_stale(comm, "gpu" if name == "this-gpu" else "cpu")
     if given is not None:
         options = [given.memory_format]
     elif memory_format == "auto":  # both where kernels are timed; else nothing tells

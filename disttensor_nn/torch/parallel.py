@@ -144,7 +144,10 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         (:func:`disttensor_nn.plan.builtin_profiles`, no kernel timed) or a
         profile's JSON file; default ``'this'``, this machine's calibrated
         profile, on which the layers' kernels are timed with the torch
-        kernels on all ranks at once.
+        kernels on all ranks at once. That profile must have been taken with
+        as many ranks per node as ``comm`` has: where the cached one was not
+        (and none kept for this number is), the machine is calibrated again
+        first, on ``comm``, as ``disttensor-train`` does.
     comm : MPI.Intracomm, optional
         The ranks (``MPI.COMM_WORLD`` by default).
     baseline : float
