@@ -739,6 +739,40 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
 
 
 # ------------------------------------------------------------ the command line
+@pytest.mark.parallel([2, 3])
+def test_plan_command_plans_its_job_on_a_calibration_for_its_ranks_per_node(
+        monkeypatch, tmp_path_factory, capsys):
+    """`disttensor-plan` for its own job on 'this' never plans on a calibration taken with
+    another number of ranks per node: the one kept for the job's is put back first."""
+    import dataclasses
+
+    from disttensor_nn.plan import machine as machine_module
+    from disttensor_nn.plan import timer as timer_module
+    from disttensor_nn.plan.calibrate import METHOD
+    from disttensor_nn.plan.machine import builtin_profiles, this_machine_path
+
+    comm = MPI.COMM_WORLD
+    cache = comm.bcast(str(tmp_path_factory.mktemp("kept")) if comm.rank == 0 else None)
+    monkeypatch.setattr(machine_module, "default_cache_dir", lambda: cache)
+    monkeypatch.setattr(timer_module, "default_cache_dir", lambda: cache)
+    size = comm.Get_size()  # every rank of this job shares one node
+    base = dataclasses.replace(builtin_profiles()["v100-nvlink-edr"], measured=True,
+                               device="cpu", calibration_method=METHOD)
+    if comm.rank == 0:
+        dataclasses.replace(base, name="other", calibrated_ranks_per_node=size + 2,
+                            p2p_alpha=1e-3).save(this_machine_path())
+        dataclasses.replace(base, name="mine", calibrated_ranks_per_node=size).save(
+            this_machine_path(ranks_per_node=size))
+    comm.Barrier()
+    path = f"{cache}/plan.json"
+    assert plan_main(["mesh-demo", "--size", "32x32", "--batch", "2", "--json", path]) == 0
+    comm.Barrier()
+    with open(path) as f:
+        plan = Plan.from_json(f.read())
+    collective_assert(plan.machine == "mine", plan.machine)
+    capsys.readouterr()
+
+
 def test_scaling_command_line_splits_the_step(tmp_path, capsys):
     path = tmp_path / "scaling.json"
     assert plan_main(["mesh-demo", "--machine", "v100-nvlink-edr", "--size", "32x32",

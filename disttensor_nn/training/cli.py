@@ -23,7 +23,7 @@ from ..layers.norm import BATCH_NORM_STATS, set_batch_norm_stats
 from ..layout import MEMORY_FORMATS
 from ..optim import STAGES
 from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
-from ..plan.calibrate import calibrate
+from ..plan.calibrate import calibrate, calibrate_if_stale
 from ..plan.machine import builtin_profiles
 from ..precision import PRECISIONS, set_precision
 from .checkpoint import CheckpointError
@@ -290,6 +290,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         parser.error("a MODEL is needed (or --calibrate)")
     nprocs = args.ranks or comm.Get_size()
     if nprocs == comm.Get_size() > 1 and not args.scaling:
+        if args.machine in ("this", "this-gpu") and not args.no_measure:
+            # the calibration taken with this job's ranks per node (kept, or measured now)
+            why = calibrate_if_stale(comm, "gpu" if args.machine == "this-gpu" else "cpu")
+            if why is not None and comm.Get_rank() == 0:
+                print(f"{why}: calibrated this machine on {comm.Get_size()} ranks")
         return _plan(args, comm)  # planning for this very job: measure on all its ranks
     if comm.Get_rank() != 0:
         wait_for_root(comm)
