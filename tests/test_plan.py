@@ -675,7 +675,9 @@ def test_machine_calibration(tmp_path_factory):
 @pytest.mark.parallel([2, 3])
 def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     """A calibration records how many ranks per node took it; a job with another number
-    (or a profile that does not say) is told to calibrate again, the same on every rank."""
+    (or a profile that does not say, or cannot be read) is told to calibrate again, the
+    same on every rank, unless a calibration kept for its number holds: that one is put
+    back."""
     import dataclasses
     import json
 
@@ -683,6 +685,7 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
         METHOD,
         calibrate,
         calibrate_if_stale,
+        calibration_path,
         stale_calibration,
     )
     from disttensor_nn.plan.machine import this_machine_path
@@ -701,7 +704,7 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
         dataclasses.replace(prof, calibrated_ranks_per_node=comm.Get_size() + 2).save(path)
     comm.Barrier()
     # the calibration kept for this job's number of ranks per node is put back
-    kept = this_machine_path(cache, ranks_per_node=comm.Get_size())
+    kept = this_machine_path(cache, per_node=comm.Get_size())
     collective_assert(stale_calibration(comm, cache_dir=cache) is None, "kept one not used")
     collective_assert(MachineProfile.load(path) == prof, "another profile put back")
     comm.Barrier()
@@ -724,6 +727,13 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     why = stale_calibration(comm, cache_dir=cache)
     collective_assert(why is not None and "unrecorded" in why, str(why))
     comm.Barrier()
+    if comm.rank == 0:  # a file cut short: read on rank 0 alone, told on every rank
+        with open(path, "w") as f:
+            f.write('{"name": "this:')
+    comm.Barrier()
+    why = stale_calibration(comm, cache_dir=cache)
+    collective_assert(why is not None and "could not be read" in why, str(why))
+    comm.Barrier()
     if comm.rank == 0:  # taken by an earlier method (allreduces timed from the caches),
         # and so was the one kept for this many ranks per node: not put back
         dataclasses.replace(prof, calibration_method=METHOD - 1).save(path)
@@ -736,6 +746,19 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     why = calibrate_if_stale(comm, cache_dir=cache)
     collective_assert(why is not None and "earlier method" in why, str(why))
     collective_assert(calibrate_if_stale(comm, cache_dir=cache) is None, "calibrated twice")
+    comm.Barrier()
+    if comm.rank == 0:  # a calibration taken before they were kept: kept when it holds
+        os.remove(kept)
+    comm.Barrier()
+    collective_assert(stale_calibration(comm, cache_dir=cache) is None, "fresh one is stale")
+    collective_assert(os.path.exists(kept) and MachineProfile.load(kept) ==
+                      MachineProfile.load(path), "the one that holds not kept")
+    comm.Barrier()
+    if comm.rank == 0:  # and put back where no cached profile is left
+        os.remove(path)
+    comm.Barrier()
+    collective_assert(stale_calibration(comm, cache_dir=cache) is None, "kept one not used")
+    collective_assert(calibration_path(comm, cache_dir=cache) == kept, "another path")
 
 
 # ------------------------------------------------------------ the command line
@@ -762,7 +785,7 @@ def test_plan_command_plans_its_job_on_a_calibration_for_its_ranks_per_node(
         dataclasses.replace(base, name="other", calibrated_ranks_per_node=size + 2,
                             p2p_alpha=1e-3).save(this_machine_path())
         dataclasses.replace(base, name="mine", calibrated_ranks_per_node=size).save(
-            this_machine_path(ranks_per_node=size))
+            this_machine_path(per_node=size))
     comm.Barrier()
     path = f"{cache}/plan.json"
     assert plan_main(["mesh-demo", "--size", "32x32", "--batch", "2", "--json", path]) == 0

@@ -464,7 +464,7 @@ def test_default_machine_is_a_calibration_for_the_jobs_ranks_per_node(monkeypatc
     mine = dataclasses.replace(base, name="mine", calibrated_ranks_per_node=size)
     if comm.Get_rank() == 0:
         other.save(this_machine_path())
-        mine.save(this_machine_path(ranks_per_node=size))
+        mine.save(this_machine_path(per_node=size))
     comm.Barrier()
     model, _, _ = make("cnn", torch.float64)
     plan = parallelize(model, (4, 2, 16, 16)).plan

@@ -25,8 +25,10 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import shutil
 import socket
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -41,8 +43,8 @@ from disttensor.transport import iallreduce, transport_for
 from ..memory import peak_resident_bytes, release_free_memory, reset_peak, resident_bytes
 from .machine import MachineProfile, this_machine_path
 
-__all__ = ["calibrate", "calibrate_compute", "calibrate_if_stale", "stale_calibration",
-           "ranks_per_node", "METHOD"]
+__all__ = ["calibrate", "calibrate_compute", "calibrate_if_stale", "calibration_path",
+           "stale_calibration", "ranks_per_node", "METHOD"]
 
 SIZES = [2**k for k in range(3, 24, 3)]  # 8 B .. 2 MiB
 
@@ -208,15 +210,56 @@ def stale_calibration(comm: MPI.Comm, device: str = "cpu",
     every rank.
     """
     per_node = ranks_per_node(comm)
-    why = None
-    if comm.Get_rank() == 0:
-        path = this_machine_path(cache_dir, device)
-        why = _why_not(path, per_node)
-        kept = this_machine_path(cache_dir, device, ranks_per_node=per_node)
-        if why is not None and os.path.exists(kept) and _why_not(kept, per_node) is None:
-            MachineProfile.load(kept).save(path)
-            why = None
-    return comm.bcast(why, root=0)
+    why = error = None
+    if comm.Get_rank() == 0:  # rank 0 alone reads and writes the cache; told on every rank
+        try:
+            why = _put_back(cache_dir, device, per_node)
+        except OSError as exc:
+            error = f"stale_calibration: the calibration cache could not be written ({exc})"
+    why, error = comm.bcast((why, error), root=0)
+    if error is not None:
+        raise OSError(error)
+    return why
+
+
+def calibration_path(comm: MPI.Comm, device: str = "cpu", cache_dir: str | None = None
+                     ) -> str:
+    """The path of the calibration kept for ``comm``'s number of ranks per node
+    (:func:`this_machine_path` with ``per_node``; rank 0's, the same on every rank);
+    collective.
+
+    After :func:`calibrate_if_stale`, a plan made on this path (a machine profile's JSON
+    file) is made on a calibration taken with as many ranks per node as ``comm`` has,
+    whatever another job writes to the cached profile ``"this"`` meanwhile.
+    """
+    per_node = ranks_per_node(comm)
+    return comm.bcast(this_machine_path(cache_dir, device, per_node=per_node)
+                      if comm.Get_rank() == 0 else None, root=0)
+
+
+def _put_back(cache_dir: str | None, device: str, per_node: int) -> str | None:
+    """:func:`stale_calibration`'s answer, on rank 0: why the cached profile does not
+    hold for ``per_node`` ranks per node, after the one kept for that many is put back
+    where it holds (and the cached one kept for its own number where none was)."""
+    path = this_machine_path(cache_dir, device)
+    kept = this_machine_path(cache_dir, device, per_node=per_node)
+    why = _why_not(path, per_node)
+    if why is None:
+        if not os.path.exists(kept):  # taken before calibrations were kept
+            _copy(path, kept)
+    elif _why_not(kept, per_node) is None:
+        _copy(kept, path)
+        why = None
+    return why
+
+
+def _copy(src: str, dst: str) -> None:
+    """``src``'s bytes into ``dst``, replaced at once (fields of another version kept)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dst)),
+                               prefix=os.path.basename(dst) + ".", suffix=".tmp")
+    os.close(fd)
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 def _why_not(path: str, per_node: int) -> str | None:
@@ -224,7 +267,10 @@ def _why_not(path: str, per_node: int) -> str | None:
     (None where it does)."""
     if not os.path.exists(path):
         return f"this machine has no calibration yet ({path})"
-    cached = MachineProfile.load(path)
+    try:
+        cached = MachineProfile.load(path)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:  # rank 0 reads
+        return f"the cached calibration {path} could not be read ({exc})"
     taken = cached.calibrated_ranks_per_node
     if cached.calibration_method < METHOD:
         return (f"the cached calibration {path} was taken by an earlier method "
@@ -266,7 +312,7 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
     buffers live there and the profile is saved as ``this-gpu``
     (``load_profile("this-gpu")``); its compute units per node are the GPUs.
     A copy is kept for the job's number of ranks per node
-    (``this_machine_path(..., ranks_per_node=k)``), which :func:`stale_calibration` puts
+    (``this_machine_path(..., per_node=k)``), which :func:`stale_calibration` puts
     back for a later job of as many.
     Returns the same :class:`MachineProfile` on every rank.
     """
@@ -290,11 +336,18 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
         f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}",
         p2p_alpha=p2p[0], p2p_beta=p2p[1], allreduce_alpha=ar[0], allreduce_beta=ar[1],
         alltoall_alpha=a2a[0], alltoall_beta=a2a[1], reduce_scratch=scratch)
+    error = None
     if save and comm.Get_rank() == 0:  # the cached one, and the one kept for its ranks
-        profile.save(this_machine_path(cache_dir, device))
-        profile.save(this_machine_path(cache_dir, device,
-                                       ranks_per_node=profile.calibrated_ranks_per_node))
-    return comm.bcast(profile, root=0)
+        try:
+            profile.save(this_machine_path(cache_dir, device))
+            profile.save(this_machine_path(cache_dir, device,
+                                           per_node=profile.calibrated_ranks_per_node))
+        except OSError as exc:
+            error = f"calibrate: the profile could not be saved ({exc})"
+    profile, error = comm.bcast((profile, error), root=0)
+    if error is not None:
+        raise OSError(error)
+    return profile
 
 
 def calibrate_compute(device: str = "cpu", cache_dir: str | None = None,
@@ -328,7 +381,8 @@ def calibrate_if_stale(comm: MPI.Comm, device: str = "cpu",
     """Calibrate this machine unless its cached calibration holds for ``comm``; collective.
 
     Returns why it calibrated (:func:`stale_calibration`), or None when the
-    cached profile was kept.
+    cached profile was kept or the one kept for ``comm``'s ranks per node put back
+    (then read by :func:`calibration_path` on every rank).
     """
     why = stale_calibration(comm, device, cache_dir)
     if why is not None:

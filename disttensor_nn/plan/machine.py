@@ -6,6 +6,7 @@ import json
 import math
 import os
 import socket
+import tempfile
 from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["MachineProfile", "load_profile", "builtin_profiles", "default_cache_dir"]
@@ -177,7 +178,10 @@ class MachineProfile:
         for name, default in _OPTIONAL_FIELDS.items():
             if data[name] == default:
                 del data[name]
-        tmp = path + ".tmp"
+        # a file of its own: jobs that start together may write the same profile at once
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                   prefix=os.path.basename(path) + ".", suffix=".tmp")
+        os.close(fd)
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2)
         os.replace(tmp, path)
@@ -206,19 +210,21 @@ def default_cache_dir() -> str:
 
 
 def this_machine_path(cache_dir: str | None = None, device: str = "cpu",
-                      one_rank: bool = False, ranks_per_node: int | None = None) -> str:
+                      one_rank: bool = False, per_node: int | None = None) -> str:
     """Path of this host's calibrated profile (for ranks computing on ``device``).
 
     With ``one_rank``, the path of the compute rates measured by one rank alone
     (:func:`~disttensor_nn.plan.calibrate.calibrate_compute`), which has no
-    communication figures and is never read as ``"this"``. With ``ranks_per_node``,
+    communication figures and is never read as ``"this"``. With ``per_node``,
     the path where the last calibration taken with that many ranks per node is kept
     (:func:`~disttensor_nn.plan.calibrate.calibrate` writes it beside the one ``"this"``
     reads, and :func:`~disttensor_nn.plan.calibrate.stale_calibration` puts it back
     for a job of that many).
     """
+    if one_rank and per_node:
+        raise ValueError("this_machine_path: one_rank and per_node name different files")
     suffix = ("" if device == "cpu" else f"-{device}") + ("-1rank" if one_rank else "") + (
-        f"-{int(ranks_per_node)}-per-node" if ranks_per_node else "")
+        f"-{int(per_node)}-per-node" if per_node else "")
     return os.path.join(cache_dir or default_cache_dir(),
                         f"machine-{socket.gethostname()}{suffix}.json")
 

@@ -62,7 +62,7 @@ from ..layers.transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from ..layers.upsample import Upsample
 from ..module import Layer, Parameter
 from ..plan import Plan, load_profile, make_plan
-from ..plan.calibrate import calibrate_if_stale
+from ..plan.calibrate import calibrate_if_stale, calibration_path
 from ..plan.costmodel import dist_for
 from ..plan.make import kept_memory_format
 from ..plan.tracing import leaf_nodes, trace
@@ -813,8 +813,11 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     name = "this" if machine is None else machine
     if given is None and name in ("this", "this-gpu") and comm.Get_size() > 1:
         # a calibration taken with another number of ranks per node prices every message
-        # wrongly (4 ranks on 2 cores: a point-to-point latency 4x that of 2 ranks)
-        calibrate_if_stale(comm, "gpu" if name == "this-gpu" else "cpu")
+        # wrongly (4 ranks on 2 cores: a point-to-point latency 4x that of 2 ranks): the
+        # one for this job's, by its own file, whatever another job caches meanwhile
+        device = "gpu" if name == "this-gpu" else "cpu"
+        calibrate_if_stale(comm, device)
+        name = calibration_path(comm, device)
     if given is not None:
         options = [given.memory_format]
     elif memory_format == "auto":  # both where kernels are timed; else nothing tells

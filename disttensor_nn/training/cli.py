@@ -23,7 +23,7 @@ from ..layers.norm import BATCH_NORM_STATS, set_batch_norm_stats
 from ..layout import MEMORY_FORMATS
 from ..optim import STAGES
 from ..plan import Plan, kernel_choice, make_plan, predict_scaling, wait_for_root
-from ..plan.calibrate import calibrate, calibrate_if_stale
+from ..plan.calibrate import calibrate, calibration_path, stale_calibration
 from ..plan.machine import builtin_profiles
 from ..precision import PRECISIONS, set_precision
 from .checkpoint import CheckpointError
@@ -290,11 +290,20 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         parser.error("a MODEL is needed (or --calibrate)")
     nprocs = args.ranks or comm.Get_size()
     if nprocs == comm.Get_size() > 1 and not args.scaling:
-        if args.machine in ("this", "this-gpu") and not args.no_measure:
-            # the calibration taken with this job's ranks per node (kept, or measured now)
-            why = calibrate_if_stale(comm, "gpu" if args.machine == "this-gpu" else "cpu")
-            if why is not None and comm.Get_rank() == 0:
-                print(f"{why}: calibrated this machine on {comm.Get_size()} ranks")
+        if args.machine in ("this", "this-gpu"):
+            # the calibration taken with this job's ranks per node: kept, or measured now
+            device = "gpu" if args.machine == "this-gpu" else "cpu"
+            why = stale_calibration(comm, device)
+            if why is not None and args.no_measure:  # nothing measured: said, and planned on
+                if comm.Get_rank() == 0:
+                    print(f"warning: {why}; planning on it all the same (--no-measure)")
+            else:
+                if why is not None:
+                    if comm.Get_rank() == 0:
+                        print(f"{why}: calibrating this machine on {comm.Get_size()} "
+                              "ranks...", flush=True)
+                    calibrate(comm, device=device)
+                args.machine = calibration_path(comm, device)
         return _plan(args, comm)  # planning for this very job: measure on all its ranks
     if comm.Get_rank() != 0:
         wait_for_root(comm)
