@@ -673,6 +673,26 @@ def test_machine_calibration(tmp_path_factory):
 
 
 @pytest.mark.parallel([2, 3])
+def test_a_calibration_cache_that_cannot_be_written_fails_alike(tmp_path_factory):
+    """Rank 0 alone writes the cache: where it cannot, every rank raises the same
+    OSError (none waits for rank 0 forever)."""
+    from disttensor.testing import collective_outcome
+    from disttensor_nn.plan.calibrate import calibrate
+
+    comm = MPI.COMM_WORLD
+    where = comm.bcast(str(tmp_path_factory.mktemp("unwritable")) if comm.rank == 0
+                       else None)
+    blocker = os.path.join(where, "a-file")
+    if comm.rank == 0:
+        with open(blocker, "w") as f:
+            f.write("not a directory")
+    comm.Barrier()
+    _, exc = collective_outcome(calibrate, comm, reps=1, cache_dir=os.path.join(blocker, "c"))
+    collective_assert(isinstance(exc, OSError) and "could not be saved" in str(exc),
+                      repr(exc))
+
+
+@pytest.mark.parallel([2, 3])
 def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     """A calibration records how many ranks per node took it; a job with another number
     (or a profile that does not say, or cannot be read) is told to calibrate again, the

@@ -30,6 +30,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -210,16 +211,24 @@ def stale_calibration(comm: MPI.Comm, device: str = "cpu",
     every rank.
     """
     per_node = ranks_per_node(comm)
-    why = error = None
-    if comm.Get_rank() == 0:  # rank 0 alone reads and writes the cache; told on every rank
+    return _on_rank0(comm, lambda: _put_back(cache_dir, device, per_node),
+                     "stale_calibration: the calibration cache could not be written")
+
+
+def _on_rank0(comm: MPI.Comm, fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` on rank 0 alone (the cache's reads and writes), its result on every rank;
+    an ``OSError`` there is raised on every rank (``what``, then why), none left waiting.
+    Collective."""
+    out = error = None
+    if comm.Get_rank() == 0:
         try:
-            why = _put_back(cache_dir, device, per_node)
+            out = fn()
         except OSError as exc:
-            error = f"stale_calibration: the calibration cache could not be written ({exc})"
-    why, error = comm.bcast((why, error), root=0)
+            error = f"{what} ({exc})"
+    out, error = comm.bcast((out, error), root=0)
     if error is not None:
         raise OSError(error)
-    return why
+    return out
 
 
 def calibration_path(comm: MPI.Comm, device: str = "cpu", cache_dir: str | None = None
@@ -336,18 +345,15 @@ def calibrate(comm: MPI.Comm | None = None, reps: int = 5, save: bool = True,
         f"calibrated with {comm.Get_size()} ranks on {time.strftime('%Y-%m-%d %H:%M')}",
         p2p_alpha=p2p[0], p2p_beta=p2p[1], allreduce_alpha=ar[0], allreduce_beta=ar[1],
         alltoall_alpha=a2a[0], alltoall_beta=a2a[1], reduce_scratch=scratch)
-    error = None
-    if save and comm.Get_rank() == 0:  # the cached one, and the one kept for its ranks
-        try:
+
+    def keep() -> MachineProfile:  # the cached one, and the one kept for its ranks
+        if save:
             profile.save(this_machine_path(cache_dir, device))
             profile.save(this_machine_path(cache_dir, device,
                                            per_node=profile.calibrated_ranks_per_node))
-        except OSError as exc:
-            error = f"calibrate: the profile could not be saved ({exc})"
-    profile, error = comm.bcast((profile, error), root=0)
-    if error is not None:
-        raise OSError(error)
-    return profile
+        return profile
+
+    return _on_rank0(comm, keep, "calibrate: the profile could not be saved")
 
 
 def calibrate_compute(device: str = "cpu", cache_dir: str | None = None,
