@@ -754,6 +754,12 @@ def test_calibration_holds_for_its_ranks_per_node(tmp_path_factory):
     why = stale_calibration(comm, cache_dir=cache)
     collective_assert(why is not None and "could not be read" in why, str(why))
     comm.Barrier()
+    if comm.rank == 0:  # valid JSON, a field of the wrong type
+        dataclasses.replace(prof, calibration_method="two").save(path)
+    comm.Barrier()
+    why = stale_calibration(comm, cache_dir=cache)
+    collective_assert(why is not None and "could not be read" in why, str(why))
+    comm.Barrier()
     if comm.rank == 0:  # taken by an earlier method (allreduces timed from the caches),
         # and so was the one kept for this many ranks per node: not put back
         dataclasses.replace(prof, calibration_method=METHOD - 1).save(path)

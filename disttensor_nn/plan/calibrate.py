@@ -276,14 +276,14 @@ def _why_not(path: str, per_node: int) -> str | None:
     (None where it does)."""
     if not os.path.exists(path):
         return f"this machine has no calibration yet ({path})"
-    try:
+    try:  # rank 0 reads it alone: a file cut short or edited is a reason, not an error
         cached = MachineProfile.load(path)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:  # rank 0 reads
+        method, taken = int(cached.calibration_method), int(cached.calibrated_ranks_per_node)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         return f"the cached calibration {path} could not be read ({exc})"
-    taken = cached.calibrated_ranks_per_node
-    if cached.calibration_method < METHOD:
+    if method < METHOD:
         return (f"the cached calibration {path} was taken by an earlier method "
-                f"({cached.calibration_method}; this version's is {METHOD})")
+                f"({method}; this version's is {METHOD})")
     if taken != per_node:
         ranks = (f"{taken} rank{'' if taken == 1 else 's'}" if taken
                  else "an unrecorded number of ranks")
