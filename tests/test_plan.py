@@ -822,6 +822,46 @@ def test_plan_command_plans_its_job_on_a_calibration_for_its_ranks_per_node(
     capsys.readouterr()
 
 
+@pytest.mark.parallel([2, 3])
+def test_training_and_prediction_plan_on_the_file_kept_for_their_ranks_per_node(
+        monkeypatch, tmp_path_factory, capsys):
+    """`disttensor-train` and `disttensor-predict` on 'this' plan on the calibration kept
+    for their number of ranks per node, by its own file: a job of another size that
+    rewrites the shared cached calibration meanwhile does not change their plan."""
+    import dataclasses
+
+    from disttensor_nn.memory import MemoryProfile
+    from disttensor_nn.plan import machine as machine_module
+    from disttensor_nn.plan.calibrate import METHOD
+    from disttensor_nn.plan.machine import builtin_profiles, load_profile, this_machine_path
+    from disttensor_nn.training.driver import TrainConfig
+    from disttensor_nn.training.inference import PredictConfig, predict_machine
+    from disttensor_nn.training.loop import machine_profile
+
+    comm = MPI.COMM_WORLD
+    cache = comm.bcast(str(tmp_path_factory.mktemp("race")) if comm.rank == 0 else None)
+    monkeypatch.setattr(machine_module, "default_cache_dir", lambda: cache)
+    size = comm.Get_size()  # every rank of this job shares one node
+    base = dataclasses.replace(builtin_profiles()["v100-nvlink-edr"], measured=True,
+                               device="cpu", calibration_method=METHOD)
+    mine = dataclasses.replace(base, name="mine", calibrated_ranks_per_node=size)
+    other = dataclasses.replace(base, name="other", calibrated_ranks_per_node=size + 2,
+                                p2p_alpha=1e-3)
+    if comm.rank == 0:
+        other.save(this_machine_path())
+        mine.save(this_machine_path(per_node=size))
+    comm.Barrier()
+    found = [machine_profile(TrainConfig(), comm, MemoryProfile()),
+             predict_machine(PredictConfig(), comm)]
+    comm.Barrier()
+    if comm.rank == 0:  # a job of another size calibrates meanwhile
+        other.save(this_machine_path())
+    comm.Barrier()
+    names = [load_profile(m).name for m in found]
+    collective_assert(names == ["mine", "mine"], str(names))
+    capsys.readouterr()
+
+
 def test_scaling_command_line_splits_the_step(tmp_path, capsys):
     path = tmp_path / "scaling.json"
     assert plan_main(["mesh-demo", "--machine", "v100-nvlink-edr", "--size", "32x32",

@@ -431,6 +431,26 @@ def test_a_graph_the_planner_cannot_describe_is_refused_alike():
 
 
 # ------------------------------------------------------------------ memory format
+@pytest.mark.parallel([2, 3])
+def test_a_graph_the_planner_cannot_describe_is_refused_before_any_calibration(
+        monkeypatch, tmp_path):
+    """On 'this' with no calibration for the job, a graph the planner cannot describe is
+    refused before the machine is measured (which takes a while): nothing calibrated."""
+    from disttensor_nn.plan import calibrate as calibrate_module
+    from disttensor_nn.plan import machine as machine_module
+
+    where = comm.bcast(str(tmp_path) if comm.Get_rank() == 0 else None, root=0)
+    monkeypatch.setattr(machine_module, "default_cache_dir", lambda: where)
+    monkeypatch.setattr(timer_module, "default_cache_dir", lambda: where)
+
+    def measured(*args, **kwargs):
+        raise AssertionError("calibrated before the graph was checked")
+
+    monkeypatch.setattr(calibrate_module, "calibrate", measured)
+    exc = outcome(lambda: parallelize(AlongWidth(), (2, 2, 8, 8)))
+    collective_assert(isinstance(exc, NotImplementedError) and "'cat'" in str(exc), repr(exc))
+
+
 def _measured_machine(monkeypatch, tmp_path):
     """A measured machine profile (the V100's figures; kernels timed on this machine) in a
     scratch directory shared by the ranks, with the kernel timer's cache there too."""

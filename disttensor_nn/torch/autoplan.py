@@ -811,6 +811,9 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
                          f"{memory_format!r}")
     given = _given_plan(layout)
     name = "this" if machine is None else machine
+    # the graph described (or refused) before anything is measured: (N, C, *S) blocks
+    described = {"contiguous": _mirrored(gm, shape, dtype, elementwise, batch_norm_stats,
+                                         False, channel_splits)}
     if given is None and name in ("this", "this-gpu") and comm.Get_size() > 1:
         # a calibration taken with another number of ranks per node prices every message
         # wrongly (4 ranks on 2 cores: a point-to-point latency 4x that of 2 ranks): the
@@ -828,8 +831,9 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
     made: list[tuple[Plan, _Mirror, list[_Leaf]]] = []
     times = []
     for fmt in options:
-        mirror, network, leaves = _mirrored(gm, shape, dtype, elementwise, batch_norm_stats,
-                                            fmt == "channels_last", channel_splits)
+        mirror, network, leaves = described.get(fmt) or _mirrored(
+            gm, shape, dtype, elementwise, batch_norm_stats, fmt == "channels_last",
+            channel_splits)
         plan = given if given is not None else _make(
             network, leaves, shape, dtype, name, memory_per_rank, comm, baseline, fmt,
             channel_splits)

@@ -147,7 +147,9 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
         kernels on all ranks at once. That profile must have been taken with
         as many ranks per node as ``comm`` has: where the cached one was not
         (and none kept for this number is), the machine is calibrated again
-        first, on ``comm``, as ``disttensor-train`` does.
+        first, on ``comm``, as ``disttensor-train`` does (after the graph is
+        checked: one the planner cannot describe is refused before anything
+        is measured).
     comm : MPI.Intracomm, optional
         The ranks (``MPI.COMM_WORLD`` by default).
     baseline : float

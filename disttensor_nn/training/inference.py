@@ -34,7 +34,7 @@ from ..kernels import kernels_for, synchronize
 from ..layout import to_memory_format
 from ..memory import MemoryProfile, map_large_allocations, release_free_memory, resident_bytes
 from ..plan import Plan, apply_plan, make_plan
-from ..plan.calibrate import calibrate_if_stale
+from ..plan.calibrate import calibrate_if_stale, calibration_path
 from ..plan.tracing import leaf_nodes, trace
 from .checkpoint import load_checkpoint
 from .data import open_dataset
@@ -68,14 +68,17 @@ class PredictConfig:
 def predict_machine(cfg: PredictConfig, comm: MPI.Comm) -> str:
     """The machine profile to plan on; calibrates this machine first when it has no
     calibration taken with this job's ranks per node (with the ranks on their GPUs for
-    ``device="gpu"``: the profile ``this-gpu``)."""
+    ``device="gpu"``: the profile ``this-gpu``), and names the file kept for that number
+    (:func:`~disttensor_nn.plan.calibrate.calibration_path`)."""
     if cfg.machine != "this":
         return cfg.machine
     if comm.Get_size() == 1:
         return UNCALIBRATED
     device = "gpu" if cfg.device == "gpu" else "cpu"
     calibrate_if_stale(comm, device)
-    return "this" if device == "cpu" else "this-gpu"
+    # the file kept for this job's ranks per node: the cached one may be rewritten
+    # meanwhile by a job of another size
+    return calibration_path(comm, device)
 
 
 def create_output(cfg: PredictConfig, shape: tuple[int, ...], dtype: np.dtype,

@@ -38,7 +38,7 @@ from ..memory import (
     resident_bytes,
 )
 from ..plan import Plan
-from ..plan.calibrate import calibrate, calibrate_compute, stale_calibration
+from ..plan.calibrate import calibrate, calibrate_compute, calibration_path, stale_calibration
 from ..plan.machine import MachineProfile, this_machine_path
 from .checkpoint import save_checkpoint
 from .data import Loader, Prefetcher
@@ -202,8 +202,12 @@ def machine_profile(cfg: Any, comm: MPI.Comm, memory: MemoryProfile) -> str:
     ``cfg.machine``, except that ``"this"`` on ``cfg.device='gpu'`` is the
     GPU calibration's, and that this machine is calibrated first when it has
     no calibration taken with this job's ranks per node (or when
-    ``cfg.recalibrate`` asks for it). One rank, which communicates nothing,
-    plans on the cached calibration where there is one, else on its own
+    ``cfg.recalibrate`` asks for it). Several ranks then plan on the file
+    kept for their number per node
+    (:func:`~disttensor_nn.plan.calibrate.calibration_path`), not on the
+    cached one that a job of another size may rewrite meanwhile. One rank,
+    which communicates nothing, plans on the cached calibration where there
+    is one, else on its own
     compute rates (:func:`~disttensor_nn.plan.calibrate.calibrate_compute`,
     measured once and kept; the path of that profile is returned), its
     kernels timed either way. Nothing is measured for a plan read from a
@@ -240,9 +244,11 @@ def machine_profile(cfg: Any, comm: MPI.Comm, memory: MemoryProfile) -> str:
                       f"{plural(comm.Get_size(), 'rank')} (kept in {path} for later runs)...")
             with memory.phase("calibration"):
                 calibrate(comm, device=device)
+            machine = calibration_path(comm, device)
         else:
-            profile = MachineProfile.load(path)
-            say(comm, f"using the cached calibration {path} ({profile.notes}); "
+            machine = calibration_path(comm, device)
+            profile = MachineProfile.load(machine)
+            say(comm, f"using the cached calibration {machine} ({profile.notes}); "
                       "--recalibrate measures again")
             if (profile.load_per_core or 0) > HEAVY_LOAD:
                 say(comm, f"warning: that calibration was taken under a load of "
