@@ -375,6 +375,16 @@ def test_a_plan_of_another_model_is_refused_alike():
     collective_assert(isinstance(exc, ValueError) and "does not hold" in str(exc), repr(exc))
     exc = outcome(lambda: parallelize(copy.deepcopy(cnn), shape, "no-such-plan.json"))
     collective_assert(isinstance(exc, ValueError) and "no file" in str(exc), repr(exc))
+    # the same layers, names and shapes, but a wider kernel: priced for another model
+    wider = copy.deepcopy(cnn)
+    wider.conv2 = nn.Conv2d(4, 4, 5, padding=2).double()
+    exc = outcome(lambda: parallelize(wider, shape, plan))
+    collective_assert(isinstance(exc, ValueError) and "another model" in str(exc)
+                      and "'conv2'" in str(exc) and "kernel_size=(5, 5)" in str(exc), repr(exc))
+    # a plan written before layers were described holds for any model of its shapes
+    older = dataclasses.replace(plan, entries=[dataclasses.replace(e, signature="")
+                                               for e in plan.entries])
+    collective_assert(parallelize(copy.deepcopy(cnn), shape, older).plan is older, "refused")
 
 
 class SharedPath(nn.Module):

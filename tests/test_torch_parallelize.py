@@ -465,6 +465,52 @@ class LayerNorms(nn.Module):
         return self.ln_hw(y * 2 + 1)
 
 
+class Gates(nn.Module):
+    """Operands that broadcast against a block: a squeeze-and-excitation gate (N, C, 1, 1)
+    indexed with ``None``, a channels-first layer norm's mean and variance (N, 1, H, W), a
+    spatial attention map (N, 1, H, W) from a 1x1 convolution, a per-channel parameter
+    indexed with ``...``, and a row profile (N, C, H, 1) reached by a mean over the width."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc1 = nn.Linear(4, 2)
+        self.fc2 = nn.Linear(2, 4)
+        self.att = nn.Conv2d(4, 1, 1)
+        self.weight = nn.Parameter(torch.randn(4))
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        y = self.conv(x)
+        s = torch.sigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(y, 1).flatten(1)))))
+        y = y * s[:, :, None, None]
+        u = y.mean(1, keepdim=True)
+        v = (y - u).pow(2).mean(1, keepdim=True)
+        y = (y - u) / torch.sqrt(v + 1e-6)
+        y = self.weight[..., None, None] * y + self.bias[:, None, None]
+        y = y * torch.sigmoid(self.att(y))
+        return y - y.mean(3, keepdim=True)
+
+
+class Extremes(nn.Module):
+    """Largest and smallest values over split dimensions: global max pooling heads (the
+    module and the function), ``amax`` and ``amin`` over some dimensions, ``max()`` and
+    ``torch.min`` over all, and ``amin`` of a ReLU's output, whose many zeros tie across
+    ranks (its gradient shared among them as in one process)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.pool = nn.AdaptiveMaxPool2d(1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = y * self.pool(y) + F.adaptive_max_pool2d(torch.tanh(y), (1, 1))
+        y = y - y.amax((2, 3), keepdim=True) + torch.amin(y, dim=3, keepdim=True)
+        z = torch.amin(F.relu(y), dim=(2, 3)) + torch.amax(y, 1)[:, None, None, :].mean()
+        return y * (y.max() - torch.min(y)) + z[:, :, None, None] + y.amax(1, keepdim=True)
+
+
 class MadeWeightNorm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -714,6 +760,8 @@ MODELS = {
     "fractions1d": (Fractions1d, (2, 2, 13)),
     "fractions3d": (Fractions3d, (1, 2, 5, 3, 4)),
     "layernorms": (LayerNorms, (3, 2, 7, 5)),
+    "gates": (Gates, (3, 2, 9, 7)),
+    "extremes": (Extremes, (3, 2, 9, 7)),
     "functional-pools": (FunctionalPools, (2, 2, 11, 9)),
     "pools1d": (Pools1d, (2, 2, 13)),
     "pools3d": (Pools3d, (2, 2, 5, 7, 4)),

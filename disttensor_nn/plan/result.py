@@ -56,6 +56,10 @@ class PlanEntry:
     # under 16-bit activations, the dtype the layer's kernels compute in when it is another
     # ("float32": on converted blocks, where the backend has no 16-bit kernel)
     kernel_dtype: str = ""
+    # what the operation is, beyond its kind and input shape (a module's own description,
+    # ``Conv2d(3, 8, kernel_size=(3, 3), ...)``; "" where the planner records none): a plan
+    # is refused for a model whose operation differs
+    signature: str = ""
 
 
 @dataclass

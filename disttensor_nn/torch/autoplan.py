@@ -205,6 +205,7 @@ class _Leaf:
     whole: tuple[int, ...]
     name: str
     kind: str
+    signature: str = ""
 
 
 # ------------------------------------------------------------------ the graph
@@ -509,7 +510,8 @@ class _Mirror:
         name = node.target if node.op == "call_module" and node.target not in self.names \
             else node.name
         self.names.add(str(name))
-        self.leaves.append(_Leaf(node, source, layer, tuple(whole), str(name), kind))
+        self.leaves.append(_Leaf(node, source, layer, tuple(whole), str(name), kind,
+                                 _signature(self.gm, node)))
         return layer
 
     def params(self, node: Node) -> list[tuple[int, ...]]:
@@ -702,7 +704,22 @@ def _same_entries(plan: Plan, leaves: list[_Leaf], shape: tuple[int, ...], nproc
                                                     tuple(_shape(leaf.source))):
             return (f"its layer '{e.name}' ({e.layer}, input {tuple(e.in_shape)}) is the "
                     f"model's '{leaf.name}' ({leaf.kind}, input {_shape(leaf.source)})")
+        if e.signature and e.signature != leaf.signature:  # older plans record none
+            return f"its layer '{e.name}' is {e.signature}, the model's {leaf.signature}"
     return None
+
+
+def _signature(gm: GraphModule, node: Node) -> str:
+    """What a planned operation is, beyond its kind and input shape: a module's own
+    description (its kernel, stride, channels, ...), or a function's or method's name and
+    arguments, tensors given by their shapes."""
+    if node.op == "call_module":
+        return repr(gm.get_submodule(node.target))
+    target = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", type(node.target).__name__)
+    args = map_aggregate((node.args, node.kwargs),
+                         lambda a: _shape(a) if isinstance(a, Node) else a)
+    return f"{target}{args!r}"
 
 
 def _given_plan(layout: Any) -> Plan | None:
@@ -894,7 +911,8 @@ def _make(network: Any, leaves: list[_Leaf], shape: tuple[int, ...], dtype: torc
     except ValueError as err:
         raise ValueError(f"parallelize: {err}") from None
     plan = replace(plan, memory_format=memory_format,
-                   entries=[replace(e, name=leaf.name, layer=leaf.kind)
+                   entries=[replace(e, name=leaf.name, layer=leaf.kind,
+                                    signature=leaf.signature)
                             for e, leaf in zip(plan.entries, leaves)])
     if memory_format == "channels_last" and profile.measured:
         # the parallel model puts each input block it is given as (N, C, *S) in this layout

@@ -35,7 +35,7 @@ from .autoplan import (
     relayout,
 )
 from .channels import sum_partials, take_channels
-from .functional import _exchange_planned, all_reduce, broadcast, redistribute
+from .functional import _exchange_planned, _split_extreme, all_reduce, broadcast, redistribute
 from .halo_conv import HALO_CONV_MIN_ELEMENTS, halo_conv_plan
 from .interpolation import INTERPOLATION_MODES, source_taps, taps_reach
 from .norm import split_batch_norm
@@ -51,6 +51,9 @@ _ADAPTIVE = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _PER_SAMPLE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.AdaptiveMaxPool1d,
                nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 _ADAPTIVE_F = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)
+_ADAPTIVE_MAX = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
+_ADAPTIVE_MAX_F = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)
+_EXTREMES = {torch.amax: True, torch.amin: False}  # largest
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge",
                   "circular": "wrap"}
@@ -144,6 +147,57 @@ def _with_shape(dist: Distribution, shape: Sequence[int],
     return Distribution(tuple(shape), dist.grid_arg, dist.axes, cuts)
 
 
+def _broadcast_to(dist: Distribution, target: Distribution) -> Distribution | None:
+    """Where an operand of ``dist``'s shape must lie to broadcast against blocks of
+    ``target`` on each rank as it does against the whole: its dimensions of the output's
+    length cut as the output's, those of length 1 (against more) whole, their grid axes
+    holding replicas; None where the shapes do not broadcast so (right-aligned, as in
+    PyTorch)."""
+    src, out = tuple(dist.global_shape), tuple(target.global_shape)
+    lead = len(out) - len(src)
+    if lead < 0:
+        return None
+    axes: list[Any] = []
+    splits: list[Any] = []
+    for i, n in enumerate(src):
+        if n == out[lead + i]:
+            axes.append(target.axes[lead + i])
+            splits.append(target.splits[lead + i])
+        elif n == 1:
+            axes.append(None)
+            splits.append(None)
+        else:
+            return None
+    return Distribution(src, target.grid_arg, axes, splits)
+
+
+def _move_then_share(src: Distribution, dst: Distribution, along: Sequence[int]
+                     ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A block of ``src`` moved to ``dst``, then shared by the ranks along the grid axes
+    ``along`` (forward: as it is; backward: their gradients summed, :func:`broadcast`)."""
+    grid, axes = dst.grid, tuple(along)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if src != dst:
+            t = redistribute(t, src, dst)
+        return broadcast(t, grid, axes=axes) if axes else t
+
+    return move
+
+
+def _global_window(output_size: Any) -> bool:
+    """Whether an adaptive pooling's output size is 1 in every dimension (one window)."""
+    sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,)
+    return all(s == 1 for s in sizes)
+
+
+def _dims(dim: Any, ndim: int) -> list[int]:
+    """A reduction's ``dim`` argument as sorted dimensions (``()``, ``[]`` or None: all)."""
+    if dim is None or (isinstance(dim, (tuple, list)) and not dim):
+        return list(range(ndim))
+    return sorted({int(d) % ndim for d in (dim if isinstance(dim, (tuple, list)) else [dim])})
+
+
 def _cuts(bounds: Sequence[int]) -> list[int] | None:
     return list(bounds[1:-1]) if len(bounds) > 2 else None
 
@@ -197,9 +251,12 @@ def _describe(node: Node) -> str:
 @dataclass
 class _Value:
     """What the compiler knows of a node's value: a distributed tensor's Distribution or
-    None (a value every rank holds alike: a number, a size, a parameter)."""
+    None (a value every rank holds alike: a number, a size, a parameter), and for the
+    latter the parameters it is made of (``self.w[:, None]``, ``self.w.view(...)``): where
+    it meets a distributed block, each rank's part of their gradients is summed."""
 
     dist: Distribution | None
+    params: frozenset[str] = frozenset()
 
 
 
@@ -267,6 +324,29 @@ class _Compiler:
 
     # --------------------------------------------------------------- dispatch
     def compile(self, node: Node) -> Step:
+        """The step of ``node``; the parameters a value every rank holds alike is made of
+        followed to where it meets distributed blocks, whose ranks then sum each one's
+        gradient (as a module's parameters' are), unless the node's rule did."""
+        known = set(self.param_keys)
+        step = self._compile(node)
+        value = self.values.get(node)
+        inputs = [self.values[a] for a in _flat_nodes(node) if a in self.values]
+        made_of = frozenset().union(*(v.params for v in inputs if v.dist is None))
+        if value is None or not made_of:
+            return step
+        if value.dist is None:
+            value.params = value.params | made_of
+            return step
+        dist = next((v.dist for v in inputs if isinstance(v.dist, Distribution)),
+                    value.dist if isinstance(value.dist, Distribution) else None)
+        if dist is not None:
+            for name in sorted(made_of):
+                param = self.model.get_parameter(name)
+                if id(param) not in self.param_keys or id(param) in known:
+                    self.use_param(node, name, dist)
+        return step
+
+    def _compile(self, node: Node) -> Step:
         if node.op == "placeholder":
             raise AssertionError  # handled by the caller
         if node.op == "get_attr":
@@ -315,8 +395,12 @@ class _Compiler:
         return step
 
     def get_attr(self, node: Node) -> Step:
-        self.set(node, None)
         target = node.target
+        try:
+            self.model.get_parameter(target)
+            self.values[node] = _Value(None, frozenset((target,)))
+        except AttributeError:  # a buffer or a plain tensor attribute
+            self.set(node, None)
         model, view = self.model, self.view
 
         def step(args: Any) -> Any:
@@ -360,7 +444,9 @@ class _Compiler:
         return step
 
     def elementwise(self, node: Node, fn: Callable[..., Any]) -> Step:
-        """An element-wise operation on blocks of one distribution (others moved to it)."""
+        """An element-wise operation on blocks of one distribution: the operands of the
+        output's shape moved to it, those that broadcast against it (a squeeze-and-excitation
+        gate, a mean over the channels) to where they broadcast against each block alike."""
         shape = _shape_of(node)
         tensors = [a for a in _flat_nodes(node) if self.dist_of(a) is not None]
         if not tensors or shape is None:
@@ -369,15 +455,22 @@ class _Compiler:
                        if self.dist_of(a).global_shape == shape), None)
         if target is None:
             return self.local(node, fn)
-        moves: dict[Node, tuple[Distribution, Distribution]] = {}
+        moves: dict[Node, Callable[[torch.Tensor], torch.Tensor]] = {}
         for a in tensors:
             d = self.dist_of(a)
-            if d == target:
-                continue
-            if d.global_shape != shape:
+            want = target if d.global_shape == shape else _broadcast_to(d, target)
+            if want is None:
                 self.fail(node, f"broadcasts a distributed operand of shape {d.global_shape} "
                                 f"against shape {shape}")
-            moves[a] = (d, target)
+            # a broadcast operand meets each rank's part of the dimensions it broadcasts
+            # along: the ranks along the axes that split those hold it alike, and each
+            # one's gradient is its part's, summed over them (the adjoint of the copies)
+            lead = len(shape) - len(want.global_shape)
+            along = sorted({ax for j in range(len(shape))
+                            if j < lead or want.global_shape[j - lead] != shape[j]
+                            for ax in target.dim_axes[j] if target.grid_shape[ax] > 1})
+            if d != want or along:
+                moves[a] = _move_then_share(d, want, along)
         for a in _flat_nodes(node):
             if a.op == "get_attr":
                 self.check_broadcast(node, a, target)
@@ -387,9 +480,8 @@ class _Compiler:
 
         def step(args: Any) -> Any:
             a, kw = args
-            for path, (src, dst) in positions:
-                a, kw = _replace_at((a, kw), path, lambda t, s=src, d=dst:
-                                    redistribute(t, s, d))
+            for path, move in positions:
+                a, kw = _replace_at((a, kw), path, move)
             return fn(*a, **kw)
 
         return step
@@ -428,6 +520,9 @@ class _Compiler:
             return self.batchnorm(node, m, dist)
         if isinstance(m, nn.GroupNorm):
             return self.groupnorm(node, m, dist)
+        if isinstance(m, _ADAPTIVE_MAX) and _global_window(m.output_size) \
+                and not m.return_indices:  # a global max pooling head
+            return self.extreme(node, dist, list(range(2, dist.ndim)), True, True)
         if isinstance(m, _PER_SAMPLE):
             return self.per_sample(node, m, dist)
         if isinstance(m, nn.LayerNorm):
@@ -902,6 +997,25 @@ class _Compiler:
             return s / count if mean else s
 
         return step
+
+    def extreme(self, node: Node, dist: Distribution, dims: list[int], keepdim: bool,
+                largest: bool) -> Step:
+        """The largest (smallest) value over ``dims`` (``amax``, ``amin``, ``max()``, a
+        global max pooling head): each block's, then the ranks that split ``dims``
+        compare theirs; the result held alike by them, laid out as a sum's."""
+        shape = _shape_of(node)
+        if keepdim:
+            axes = [None if d in dims else a for d, a in enumerate(dist.axes)]
+            splits = [None if d in dims else s for d, s in enumerate(dist.splits)]
+        else:
+            axes = [dist.axes[d] for d in range(dist.ndim) if d not in dims]
+            splits = [dist.splits[d] for d in range(dist.ndim) if d not in dims]
+        self.set(node, Distribution(shape, dist.grid_arg, axes, splits))
+        if not any(_split(dist, d) for d in dims):
+            local = torch.amax if largest else torch.amin
+            return lambda args: local(args[0][0], dims, keepdim=keepdim)
+        comm = split_axes_comm(dist, dims)
+        return lambda args: _split_extreme(args[0][0], dims, keepdim, comm, largest)
 
     def batchnorm(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
         self.refuse_split(node, dist, [1], f"{type(m).__name__} normalizes per channel")
@@ -1394,6 +1508,14 @@ class _Compiler:
             return self.feature_dropout(node, dist, _FEATURE_DROPOUT_FUNCTIONS[fn], settings, fn)
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, None, dist, dist.ndim - 2)
+        if fn in _ADAPTIVE_MAX_F and _global_window(_arg(node, 1, "output_size", None)) \
+                and not _arg(node, 2, "return_indices", False):
+            return self.extreme(node, dist, list(range(2, dist.ndim)), True, True)
+        if fn in _EXTREMES:
+            return self.extreme(node, dist, _dims(_arg(node, 1, "dim", ()), dist.ndim),
+                                bool(_arg(node, 2, "keepdim", False)), _EXTREMES[fn])
+        if fn in (torch.max, torch.min) and len(node.args) == 1 and not node.kwargs:
+            return self.extreme(node, dist, list(range(dist.ndim)), False, fn is torch.max)
         pool = pool_module(node)
         if pool is not None:  # F.max_poolNd, F.avg_poolNd: as the module
             return self.pool(node, pool, dist)
@@ -1425,6 +1547,11 @@ class _Compiler:
             return self.permute(node, dist)
         if name in ("mean", "sum"):
             return self.reduction(node, dist, name)
+        if name in ("amax", "amin"):
+            return self.extreme(node, dist, _dims(_arg(node, 1, "dim", ()), dist.ndim),
+                                bool(_arg(node, 2, "keepdim", False)), name == "amax")
+        if name in ("max", "min") and len(node.args) == 1 and not node.kwargs:
+            return self.extreme(node, dist, list(range(dist.ndim)), False, name == "max")
         if name in _ELEMENTWISE_NAMES or name.rstrip("_") in _ELEMENTWISE_NAMES:
             return self.elementwise(node, _method(name))
         return self.local(node, _method(name))
@@ -1447,19 +1574,31 @@ class _Compiler:
         return step
 
     def getitem(self, node: Node, dist: Distribution) -> Step:
-        """Indexing with slices and ints: locally, where it keeps the split dimensions whole."""
+        """Indexing with slices, ints, ``None`` and ``...``: locally, where it keeps the split
+        dimensions whole (a new dimension of length 1 is whole on every rank)."""
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if not all(isinstance(i, (slice, int)) and not isinstance(i, bool) for i in index) \
-                or len(index) > dist.ndim:
+        if not all(i is None or i is Ellipsis or isinstance(i, (slice, int))
+                   and not isinstance(i, bool) for i in index) \
+                or sum(i is Ellipsis for i in index) > 1 \
+                or sum(i is not None and i is not Ellipsis for i in index) > dist.ndim:
             return self.local(node, operator.getitem)
+        if Ellipsis in index:
+            k = index.index(Ellipsis)
+            rest = dist.ndim - sum(i is not None for i in index) + 1
+            index = index[:k] + (slice(None),) * rest + index[k + 1:]
         axes, splits = [], []
-        for d in range(dist.ndim):
-            i = index[d] if d < len(index) else slice(None)
+        d = 0
+        for i in (*index, *[slice(None)] * (dist.ndim - sum(i is not None for i in index))):
+            if i is None:  # a new dimension of length 1
+                axes.append(None)
+                splits.append(None)
+                continue
             if i != slice(None):
                 self.refuse_split(node, dist, [d], "indexing selects")
             if not isinstance(i, int):
                 axes.append(dist.axes[d])
                 splits.append(dist.splits[d] if i == slice(None) else None)
+            d += 1
         self.set(node, Distribution(_shape_of(node), dist.grid_arg, axes, splits))
         return lambda args: args[0][0][index]
 
@@ -1563,9 +1702,9 @@ def _flat_nodes(node: Node) -> list[Node]:
     return out
 
 
-def _node_positions(node: Node, moves: dict[Node, tuple[Distribution, Distribution]]
-                    ) -> list[tuple[tuple, tuple[Distribution, Distribution]]]:
-    """Where in ``(args, kwargs)`` each moved node sits (a path of indices and keys)."""
+def _node_positions(node: Node, moves: dict[Node, Any]) -> list[tuple[tuple, Any]]:
+    """Where in ``(args, kwargs)`` each moved node sits (a path of indices and keys), with
+    what ``moves`` holds for it."""
     found: list = []
 
     def walk(value: Any, path: tuple) -> None:

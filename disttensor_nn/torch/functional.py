@@ -64,6 +64,7 @@ steps, which PyTorch tensors cannot have).
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -257,6 +258,53 @@ class _Broadcast(torch.autograd.Function):
         if ctx.root is not None and ctx.comm.Get_rank() != ctx.root:
             total = torch.zeros_like(total)
         return total, None, None
+
+
+class _SplitExtreme(torch.autograd.Function):
+    """The largest (or smallest) value over ``dims`` of a tensor whose blocks split some of
+    them over ``comm``; its gradient shared evenly by the elements that reach it, on every
+    rank (as ``torch.amax``'s is by the equal values of one tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool,
+                comm: MPI.Intracomm, largest: bool) -> torch.Tensor:
+        op = MPI.MAX if largest else MPI.MIN
+        if all(x.shape[d] for d in dims):
+            m = (x.amax if largest else x.amin)(dims, keepdim=True)
+        else:  # an empty block: the identity of the comparison
+            info = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
+            fill = (-math.inf if largest else math.inf) if x.dtype.is_floating_point \
+                else (info.min if largest else info.max)
+            m = x.new_full([1 if d in dims else n for d, n in enumerate(x.shape)], fill)
+        m = transport_allreduce(contiguous(m, copy=True), comm, op)
+        ctx.dims, ctx.keepdim = dims, keepdim
+        if x.requires_grad:
+            reach = x == m
+            count = transport_allreduce(
+                contiguous(reach.sum(dims, keepdim=True, dtype=x.dtype), copy=True), comm)
+            ctx.save_for_backward(reach, count)
+        return m if keepdim else m.squeeze(dims)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reach, count = ctx.saved_tensors
+        if not ctx.keepdim:
+            for d in sorted(ctx.dims):
+                grad = grad.unsqueeze(d)
+        # the result is one replicated value: its gradient is whole on every rank
+        return reach * (grad / count), None, None, None, None
+
+
+def _split_extreme(x: torch.Tensor, dims: Sequence[int], keepdim: bool, comm: MPI.Intracomm,
+                  largest: bool = True) -> torch.Tensor:
+    """``torch.amax`` (``largest``) or ``torch.amin`` over ``dims`` of the global tensor whose
+    blocks are ``x`` on the ranks of ``comm`` (those that split ``dims``); collective.
+
+    The result is one value on every rank; its gradient, whole on every rank, is shared
+    evenly by the elements equal to it, on whichever rank they lie, as PyTorch shares
+    it among equal values."""
+    return _SplitExtreme.apply(x, tuple(sorted(int(d) for d in dims)), bool(keepdim), comm,
+                               bool(largest))
 
 
 def _from_root(t: torch.Tensor, comm: MPI.Intracomm, root: int) -> torch.Tensor:
