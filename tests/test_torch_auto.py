@@ -200,6 +200,27 @@ class SegNet(nn.Module):
         return self.head(v)
 
 
+class Gated(nn.Module):
+    """Operands that broadcast against a block: a squeeze-and-excitation gate on a side
+    path (pooled, flattened, two linear layers), a spatial attention map, and a global max
+    pooling added to every position."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc1 = nn.Linear(4, 2)
+        self.fc2 = nn.Linear(2, 4)
+        self.att = nn.Conv2d(4, 1, 1)
+        self.head = nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        s = torch.sigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(y, 1).flatten(1)))))
+        y = y * s[:, :, None, None]
+        y = torch.sigmoid(self.att(y)) * y
+        return self.head(y) + y.amax((2, 3), keepdim=True)[:, :3]
+
+
 MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
           "segnet": (SegNet, (2, 2, 17, 12), ["enc1", "relu", "pool1", "enc2", "relu_1",
                                               "max_pool2d_with_indices", "mid", "dec2",
@@ -212,7 +233,10 @@ MODELS = {"cnn": (SmallCNN, (4, 2, 16, 12), CNN_LAYERS),
           "dropouts": (Dropouts, (3, 2, 12, 10), ["conv", "drop", "head", "dropout2d"]),
           "unet": (SmallUNet, (1, 2, 16, 12), UNET_LAYERS),
           "unet-corners": (CornersUNet, (1, 2, 16, 12), UNET_LAYERS),
-          "branches": (Branches, (2, 2, 9, 7), ["a", "b", "pool", "head"])}
+          "branches": (Branches, (2, 2, 9, 7), ["a", "b", "pool", "head"]),
+          "gated": (Gated, (4, 2, 12, 10), ["conv", "adaptive_avg_pool2d", "flatten", "fc1",
+                                             "relu", "fc2", "sigmoid", "getitem", "att",
+                                             "sigmoid_1", "head", "amax", "getitem_1"])}
 
 
 # ------------------------------------------------------------------ helpers

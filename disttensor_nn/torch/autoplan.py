@@ -184,6 +184,18 @@ class _Unpooled:
         return self.out_shape
 
 
+class _Broadcast(_Unpooled):
+    """The planner's merge of an element-wise operation whose second operand broadcasts
+    against the first (its shape is the first's; the operation is not priced, as a
+    residual '+' is not)."""
+
+
+def _broadcasts(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether ``small`` broadcasts against ``shape`` (right-aligned, as in PyTorch)."""
+    lead = len(shape) - len(small)
+    return lead >= 0 and all(n in (1, shape[lead + i]) for i, n in enumerate(small))
+
+
 class _GlobalMean(GlobalAvgPool):
     """:class:`GlobalAvgPool` whose output keeps the spatial dimensions (of length 1)."""
 
@@ -477,6 +489,17 @@ class _Mirror:
             _fail(node, f"it joins {len(preds)} tensors; the planner plans merges of two "
                         "(a residual '+') or a torch.cat along the channels")
         first, second = [a for a in _inputs(node) if a in preds]
+        if self.elementwise(node) and _shape(first) != _shape(second) \
+                and shape in (_shape(first), _shape(second)):
+            # one operand broadcasts against the other (a squeeze-and-excitation gate, an
+            # attention map): the merge takes the whole one's layout, the other moved to
+            # where it broadcasts against its blocks (priced as a move of the small one)
+            full, side = (first, second) if _shape(first) == shape else (second, first)
+            if side is fork or not _broadcasts(_shape(side), shape):
+                _fail(node, f"it broadcasts a tensor of shape {_shape(side)} against one of "
+                            f"shape {shape} that it does not lead to")
+            return Residual(self.build(fork, full), self.build(fork, side),
+                            merge=_Broadcast(shape))
         if not self.elementwise(node) or _shape(first) != shape or _shape(second) != shape:
             _fail(node, "it joins two tensors other than element-wise, shape for shape")
         return Residual(self.build(fork, first), self.build(fork, second)
