@@ -1023,6 +1023,18 @@ def test_float32_resnet(name):
         collective_assert(not bad, f"{grid}: {bad}")
 
 
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("name", ["unet2d", "unet3d", "mesh-fcn"])
+def test_float32_unets_and_mesh_fcn(name):
+    """The U-Nets and the mesh FCN in float32 on (N, C, *S) blocks, within 1e-5 of one
+    float32 process on the grids over the samples and the first spatial dimension."""
+    cls, shape = MODELS[name]
+    for grid in grids(len(shape))[:2]:
+        torch.manual_seed(0)
+        _, _, bad = run_both(cls(), shape, grid, dtype=torch.float32)
+        collective_assert(not bad, f"{grid}: {bad}")
+
+
 @pytest.mark.parallel([1, 2, 3])
 def test_interpolation_where_no_rank_splits_space_is_pytorchs_own_call():
     """align_corners with antialias, and a scale computed in forward: refused on split
@@ -1100,7 +1112,8 @@ def test_bf16_autocast_matches_one_process_within_bf16_rounding(name):
 def test_training_steps_keep_the_weights_equal(opt):
     p = comm.Get_size()
     for name, grid in (("unet2d", (1, 1, p, 1)), ("resnet", (p, 1, 1, 1)),
-                       ("resnet50", (1, 1, p, 1))):
+                       ("resnet50", (1, 1, p, 1)), ("unet3d", (1, 1, 1, 1, p)),
+                       ("mesh-fcn", (1, 1, p)), ("gates", (1, 1, 1, p))):
         cls, shape = MODELS[name]
         torch.manual_seed(0)
         model = cls().double()
@@ -1118,10 +1131,12 @@ def test_training_steps_keep_the_weights_equal(opt):
             x = global_tensor(shape, 10 + step, torch.float64)
             o_par.zero_grad()
             o_ref.zero_grad()
+            torch.manual_seed(30 + step)  # the same dropout masks (unet3d) in both
             out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
             whole = gather(out.local, out.dist)
             target = global_tensor(whole.shape, 20 + step, torch.float64)
             ((whole - target) ** 2).mean().backward()
+            torch.manual_seed(30 + step)
             ((ref(x) - target) ** 2).mean().backward()
             o_par.step()
             o_ref.step()
