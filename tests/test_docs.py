@@ -71,8 +71,9 @@ def test_every_tutorial_script_is_included_and_checked():
         assert f"{{literalinclude}} {name}" in pages, f"no page includes {name}"
 
 
-@pytest.mark.parametrize("nprocs", [4, 3])
-@pytest.mark.parametrize("script", sorted(CHECK_LINES))
+@pytest.mark.parametrize(("script", "nprocs"), [
+    *((script, n) for script in sorted(CHECK_LINES) for n in (4, 3)),
+    ("torch_parallelize.py", 2)])  # one sample per step on 2 ranks, as docs/torch.md says
 def test_tutorial(script, nprocs):
     if script in NEEDS_TORCH and not HAS_TORCH:
         pytest.skip("needs PyTorch (the torch extra)")

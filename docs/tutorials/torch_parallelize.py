@@ -6,10 +6,11 @@ Run it on any number of ranks::
 
 The model is plain PyTorch (convolutions, batch norm, max pooling, a
 transposed convolution, ``torch.cat`` skips), written for one process.
-``parallelize`` traces it and runs it on this rank's block of the images;
-``torch.optim.Adam`` trains it for a few steps. Every step's loss and the
-weights after the last one are checked against the same model trained in one
-process on the whole images. The script ends with
+``parallelize`` traces it and runs it on this rank's block of the image;
+``torch.optim.Adam`` trains it for a few steps, one sample per step (the
+samples too large for one device that spatial parallelism is for). Every
+step's loss and the weights after the last one are checked against the same
+model trained in one process on the whole images. The script ends with
 ``torch parallelize tutorial: OK on P ranks``.
 """
 
@@ -54,22 +55,24 @@ class UNet(nn.Module):
 torch.manual_seed(0)  # the same weights, images and targets on every rank
 model = UNet().double()
 serial = copy.deepcopy(model)  # the reference, trained in one process below
-shape = (4, 1, 24, 20)  # (N, C, H, W)
+shape = (1, 1, 24, 20)  # (N, C, H, W): one sample per step
 grid = tuple(MPI.Compute_dims(comm.size, 2))
 pm = parallelize(model, shape, layout=(1, 1, *grid))  # H and W split over the ranks
 say(f"input blocks: {pm.input_dist}")
 
-images = torch.randn(shape, dtype=torch.float64)
-targets = torch.randn(shape, dtype=torch.float64)
-x = dt.DistArray.from_global(images, pm.input_dist, xp=torch)  # this rank's block
+images = torch.randn((4, *shape[1:]), dtype=torch.float64)  # four samples
+targets = torch.randn((4, *shape[1:]), dtype=torch.float64)
+# this rank's block of each sample (from a file, each rank would read its block instead)
+blocks = [dt.DistArray.from_global(images[i:i + 1], pm.input_dist, xp=torch)
+          for i in range(len(images))]
 
 # ----------------------------------------------------------------- training
 optimizer = torch.optim.Adam(pm.parameters(), lr=0.01)  # on the parallel model's parameters
 losses = []
-for step in range(4):
+for step, x in enumerate(blocks):
     optimizer.zero_grad()
     y = pm(x)  # a DistArray of torch tensors
-    loss = ((gather(y.local, y.dist) - targets) ** 2).mean()  # the same on every rank
+    loss = ((gather(y.local, y.dist) - targets[step:step + 1]) ** 2).mean()  # on every rank
     loss.backward()  # every parameter's gradient: one process's on the whole batch
     optimizer.step()
     losses.append(loss.item())
@@ -78,9 +81,9 @@ for step in range(4):
 # ----------------------------------------------------------------- checks
 serial_optimizer = torch.optim.Adam(serial.parameters(), lr=0.01)
 serial_losses = []
-for _ in range(4):
+for step in range(len(images)):
     serial_optimizer.zero_grad()
-    loss = ((serial(images) - targets) ** 2).mean()
+    loss = ((serial(images[step:step + 1]) - targets[step:step + 1]) ** 2).mean()
     loss.backward()
     serial_optimizer.step()
     serial_losses.append(loss.item())
