@@ -221,6 +221,37 @@ def test_model_file_trains_as_plain_torch_in_one_process(layout, optimizer, lr, 
     plain.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint_state(ck).items()})
 
 
+@pytest.mark.parallel([1, 2])
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_model_file_trains_on_hdf5_and_zarr(fmt, capsys):
+    """The user's model trains on an HDF5 file and on a Zarr group (data sets input and
+    target) as plain torch does in one process on the same samples."""
+    pytest.importorskip("h5py" if fmt == "h5" else "zarr")
+    tmp = shared_tmpdir()
+    path = model_file(tmp)
+    _, x, t = npy_data(tmp)
+    data = os.path.join(tmp, f"data.{fmt}")
+    if comm.Get_rank() == 0:
+        if fmt == "h5":
+            import h5py
+
+            with h5py.File(data, "w") as f:
+                f["input"], f["target"] = x, t
+        else:
+            import zarr
+
+            group = zarr.open_group(data, mode="w")
+            for name, values in (("input", x), ("target", t)):
+                group.create_array(name, shape=values.shape, dtype=values.dtype,
+                                   chunks=(1, *values.shape[1:]))[...] = values
+    comm.Barrier()
+    ck = os.path.join(tmp, f"ck-{fmt}")
+    assert train_main(base(path, "--data", data, "--batch", str(N), "--steps", "3",
+                           "--lr", "0.05", "--checkpoint", ck)) == 0
+    capsys.readouterr()
+    assert_close(checkpoint_state(ck), reference(x, t, 3, "sgd", 0.05))
+
+
 @pytest.mark.parallel([1, 2, 3])
 def test_group_batch_norm_statistics_train_as_ddp_does(capsys):
     """--bn-stats group with the samples split: the parameters after three steps are those

@@ -511,6 +511,25 @@ class Extremes(nn.Module):
         return y * (y.max() - torch.min(y)) + z[:, :, None, None] + y.amax(1, keepdim=True)
 
 
+class Transposes3d(nn.Module):
+    """3-D convolutions with groups and a dilation ('same' padding), a grouped, dilated,
+    strided transposed 3-D convolution with an output padding, and a head of ``nn.Flatten``
+    and ``Linear`` whose output is added to every position."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, groups=2, dilation=(1, 2, 1), padding="same")
+        self.up = nn.ConvTranspose3d(4, 4, 3, stride=2, groups=2, dilation=2, padding=1,
+                                     output_padding=1)
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.flat = nn.Flatten()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.up(torch.tanh(self.conv(x)))
+        return y + self.fc(self.flat(self.pool(y)))[:, :, None, None, None]
+
+
 class MadeWeightNorm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -762,6 +781,7 @@ MODELS = {
     "layernorms": (LayerNorms, (3, 2, 7, 5)),
     "gates": (Gates, (3, 2, 9, 7)),
     "extremes": (Extremes, (3, 2, 9, 7)),
+    "transposes3d": (Transposes3d, (2, 2, 5, 6, 4)),
     "functional-pools": (FunctionalPools, (2, 2, 11, 9)),
     "pools1d": (Pools1d, (2, 2, 13)),
     "pools3d": (Pools3d, (2, 2, 5, 7, 4)),
