@@ -1363,14 +1363,57 @@ def test_models_that_differ_in_shape_between_ranks_are_refused_alike():
     collective_assert(not bad, f"{bad}")
 
 
-@pytest.mark.parallel([1, 2])
-def test_buckets_fuse_the_gradient_sums():
-    """Every parameter's sum goes through the buckets: one fused allreduce at 2 ranks."""
+class WideHead(nn.Module):
+    """A convolution, then a linear head whose weight's gradient (2.5 MB) fills a bucket
+    alone, early in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 80_000)
+
+    def forward(self, x):
+        return self.fc(F.adaptive_avg_pool2d(self.conv(x), 1).flatten(1))
+
+
+@pytest.mark.parallel([2, 3])
+def test_buckets_fuse_the_gradient_sums_and_overlap_backward(monkeypatch):
+    """The gradients' sums go through the buckets: fused (ResNet's 40-odd parameters in one
+    allreduce), and started while backward goes on (the linear head's, reduced alone, before
+    the first convolution's gradient is made); the sums those of one process."""
+    from disttensor_nn import reduction
+
+    events = []
+    started = reduction.iallreduce
+
+    def counted(a, group, *args, **kwargs):
+        events.append(("allreduce", int(np.prod(a.shape))))
+        return started(a, group, *args, **kwargs)
+
+    monkeypatch.setattr(reduction, "iallreduce", counted)
     p = comm.Get_size()
     cls, shape = MODELS["resnet"]
     torch.manual_seed(0)
-    _, _, bad = run_both(cls().double(), shape, (p, 1, 1, 1))
+    pm, _, bad = run_both(cls().double(), shape, (p, 1, 1, 1))
     collective_assert(not bad, str(bad))
+    n = sum(1 for _ in pm.parameters())
+    collective_assert(len(events) == 1 and events[0][1] == sum(
+        q.numel() for q in pm.parameters()), f"{n} parameters: {events}")
+    events.clear()
+    torch.manual_seed(0)
+    model = WideHead().double()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, (4, 2, 6, 5), (p, 1, 1, 1))
+    pm.conv.weight.register_hook(lambda g: events.append(("conv.weight", 0)))
+    x = global_tensor((4, 2, 6, 5), 3, torch.float64)
+    out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+    (gather(out.local, out.dist) ** 2).sum().backward()
+    (ref(x) ** 2).sum().backward()
+    kinds = [k for k, _ in events]
+    collective_assert(kinds[0] == "allreduce" and events[0][1] == 320_000
+                      and "conv.weight" in kinds and kinds.count("allreduce") == 2, str(events))
+    collective_assert(all(rel(a.grad, b.grad) < 1e-10 for a, b in
+                          zip(pm.parameters(), ref.parameters())), "sums")
 
 
 # ------------------------------------------------------------------ bad input

@@ -334,8 +334,18 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             module._parameters[name] = fresh[id(p)]
     # the parameters some other rank uses too, and the ranks that sum their gradients; one
     # no other rank uses (every one on one rank) keeps autograd's own gradient, as unwrapped
-    comms = {id(fresh[i]): c for i, (_, dist, _) in compiler.param_keys.items()
-             if (c := split_axes_comm(dist)).Get_size() > 1}
+    # (one communicator per group of ranks, so that their sums share buckets: the
+    # layers' distributions may reach the same ranks through different communicators)
+    groups: list[MPI.Intracomm] = []
+    comms = {}
+    for i, (_, dist, _) in compiler.param_keys.items():
+        c = split_axes_comm(dist)
+        if c.Get_size() > 1:
+            same = next((g for g in groups if MPI.Comm.Compare(g, c) in (
+                MPI.IDENT, MPI.CONGRUENT)), None)
+            if same is None:
+                groups.append(c)
+            comms[id(fresh[i])] = c if same is None else same
     pm = ParallelModule(model, gm, steps, input_dist, compiler.output_dist, comms,
                         compiler.view, compiler.running, batch_norm_stats, memory_format)
     pm.plan = plan
