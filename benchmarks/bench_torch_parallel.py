@@ -77,8 +77,9 @@ from disttensor_nn.training import build_model
 
 
 def trunk(model) -> nn.Module:
-    """The model in plain torch up to its last convolution: parallelize does not split
-    PixelShuffle (DepthToSpace) yet, which the mesh FCN ends with."""
+    """The model in plain torch up to its last convolution, without the PixelShuffle
+    (DepthToSpace) the mesh FCN ends with: the model every figure of this benchmark since
+    its first was taken on (parallelize splits PixelShuffle too now)."""
     layers = list(to_torch(model))
     while not isinstance(layers[-1], nn.Conv2d):
         layers.pop()

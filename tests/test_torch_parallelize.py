@@ -933,7 +933,7 @@ def test_a_memory_format_that_does_not_suit_is_refused(value, shape):
 
 
 class PointWise(nn.Module):
-    """Comparisons, logic and point-wise functions between convolutions."""
+    """Comparisons, logic and point-wise functions (in place too) between convolutions."""
 
     def __init__(self):
         super().__init__()
@@ -941,7 +941,7 @@ class PointWise(nn.Module):
         self.b = nn.Conv2d(3, 2, 3, padding=1)
 
     def forward(self, x):
-        y = self.a(x)
+        y = torch.sigmoid_(self.a(x) * 2) - torch.relu_(self.a(x) - 0.2)
         y = torch.where(y > 0, y, 0.1 * y) + (y >= 0.5).to(y.dtype) * torch.erf(y)
         y = y + torch.logical_and(y < 1, ~(y == 0)).to(y.dtype) + y % 0.7
         return self.b(torch.nan_to_num(torch.hypot(y, y.abs() + 1) - torch.fmax(y, -y)))

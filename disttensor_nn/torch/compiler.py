@@ -1650,7 +1650,7 @@ def _elementwise_function(fn: Any) -> bool:
         return fn in _ELEMENTWISE_NAMES or fn.rstrip("_") in _ELEMENTWISE_NAMES
     return fn in _ELEMENTWISE_F or fn in _BINARY_OPERATORS or (
         getattr(fn, "__module__", None) in ("torch", None)
-        and getattr(fn, "__name__", "") in _ELEMENTWISE_NAMES)
+        and getattr(fn, "__name__", "").rstrip("_") in _ELEMENTWISE_NAMES)  # relu_ too
 
 
 def _runs_on_blocks(gm: GraphModule) -> Callable[[Node], bool]:
