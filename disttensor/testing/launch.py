@@ -27,8 +27,6 @@ import subprocess
 import sys
 import time
 
-from disttensor._mpi_check import yield_when_oversubscribed
-
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
@@ -54,16 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         env["DISTTENSOR_CHECK_COLLECTIVE"] = "1"
     for p in sizes:
         cmd = [sys.executable, "-m", "pytest", "-m", f"parallel[{p}]", *pytest_args]
-        run_env = env
         if p > 1:
             cmd = [mpiexec_path(), "-n", str(p), *cmd]
-            # MPICH's waits yield the core where the ranks outnumber the cores, as
-            # ``import disttensor`` asks in a job; pytest's MPI plugin starts MPI first
-            run_env = dict(env, MPI_LOCALNRANKS=str(p))  # as the launcher will say
-            yield_when_oversubscribed(run_env)
         print(f"\n##### world size {p}: {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         last = ""
         assert proc.stdout is not None
         for line in proc.stdout:
