@@ -5,8 +5,6 @@ spatial dimensions may be split in any way over a process grid, and gives
 the forward values and gradients a single process would.
 """
 
-import disttensor  # noqa: F401  (first: it starts MPI with its settings, before any layer)
-
 from .container import Residual, Sequential, Skip
 from .layers.conv import Conv1d, Conv2d, Conv3d, ConvNd
 from .layers.dense import Flatten, Linear
