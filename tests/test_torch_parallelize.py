@@ -530,6 +530,72 @@ class Transposes3d(nn.Module):
         return y + self.fc(self.flat(self.pool(y)))[:, :, None, None, None]
 
 
+class Lineage(nn.Module):
+    """Parameters that reach split blocks through operations on them: a module called on a
+    parameter (``fc(latent)``), a broadcast operand listed first (``lerp(s, y, w)``); and
+    their dtype and size used where no gradient flows (``x.to(head.weight.dtype)``,
+    ``view(n, w.shape[0], -1)``), which must not count as uses of the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.latent = nn.Parameter(torch.randn(3))
+        self.fc = nn.Linear(3, 4)
+        self.w = nn.Parameter(torch.randn(4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.conv(x.to(self.head.weight.dtype))
+        y = y * self.fc(self.latent).view(1, -1, 1, 1)
+        s = F.adaptive_avg_pool2d(y, 1)
+        y = torch.lerp(s, y, torch.sigmoid(self.w)[:, None, None])
+        y = y.view(y.size(0), self.w.shape[0], -1)
+        return self.head(y.mean(2)) + y.amax(2)[:, :2]
+
+
+class Ties(nn.Module):
+    """Extremes over inputs of few values, tied across ranks: a global max pooling (the
+    module, 2-D; the function, 3-D on the input as one batch-less volume) gives the
+    gradient to the first maximum, ``amax``/``amin``/``max()`` share it among the ties,
+    as in one process."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.AdaptiveMaxPool2d(1)
+
+    def forward(self, x):
+        y = self.pool(x) * x + x.amax((0, 2, 3), keepdim=True) * 2
+        y = y + torch.amin(x, dim=3, keepdim=True) - x.max() * x.min()
+        return y + F.adaptive_max_pool3d(x, 1) * 0.5  # x as a batch-less (C, D, H, W)
+
+
+@pytest.mark.parallel(SIZES)
+def test_extremes_of_tied_values_give_one_process_gradients():
+    shape = (2, 2, 9, 7)
+    x = torch.tensor(np.random.default_rng(5).integers(0, 3, shape), dtype=torch.float64)
+    x[1, 1] = float("nan")  # NaN wins its maxima and minima, as in one process
+    bad = []
+    for grid in grids(4):
+        pm = parallelize(Ties(), shape, grid)
+        xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone()
+        xl.requires_grad_()
+        out = pm(xl)
+        whole = gather(out.local, out.dist)
+        target = global_tensor(whole.shape, 6, torch.float64)
+        (torch.nan_to_num(whole) * target).sum().backward()
+        xr = x.clone().requires_grad_()
+        yr = Ties()(xr)
+        (torch.nan_to_num(yr) * target).sum().backward()
+        if not torch.equal(torch.isnan(whole), torch.isnan(yr)) or rel(
+                torch.nan_to_num(whole), torch.nan_to_num(yr)) > 1e-12:
+            bad.append((grid, "output"))
+        want = xr.grad[pm.input_dist.local_slices()]
+        if not torch.allclose(torch.nan_to_num(xl.grad), torch.nan_to_num(want), rtol=1e-12,
+                              atol=1e-12):
+            bad.append((grid, "input gradient"))
+    collective_assert(not bad, str(bad))
+
+
 class MadeWeightNorm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -782,6 +848,7 @@ MODELS = {
     "gates": (Gates, (3, 2, 9, 7)),
     "extremes": (Extremes, (3, 2, 9, 7)),
     "transposes3d": (Transposes3d, (2, 2, 5, 6, 4)),
+    "lineage": (Lineage, (3, 2, 9, 7)),
     "functional-pools": (FunctionalPools, (2, 2, 11, 9)),
     "pools1d": (Pools1d, (2, 2, 13)),
     "pools3d": (Pools3d, (2, 2, 5, 7, 4)),

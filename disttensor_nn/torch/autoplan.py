@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -186,8 +187,10 @@ class _Unpooled:
 
 class _Broadcast(_Unpooled):
     """The planner's merge of an element-wise operation whose second operand broadcasts
-    against the first (its shape is the first's; the operation is not priced, as a
-    residual '+' is not)."""
+    against the first (its shape is the first's). The operation is not priced, as a
+    residual '+' is not; the block prices the small operand's move to the first's layout
+    (the runtime moves it to where it broadcasts, and sums its gradient over the ranks
+    that split what it meets: both of the small tensor, not priced)."""
 
 
 def _broadcasts(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -737,12 +740,18 @@ def _signature(gm: GraphModule, node: Node) -> str:
     description (its kernel, stride, channels, ...), or a function's or method's name and
     arguments, tensors given by their shapes."""
     if node.op == "call_module":
-        return repr(gm.get_submodule(node.target))
-    target = node.target if isinstance(node.target, str) else getattr(
-        node.target, "__name__", type(node.target).__name__)
-    args = map_aggregate((node.args, node.kwargs),
-                         lambda a: _shape(a) if isinstance(a, Node) else a)
-    return f"{target}{args!r}"
+        text = repr(gm.get_submodule(node.target))
+    else:
+        target = node.target if isinstance(node.target, str) else getattr(
+            node.target, "__name__", type(node.target).__name__)
+        args = map_aggregate((node.args, node.kwargs),
+                             lambda a: _shape(a) if isinstance(a, Node) else a)
+        text = f"{target}{args!r}"
+    return _ADDRESS.sub("", text)  # an object's place in memory differs from run to run
+
+
+# " at 0x7f...": what a default repr says of an object's address
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _given_plan(layout: Any) -> Plan | None:
@@ -886,7 +895,10 @@ def plan_layouts(gm: GraphModule, shape: tuple[int, ...], dtype: torch.dtype, la
             f"{fmt} {1e3 * t:.2f} ms" for fmt, t in zip(options, times)) +
             f" predicted; {plan.memory_format} kept")
     if given is not None:
-        why = _same_entries(plan, leaves, shape, comm.Get_size())
+        # decided alike: the first reason any rank finds (a module's description may name
+        # what differs between ranks, a device say)
+        why = next((w for w in comm.allgather(_same_entries(plan, leaves, shape,
+                                                             comm.Get_size())) if w), None)
         if why is not None:
             raise ValueError(f"parallelize: the plan was made for another model: {why}")
     return plan, _relayouts(gm, plan, mirror, leaves, shape, comm)

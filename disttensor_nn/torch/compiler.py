@@ -185,6 +185,13 @@ def _move_then_share(src: Distribution, dst: Distribution, along: Sequence[int]
     return move
 
 
+def _float_tensor(node: Node) -> bool:
+    """Whether ``node``'s value is a floating tensor (one that carries a gradient)."""
+    meta = node.meta.get("tensor_meta")
+    return meta is not None and getattr(getattr(meta, "dtype", None), "is_floating_point",
+                                        False)
+
+
 def _global_window(output_size: Any) -> bool:
     """Whether an adaptive pooling's output size is 1 in every dimension (one window)."""
     sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,)
@@ -325,20 +332,27 @@ class _Compiler:
     # --------------------------------------------------------------- dispatch
     def compile(self, node: Node) -> Step:
         """The step of ``node``; the parameters a value every rank holds alike is made of
-        followed to where it meets distributed blocks, whose ranks then sum each one's
-        gradient (as a module's parameters' are), unless the node's rule did."""
+        (a parameter, an operation on one, a module called on such values) followed to
+        where it meets distributed blocks, whose ranks then sum each one's gradient over
+        the axes that split the result (as a module's parameters' are), unless the node's
+        rule did. Only floating tensors carry them (not a parameter's dtype or size)."""
         known = set(self.param_keys)
         step = self._compile(node)
         value = self.values.get(node)
-        inputs = [self.values[a] for a in _flat_nodes(node) if a in self.values]
+        if value is None:
+            return step
+        inputs = [self.values[a] for a in _flat_nodes(node)
+                  if a in self.values and _float_tensor(a)]
         made_of = frozenset().union(*(v.params for v in inputs if v.dist is None))
-        if value is None or not made_of:
-            return step
         if value.dist is None:
-            value.params = value.params | made_of
+            if _float_tensor(node):
+                if node.op == "call_module":  # the module's own parameters too
+                    made_of |= {f"{node.target}.{name}" for name, _ in
+                                self.gm.get_submodule(node.target).named_parameters()}
+                value.params = value.params | made_of
             return step
-        dist = next((v.dist for v in inputs if isinstance(v.dist, Distribution)),
-                    value.dist if isinstance(value.dist, Distribution) else None)
+        dist = value.dist if isinstance(value.dist, Distribution) else next(
+            (v.dist for v in inputs if isinstance(v.dist, Distribution)), None)
         if dist is not None:
             for name in sorted(made_of):
                 param = self.model.get_parameter(name)
@@ -472,8 +486,9 @@ class _Compiler:
             if d != want or along:
                 moves[a] = _move_then_share(d, want, along)
         for a in _flat_nodes(node):
+            if self.dist_of(a) is None and _shape_of(a) is not None:
+                self.check_broadcast(node, a, target)  # a parameter, or made of them
             if a.op == "get_attr":
-                self.check_broadcast(node, a, target)
                 self.use_param(node, a.target, target)
         self.set(node, target)
         positions = _node_positions(node, moves)
@@ -493,7 +508,8 @@ class _Compiler:
         for k in range(1, len(shape) + 1):
             d = dist.ndim - k
             if d >= 0 and shape[-k] != 1 and _split(dist, d):
-                self.fail(node, f"broadcasts '{attr.target}' of shape {shape} along "
+                what = attr.target if attr.op == "get_attr" else attr.name
+                self.fail(node, f"broadcasts '{what}' of shape {shape} along "
                                 f"dimension {d}, which is split over the grid")
 
     # --------------------------------------------------------------- call_module
@@ -521,8 +537,10 @@ class _Compiler:
         if isinstance(m, nn.GroupNorm):
             return self.groupnorm(node, m, dist)
         if isinstance(m, _ADAPTIVE_MAX) and _global_window(m.output_size) \
-                and not m.return_indices:  # a global max pooling head
-            return self.extreme(node, dist, list(range(2, dist.ndim)), True, True)
+                and not m.return_indices:  # a global max pooling head (its last nd dims)
+            nd = next(i + 1 for i, c in enumerate(_ADAPTIVE_MAX) if isinstance(m, c))
+            return self.extreme(node, dist, list(range(dist.ndim - nd, dist.ndim)), True,
+                                True, pooling=self.module_call(m))
         if isinstance(m, _PER_SAMPLE):
             return self.per_sample(node, m, dist)
         if isinstance(m, nn.LayerNorm):
@@ -900,12 +918,13 @@ class _Compiler:
             fn = _ADAPTIVE_F[nd - 1]
             self.set(node, _with_shape(dist, shape, {2 + i: None for i in range(nd)}))
             return lambda args: fn(args[0][0], outs)
+        if all(o == 1 for o in outs):  # a global mean: local sums and one all-reduce (as a
+            # pool, one window over every rank's block would gather them onto one rank)
+            return self.reduce_sum(node, dist, list(range(2, 2 + nd)), True, mean=True)
         if all(n % o == 0 for n, o in zip(ins, outs)):
             k = tuple(n // o for n, o in zip(ins, outs))
             pool = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)[nd - 1](k, k)
             return self.pool(node, pool, dist)
-        if all(o == 1 for o in outs):
-            return self.reduce_sum(node, dist, list(range(2, 2 + nd)), True, mean=True)
         return self.adaptive_windows(node, dist, shape, split)
 
     def adaptive_windows(self, node: Node, dist: Distribution, shape: tuple[int, ...],
@@ -999,10 +1018,12 @@ class _Compiler:
         return step
 
     def extreme(self, node: Node, dist: Distribution, dims: list[int], keepdim: bool,
-                largest: bool) -> Step:
+                largest: bool, pooling: Callable[..., Any] | None = None) -> Step:
         """The largest (smallest) value over ``dims`` (``amax``, ``amin``, ``max()``, a
         global max pooling head): each block's, then the ranks that split ``dims``
-        compare theirs; the result held alike by them, laid out as a sum's."""
+        compare theirs; the result held alike by them, laid out as a sum's. A pooling
+        (``pooling``, its own call where no rank splits ``dims``) gives the gradient to
+        the first maximum, as PyTorch's pooling does; the others share it among ties."""
         shape = _shape_of(node)
         if keepdim:
             axes = [None if d in dims else a for d, a in enumerate(dist.axes)]
@@ -1012,10 +1033,17 @@ class _Compiler:
             splits = [dist.splits[d] for d in range(dist.ndim) if d not in dims]
         self.set(node, Distribution(shape, dist.grid_arg, axes, splits))
         if not any(_split(dist, d) for d in dims):
+            if pooling is not None:
+                return lambda args: pooling(*args[0], **args[1])
             local = torch.amax if largest else torch.amin
             return lambda args: local(args[0][0], dims, keepdim=keepdim)
         comm = split_axes_comm(dist, dims)
-        return lambda args: _split_extreme(args[0][0], dims, keepdim, comm, largest)
+        here = dist.local_slices()
+        starts = [here[d].start for d in dims]
+        sizes = [dist.global_shape[d] for d in dims]
+        first = pooling is not None
+        return lambda args: _split_extreme(args[0][0], dims, keepdim, comm, largest, first,
+                                           starts, sizes)
 
     def batchnorm(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
         self.refuse_split(node, dist, [1], f"{type(m).__name__} normalizes per channel")
@@ -1510,7 +1538,9 @@ class _Compiler:
             return self.adaptive(node, None, dist, dist.ndim - 2)
         if fn in _ADAPTIVE_MAX_F and _global_window(_arg(node, 1, "output_size", None)) \
                 and not _arg(node, 2, "return_indices", False):
-            return self.extreme(node, dist, list(range(2, dist.ndim)), True, True)
+            nd = _ADAPTIVE_MAX_F.index(fn) + 1
+            return self.extreme(node, dist, list(range(dist.ndim - nd, dist.ndim)), True,
+                                True, pooling=lambda *a, **kw: fn(*a, **kw))
         if fn in _EXTREMES:
             return self.extreme(node, dist, _dims(_arg(node, 1, "dim", ()), dist.ndim),
                                 bool(_arg(node, 2, "keepdim", False)), _EXTREMES[fn])

@@ -262,28 +262,59 @@ class _Broadcast(torch.autograd.Function):
 
 class _SplitExtreme(torch.autograd.Function):
     """The largest (or smallest) value over ``dims`` of a tensor whose blocks split some of
-    them over ``comm``; its gradient shared evenly by the elements that reach it, on every
-    rank (as ``torch.amax``'s is by the equal values of one tensor)."""
+    them over ``comm``, NaN where any element is NaN (as in one process); its gradient,
+    whole on every rank, shared evenly by the elements equal to it (``torch.amax``'s
+    rule), or with ``first`` (max pooling's rule) given to the first of them in the row
+    order of the global reduced dimensions, whose sizes are ``sizes`` and this block's
+    first indices ``starts``."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool,
-                comm: MPI.Intracomm, largest: bool) -> torch.Tensor:
-        op = MPI.MAX if largest else MPI.MIN
-        if all(x.shape[d] for d in dims):
-            m = (x.amax if largest else x.amin)(dims, keepdim=True)
+                comm: MPI.Intracomm, largest: bool, first: bool,
+                starts: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        boolean = x.dtype == torch.bool
+        xs = x.to(torch.uint8) if boolean else x  # MPI compares no booleans
+        floating = xs.dtype.is_floating_point
+        kept = [1 if d in dims else n for d, n in enumerate(xs.shape)]
+        info = torch.finfo(xs.dtype) if floating else torch.iinfo(xs.dtype)
+        worst = (-math.inf if largest else math.inf) if floating else \
+            (info.min if largest else info.max)
+        if all(xs.shape[d] for d in dims):
+            m = (xs.amax if largest else xs.amin)(dims, keepdim=True)
         else:  # an empty block: the identity of the comparison
-            info = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
-            fill = (-math.inf if largest else math.inf) if x.dtype.is_floating_point \
-                else (info.min if largest else info.max)
-            m = x.new_full([1 if d in dims else n for d, n in enumerate(x.shape)], fill)
-        m = transport_allreduce(contiguous(m, copy=True), comm, op)
+            m = xs.new_full(kept, worst)
+        if floating:  # NaN anywhere: NaN (MPI's MAX and MIN do not say how NaN compares)
+            nan = torch.isnan(xs).any(dims, keepdim=True) if xs.numel() else \
+                torch.zeros(kept, dtype=torch.bool, device=xs.device)
+            m = torch.where(nan, torch.full_like(m, worst), m)
+            flag = nan.to(m.dtype) if largest else -nan.to(m.dtype)  # one combine
+            both = transport_allreduce(torch.cat([m.reshape(-1), flag.reshape(-1)]), comm,
+                                       MPI.MAX if largest else MPI.MIN)
+            m, nan = both[:m.numel()].reshape(kept), both[m.numel():].reshape(kept) != 0
+            m = torch.where(nan, torch.full_like(m, math.nan), m)
+        else:
+            nan = None
+            m = transport_allreduce(contiguous(m, copy=True), comm,
+                                    MPI.MAX if largest else MPI.MIN)
         ctx.dims, ctx.keepdim = dims, keepdim
-        if x.requires_grad:
-            reach = x == m
-            count = transport_allreduce(
-                contiguous(reach.sum(dims, keepdim=True, dtype=x.dtype), copy=True), comm)
+        if ctx.needs_input_grad[0]:  # alike on every rank: the graph is the same
+            reach = xs == m if nan is None else torch.where(nan, torch.isnan(xs), xs == m)
+            if first:  # the first of them, in the global row order, takes it all
+                index = _global_flat_index(xs.shape, dims, starts, sizes, xs.device)
+                none = math.prod(sizes)
+                mine = torch.where(reach, index, torch.full_like(index, none)).amin(
+                    dims, keepdim=True) if xs.numel() else torch.full(
+                    kept, none, dtype=torch.int64, device=xs.device)
+                winner = transport_allreduce(contiguous(mine, copy=True), comm, MPI.MIN)
+                reach = reach & (index == winner)
+                count = None
+            else:
+                wide = torch.float64 if xs.dtype == torch.float64 else torch.float32
+                count = transport_allreduce(
+                    contiguous(reach.sum(dims, keepdim=True, dtype=wide), copy=True), comm)
             ctx.save_for_backward(reach, count)
-        return m if keepdim else m.squeeze(dims)
+        out = m.to(torch.bool) if boolean else m
+        return out if keepdim else out.squeeze(dims)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -292,19 +323,38 @@ class _SplitExtreme(torch.autograd.Function):
             for d in sorted(ctx.dims):
                 grad = grad.unsqueeze(d)
         # the result is one replicated value: its gradient is whole on every rank
-        return reach * (grad / count), None, None, None, None
+        share = grad if count is None else (grad / count).to(grad.dtype)
+        return reach * share, None, None, None, None, None, None, None
+
+
+def _global_flat_index(shape: Sequence[int], dims: Sequence[int], starts: Sequence[int],
+                       sizes: Sequence[int], device: Any) -> torch.Tensor:
+    """Each element's index in the row order of the global reduced dimensions ``dims``
+    (of sizes ``sizes``; this block's first indices ``starts``), broadcast over the
+    others."""
+    index = torch.zeros([1] * len(shape), dtype=torch.int64, device=device)
+    for d, start, size in zip(dims, starts, sizes):
+        view = [1] * len(shape)
+        view[d] = shape[d]
+        index = index * size + (torch.arange(shape[d], device=device) + start).view(view)
+    return index
 
 
 def _split_extreme(x: torch.Tensor, dims: Sequence[int], keepdim: bool, comm: MPI.Intracomm,
-                  largest: bool = True) -> torch.Tensor:
+                   largest: bool = True, first: bool = False,
+                   starts: Sequence[int] = (), sizes: Sequence[int] = ()) -> torch.Tensor:
     """``torch.amax`` (``largest``) or ``torch.amin`` over ``dims`` of the global tensor whose
     blocks are ``x`` on the ranks of ``comm`` (those that split ``dims``); collective.
 
-    The result is one value on every rank; its gradient, whole on every rank, is shared
-    evenly by the elements equal to it, on whichever rank they lie, as PyTorch shares
-    it among equal values."""
-    return _SplitExtreme.apply(x, tuple(sorted(int(d) for d in dims)), bool(keepdim), comm,
-                               bool(largest))
+    The result is one value on every rank (NaN where any element is); its gradient,
+    whole on every rank, is shared evenly by the elements equal to it, on whichever rank
+    they lie, as PyTorch shares it among equal values; with ``first`` (a global max
+    pooling, as PyTorch's pooling does) it goes to the first of them in the row order of
+    the global reduced dimensions, ``starts`` and ``sizes`` giving this block's place in
+    them."""
+    dims = tuple(sorted(int(d) for d in dims))
+    return _SplitExtreme.apply(x, dims, bool(keepdim), comm, bool(largest), bool(first),
+                               tuple(starts), tuple(sizes))
 
 
 def _from_root(t: torch.Tensor, comm: MPI.Intracomm, root: int) -> torch.Tensor:
