@@ -739,12 +739,12 @@ class Corners3d(nn.Module):
 
 # ------------------------------------------------------------------ helpers
 def grids(ndim):
-    """Grid shapes over (N, C, *spatial): N, the first and the last spatial dimension alone,
-    and at 4 ranks two of them at once."""
+    """Grid shapes over (N, C, *spatial): N and each spatial dimension alone, and at 4 ranks
+    two of them at once."""
     p = comm.Get_size()
     one = [1] * ndim
     out = []
-    for d in [0, 2, ndim - 1]:
+    for d in [0, *range(2, ndim)]:
         g = list(one)
         g[d] = p
         if tuple(g) not in out:
