@@ -1,0 +1,195 @@
+"""What :func:`~disttensor_nn.torch.parallelize`'s compiler knows of each node's value, and
+what every rule shares: errors raised alike on every rank, the ranks that sum each
+parameter's gradient, and the generic rule that runs an operation on whole blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_aggregate
+
+from disttensor import Distribution, ProcessGrid
+
+from .layouts import _axes_key, _split
+from .runtime import Step, _GroupRunningStats, _ParamView
+
+# shape-keeping operations along one dimension (their first argument after the tensor)
+_ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
+                        "softmin"))
+
+
+def _describe(node: Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", repr(node.target))
+    return f"node '{node.name}' ({node.op} {target})"
+
+
+def _arg(node: Node, index: int, name: str, default: Any) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+def _flat_nodes(node: Node) -> list[Node]:
+    out: list[Node] = []
+    map_aggregate((node.args, node.kwargs),
+                  lambda a: out.append(a) if isinstance(a, Node) else None)
+    return out
+
+
+def _shape_of(node: Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _float_tensor(node: Node) -> bool:
+    """Whether ``node``'s value is a floating tensor (one that carries a gradient)."""
+    meta = node.meta.get("tensor_meta")
+    return meta is not None and getattr(getattr(meta, "dtype", None), "is_floating_point",
+                                        False)
+
+
+def _dims(dim: Any, ndim: int) -> list[int]:
+    """A reduction's ``dim`` argument as sorted dimensions (``()``, ``[]`` or None: all)."""
+    if dim is None or (isinstance(dim, (tuple, list)) and not dim):
+        return list(range(ndim))
+    return sorted({int(d) % ndim for d in (dim if isinstance(dim, (tuple, list)) else [dim])})
+
+
+def _method(name: str) -> Callable[..., Any]:
+    return lambda self, *a, **kw: getattr(self, name)(*a, **kw)
+
+
+def _empty_like_output(ext: torch.Tensor, shape: tuple[int, ...],
+                       params: Any) -> torch.Tensor:
+    """An empty block that keeps the autograd graph of every rank alike (the parameters'
+    gradient hooks run on every rank)."""
+    zero = 0 * ext.sum()
+    for p in params:
+        if p is not None:
+            zero = zero + 0 * p.sum()
+    kind = ext.device.type  # under autocast, the dtype the other ranks' convolutions give
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else zero.dtype
+    return (ext.new_zeros(shape) + zero).to(dtype)
+
+
+@dataclass
+class _Value:
+    """What the compiler knows of a node's value: a distributed tensor's Distribution or
+    None (a value every rank holds alike: a number, a size, a parameter), and for the
+    latter the parameters it is made of (``self.w[:, None]``, ``self.w.view(...)``): where
+    it meets a distributed block, each rank's part of their gradients is summed."""
+
+    dist: Distribution | None
+    params: frozenset[str] = frozenset()
+
+
+class _Rules:
+    """The state and checks the compiler's rules share (one compiler per traced graph)."""
+
+    def __init__(self, gm: GraphModule, model: nn.Module, grid: ProcessGrid,
+                 batch_norm_stats: str = "global",
+                 memory_format: torch.memory_format | None = None):
+        self.gm = gm
+        self.model = model
+        self.grid = grid
+        self.batch_norm_stats = batch_norm_stats
+        # the layout every rank's blocks are put in (None: as they come), and so that of
+        # partial outputs summed over ranks (their memory is added element by element)
+        self.summed_format = memory_format if memory_format in (
+            torch.channels_last, torch.channels_last_3d) else torch.contiguous_format
+        self.running = _GroupRunningStats()
+        self.values: dict[Node, _Value] = {}
+        self.output_dist: Any = None
+        # id of each parameter used -> (the grid axes that sum its gradient, a
+        # distribution of its input, the first node that uses it)
+        self.param_keys: dict[int, tuple[frozenset, Distribution, str]] = {}
+        self.view = _ParamView()
+
+    # errors, each raised alike on every rank: all of it is metadata
+    def fail(self, node: Node, why: str) -> None:
+        raise ValueError(f"parallelize: {_describe(node)}: {why}")
+
+    def refuse_split(self, node: Node, dist: Distribution, dims: Sequence[int],
+                     what: str) -> None:
+        for d in dims:
+            if _split(dist, d):
+                self.fail(node, f"{what}: dimension {d} of its input is split over the "
+                                f"grid (grid shape {dist.grid_shape}), and this operation "
+                                "runs only where that dimension is whole")
+
+    def dist_of(self, arg: Any) -> Distribution | None:
+        return self.values[arg].dist if isinstance(arg, Node) else None
+
+    def set(self, node: Node, dist: Distribution | None) -> None:
+        self.values[node] = _Value(dist)
+
+    def use_params(self, node: Node, module_name: str, dist: Distribution) -> None:
+        """Record the ranks that sum the gradients of a module's parameters."""
+        if dist is None:
+            return
+        module = self.gm.get_submodule(module_name)
+        prefix = f"{module_name}." if module_name else ""
+        for name, _ in module.named_parameters():
+            self.use_param(node, prefix + name, dist)
+
+    def use_param(self, node: Node, name: str, dist: Distribution) -> None:
+        try:
+            param = self.model.get_parameter(name)
+        except AttributeError:
+            return  # a buffer
+        key = _axes_key(dist)
+        known = self.param_keys.get(id(param))
+        if known is not None and known[0] != key:
+            raise ValueError(
+                f"parallelize: parameter '{name}' is shared by {known[2]} and "
+                f"{_describe(node)}, whose inputs are split differently ({known[1]} and "
+                f"{dist}): its gradient would be summed over different ranks")
+        if known is None:
+            self.param_keys[id(param)] = (key, dist, _describe(node))
+
+    def module_call(self, m: nn.Module) -> Callable[..., Any]:
+        view = self.view
+        return lambda *a, **kw: view.call(m, a, kw)
+
+    def _check_shape(self, node: Node, out: Distribution, shape: Sequence[int]) -> None:
+        if tuple(out.global_shape) != tuple(shape):  # pragma: no cover - a geometry bug
+            self.fail(node, f"the window geometry gives shape {out.global_shape}, PyTorch "
+                            f"{tuple(shape)}")
+
+    def local(self, node: Node, fn: Callable[..., Any]) -> Step:
+        """Run ``fn`` as it is: every distributed input must be whole on every rank."""
+        name = node.target if isinstance(node.target, str) else getattr(
+            node.target, "__name__", "")
+        dist = self.dist_of(node.args[0]) if node.args else None
+        if name in _ALONG_DIM and dist is not None and _shape_of(node) == dist.global_shape:
+            dim = _arg(node, 1, "dim", None)
+            if isinstance(dim, int):
+                self.refuse_split(node, dist, [dim % dist.ndim], f"{name} runs along one dimension")
+                self.set(node, dist)
+                return lambda args: fn(*args[0], **args[1])
+        dists = [e for a in _flat_nodes(node) for e in (
+            self.dist_of(a) if isinstance(self.dist_of(a), tuple) else (self.dist_of(a),))]
+        for d in dists:
+            if d is not None:
+                self.refuse_split(node, d, range(d.ndim),
+                                  "parallelize does not split this operation")
+        shape = _shape_of(node)
+        dist = Distribution(shape, self.grid, (None,) * len(shape)) if shape is not None \
+            and any(d is not None for d in dists) else None
+        self.set(node, dist)
+        for a in _flat_nodes(node):
+            if a.op == "get_attr" and dist is not None:
+                self.use_param(node, a.target, dist)
+
+        def step(args: Any) -> Any:
+            a, kw = args
+            return fn(*a, **kw)
+
+        return step
