@@ -596,6 +596,45 @@ def test_extremes_of_tied_values_give_one_process_gradients():
     collective_assert(not bad, str(bad))
 
 
+class NanPools(nn.Module):
+    """Global max pooling (2-D module, 3-D function on a batch-less volume) over planes
+    with several NaNs: its value NaN and its gradient given to the last NaN, as PyTorch's
+    pooling kernels give it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.AdaptiveMaxPool2d(1)
+
+    def forward(self, x):
+        return self.pool(x) * 3 + x + F.adaptive_max_pool3d(x, 1) * 0.5
+
+
+@pytest.mark.parallel(SIZES)
+def test_global_max_pooling_gives_the_last_nan_the_gradient():
+    shape = (2, 2, 9, 7)
+    x = torch.tensor(np.random.default_rng(6).integers(0, 3, shape), dtype=torch.float64)
+    for where in ((0, 0, 1, 2), (0, 0, 7, 5), (0, 0, 4, 0), (1, 1, 0, 0), (1, 1, 8, 6)):
+        x[where] = float("nan")  # NaNs in different blocks of every grid's split
+    bad = []
+    for grid in grids(4):
+        pm = parallelize(NanPools(), shape, grid)
+        xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone()
+        xl.requires_grad_()
+        out = pm(xl)
+        whole = gather(out.local, out.dist)
+        target = global_tensor(whole.shape, 7, torch.float64)
+        (out.local * target[out.dist.local_slices()]).sum().backward()  # NaN loss, finite
+        xr = x.clone().requires_grad_()  # gradients
+        yr = NanPools()(xr)
+        (yr * target).sum().backward()
+        if not torch.equal(torch.isnan(whole), torch.isnan(yr)):
+            bad.append((grid, "output"))
+        if not torch.allclose(xl.grad, xr.grad[pm.input_dist.local_slices()], rtol=1e-12,
+                              atol=1e-12):
+            bad.append((grid, "input gradient"))
+    collective_assert(not bad, str(bad))
+
+
 class MadeWeightNorm(nn.Module):
     def __init__(self):
         super().__init__()

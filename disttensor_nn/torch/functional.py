@@ -265,8 +265,8 @@ class _SplitExtreme(torch.autograd.Function):
     them over ``comm``, NaN where any element is NaN (as in one process); its gradient,
     whole on every rank, shared evenly by the elements equal to it (``torch.amax``'s
     rule), or with ``first`` (max pooling's rule) given to the first of them in the row
-    order of the global reduced dimensions, whose sizes are ``sizes`` and this block's
-    first indices ``starts``."""
+    order of the global reduced dimensions (to the last NaN where the value is NaN),
+    whose sizes are ``sizes`` and this block's first indices ``starts``."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool,
@@ -299,13 +299,18 @@ class _SplitExtreme(torch.autograd.Function):
         ctx.dims, ctx.keepdim = dims, keepdim
         if ctx.needs_input_grad[0]:  # alike on every rank: the graph is the same
             reach = xs == m if nan is None else torch.where(nan, torch.isnan(xs), xs == m)
-            if first:  # the first of them, in the global row order, takes it all
+            if first:  # the first of them, in the global row order, takes it all; of
+                # NaNs, the last (PyTorch's pooling keeps the last NaN it meets): the least
+                # negated index, so that one all-reduce finds either
                 index = _global_flat_index(xs.shape, dims, starts, sizes, xs.device)
                 none = math.prod(sizes)
-                mine = torch.where(reach, index, torch.full_like(index, none)).amin(
+                signed = index if nan is None else torch.where(nan, -index, index)
+                mine = torch.where(reach, signed, torch.full_like(signed, none)).amin(
                     dims, keepdim=True) if xs.numel() else torch.full(
                     kept, none, dtype=torch.int64, device=xs.device)
                 winner = transport_allreduce(contiguous(mine, copy=True), comm, MPI.MIN)
+                if nan is not None:
+                    winner = torch.where(nan, -winner, winner)
                 reach = reach & (index == winner)
                 count = None
             else:
@@ -350,8 +355,8 @@ def _split_extreme(x: torch.Tensor, dims: Sequence[int], keepdim: bool, comm: MP
     whole on every rank, is shared evenly by the elements equal to it, on whichever rank
     they lie, as PyTorch shares it among equal values; with ``first`` (a global max
     pooling, as PyTorch's pooling does) it goes to the first of them in the row order of
-    the global reduced dimensions, ``starts`` and ``sizes`` giving this block's place in
-    them."""
+    the global reduced dimensions (to the last NaN where the value is NaN, as there),
+    ``starts`` and ``sizes`` giving this block's place in them."""
     dims = tuple(sorted(int(d) for d in dims))
     return _SplitExtreme.apply(x, dims, bool(keepdim), comm, bool(largest), bool(first),
                                tuple(starts), tuple(sizes))

@@ -62,7 +62,8 @@ class _StatisticRules(_Rules):
         global max pooling head): each block's, then the ranks that split ``dims``
         compare theirs; the result held alike by them, laid out as a sum's. A pooling
         (``pooling``, its own call where no rank splits ``dims``) gives the gradient to
-        the first maximum, as PyTorch's pooling does; the others share it among ties."""
+        the first maximum (the last NaN), as PyTorch's pooling does; the others share it
+        among ties."""
         shape = _shape_of(node)
         if keepdim:
             axes = [None if d in dims else a for d, a in enumerate(dist.axes)]
