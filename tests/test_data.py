@@ -19,7 +19,7 @@ from mpi4py import MPI
 import disttensor as dt
 from disttensor.testing import assert_equal, collective_assert
 from disttensor_nn import Layout
-from disttensor_nn.training import data as data_module
+from disttensor_nn.training import synthetic
 from disttensor_nn.training.data import (
     ImageNetSynthetic,
     Loader,
@@ -265,10 +265,10 @@ def test_mesh_fields_are_generated_a_few_channels_at_a_time(monkeypatch):
     # the same values as all channels at once, with float64 scratch of two channels only
     ds = MeshSynthetic(2, size=(64, 48), channels=18, seed=3)
     where = (slice(1, 18), slice(5, 60), slice(0, 48))
-    monkeypatch.setattr(data_module, "FIELD_CHUNK", 2**40)
+    monkeypatch.setattr(synthetic, "FIELD_CHUNK", 2**40)
     at_once = ds._input_block(1, where)
     two = 2 * 55 * 48 * 8  # bytes of two channels of the block in float64
-    monkeypatch.setattr(data_module, "FIELD_CHUNK", two)
+    monkeypatch.setattr(synthetic, "FIELD_CHUNK", two)
     tracemalloc.start()
     try:
         chunked = ds._input_block(1, where)
