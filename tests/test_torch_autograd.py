@@ -36,6 +36,7 @@ from disttensor_nn.torch import (  # noqa: E402
     redistribute,
     scatter,
 )
+from disttensor_nn.torch import norm as norm_module  # noqa: E402
 from disttensor_nn.torch.norm import split_batch_norm  # noqa: E402
 
 SIZES = [1, 2, 3, 4]
@@ -379,14 +380,21 @@ def test_broadcast_of_an_all_reduce_is_the_sum_over_replicas():
 # ------------------------------------------------------------------------ batch norm
 @pytest.mark.parallel(SIZES)
 @pytest.mark.parametrize("constant", [False, True])
-@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize(("layout", "sums"), [(torch.contiguous_format, False),
+                                              (torch.channels_last, False),
+                                              (torch.contiguous_format, True)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_split_batch_norm_is_torchs_on_the_global_array(dtype, layout, constant):
+def test_split_batch_norm_is_torchs_on_the_global_array(dtype, layout, constant, sums,
+                                                         monkeypatch):
     """Output, statistics, input gradient and the parameters' gradient sums against
     ``F.batch_norm`` on the whole array in one process (float64: 1e-12; bfloat16 within its
     rounding), on every split of N and space, uneven and empty blocks included, on C-order
-    and channels-last blocks (whose statistics come from ATen's training-mode kernel), with
-    and without a constant channel (no spread: ATen's kernel gives no variance there)."""
+    and channels-last blocks, with and without a constant channel; each block's statistics
+    by ATen's statistics kernel (small and channels-last blocks) or, with ``sums`` (large
+    C-order blocks: the size limit set to 0 here), by its sums and the squares of its
+    deviations."""
+    if sums:
+        monkeypatch.setattr(norm_module, "_SMALL_C_ORDER", 0)
     shape = (3, 4, 7, 5)
     rng = np.random.default_rng(3)
     x64 = torch.tensor(rng.standard_normal(shape) * 2 + 3)

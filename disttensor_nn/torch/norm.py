@@ -3,14 +3,14 @@
 :func:`split_batch_norm` normalizes a block of ``(N, C, *S)`` whose batch or
 spatial dimensions are split over the ranks of ``comm`` by the statistics of
 the global array, as ``torch.nn.BatchNorm`` does on the whole of it. Each
-pass over the block is one PyTorch kernel: forward, this block's statistics and
-its deviations from its own mean (on a channels-last block ATen's training-mode
-batch norm, which gives both in one call; on others its sums, the
-evaluation-mode batch-norm kernel as a per-channel affine map, and the squares'
-sums, a dot product per sample), then the deviations scaled and shifted in place;
-backward, the local sums of ``dy`` and ``dy * xhat`` in one
-``native_batch_norm_backward`` pass and the input gradient as
-``a x + b`` (the affine kernel again) plus ``s dy`` in place, per channel.
+pass over the block is one PyTorch kernel: forward, this block's statistics
+(ATen's batch-norm statistics kernel on channels-last and small blocks; on
+larger C-order ones its sums, the evaluation-mode batch-norm kernel as a
+per-channel shift and the squares' sums, a dot product per sample), then the
+output as ``x * scale + shift`` per channel (the evaluation-mode kernel again,
+in the block's memory format); backward, the local sums of ``dy`` and
+``dy * xhat`` in one ``native_batch_norm_backward`` pass and the input gradient
+as ``a x + b`` (the affine kernel) plus ``s dy`` in place, per channel.
 The ranks share per-channel statistics, taken in float32 for 16-bit blocks
 (float64 for float64 ones): forward, one allgather of each rank's count,
 mean and variance about its own mean, combined alike on every rank (Chan et
@@ -72,41 +72,36 @@ def _squares(d: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _local_moments(xs: torch.Tensor, out: np.ndarray, local: int
-                   ) -> tuple[torch.Tensor, np.ndarray | None]:
-    """This block's mean and biased variance per channel into ``out[:C]`` and ``out[C:]``,
-    and a new block of its deviations: ``(d, None)`` with ``d = xs - mean``, or
-    ``(d, spread)`` with ``d * spread = xs - mean`` (``spread``, the standard deviation
-    per channel).
+# elements per channel up to which ATen's statistics kernel is the faster on a C-order block
+# (one thread: 64 against 75 us at 2,048, 118 against 94 at 8,192; on channels-last blocks
+# it is faster at every size, 2-3x)
+_SMALL_C_ORDER = 4096
 
-    A channels-last block takes one call of ATen's training-mode batch norm without an
-    epsilon (the statistics and the standardized block; the variance is
-    ``1 / invstd**2``), a C-order block or one with a constant channel (an infinite
-    ``invstd``: the standardized block is dropped, a pass lost, which is rare) three
-    passes: the sums, the deviations (the evaluation-mode kernel as a per-channel shift)
-    and their squares' sums (:func:`_squares`). On channels-last blocks the latter's
-    squares run on a C-order copy that the reshape makes (the forward of a
-    ``(2, 16, 256, 256)`` block, one thread: 2.8 ms against 3.3); on C-order blocks
-    ATen's kernel is the slower.
+
+def _local_moments(xs: torch.Tensor, out: np.ndarray, local: int) -> None:
+    """This block's mean and biased variance per channel into ``out[:C]`` and ``out[C:]``.
+
+    A channels-last block, or a C-order block of at most :data:`_SMALL_C_ORDER` values per
+    channel, takes one call of ATen's batch-norm statistics kernel (its mean, then the
+    squares about it; no block written); a larger C-order block three passes, on which that
+    kernel is the slower (2.3x at 32,768 values per channel): the sums, the deviations from
+    the mean (the evaluation-mode kernel as a per-channel shift) and their squares' sums
+    (:func:`_squares`).
     """
     c = xs.shape[1]
-    mean_l = out[:c]
-    if xs.ndim > 2 and not xs.is_contiguous() and xs.is_contiguous(
-            memory_format=torch.channels_last if xs.ndim == 4 else torch.channels_last_3d):
-        d, mean_t, invstd_t = torch.native_batch_norm(xs, None, None, None, None, True,
-                                                      0.0, 0.0)
-        invstd = _host(invstd_t).astype(np.float64)
-        if np.isfinite(invstd).all() and (invstd > 0).all():
-            mean_l[...] = _host(mean_t)
-            spread = 1.0 / invstd
-            np.multiply(spread, spread, out=out[c:])
-            return d, spread
+    layout = torch.channels_last if xs.ndim == 4 else torch.channels_last_3d
+    if local <= _SMALL_C_ORDER or (xs.ndim in (4, 5) and not xs.is_contiguous()
+                                   and xs.is_contiguous(memory_format=layout)):
+        mean_t, var_t = torch.ops.aten.batch_norm_update_stats(xs, None, None, 0.0)
+        out[:c] = _host(mean_t)
+        out[c:] = _host(var_t)
+        return
     unit = _unit(c, xs.dtype, xs.device)  # zeros and ones per channel
+    mean_l = out[:c]
     np.divide(_host(xs.sum([0, *range(2, xs.ndim)])), local, out=mean_l)
     d = torch.batch_norm(xs, None, torch.from_numpy(-mean_l).to(xs.device),
                          unit[0], unit[1], False, 0.0, 0.0, False)
     np.divide(_host(_squares(d)), local, out=out[c:])
-    return d, None
 
 
 def _combine(rows: np.ndarray, c: int, count: int, out: np.ndarray) -> None:
@@ -167,11 +162,9 @@ class _SplitBatchNorm(torch.autograd.Function):
         rows = np.empty((size, 2 * c + 1), dtype=numpy_dtype(acc))
         row = rows[comm.Get_rank()]
         row[0] = local
-        mean_l = row[1:c + 1]
         xs = x if x.dtype == acc else x.to(acc)
-        spread = None  # per channel, the factor of d's deviations (None: d holds them)
-        if local:  # this block's mean, its deviations from it and their squares' sums
-            d, spread = _local_moments(xs, row[1:], local)
+        if local:  # this block's mean and variance about it
+            _local_moments(xs, row[1:], local)
         else:
             row[1:] = 0
         if size > 1:
@@ -188,17 +181,17 @@ class _SplitBatchNorm(torch.autograd.Function):
             scale[...] = invstd
         else:
             np.multiply(_host(weight), invstd, out=scale)
-        # y = (x - mean) * scale + bias = d * scale + shift
-        np.subtract(mean_l, mean, out=shift)
-        shift *= scale
+        # y = (x - mean) * scale + bias = x * scale + shift, as PyTorch's own kernels
+        # apply it: one pass of the evaluation-mode kernel (in the block's memory format)
+        np.multiply(mean, scale, out=shift)
+        np.negative(shift, out=shift)
         if bias is not None:
             shift += _host(bias)
         stats = torch.from_numpy(out).to(x.device)
-        if local:  # in d's memory: no new block
-            view = (1, c) + (1,) * (x.ndim - 2)
-            a = stats[3] if spread is None else \
-                torch.from_numpy(scale * spread).to(stats)  # d is standardized
-            y = d.mul_(a.view(view)).add_(stats[4].view(view))
+        if local:
+            unit = _unit(c, acc, x.device)
+            y = torch.batch_norm(xs, stats[3], stats[4], unit[0], unit[1], False, 0.0, 0.0,
+                                 False)
         else:
             y = torch.empty_like(x)
         ctx.save_for_backward(x)
