@@ -69,11 +69,12 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from disttensor import DistArray, Distribution, ProcessGrid, halo_plan, redistribution_plan
-from disttensor.backend import check_movable, contiguous, numpy_dtype
+from disttensor.backend import check_movable, contiguous, host_view, numpy_dtype
 from disttensor.halo import HaloPlan, normalize_widths
 from disttensor.redistribute import RedistributionPlan
 from disttensor.settings import validating
@@ -163,6 +164,23 @@ def _wrap(t: torch.Tensor, dist: Distribution) -> DistArray:
     return DistArray(contiguous(t), dist)
 
 
+def _move(plan: RedistributionPlan, t: torch.Tensor) -> torch.Tensor:
+    """``plan`` applied to this rank's block ``t``: a new contiguous tensor of its block of
+    ``plan.dst``. A tensor in host memory moves as the NumPy views of its memory and of
+    the new tensor's, the plan's NumPy path (on a 16 x 32 x 32 block between two ranks 59
+    against 89 us through the tensors' own module); others through DistArrays of their
+    module."""
+    block = contiguous(t.detach())
+    src = host_view(block)
+    if type(src) is np.ndarray:
+        out = torch.empty(plan.dst.local_shape(), dtype=block.dtype, device=block.device)
+        dst = host_view(out)
+        if type(dst) is np.ndarray:
+            plan(DistArray(src, plan.src), DistArray(dst, plan.dst))
+            return out
+    return plan(DistArray(block, plan.src)).local
+
+
 def _root_distribution(dist: Distribution, root: int) -> Distribution:
     """``dist``'s global shape held whole by ``root`` (the others hold empty blocks)."""
     shape, grid = dist.global_shape, dist.grid
@@ -204,12 +222,11 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx: Any, block: torch.Tensor, plan: RedistributionPlan,
                 back: RedistributionPlan) -> torch.Tensor:
         ctx.back = back
-        return plan(_wrap(block, plan.src)).local
+        return _move(plan, block)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        back = ctx.back
-        return back(_wrap(grad, back.src)).local, None, None
+        return _move(ctx.back, grad), None, None
 
 
 class _ScatterFromRoot(torch.autograd.Function):
