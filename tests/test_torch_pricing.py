@@ -3,7 +3,9 @@
 A dimension of length one is never split by the compiler (its grid axis holds replicas),
 so a candidate that splits it is priced on the replicated distribution (the cost model's
 ``runs_as``); a module whose input is whole is timed as the
-PyTorch module itself. The kernel timer is a stand-in that answers by the kind of twin it
+PyTorch module itself, and a batch norm whose statistics span ranks as the split batch
+norm the compiler runs (over one rank; the layer's messages priced as before). The kernel
+timer is a stand-in that answers by the kind of twin it
 is asked about (so the costs are known), or a real one on a scratch cache.
 """
 
@@ -26,6 +28,7 @@ from disttensor_nn.plan.costmodel import dist_for  # noqa: E402
 from disttensor_nn.torch.autoplan import needs_grad  # noqa: E402
 from disttensor_nn.torch.pricing import (  # noqa: E402
     ModuleTwin,
+    SplitNormTwin,
     as_run,
     channels_last_view,
     priced,
@@ -87,11 +90,14 @@ def test_a_replicated_node_is_the_module_without_messages(make, module, shape):
     twin, local = timer.asked[-1]
     assert isinstance(twin, ModuleTwin) and local == shape  # the whole block, unpadded
     assert twin.output_shape(local) == tuple(module(torch.zeros(shape)).shape)
-    # split over the height: the built-in layer's twin and its messages (a halo, or the
-    # statistics' sums)
+    # split over the height: a convolution's built-in twin and its halo's messages; a batch
+    # norm's split run (the statistics' sums priced as the layer's)
     split = cost_model(timer).layer(layer, shape, (1, 2, 1))
-    assert (split.fwd, split.bwd) == (LAYER_TIME, 2 * LAYER_TIME) and split.comm > 0
-    assert not isinstance(timer.asked[-1][0], ModuleTwin)
+    norm = isinstance(module, nn.BatchNorm2d)
+    want = MODULE_TIME if norm else LAYER_TIME
+    assert (split.fwd, split.bwd) == (want, 2 * want) and split.comm > 0
+    assert isinstance(timer.asked[-1][0], SplitNormTwin) == norm
+    assert isinstance(timer.asked[-1][0], ModuleTwin) == norm
     # the built-in layer as the built-in runtime runs it: one rank's block whole, the
     # other's empty, and the statistics summed over both
     plain = cost_model(timer, runs_as=None).layer(make(), shape, (2, 1, 1))
@@ -100,13 +106,16 @@ def test_a_replicated_node_is_the_module_without_messages(make, module, shape):
         assert plain.comm > 0
 
 
-def test_several_samples_of_a_whole_batch_norm_are_priced_as_before():
+def test_several_samples_of_a_whole_batch_norm_run_split_with_the_layers_messages():
     timer = Timer()
     shape = (4, 4, 16, 12)
     plain = cost_model(timer, runs_as=None).layer(BatchNorm2d(4), shape, (2, 1, 1))
     mine = cost_model(timer).layer(priced(BatchNorm2d(4), nn.BatchNorm2d(4)), shape,
                                    (2, 1, 1))
-    assert (mine.fwd, mine.bwd, mine.comm) == (plain.fwd, plain.bwd, plain.comm)
+    twin, local = timer.asked[-1]
+    assert isinstance(twin, SplitNormTwin) and local == (2, 4, 16, 12)
+    assert (mine.fwd, mine.bwd) == (MODULE_TIME, 2 * MODULE_TIME)
+    assert mine.comm == plain.comm > 0
 
 
 @pytest.mark.parametrize("make, module, as_module", [
@@ -118,14 +127,17 @@ def test_several_samples_of_a_whole_batch_norm_are_priced_as_before():
 ])
 def test_split_samples_run_the_module_where_nothing_else_is_summed(make, module, as_module):
     """Blocks of whole samples run the module on each rank (its gradients' sums priced as
-    the built-in layer's); a split over space, or statistics over the whole batch, keep the
-    built-in layer's twin."""
+    the built-in layer's); a split over space keeps the built-in layer's twin, and a batch
+    norm whose statistics span ranks is timed as the split batch norm, with the built-in
+    layer's messages."""
     timer = Timer()
     shape = (4, 4, 16, 12)
     plain = cost_model(Timer(), runs_as=None).layer(make(), shape, (2, 1, 1))
     mine = cost_model(timer).layer(priced(make(), module), shape, (2, 1, 1))
     twin, local = timer.asked[-1]
-    assert isinstance(twin, ModuleTwin) == as_module
+    norm = isinstance(module, nn.BatchNorm2d)
+    assert isinstance(twin, ModuleTwin) == (as_module or norm)
+    assert isinstance(twin, SplitNormTwin) == (norm and not as_module)
     if as_module:
         assert local == (2, 4, 16, 12) and (mine.fwd, mine.bwd) == (MODULE_TIME,
                                                                     2 * MODULE_TIME)
@@ -134,10 +146,11 @@ def test_split_samples_run_the_module_where_nothing_else_is_summed(make, module,
         if isinstance(module, nn.Conv2d):
             assert mine.grad + mine.comm > 0
     else:
-        assert (mine.fwd, mine.bwd, mine.comm) == (plain.fwd, plain.bwd, plain.comm)
+        assert (mine.fwd, mine.bwd, mine.comm) == (MODULE_TIME, 2 * MODULE_TIME, plain.comm)
     timer.asked.clear()
     cost_model(timer).layer(priced(make(), module), shape, (1, 2, 1))  # over the height
-    assert not any(isinstance(t, ModuleTwin) for t, _ in timer.asked)
+    assert all(isinstance(t, SplitNormTwin) == norm and isinstance(t, ModuleTwin) == norm
+               for t, _ in timer.asked)
 
 
 def test_one_rank_runs_the_modules():
@@ -187,6 +200,41 @@ def test_the_module_twin_runs_the_module(module, like, input_grad):
     for mine, theirs in zip(run.torch_module.parameters(), module.parameters()):
         np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-12)
         assert mine is not theirs  # its own copy
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_split_norm_twin_runs_the_split_batch_norm(input_grad, affine):
+    """Over one rank, the twin of a batch norm whose statistics span ranks is PyTorch's
+    training-mode batch norm of the block: output, input and parameter gradients; the
+    module's running statistics untouched."""
+    torch.manual_seed(0)
+    module = nn.BatchNorm2d(3, affine=affine).double()
+    if affine:
+        with torch.no_grad():
+            module.weight.uniform_(0.5, 1.5)
+            module.bias.uniform_(-1, 1)
+    layer = priced(BatchNorm2d(3), module)
+    layer.input_grad = input_grad
+    spec = layer.cost_spec(Distribution((2, 3, 7, 6), (1, 2, 1), (0, None, 1, 2)), 8)
+    assert isinstance(spec.twin, SplitNormTwin) and spec.allreduces
+    run = spec.twin.local_twin()
+    assert type(run) is SplitNormTwin and run.kernel_signature().endswith("|split")
+    x = np.random.default_rng(1).standard_normal((2, 3, 4, 6)) * 2 + 3
+    y = run.forward(own(x))
+    dy = np.random.default_rng(2).standard_normal(y.local.shape)
+    dx = run.backward(own(dy))
+    xt = torch.from_numpy(x.copy()).requires_grad_()
+    ref = nn.functional.batch_norm(xt, None, None, module.weight, module.bias, True)
+    np.testing.assert_allclose(y.local, ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+    ref.backward(torch.from_numpy(dy))
+    if input_grad:
+        np.testing.assert_allclose(dx.local, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    else:
+        assert dx is None
+    for mine, theirs in zip(run.torch_module.parameters(), module.parameters()):
+        np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-10)
+    np.testing.assert_array_equal(module.running_mean.numpy(), np.zeros(3))
 
 
 def test_the_kernel_timer_times_a_padded_module(tmp_path):

@@ -24,12 +24,19 @@ differently, and which change which layout is cheapest:
   microseconds. Such a node's kernels are timed on a :class:`ModuleTwin`: the
   module run forward and backward by PyTorch's autograd on the local block
   (:func:`priced`); its gradients' sums stay priced as the built-in layer's.
-  A node whose input is split otherwise (space, channels, or the samples of a
-  batch norm over the whole batch) keeps the built-in layer's twin, whose
-  per-call work is of the order of the compiler's halo exchanges and split
-  statistics on small blocks (compared in ``docs/performance.md``); function
-  nodes (``F.relu``, ``F.interpolate``) and traced operations keep the
-  built-in price everywhere.
+- **A batch norm whose statistics span ranks is the split batch norm.** Where
+  its input's space, or its samples under whole-batch statistics, are split,
+  the compiler runs :func:`~disttensor_nn.torch.split_batch_norm`: its kernels
+  and per-call work are timed on a :class:`SplitNormTwin` (the same function
+  over one rank), its statistics' messages priced as the built-in layer's
+  allreduces. The built-in layer's own passes cost 2-3 times as much on small
+  blocks, which made plans gather the deep layers' blocks for their batch norms
+  and split them again for the convolutions.
+- A node whose input is split otherwise (a convolution's or pooling's space,
+  channels) keeps the built-in layer's twin, whose per-call work is of the
+  order of the compiler's halo exchanges on small blocks (compared in
+  ``docs/performance.md``); function nodes (``F.relu``, ``F.interpolate``)
+  and traced operations keep the built-in price everywhere.
 - **Channels are split for convolutions alone.** Under a grid over ``(N, C, S..)``
   a convolution may take its input with the channels split and sum its partial
   outputs over those ranks (the planner's ``"channel"`` mode; the compiler's
@@ -65,9 +72,12 @@ from disttensor.backend import array_namespace
 from ..costspec import CostSpec, largest_block
 from ..module import Layer
 from ..plan.timer import seconds_on_every_rank
+from .norm import split_batch_norm
 
-__all__ = ["CONV_MODES", "ModuleTwin", "as_run", "channels_last_view", "conversion_seconds",
-           "priced", "runs_as_module", "standard_view", "whole_channels"]
+__all__ = ["CONV_MODES", "ModuleTwin", "SplitNormTwin", "as_run", "channels_last_view",
+           "conversion_seconds", "priced", "runs_as_module", "standard_view", "whole_channels"]
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 CONV_MODES = ("channel", "replicated")
 """The convolution modes (:data:`disttensor_nn.plan.result.MODES`) the compiler runs under a
@@ -229,7 +239,7 @@ class ModuleTwin(Layer, checked=False):
         for m in module.modules():
             if getattr(m, "inplace", False) is True:
                 m.inplace = False  # a leaf that requires a gradient: no in-place writes
-        twin = ModuleTwin(module, self.like, self.channels_last)
+        twin = type(self)(module, self.like, self.channels_last)
         twin.input_grad = self.input_grad
         return twin
 
@@ -253,7 +263,7 @@ class ModuleTwin(Layer, checked=False):
         inner = t.to(state.dtype) if state is not None and state.dtype.is_floating_point \
             and t.dtype.is_floating_point and state.dtype != t.dtype else t
         with torch.enable_grad():
-            y = module(inner)
+            y = self._call(module, inner)
         if isinstance(y, tuple):  # max pooling's values and indices: the values
             y = y[0]
         object.__setattr__(self, "_saved", (t, y))
@@ -271,9 +281,31 @@ class ModuleTwin(Layer, checked=False):
         return None if t.grad is None else _own(_as_array(self._out_format(t.grad),
                                                           dy.local))
 
+    def _call(self, module: nn.Module, t: torch.Tensor) -> Any:
+        """The module's work on the block ``t`` (its own call)."""
+        return module(t)
+
     def __repr__(self) -> str:
         last = ", channels_last=True" if self.channels_last else ""
-        return f"ModuleTwin({self.torch_module!r}{last})"
+        return f"{type(self).__name__}({self.torch_module!r}{last})"
+
+
+class SplitNormTwin(ModuleTwin, checked=False):
+    """A batch norm whose statistics span ranks, run on a local block as the compiler runs
+    it: :func:`~disttensor_nn.torch.split_batch_norm` of the block over one rank (its
+    kernels and per-call work; the statistics' messages are priced by the layer's
+    allreduces), where the built-in layer's twin would time the built-in layer's own
+    passes (2-3 times slower on small blocks)."""
+
+    def kernel_signature(self) -> str:
+        """:class:`ModuleTwin`'s, marked as the split statistics' run."""
+        return super().kernel_signature() + "|split"
+
+    def _call(self, module: nn.Module, t: torch.Tensor) -> Any:
+        weight = module.weight if module.affine else None
+        bias = module.bias if module.affine else None
+        count = t.numel() // max(t.shape[1], 1)
+        return split_batch_norm(t, weight, bias, MPI.COMM_SELF, count, module.eps)[0]
 
 
 def runs_as_module(spec: CostSpec, dist: Distribution) -> bool:
@@ -311,13 +343,20 @@ class _Priced:
     def cost_spec(self, dist: Distribution, itemsize: int = 4) -> CostSpec:
         spec = super().cost_spec(dist, itemsize)  # type: ignore[misc]
         module = self.__dict__.get("_traced_module")
-        if module is None or not spec.timed or not runs_as_module(spec, dist):
+        if module is None or not spec.timed:
+            return spec
+        if runs_as_module(spec, dist):
+            kind: type[ModuleTwin] = ModuleTwin
+        elif isinstance(module, _BATCH_NORMS):  # statistics over ranks (channels whole)
+            kind = SplitNormTwin
+        else:
             return spec
         twins = self.__dict__.setdefault("_module_twins", {})
         last = self.__dict__.get("_channels_last", False)
-        key = (bool(self.input_grad), self.kernel_backend, last)  # type: ignore[attr-defined]
+        key = (bool(self.input_grad), self.kernel_backend, last,  # type: ignore[attr-defined]
+               kind)
         if key not in twins:
-            twins[key] = ModuleTwin(module, _plain(self), last)
+            twins[key] = kind(module, _plain(self), last)
             twins[key].input_grad = key[0]
         return replace(spec, local_shape=largest_block(dist), twin=twins[key])
 
