@@ -436,6 +436,32 @@ def test_split_batch_norm_is_torchs_on_the_global_array(dtype, layout, constant,
 
 
 @pytest.mark.parallel(SIZES)
+def test_split_batch_norm_of_a_bfloat16_model():
+    """A bfloat16 model's batch norm (16-bit block, weight and bias) over every split:
+    within bfloat16's rounding of ``F.batch_norm`` in float64, its gradients in bfloat16."""
+    shape = (3, 4, 7, 5)
+    rng = np.random.default_rng(4)
+    x64 = torch.tensor(rng.standard_normal(shape) * 2 + 3)
+    w64, b64 = torch.tensor(rng.random(4) + 0.5), torch.tensor(rng.standard_normal(4))
+    xr = x64.to(torch.bfloat16).double()
+    wr, br = w64.to(torch.bfloat16).double(), b64.to(torch.bfloat16).double()
+    yr = F.batch_norm(xr, None, None, wr, br, True, 0.0, 1e-5)
+    bad = []
+    for name in ("N", "H", "HW", "H-uneven-empty"):
+        dist = distribution(name, shape)
+        sl = dist.local_slices()
+        x = x64.to(torch.bfloat16)[sl].clone().requires_grad_()
+        w = w64.to(torch.bfloat16).requires_grad_()
+        b = b64.to(torch.bfloat16).requires_grad_()
+        y = split_batch_norm(x, w, b, split_axes_comm(dist, [0, 2, 3]), 3 * 7 * 5)[0]
+        y.backward(torch.ones_like(y))
+        err = float((y.double() - yr[sl]).abs().max()) if y.numel() else 0.0
+        if not err <= 5e-2 or y.dtype != torch.bfloat16 or w.grad.dtype != torch.bfloat16:
+            bad.append(f"{name}: {err:.2e} {y.dtype} {w.grad.dtype}")
+    collective_assert(not bad, "; ".join(bad))
+
+
+@pytest.mark.parallel(SIZES)
 def test_split_batch_norm_moves_running_statistics_as_torch():
     """The running mean and unbiased variance after two steps, against ``F.batch_norm``'s
     buffers on the whole array in one process (float64, 1e-12), on every split."""

@@ -234,7 +234,25 @@ def test_the_split_norm_twin_runs_the_split_batch_norm(input_grad, affine):
         assert dx is None
     for mine, theirs in zip(run.torch_module.parameters(), module.parameters()):
         np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(), rtol=1e-10)
-    np.testing.assert_array_equal(module.running_mean.numpy(), np.zeros(3))
+    # no running statistics moved (the twin's own copy of the module, which it runs)
+    np.testing.assert_array_equal(run.torch_module.running_mean.numpy(), np.zeros(3))
+    assert int(run.torch_module.num_batches_tracked) == 0
+
+
+def test_the_split_norm_twin_runs_a_bfloat16_module():
+    """A bfloat16 model's batch norm (its weights 16-bit) runs split, as the compiler runs
+    it: within bfloat16's rounding of the float64 reference."""
+    module = nn.BatchNorm2d(3).to(torch.bfloat16)
+    spec = priced(BatchNorm2d(3), module).cost_spec(
+        Distribution((2, 3, 7, 6), (1, 2, 1), (0, None, 1, 2)), 2)
+    run = spec.twin.local_twin()
+    x = np.random.default_rng(1).standard_normal((2, 3, 4, 6)).astype(np.float32)
+    y = run.forward(own(x))
+    run.backward(own(np.ones(y.local.shape, np.float32)))
+    xd = torch.from_numpy(x).to(torch.bfloat16).double()
+    ref = nn.functional.batch_norm(xd, None, None, training=True)
+    np.testing.assert_allclose(np.asarray(y.local, np.float64), ref.numpy(), atol=3e-2)
+    assert run.torch_module.weight.grad is not None
 
 
 def test_the_kernel_timer_times_a_padded_module(tmp_path):

@@ -180,13 +180,13 @@ class _SplitBatchNorm(torch.autograd.Function):
         if weight is None:
             scale[...] = invstd
         else:
-            np.multiply(_host(weight), invstd, out=scale)
+            np.multiply(_host(weight.detach().to(acc)), invstd, out=scale)
         # y = (x - mean) * scale + bias = x * scale + shift, as PyTorch's own kernels
         # apply it: one pass of the evaluation-mode kernel (in the block's memory format)
         np.multiply(mean, scale, out=shift)
         np.negative(shift, out=shift)
         if bias is not None:
-            shift += _host(bias)
+            shift += _host(bias.detach().to(acc))
         stats = torch.from_numpy(out).to(x.device)
         if local:
             unit = _unit(c, acc, x.device)

@@ -391,7 +391,9 @@ def priced(layer: Layer, module: nn.Module, channels_last: bool = False) -> Laye
     Layer
         A copy of ``layer`` whose cost spec, where the module runs as itself on
         each rank's block (:func:`runs_as_module`), names a :class:`ModuleTwin`
-        of ``module`` as the twin to time, on that block.
+        of ``module`` as the twin to time, on that block; for a batch norm whose
+        statistics span ranks, a :class:`SplitNormTwin` (the layer's
+        collectives kept in the spec).
     """
     new = copy.copy(layer)
     new.__class__ = _priced_class(type(layer))

@@ -1,6 +1,9 @@
 """The compiler's rules for sliding-window operations over split dimensions: convolutions and
 transposed convolutions, pooling and unpooling, adaptive pooling, interpolation and pixel
-shuffles (each a halo exchange of its input block, then PyTorch's own kernel on it).
+shuffles. Most run PyTorch's own kernel on this rank's block extended by a halo exchange;
+a channel-parallel convolution sums partial outputs over the ranks that split its channels,
+a global average pooling is a sum (:mod:`.statistic_rules`), and interpolation by other
+than an integer scale, or a pixel shuffle across blocks, moves rows between ranks first.
 """
 
 from __future__ import annotations

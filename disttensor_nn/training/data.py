@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from .datasets import Dataset, Slices  # noqa: F401 (Slices: a former public name)
 from .loader import Loader, Prefetcher
-from .stored import (
+from .stored import (  # HDF5_SUFFIXES: a former public name outside __all__
+    HDF5_SUFFIXES,  # noqa: F401
     ArrayDataset,
     NpyDataset,
     data_problem,
@@ -36,7 +37,13 @@ from .stored import (
     save_dataset,
     save_npy_dataset,
 )
-from .synthetic import ImageNetSynthetic, MeshSynthetic, NoiseDataset
+from .synthetic import (  # FIELD_CHUNK, NOISE_PERIOD: former public names outside __all__
+    FIELD_CHUNK,  # noqa: F401
+    NOISE_PERIOD,  # noqa: F401
+    ImageNetSynthetic,
+    MeshSynthetic,
+    NoiseDataset,
+)
 
 __all__ = [
     "ArrayDataset",
