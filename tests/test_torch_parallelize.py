@@ -569,23 +569,26 @@ class Ties(nn.Module):
         return y + F.adaptive_max_pool3d(x, 1) * 0.5  # x as a batch-less (C, D, H, W)
 
 
-@pytest.mark.parallel(SIZES)
-def test_extremes_of_tied_values_give_one_process_gradients():
-    shape = (2, 2, 9, 7)
-    x = torch.tensor(np.random.default_rng(5).integers(0, 3, shape), dtype=torch.float64)
-    x[1, 1] = float("nan")  # NaN wins its maxima and minima, as in one process
+def _extremes_against_one_process(make, x, seed, finite_loss):
+    """On every grid, ``make()`` parallelized against one process on ``x`` (with NaNs):
+    the outputs' NaNs and values, and the input gradient of ``sum(y * target)`` (with
+    ``finite_loss``, of the output's NaNs made zero, so that the gradient is too)."""
     bad = []
     for grid in grids(4):
-        pm = parallelize(Ties(), shape, grid)
+        pm = parallelize(make(), tuple(x.shape), grid)
         xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone()
         xl.requires_grad_()
         out = pm(xl)
         whole = gather(out.local, out.dist)
-        target = global_tensor(whole.shape, 6, torch.float64)
-        (torch.nan_to_num(whole) * target).sum().backward()
+        target = global_tensor(whole.shape, seed, torch.float64)
         xr = x.clone().requires_grad_()
-        yr = Ties()(xr)
-        (torch.nan_to_num(yr) * target).sum().backward()
+        yr = make()(xr)
+        if finite_loss:
+            (torch.nan_to_num(whole) * target).sum().backward()
+            (torch.nan_to_num(yr) * target).sum().backward()
+        else:  # a NaN loss, finite gradients
+            (out.local * target[out.dist.local_slices()]).sum().backward()
+            (yr * target).sum().backward()
         if not torch.equal(torch.isnan(whole), torch.isnan(yr)) or rel(
                 torch.nan_to_num(whole), torch.nan_to_num(yr)) > 1e-12:
             bad.append((grid, "output"))
@@ -593,6 +596,15 @@ def test_extremes_of_tied_values_give_one_process_gradients():
         if not torch.allclose(torch.nan_to_num(xl.grad), torch.nan_to_num(want), rtol=1e-12,
                               atol=1e-12):
             bad.append((grid, "input gradient"))
+    return bad
+
+
+@pytest.mark.parallel(SIZES)
+def test_extremes_of_tied_values_give_one_process_gradients():
+    x = torch.tensor(np.random.default_rng(5).integers(0, 3, (2, 2, 9, 7)),
+                     dtype=torch.float64)
+    x[1, 1] = float("nan")  # NaN wins its maxima and minima, as in one process
+    bad = _extremes_against_one_process(Ties, x, 6, finite_loss=True)
     collective_assert(not bad, str(bad))
 
 
@@ -611,27 +623,11 @@ class NanPools(nn.Module):
 
 @pytest.mark.parallel(SIZES)
 def test_global_max_pooling_gives_the_last_nan_the_gradient():
-    shape = (2, 2, 9, 7)
-    x = torch.tensor(np.random.default_rng(6).integers(0, 3, shape), dtype=torch.float64)
+    x = torch.tensor(np.random.default_rng(6).integers(0, 3, (2, 2, 9, 7)),
+                     dtype=torch.float64)
     for where in ((0, 0, 1, 2), (0, 0, 7, 5), (0, 0, 4, 0), (1, 1, 0, 0), (1, 1, 8, 6)):
         x[where] = float("nan")  # NaNs in different blocks of every grid's split
-    bad = []
-    for grid in grids(4):
-        pm = parallelize(NanPools(), shape, grid)
-        xl = dt.DistArray.from_global(x, pm.input_dist, xp=torch).local.clone()
-        xl.requires_grad_()
-        out = pm(xl)
-        whole = gather(out.local, out.dist)
-        target = global_tensor(whole.shape, 7, torch.float64)
-        (out.local * target[out.dist.local_slices()]).sum().backward()  # NaN loss, finite
-        xr = x.clone().requires_grad_()  # gradients
-        yr = NanPools()(xr)
-        (yr * target).sum().backward()
-        if not torch.equal(torch.isnan(whole), torch.isnan(yr)):
-            bad.append((grid, "output"))
-        if not torch.allclose(xl.grad, xr.grad[pm.input_dist.local_slices()], rtol=1e-12,
-                              atol=1e-12):
-            bad.append((grid, "input gradient"))
+    bad = _extremes_against_one_process(NanPools, x, 7, finite_loss=False)
     collective_assert(not bad, str(bad))
 
 
