@@ -41,7 +41,16 @@ from .layouts import (
     _unsplit,
     _with_shape,
 )
-from .rules import _arg, _dims, _flat_nodes, _float_tensor, _method, _shape_of, _Value
+from .rules import (
+    _arg,
+    _dims,
+    _empty_like_output,
+    _flat_nodes,
+    _float_tensor,
+    _method,
+    _shape_of,
+    _Value,
+)
 from .runtime import Step
 from .window_rules import _ADAPTIVE_F, _AVGPOOL, _CONV, _CONV_T, _MAXPOOL, _WindowRules
 
@@ -333,14 +342,24 @@ class _Compiler(_WindowRules):
             self.refuse_split(node, dist, [0], f"{type(m).__name__}'s running statistics "
                               "average the batch")
         meta = node.meta.get("tensor_meta")
-        if not hasattr(meta, "shape"):  # max pooling's values and indices, alike
-            out = _with_shape(dist, tuple(meta[0].shape))
-            self.set(node, (out, out))
-        else:
-            self.set(node, _with_shape(dist, _shape_of(node)))
+        pair = not hasattr(meta, "shape")  # max pooling's values and indices, alike
+        out = _with_shape(dist, tuple(meta[0].shape) if pair else _shape_of(node))
+        self.set(node, (out, out) if pair else out)
         self.use_params(node, node.target, dist)
         view = self.view
-        return lambda args: view.call(m, args[0], args[1])
+        if 0 not in dist.local_shape():
+            return lambda args: view.call(m, args[0], args[1])
+        # a rank without samples (more ranks split the batch than it has): PyTorch's
+        # modules refuse an empty batch (instance norm), so its empty block is made here,
+        # on the parameters' graph as every rank's
+        shape = out.local_shape()
+        params = list(m.parameters())
+
+        def empty(args: Any) -> Any:
+            y = _empty_like_output(args[0][0], shape, [view(p) for p in params])
+            return (y, torch.zeros(shape, dtype=torch.int64, device=y.device)) if pair else y
+
+        return empty
 
     def same(self, node: Node, m: nn.Module, dist: Distribution) -> Step:
         """A module that maps this rank's block to its block of the same distribution."""
