@@ -10,6 +10,7 @@ at 3 and 4 ranks.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import os
@@ -1851,3 +1852,77 @@ def test_split_channels_that_an_operation_cannot_take_raise_alike():
     exc = outcome(lambda: parallelize(Wide(), (2, 3, 7, 6), (1, p, 1, 1),
                                       channel_splits=True))
     collective_assert(isinstance(exc, ValueError) and "layout='auto'" in str(exc), repr(exc))
+
+
+Pair = collections.namedtuple("Pair", ["y", "z"])
+
+
+class Structured(nn.Module):
+    """A model whose output nests its tensors: a tuple in a tuple, a dict, a named tuple
+    (``kind``), a size among them."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.kind == "nested":
+            return y, (y * 2, F.max_pool2d(y, 2)), x.shape[0]
+        if self.kind == "dict":
+            return {"y": y, "pooled": {"max": F.max_pool2d(y, 2)}, "z": torch.relu(x)}
+        return Pair(y, y.sum(dim=1, keepdim=True))
+
+
+def _leaves(got, want):
+    """The tensors of two nested outputs, in order, and how their containers differ."""
+    got_leaves, want_leaves, found = [], [], []
+
+    def walk(o, w):
+        if isinstance(w, torch.Tensor):
+            got_leaves.append(o)
+            want_leaves.append(w)
+        elif isinstance(w, (dict, tuple)):
+            same = type(o) is type(w) and (not isinstance(w, dict) or o.keys() == w.keys())
+            found.extend([] if same else [f"{type(o).__name__} for {type(w).__name__}"])
+            for a, b in (((o[k], w[k]) for k in w) if isinstance(w, dict) else zip(o, w)):
+                walk(a, b)
+        elif o != w:
+            found.append(f"{o!r} for {w!r}")
+
+    walk(got, want)
+    return got_leaves, want_leaves, found
+
+
+@pytest.mark.parallel(SIZES)
+@pytest.mark.parametrize("kind", ["nested", "dict", "named"])
+def test_outputs_nested_in_containers_are_distributed_arrays(kind):
+    """Every tensor of an output nested in tuples, dicts or a named tuple comes back a
+    DistArray of the whole output's values (and gradients back through all of them); the
+    containers keep their types, and what is not a tensor its value."""
+    p = comm.Get_size()
+    shape = (2, 2, 9, 8)
+    bad = []
+    for grid in [(1, 1, p, 1), (p, 1, 1, 1), (1, 1, 1, p)]:
+        torch.manual_seed(0)
+        model = Structured(kind).double()
+        ref = copy.deepcopy(model)
+        pm = parallelize(model, shape, grid)
+        x = global_tensor(shape, 1, torch.float64)
+        out = pm(dt.DistArray.from_global(x, pm.input_dist, xp=torch))
+        want = ref(x)
+        got_leaves, want_leaves, found = _leaves(out, want)
+        bad += [f"{grid}: {f}" for f in found]
+        if not all(isinstance(o, dt.DistArray) for o in got_leaves):
+            bad.append(f"{grid}: {[type(o).__name__ for o in got_leaves]}")
+            continue
+        for o, w in zip(got_leaves, want_leaves):
+            err = rel(o.to_global(), w)
+            bad.append("" if err < 1e-12 else f"{grid}: output {err}")
+        sum(gather(o.local, o.dist).sum() for o in got_leaves).backward()
+        sum(w.sum() for w in want_leaves).backward()
+        err = max(rel(a.grad, b.grad) for a, b in zip(pm.parameters(), ref.parameters()))
+        bad.append("" if err < 1e-12 else f"{grid}: gradients {err}")
+    bad = [b for b in bad if b]
+    collective_assert(not bad, f"{bad}")

@@ -181,15 +181,21 @@ class _Compiler(_WindowRules):
         dists = map_aggregate(node.args[0], lambda a: self.dist_of(a))
 
         def wrap(block: Any, dist: Any) -> Any:
-            return DistArray(block, dist) if isinstance(dist, Distribution) else block
+            # each distributed tensor of the output a DistArray, in containers of any depth
+            if isinstance(dist, Distribution):
+                return DistArray(block, dist)
+            # (torch.fx hands the output's dicts and lists over as its immutable ones)
+            if isinstance(block, dict) and isinstance(dist, dict):
+                return {k: wrap(v, dist[k]) for k, v in block.items()}
+            if isinstance(block, (tuple, list)) and isinstance(dist, (tuple, list)):
+                items = [wrap(o, d) for o, d in zip(block, dist)]
+                if hasattr(block, "_fields"):  # a named tuple
+                    return type(block)(*items)
+                return tuple(items) if isinstance(block, tuple) else list(items)
+            return block
 
         def step(args: Any) -> Any:
-            out = args[0][0]
-            if isinstance(dists, Distribution):
-                return wrap(out, dists)
-            if isinstance(out, (tuple, list)):
-                return type(out)(wrap(o, d) for o, d in zip(out, dists))
-            return out
+            return wrap(args[0][0], dists)
 
         self.output_dist = dists
         return step
@@ -453,6 +459,10 @@ class _Compiler(_WindowRules):
         dist = self.dist_of(x)
         if fn in (torch.cat, torch.concat) and isinstance(x, (list, tuple)):
             return self.cat(node)
+        if isinstance(fn, type) and issubclass(fn, tuple) and hasattr(fn, "_fields") \
+                and not node.kwargs:  # a named tuple of values: each keeps its layout
+            self.set(node, tuple(self.dist_of(a) for a in node.args))
+            return lambda args: fn(*args[0])
         if dist is None:
             if any(self.dist_of(a) is not None for a in _flat_nodes(node)):
                 return self.elementwise(node, fn)
