@@ -1580,6 +1580,23 @@ def test_bad_input_raises_alike_and_converts_nothing():
     collective_assert(isinstance(exc, ValueError), repr(exc))
 
 
+@pytest.mark.parallel([1, 2, 3])
+def test_an_unbatched_input_to_a_window_module_is_refused_naming_it():
+    """PyTorch's window modules also take unbatched samples, ``(C, *S)``; parallelize wants
+    the batch dimension: a clear error on every rank, for a grid and for the planner."""
+    p = comm.Get_size()
+    for model, shape, grid in ((nn.Sequential(nn.Conv2d(2, 3, 3, padding=1)), (2, 10, 7),
+                                (1, p, 1)),
+                               (nn.Sequential(nn.Conv1d(2, 3, 3), nn.MaxPool1d(2)), (2, 9),
+                                (1, p)),
+                               (nn.Sequential(nn.InstanceNorm2d(2)), (2, 6, 5), (1, 1, p))):
+        for layout in (grid, "auto"):
+            exc = outcome(lambda m=model, s=shape, lay=layout: parallelize(
+                m, s, lay, machine="v100-nvlink-edr"))
+            name = type(model[0]).__name__
+            collective_assert(isinstance(exc, ValueError) and f"{name} takes a batch" in
+                              str(exc) and "batch dimension of 1" in str(exc), repr(exc))
+
 @pytest.mark.parallel([2, 3])
 def test_an_operation_on_a_split_dimension_names_the_node_and_the_dimension():
     p = comm.Get_size()

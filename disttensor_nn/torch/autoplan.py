@@ -71,7 +71,8 @@ from ..window import WindowSpec
 from .interpolation import INTERPOLATION_MODES
 from .pricing import CONV_MODES, as_run, conversion_seconds, priced, whole_channels
 
-__all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "needs_grad", "plan_layouts", "relayout"]
+__all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "needs_grad", "plan_layouts", "relayout",
+           "unbatched"]
 
 #: The key of a relayout node's ``meta`` that holds the Distribution it moves its input to.
 LAYOUT_KEY = "disttensor_layout"
@@ -221,6 +222,42 @@ class _Leaf:
     name: str
     kind: str
     signature: str = ""
+
+
+_WINDOW_MODULES = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd,
+                   nn.modules.pooling._AvgPoolNd, nn.modules.pooling._MaxUnpoolNd,
+                   nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd,
+                   nn.modules.instancenorm._InstanceNorm)
+
+
+def unbatched(m: nn.Module, shape: Sequence[int]) -> str:
+    """Why a window module (convolution, pooling, unpooling, instance norm) cannot take an
+    input of ``shape`` here, or "": it must be a batch ``(N, C, *S)`` of the module's
+    spatial dimensions (PyTorch also takes them unbatched, ``(C, *S)``).
+
+    Parameters
+    ----------
+    m : torch.nn.Module
+        The module.
+    shape : sequence of int
+        Its input's shape.
+
+    Returns
+    -------
+    str
+        The reason, "" where ``m`` takes ``shape`` or is no window module.
+    """
+    if not isinstance(m, _WINDOW_MODULES):
+        return ""
+    # the spatial dimensions are the digit of PyTorch's own class ("Conv2d") in the MRO
+    nd = next((int(c.__name__[-2]) for c in type(m).__mro__
+               if c.__module__.startswith("torch.nn") and re.search(r"[123]d$", c.__name__)),
+              None)
+    if nd is None or len(shape) == nd + 2:
+        return ""
+    return (f"{type(m).__name__} takes a batch (N, C) of {nd}-D samples here, {nd + 2} "
+            f"dimensions, and its input has shape {tuple(shape)} (give an unbatched input "
+            "a batch dimension of 1)")
 
 
 # ------------------------------------------------------------------ the graph
@@ -517,6 +554,10 @@ class _Mirror:
             if len(s) not in (2, ndim):
                 _fail(node, f"a tensor of shape {s}: the planner lays out tensors of the "
                             f"input's {ndim} dimensions or of 2 (samples, features)")
+        if node.op == "call_module":
+            why = unbatched(self.gm.get_submodule(node.target), in_shape)
+            if why:
+                raise ValueError(f"parallelize: node '{node.name}': {why}")
         layer, whole, kind = self.layer_for(node, in_shape, out)
         try:
             ok = tuple(layer.output_shape(in_shape)) == out

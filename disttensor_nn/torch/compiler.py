@@ -30,6 +30,7 @@ from .autoplan import (
     LAYOUT_KEY,
     pool_module,
     relayout,
+    unbatched,
 )
 from .channels import take_channels
 from .functional import redistribute
@@ -275,6 +276,9 @@ class _Compiler(_WindowRules):
         dist = self.dist_of(x)
         if dist is None:
             return self.local(node, self.module_call(m))
+        why = unbatched(m, dist.global_shape)
+        if why:
+            self.fail(node, why)
         if type(m) in _UNPOOL:
             return self.unpool(node, m, dist)
         if len(node.args) != 1 or node.kwargs:
