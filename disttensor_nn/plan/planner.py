@@ -34,6 +34,7 @@ The names this module had before its parts moved out (:class:`Node`,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from typing import Any
@@ -178,6 +179,7 @@ class Planner:
         self._layer_cost: dict[tuple[int, int, int], LayerCost] = {}
         self._shuffle: dict[tuple[int, ...], np.ndarray] = {}
         self._fields: dict[tuple[int, bool], np.ndarray] = {}
+        self._over_budget: set[tuple[int, int, int]] = set()  # keys priced inf by the budget
         self._shuffle_low: dict[tuple[int, ...], np.ndarray] = {}
         # the layers on the path from the input to the output through every residual
         # block's branch (a lower bound of every assignment follows it), and the others
@@ -225,6 +227,7 @@ class Planner:
                 if alone.memory + alone.transient + self.base_memory > self.budget:
                     alone.fwd = np.inf
                     self._layer_cost[key] = alone
+                    self._over_budget.add(key)
                     return alone
             self._layer_cost[key] = priced if priced is not None else self.cost.layer(
                 layer, node.in_shape, cand, split, out_split)
@@ -652,16 +655,22 @@ class Planner:
         return assign, t, mem, notes
 
     def _nothing_fits(self) -> str:
-        budget, self.budget = self.budget, None  # the least memory any plan needs
+        # the least memory any plan needs: the DP by memory alone, where the layers that did
+        # not fit the budget (untimed, their time infinite) run
+        budget, self.budget = self.budget, None
+        costs, fields = self._layer_cost, self._fields
+        self._layer_cost = {k: dataclasses.replace(v, fwd=0.0) if k in self._over_budget
+                            else v for k, v in costs.items()}
+        self._fields = {}
         try:
             m = self._solve(np.inf)
+            smallest = self.assignment_cost(m)[1] if m else None
         finally:
-            self.budget = budget
-        smallest = self.assignment_cost(m)[1] if m else float("nan")
+            self.budget, self._layer_cost, self._fields = budget, costs, fields
+        need = f" (the smallest plan found needs {_bytes(smallest)})" if m else ""
         return (f"no distribution of this network on {self.cost.nprocs} "
                 f"rank{'' if self.cost.nprocs == 1 else 's'} fits "
-                f"{(self.budget or 0) / 2**20:.0f} MiB per rank (the smallest plan found needs "
-                f"{smallest / 2**20:.0f} MiB)")
+                f"{_bytes(self.budget or 0)} per rank{need}")
 
     def _make_plan(self, assign: dict[int, int], t: float, mem: float, notes: list) -> Plan:
         entries = []
@@ -723,3 +732,10 @@ class Planner:
         """
         t, mem = self.assignment_cost(assign)
         return self._make_plan(assign, t, mem, list(notes or []))
+
+
+def _bytes(n: float) -> str:
+    """A size for a message: MiB, or KiB or bytes where that would print 0."""
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:.0f} bytes"
