@@ -1580,6 +1580,27 @@ def test_bad_input_raises_alike_and_converts_nothing():
     collective_assert(isinstance(exc, ValueError), repr(exc))
 
 
+@pytest.mark.parallel([2, 3])
+def test_a_wrong_input_block_raises_on_every_rank_in_check_mode():
+    """The whole input passed for a block raises the same error on every rank; one rank's
+    block of the wrong shape raises there alone, and in check mode on every rank alike
+    (the others would wait for it in the first halo exchange)."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    pm = parallelize(nn.Sequential(nn.Conv2d(2, 3, 3, padding=1)), (1, 2, 10, 7),
+                     (1, 1, p, 1))
+    x = global_tensor((1, 2, 10, 7), 0, torch.float32)
+    exc = outcome(lambda: pm(x))
+    texts = comm.allgather(str(exc))
+    collective_assert(isinstance(exc, ValueError) and "whole input's shape" in str(exc)
+                      and len(set(texts)) == 1, repr(exc))
+    block = x[pm.input_dist.local_slices()]
+    wrong = block[:, :, :-1] if rank == 1 else block
+    with dt.options(check_collective=True):
+        exc = outcome(lambda: pm(wrong))
+    texts = comm.allgather(str(exc))
+    collective_assert(isinstance(exc, ValueError) and "block has shape" in str(exc)
+                      and "rank 1 only" in str(exc) and len(set(texts)) == 1, repr(exc))
+
 @pytest.mark.parallel([1, 2, 3])
 def test_an_unbatched_input_to_a_window_module_is_refused_naming_it():
     """PyTorch's window modules also take unbatched samples, ``(C, *S)``; parallelize wants

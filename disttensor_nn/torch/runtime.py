@@ -29,6 +29,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 
 from disttensor import DistArray, Distribution
+from disttensor.settings import validating
 from disttensor_nn.reduction import GradientBuckets, reduce_gradients_
 
 __all__ = ["ParallelModule"]
@@ -311,6 +312,31 @@ class ParallelModule(nn.Module):
         self._running.finish()
 
     # -------------------------------------------------------------- forward
+    def _block(self, x: DistArray | torch.Tensor) -> torch.Tensor:
+        """This rank's block of the input, checked."""
+        dist = self.input_dist
+        if isinstance(x, DistArray):
+            if x.dist != dist:
+                raise ValueError(f"ParallelModule: the input is distributed as {x.dist}, "
+                                 f"but this model wants {dist}")
+            x = x.local
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"ParallelModule: the input must be a DistArray or a "
+                            f"torch.Tensor, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"ParallelModule: the input is on {x.device}; parallel "
+                                      "models run on CPU tensors only, so far")
+        shape = tuple(x.shape)
+        if shape != dist.local_shape():
+            if shape == tuple(dist.global_shape):  # the same message on every rank
+                raise ValueError(f"ParallelModule: the input has the whole input's shape "
+                                 f"{shape}; the model takes this rank's block of it, "
+                                 "DistArray.from_global(x, model.input_dist, xp=torch) (or "
+                                 "its .local)")
+            raise ValueError(f"ParallelModule: this rank's block has shape {shape}, but its "
+                             f"block of {dist} has shape {dist.local_shape()}")
+        return x
+
     def forward(self, x: DistArray | torch.Tensor) -> Any:
         """The model on this rank's block of ``x``.
 
@@ -327,21 +353,10 @@ class ParallelModule(nn.Module):
             where the model returns one); its ``local`` carries the autograd
             graph.
         """
-        if isinstance(x, DistArray):
-            if x.dist != self.input_dist:
-                raise ValueError(f"ParallelModule: the input is distributed as {x.dist}, "
-                                 f"but this model wants {self.input_dist}")
-            x = x.local
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"ParallelModule: the input must be a DistArray or a "
-                            f"torch.Tensor, got {type(x).__name__}")
-        if x.device.type != "cpu":
-            raise NotImplementedError(f"ParallelModule: the input is on {x.device}; parallel "
-                                      "models run on CPU tensors only, so far")
-        if tuple(x.shape) != self.input_dist.local_shape():
-            raise ValueError(f"ParallelModule: this rank's block has shape {tuple(x.shape)}, "
-                             f"but its block of {self.input_dist} has shape "
-                             f"{self.input_dist.local_shape()}")
+        # checked on each rank; in check mode (disttensor.set_options) agreed by every rank
+        # first, so that one rank's wrong block raises on all of them
+        with validating("ParallelModule", {}, self.input_dist.grid.comm):
+            x = self._block(x)
         if self.memory_format is not None:  # a copy only where the layout differs
             x = x.contiguous(memory_format=self.memory_format)
         env: dict[Node, Any] = {}
