@@ -1964,3 +1964,84 @@ def test_outputs_nested_in_containers_are_distributed_arrays(kind):
         bad.append("" if err < 1e-12 else f"{grid}: gradients {err}")
     bad = [b for b in bad if b]
     collective_assert(not bad, f"{bad}")
+
+
+class AlongChannels(nn.Module):
+    """Operations along the channels (or every dimension but the one given), which a split
+    of the samples or of space leaves whole on each block; tensors shaped like the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        a, b = torch.split(y, 2, 1)
+        c, d = y.chunk(2, dim=1)
+        top, idx = y.max(1, keepdim=True)
+        vals, _ = torch.sort(y, dim=1, descending=True)
+        k = torch.topk(y, 2, dim=1).values
+        spread = y.std(dim=1, keepdim=True) + y.var(1, keepdim=True)
+        z = (a * torch.sigmoid(b) + c * d + top + 1e-3 * idx + F.glu(y, dim=1)
+             + vals[:, :2] + k + spread + y.argmax(1, keepdim=True))
+        z = torch.where(z > 0, z, torch.zeros_like(z)) + torch.full_like(z, 0.5)
+        z = z.masked_fill(z > 2.0, 2.0) / z.numel() + 0.1 * torch.rand_like(z)
+        z = z + torch.flip(z, dims=(1,)) + torch.roll(z, 1, dims=1) + torch.logsumexp(
+            y, 1, keepdim=True)
+        return z * torch.amax(y, 1, keepdim=True) + torch.unbind(z, 1)[1][:, None]
+
+
+@pytest.mark.parallel(SIZES)
+def test_operations_along_unsplit_dimensions_run_on_blocks():
+    """Operations along a dimension no rank splits (split, chunk, max and argmax, sort, topk,
+    std, glu, flip, roll, unbind along the channels) run on each block as they are, their
+    outputs cut as their input along the others; tensors made like the input (zeros, a
+    fill, random values drawn as one process draws them) and masked_fill, numel too.
+    Along a split dimension they are refused, naming it."""
+    p = comm.Get_size()
+    bad = []
+    for grid in [(p, 1, 1, 1), (1, 1, p, 1), (1, 1, 1, p)]:
+        torch.manual_seed(0)
+        _, _, found = run_both(AlongChannels().double(), (3, 2, 9, 7), grid)
+        bad += [(grid, found)] if found else []
+    collective_assert(not bad, f"{bad}")
+    if p > 1:
+        exc = outcome(lambda: parallelize(AlongChannels(), (3, 2, 9, 7), (1, 1, 1, 1, p)))
+        collective_assert(isinstance(exc, ValueError), repr(exc))  # a grid of 5 axes
+        exc = outcome(lambda: parallelize(AlongHeight(), (3, 2, 9, 7), (1, 1, p, 1)))
+        collective_assert(isinstance(exc, ValueError) and "dimension 2" in str(exc)
+                          and "runs along dimension(s) [2]" in str(exc), repr(exc))
+
+
+class AlongHeight(nn.Module):
+    def forward(self, x):
+        return torch.split(x, 3, 2)[0]
+
+
+class Embedded(nn.Module):
+    """A position embedding of the output's full shape and a per-row buffer: tensors every
+    rank holds whole, of the split dimensions' lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.pos = nn.Parameter(torch.randn(1, 3, 9, 7))
+        self.rows = nn.Parameter(torch.randn(9, 1))
+        self.register_buffer("cols", torch.linspace(0.5, 1.5, 7))
+
+    def forward(self, x):
+        return (self.conv(x) + self.pos) * self.rows * self.cols + self.pos.mean()
+
+
+@pytest.mark.parallel(SIZES)
+def test_whole_tensors_of_the_split_lengths_meet_each_block_cut():
+    """A parameter or buffer of a split dimension's full length (a position embedding) meets
+    each rank's block cut to it, and its gradient is one process's."""
+    p = comm.Get_size()
+    bad = []
+    for grid in grids(4):
+        torch.manual_seed(0)
+        _, _, found = run_both(Embedded().double(), (2, 2, 9, 7), grid)
+        bad += [(grid, found)] if found else []
+    collective_assert(not bad, f"{p}: {bad}")
+

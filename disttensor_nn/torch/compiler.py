@@ -9,6 +9,7 @@ others.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -89,7 +90,7 @@ _ELEMENTWISE_NAMES = frozenset(
     "gt lt ge le eq ne greater less greater_equal less_equal not_equal logical_and "
     "logical_or logical_not logical_xor isnan isinf isfinite nan_to_num fmod remainder "
     "atan2 arctan2 hypot copysign erf erfc erfinv exp2 log2 log10 sinc frac float_power "
-    "xlogy logit sgn signbit heaviside bool int long fmax fmin".split()
+    "xlogy logit sgn signbit heaviside bool int long fmax fmin masked_fill".split()
 )
 
 _BINARY_OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operator.truediv,
@@ -102,6 +103,12 @@ _BINARY_OPERATORS = frozenset((operator.add, operator.sub, operator.mul, operato
 
 # tensor attributes every block has as the whole array has them
 _BLOCK_ALIKE = frozenset(("dtype", "device", "ndim", "layout", "is_cuda", "is_quantized"))
+
+# a tensor of the input's shape, filled with constants: each block of it is its own
+_FILLED_LIKE = frozenset((torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like))
+# ... with random values: every rank draws the whole tensor (alike, as one process draws it
+# for the same seed) and keeps its block
+_RANDOM_LIKE = frozenset((torch.rand_like, torch.randn_like, torch.randint_like))
 
 _ELEMENTWISE_F = (F.relu, F.relu6, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.leaky_relu,
                   F.hardtanh, F.hardswish, F.hardsigmoid, F.sigmoid, F.tanh, F.softplus,
@@ -245,7 +252,10 @@ class _Compiler(_WindowRules):
                 moves[a] = _move_then_share(d, want, along)
         for a in _flat_nodes(node):
             if self.dist_of(a) is None and _shape_of(a) is not None:
-                self.check_broadcast(node, a, target)  # a parameter, or made of them
+                # a tensor every rank holds whole (a parameter, a buffer, made of them)
+                cut = self.cut_to_block(node, a, target)
+                if cut is not None:
+                    moves[a] = lambda t, cut=cut: t[cut]
             if a.op == "get_attr":
                 self.use_param(node, a.target, target)
         self.set(node, target)
@@ -259,16 +269,27 @@ class _Compiler(_WindowRules):
 
         return step
 
-    def check_broadcast(self, node: Node, attr: Node, dist: Distribution) -> None:
+    def cut_to_block(self, node: Node, attr: Node, dist: Distribution) -> tuple | None:
+        """How to index a tensor that every rank holds whole (``attr``: a parameter, a buffer,
+        a value made of them) for this rank's block of an element-wise operation's output
+        ``dist``: along each split dimension where it has the output's length (a position
+        embedding, a per-row weight), this rank's part (its gradient there, zeros elsewhere,
+        summed over the ranks with the parameter's); None where it broadcasts along every
+        split dimension (length 1) and is used whole."""
         shape = _shape_of(attr)
         if shape is None:
-            return
+            return None
+        index: list[Any] = [slice(None)] * len(shape)
         for k in range(1, len(shape) + 1):
             d = dist.ndim - k
-            if d >= 0 and shape[-k] != 1 and _split(dist, d):
+            if d < 0 or shape[-k] == 1 or not _split(dist, d):
+                continue
+            if shape[-k] != dist.global_shape[d]:  # pragma: no cover - PyTorch refuses it
                 what = attr.target if attr.op == "get_attr" else attr.name
-                self.fail(node, f"broadcasts '{what}' of shape {shape} along "
-                                f"dimension {d}, which is split over the grid")
+                self.fail(node, f"broadcasts '{what}' of shape {shape} against length "
+                                f"{dist.global_shape[d]} along dimension {d}")
+            index[-k] = dist.local_slices()[d]
+        return tuple(index) if any(i != slice(None) for i in index) else None
 
     def call_module(self, node: Node) -> Step:
         m = self.gm.get_submodule(node.target)
@@ -481,6 +502,11 @@ class _Compiler(_WindowRules):
             i = node.args[1]
             self.set(node, dist[i])
             return lambda args: args[0][0][i]
+        if fn is getattr and isinstance(dist, tuple) and node.args[1] in ("values", "indices"):
+            # a value of torch.max, sort, topk... along a dimension, by its name
+            name = node.args[1]
+            self.set(node, dist[0 if name == "values" else 1])
+            return lambda args: getattr(args[0][0], name)
         if fn is operator.getitem:
             return self.getitem(node, dist)
         if fn in _UNPOOL_F:
@@ -533,6 +559,10 @@ class _Compiler(_WindowRules):
             return self.pool(node, pool, dist)
         if fn in (torch.mean, torch.sum):
             return self.reduction(node, dist, fn.__name__)
+        if fn in _FILLED_LIKE or fn in _RANDOM_LIKE:
+            return self.like(node, dist, fn)
+        if fn is torch.numel:
+            return self.global_attr(node, math.prod(dist.global_shape), scalar=True)
         if _elementwise_function(fn):
             return self.elementwise(node, fn)
         if fn in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax):
@@ -553,6 +583,8 @@ class _Compiler(_WindowRules):
             return self.global_attr(node, dist.global_shape, sized=True)
         if name == "dim":
             return self.global_attr(node, dist.ndim, scalar=True)
+        if name in ("numel", "nelement"):
+            return self.global_attr(node, math.prod(dist.global_shape), scalar=True)
         if name in ("view", "reshape", "flatten"):
             return self.reshape(node, dist)
         if name == "permute":
@@ -582,6 +614,22 @@ class _Compiler(_WindowRules):
             a, kw = args
             dim = kw.get("dim", a[1] if len(a) > 1 else None)
             return whole if dim is None else whole[dim]
+
+        return step
+
+    def like(self, node: Node, dist: Distribution, fn: Callable[..., Any]) -> Step:
+        """A tensor of the input's shape (``torch.zeros_like`` and the like): each rank
+        makes its block; random values are drawn whole on every rank and cut, so that the
+        blocks make the tensor one process draws for the same seed."""
+        self.set(node, dist)
+        if fn not in _RANDOM_LIKE:
+            return lambda args: fn(*args[0], **args[1])
+        shape, slices = tuple(dist.global_shape), dist.local_slices()
+
+        def step(args: Any) -> torch.Tensor:
+            (x, *rest), kw = args
+            whole = x.new_empty(shape)
+            return fn(whole, *rest, **kw)[slices]
 
         return step
 

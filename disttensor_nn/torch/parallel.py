@@ -290,8 +290,10 @@ def parallelize(model: nn.Module, example_input_shape: Sequence[int], layout: An
             ShapeProp(gm, fake_mode=fake).propagate(example)
     except Exception as err:  # noqa: BLE001 - whatever the model refuses
         cause = err.__cause__ or err  # ShapeProp's own error names the node only
-        where = [n.name for n in gm.graph.nodes if "tensor_meta" not in n.meta
-                 and n.op != "output"][:1]
+        # the first node ShapeProp did not run (it records each result's type; a size or
+        # a number has no tensor metadata)
+        where = [n.name for n in gm.graph.nodes if "type" not in n.meta
+                 and "tensor_meta" not in n.meta and n.op != "output"][:1]
         at = f" at node '{where[0]}'" if where else ""
         raise ValueError(f"parallelize: {type(model).__name__} does not accept an input of "
                          f"shape {shape}{at} ({type(cause).__name__}: {cause})") from None

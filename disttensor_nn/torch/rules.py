@@ -23,6 +23,62 @@ from .runtime import Step, _GroupRunningStats, _ParamView
 _ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
                         "softmin"))
 
+# operations that work along the dimensions one argument names, by name: that argument's
+# position after the tensor's (and its keyword) and its default (None: every dimension).
+# Where no rank splits those dimensions each block is their whole extent: the operation runs
+# on each block as it is, its outputs (any number) cut as its input along the others
+_ALONG = {
+    **{n: (1, "dim", None) for n in (
+        "max", "min", "argmax", "argmin", "std", "var", "std_mean", "var_mean", "logsumexp",
+        "prod", "median", "nanmedian", "any", "all", "nansum", "nanmean", "count_nonzero",
+        "cummax", "cummin")},
+    **{n: (1, "dim", -1) for n in ("mode", "sort", "argsort", "glu")},
+    "unbind": (1, "dim", 0),
+    "flip": (1, "dims", None),
+    "split": (2, "dim", 0), "chunk": (2, "dim", 0), "tensor_split": (2, "dim", 0),
+    "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1),
+    "roll": (2, "dims", None), "norm": (2, "dim", None),
+}
+
+
+def _along_dims(node: Node, name: str, ndim: int) -> list[int] | None:
+    """The dimensions an operation of :data:`_ALONG` works along (None: every one, or not
+    such an operation)."""
+    if name not in _ALONG:
+        return None
+    index, key, default = _ALONG[name]
+    dim = _arg(node, index, key, default)
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if dim is None or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None  # every dimension (or a form without one, std(x, True))
+    return sorted({d % ndim for d in dims})
+
+
+def _along_outputs(node: Node, dist: Distribution, along: list[int]) -> Any:
+    """The distributions of the outputs of an operation along the dimensions ``along`` of
+    its input ``dist`` (one, or a tuple of them, as its value holds tensors): each output of
+    as many dimensions cut as the input (the lengths along ``along`` changed), each of one
+    fewer per dimension in ``along`` cut as the input without them; None for other
+    outputs."""
+    def one(meta: Any) -> Distribution | None:
+        shape = tuple(meta.shape)
+        if len(shape) == dist.ndim:
+            return Distribution(shape, dist.grid_arg, dist.axes,
+                                [None if d in along else c for d, c in enumerate(dist.splits)])
+        if len(shape) == dist.ndim - len(along):
+            keep = [d for d in range(dist.ndim) if d not in along]
+            return Distribution(shape, dist.grid_arg, [dist.axes[d] for d in keep],
+                                [dist.splits[d] for d in keep])
+        return None
+
+    meta = node.meta.get("tensor_meta")
+    if hasattr(meta, "shape"):
+        return one(meta)
+    if isinstance(meta, (tuple, list)) and meta and all(hasattr(m, "shape") for m in meta):
+        outs = tuple(one(m) for m in meta)
+        return outs if all(o is not None for o in outs) else None
+    return None
+
 
 def _describe(node: Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(
@@ -174,6 +230,14 @@ class _Rules:
                 self.refuse_split(node, dist, [dim % dist.ndim], f"{name} runs along one dimension")
                 self.set(node, dist)
                 return lambda args: fn(*args[0], **args[1])
+        along = _along_dims(node, name, dist.ndim) if isinstance(dist, Distribution) \
+            else None
+        outs = _along_outputs(node, dist, along) if along is not None and all(
+            self.dist_of(a) is None for a in _flat_nodes(node)[1:]) else None
+        if outs is not None:
+            self.refuse_split(node, dist, along, f"{name} runs along dimension(s) {along}")
+            self.set(node, outs)
+            return lambda args: fn(*args[0], **args[1])
         dists = [e for a in _flat_nodes(node) for e in (
             self.dist_of(a) if isinstance(self.dist_of(a), tuple) else (self.dist_of(a),))]
         for d in dists:
