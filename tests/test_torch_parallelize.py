@@ -1610,11 +1610,14 @@ def test_an_unbatched_input_to_a_window_module_is_refused_naming_it():
                                 (1, p, 1)),
                                (nn.Sequential(nn.Conv1d(2, 3, 3), nn.MaxPool1d(2)), (2, 9),
                                 (1, p)),
-                               (nn.Sequential(nn.InstanceNorm2d(2)), (2, 6, 5), (1, 1, p))):
+                               (nn.Sequential(nn.InstanceNorm2d(2)), (2, 6, 5), (1, 1, p)),
+                               (Along(lambda x: F.adaptive_avg_pool2d(x, 2)), (2, 6, 5),
+                                (1, 1, p)),
+                               (Along(lambda x: F.max_pool2d(x, 2)), (2, 6, 5), (1, 1, p))):
         for layout in (grid, "auto"):
             exc = outcome(lambda m=model, s=shape, lay=layout: parallelize(
                 m, s, lay, machine="v100-nvlink-edr"))
-            name = type(model[0]).__name__
+            name = type(model[0]).__name__ if isinstance(model, nn.Sequential) else ""
             collective_assert(isinstance(exc, ValueError) and f"{name} takes a batch" in
                               str(exc) and "batch dimension of 1" in str(exc), repr(exc))
 
@@ -1910,7 +1913,9 @@ class Structured(nn.Module):
             return y, (y * 2, F.max_pool2d(y, 2)), x.shape[0]
         if self.kind == "dict":
             return {"y": y, "pooled": {"max": F.max_pool2d(y, 2)}, "z": torch.relu(x)}
-        return Pair(y, y.sum(dim=1, keepdim=True))
+        if self.kind == "values":  # PyTorch's own named tuple of values and indices
+            return y.max(1)
+        return Pair(y, (y.sum(dim=1, keepdim=True), [torch.relu(y)]))
 
 
 def _leaves(got, want):
@@ -1921,7 +1926,7 @@ def _leaves(got, want):
         if isinstance(w, torch.Tensor):
             got_leaves.append(o)
             want_leaves.append(w)
-        elif isinstance(w, (dict, tuple)):
+        elif isinstance(w, (dict, tuple, list)):
             same = type(o) is type(w) and (not isinstance(w, dict) or o.keys() == w.keys())
             found.extend([] if same else [f"{type(o).__name__} for {type(w).__name__}"])
             for a, b in (((o[k], w[k]) for k in w) if isinstance(w, dict) else zip(o, w)):
@@ -1934,7 +1939,7 @@ def _leaves(got, want):
 
 
 @pytest.mark.parallel(SIZES)
-@pytest.mark.parametrize("kind", ["nested", "dict", "named"])
+@pytest.mark.parametrize("kind", ["nested", "dict", "named", "values"])
 def test_outputs_nested_in_containers_are_distributed_arrays(kind):
     """Every tensor of an output nested in tuples, dicts or a named tuple comes back a
     DistArray of the whole output's values (and gradients back through all of them); the
@@ -2006,16 +2011,21 @@ def test_operations_along_unsplit_dimensions_run_on_blocks():
         bad += [(grid, found)] if found else []
     collective_assert(not bad, f"{bad}")
     if p > 1:
-        exc = outcome(lambda: parallelize(AlongChannels(), (3, 2, 9, 7), (1, 1, 1, 1, p)))
-        collective_assert(isinstance(exc, ValueError), repr(exc))  # a grid of 5 axes
-        exc = outcome(lambda: parallelize(AlongHeight(), (3, 2, 9, 7), (1, 1, p, 1)))
-        collective_assert(isinstance(exc, ValueError) and "dimension 2" in str(exc)
-                          and "runs along dimension(s) [2]" in str(exc), repr(exc))
+        for f, grid, dim in ((lambda x: torch.split(x, 3, 2)[0], (1, 1, p, 1), 2),
+                             (lambda x: x.flip(2, 3), (1, 1, 1, p), 3),  # dims as arguments
+                             (lambda x: x.std(dim=(), keepdim=True), (p, 1, 1, 1), 0)):
+            exc = outcome(lambda f=f, g=grid: parallelize(Along(f), (3, 2, 9, 7), g))
+            collective_assert(isinstance(exc, ValueError) and f"dimension {dim}" in str(exc),
+                              repr(exc))
 
 
-class AlongHeight(nn.Module):
+class Along(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
     def forward(self, x):
-        return torch.split(x, 3, 2)[0]
+        return self.f(x)
 
 
 class Embedded(nn.Module):

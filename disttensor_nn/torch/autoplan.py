@@ -72,7 +72,7 @@ from .interpolation import INTERPOLATION_MODES
 from .pricing import CONV_MODES, as_run, conversion_seconds, priced, whole_channels
 
 __all__ = ["LAYOUT_KEY", "TracedOp", "is_plan_layout", "needs_grad", "plan_layouts", "relayout",
-           "unbatched"]
+           "unbatched_error", "unbatched_node_error"]
 
 #: The key of a relayout node's ``meta`` that holds the Distribution it moves its input to.
 LAYOUT_KEY = "disttensor_layout"
@@ -230,7 +230,7 @@ _WINDOW_MODULES = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd,
                    nn.modules.instancenorm._InstanceNorm)
 
 
-def unbatched(m: nn.Module, shape: Sequence[int]) -> str:
+def unbatched_error(m: nn.Module, shape: Sequence[int]) -> str:
     """Why a window module (convolution, pooling, unpooling, instance norm) cannot take an
     input of ``shape`` here, or "": it must be a batch ``(N, C, *S)`` of the module's
     spatial dimensions (PyTorch also takes them unbatched, ``(C, *S)``).
@@ -253,11 +253,43 @@ def unbatched(m: nn.Module, shape: Sequence[int]) -> str:
     nd = next((int(c.__name__[-2]) for c in type(m).__mro__
                if c.__module__.startswith("torch.nn") and re.search(r"[123]d$", c.__name__)),
               None)
+    return _batch_error(type(m).__name__, nd, shape)
+
+
+def unbatched_node_error(gm: GraphModule, node: Node, shape: Sequence[int]) -> str:
+    """:func:`unbatched_error` of a traced node: a window module's call, or a call of
+    ``F.max_poolNd``, ``F.avg_poolNd`` or ``F.adaptive_avg_poolNd``.
+
+    Parameters
+    ----------
+    gm : torch.fx.GraphModule
+        The traced model.
+    node : torch.fx.Node
+        The node.
+    shape : sequence of int
+        Its input's shape.
+
+    Returns
+    -------
+    str
+        The reason, "" where the node takes ``shape`` or is no window operation.
+    """
+    if node.op == "call_module":
+        return unbatched_error(gm.get_submodule(node.target), shape)
+    pool = pool_module(node)
+    if pool is not None:
+        return unbatched_error(pool, shape)
+    if node.op == "call_function" and node.target in _ADAPTIVE_F:
+        return _batch_error(node.target.__name__, _ADAPTIVE_F.index(node.target) + 1, shape)
+    return ""
+
+
+def _batch_error(name: str, nd: int | None, shape: Sequence[int]) -> str:
     if nd is None or len(shape) == nd + 2:
         return ""
-    return (f"{type(m).__name__} takes a batch (N, C) of {nd}-D samples here, {nd + 2} "
-            f"dimensions, and its input has shape {tuple(shape)} (give an unbatched input "
-            "a batch dimension of 1)")
+    return (f"{name} takes a batch (N, C) of {nd}-D samples here, {nd + 2} dimensions, "
+            f"and its input has shape {tuple(shape)} (give an unbatched input a batch "
+            "dimension of 1)")
 
 
 # ------------------------------------------------------------------ the graph
@@ -554,10 +586,9 @@ class _Mirror:
             if len(s) not in (2, ndim):
                 _fail(node, f"a tensor of shape {s}: the planner lays out tensors of the "
                             f"input's {ndim} dimensions or of 2 (samples, features)")
-        if node.op == "call_module":
-            why = unbatched(self.gm.get_submodule(node.target), in_shape)
-            if why:
-                raise ValueError(f"parallelize: node '{node.name}': {why}")
+        why = unbatched_node_error(self.gm, node, in_shape)
+        if why:
+            raise ValueError(f"parallelize: node '{node.name}': {why}")
         layer, whole, kind = self.layer_for(node, in_shape, out)
         try:
             ok = tuple(layer.output_shape(in_shape)) == out

@@ -31,7 +31,8 @@ from .autoplan import (
     LAYOUT_KEY,
     pool_module,
     relayout,
-    unbatched,
+    unbatched_error,
+    unbatched_node_error,
 )
 from .channels import take_channels
 from .functional import redistribute
@@ -199,7 +200,10 @@ class _Compiler(_WindowRules):
                 items = [wrap(o, d) for o, d in zip(block, dist)]
                 if hasattr(block, "_fields"):  # a named tuple
                     return type(block)(*items)
-                return tuple(items) if isinstance(block, tuple) else list(items)
+                if isinstance(block, list):
+                    return items
+                # a tuple, or PyTorch's own of values and indices (torch.return_types.max)
+                return tuple(items) if type(block) is tuple else type(block)(items)
             return block
 
         def step(args: Any) -> Any:
@@ -297,7 +301,7 @@ class _Compiler(_WindowRules):
         dist = self.dist_of(x)
         if dist is None:
             return self.local(node, self.module_call(m))
-        why = unbatched(m, dist.global_shape)
+        why = unbatched_error(m, dist.global_shape)
         if why:
             self.fail(node, why)
         if type(m) in _UNPOOL:
@@ -387,7 +391,8 @@ class _Compiler(_WindowRules):
         params = list(m.parameters())
 
         def empty(args: Any) -> Any:
-            y = _empty_like_output(args[0][0], shape, [view(p) for p in params])
+            x = args[0][0]  # in the input's dtype, as the module gives (no autocast's)
+            y = _empty_like_output(x, shape, [view(p) for p in params]).to(x.dtype)
             return (y, torch.zeros(shape, dtype=torch.int64, device=y.device)) if pair else y
 
         return empty
@@ -486,7 +491,7 @@ class _Compiler(_WindowRules):
             return self.cat(node)
         if isinstance(fn, type) and issubclass(fn, tuple) and hasattr(fn, "_fields") \
                 and not node.kwargs:  # a named tuple of values: each keeps its layout
-            self.set(node, tuple(self.dist_of(a) for a in node.args))
+            self.set(node, tuple(map_aggregate(node.args, self.dist_of)))
             return lambda args: fn(*args[0])
         if dist is None:
             if any(self.dist_of(a) is not None for a in _flat_nodes(node)):
@@ -542,6 +547,9 @@ class _Compiler(_WindowRules):
             if fn is F.dropout:
                 return self.dropout(node, dist, settings)
             return self.feature_dropout(node, dist, _FEATURE_DROPOUT_FUNCTIONS[fn], settings, fn)
+        why = unbatched_node_error(self.gm, node, dist.global_shape)
+        if why:
+            self.fail(node, why)
         if fn in _ADAPTIVE_F:
             return self.adaptive(node, None, dist, dist.ndim - 2)
         if fn in _ADAPTIVE_MAX_F and _global_window(_arg(node, 1, "output_size", None)) \

@@ -48,9 +48,12 @@ def _along_dims(node: Node, name: str, ndim: int) -> list[int] | None:
         return None
     index, key, default = _ALONG[name]
     dim = _arg(node, index, key, default)
+    if name == "flip" and key not in node.kwargs and len(node.args) > index + 1:
+        dim = node.args[index:]  # x.flip(2, 3): the dimensions as separate arguments
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-    if dim is None or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
-        return None  # every dimension (or a form without one, std(x, True))
+    if dim is None or not dims or not all(isinstance(d, int) and not isinstance(d, bool)
+                                          for d in dims):
+        return None  # every dimension (dim=() reduces all), or a form without one
     return sorted({d % ndim for d in dims})
 
 
