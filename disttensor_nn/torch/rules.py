@@ -19,10 +19,6 @@ from disttensor import Distribution, ProcessGrid
 from .layouts import _axes_key, _split
 from .runtime import Step, _GroupRunningStats, _ParamView
 
-# shape-keeping operations along one dimension (their first argument after the tensor)
-_ALONG_DIM = frozenset(("cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
-                        "softmin"))
-
 # operations that work along the dimensions one argument names, by name: that argument's
 # position after the tensor's (and its keyword) and its default (None: every dimension).
 # Where no rank splits those dimensions each block is their whole extent: the operation runs
@@ -31,7 +27,8 @@ _ALONG = {
     **{n: (1, "dim", None) for n in (
         "max", "min", "argmax", "argmin", "std", "var", "std_mean", "var_mean", "logsumexp",
         "prod", "median", "nanmedian", "any", "all", "nansum", "nanmean", "count_nonzero",
-        "cummax", "cummin")},
+        "cummax", "cummin", "cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
+        "softmin")},
     **{n: (1, "dim", -1) for n in ("mode", "sort", "argsort", "glu")},
     "unbind": (1, "dim", 0),
     "flip": (1, "dims", None),
@@ -65,9 +62,12 @@ def _along_outputs(node: Node, dist: Distribution, along: list[int]) -> Any:
     outputs."""
     def one(meta: Any) -> Distribution | None:
         shape = tuple(meta.shape)
-        if len(shape) == dist.ndim:
+        if len(shape) == dist.ndim:  # cut as the input, but where a length changed
+            if any(n != dist.global_shape[d] for d, n in enumerate(shape) if d not in along):
+                return None
             return Distribution(shape, dist.grid_arg, dist.axes,
-                                [None if d in along else c for d, c in enumerate(dist.splits)])
+                                [None if n != dist.global_shape[d] else c
+                                 for d, (n, c) in enumerate(zip(shape, dist.splits))])
         if len(shape) == dist.ndim - len(along):
             keep = [d for d in range(dist.ndim) if d not in along]
             return Distribution(shape, dist.grid_arg, [dist.axes[d] for d in keep],
@@ -227,12 +227,6 @@ class _Rules:
         name = node.target if isinstance(node.target, str) else getattr(
             node.target, "__name__", "")
         dist = self.dist_of(node.args[0]) if node.args else None
-        if name in _ALONG_DIM and dist is not None and _shape_of(node) == dist.global_shape:
-            dim = _arg(node, 1, "dim", None)
-            if isinstance(dim, int):
-                self.refuse_split(node, dist, [dim % dist.ndim], f"{name} runs along one dimension")
-                self.set(node, dist)
-                return lambda args: fn(*args[0], **args[1])
         along = _along_dims(node, name, dist.ndim) if isinstance(dist, Distribution) \
             else None
         outs = _along_outputs(node, dist, along) if along is not None and all(
